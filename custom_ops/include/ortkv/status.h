@@ -1,0 +1,48 @@
+// Status values below the framework: kernels, codecs and the VMM return these; the ORT adapter turns
+// them into OrtStatus, the bindings into Python exceptions. Nothing throws across a C boundary.
+#pragma once
+#include <string>
+#include <utility>
+
+namespace ortkv {
+
+// Each code has a stable tag that the message starts with ("[ortkv:E_CAPACITY] ..."), so that the
+// Python layer can raise the matching typed error (CapacityError, AliasError, ...) from ORT's text.
+enum class Code {
+  kOk = 0,
+  kInvalidArgument,  // E_INPUT: shape, type, rank, attribute or position < 0
+  kCapacity,         // E_CAPACITY: position + n > capacity
+  kAlias,            // E_ALIAS: updated_cache is not the storage of cache
+  kReadOnly,         // E_READONLY: the write would land in a write-protected range
+  kRuntime,          // E_RUNTIME: a driver or launch failure
+};
+
+inline const char* CodeTag(Code c) {
+  switch (c) {
+    case Code::kOk: return "OK";
+    case Code::kInvalidArgument: return "E_INPUT";
+    case Code::kCapacity: return "E_CAPACITY";
+    case Code::kAlias: return "E_ALIAS";
+    case Code::kReadOnly: return "E_READONLY";
+    case Code::kRuntime: return "E_RUNTIME";
+  }
+  return "E_UNKNOWN";
+}
+
+class Status {
+ public:
+  Status() = default;
+  Status(Code code, std::string message) : code_(code), message_(std::move(message)) {}
+  static Status Ok() { return Status(); }
+  bool ok() const { return code_ == Code::kOk; }
+  Code code() const { return code_; }
+  const std::string& message() const { return message_; }
+  // "[ortkv:E_CAPACITY] <message>"
+  std::string Tagged() const { return std::string("[ortkv:") + CodeTag(code_) + "] " + message_; }
+
+ private:
+  Code code_ = Code::kOk;
+  std::string message_;
+};
+
+}  // namespace ortkv

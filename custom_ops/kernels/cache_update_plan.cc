@@ -1,0 +1,157 @@
+// Validation of CacheUpdate's inputs (user-input tier of checks: every message names the node, the
+// tensor and the numbers). Runs before any byte is written, so every refusal leaves the cache as it was.
+#include <sstream>
+
+#include "ortkv/cache_update.h"
+
+namespace ortkv {
+
+const char* ElemTypeName(int32_t t) {
+  switch (t) {
+    case 1: return "float32";
+    case 2: return "uint8";
+    case 3: return "int8";
+    case 4: return "uint16";
+    case 5: return "int16";
+    case 6: return "int32";
+    case 7: return "int64";
+    case 9: return "bool";
+    case 10: return "float16";
+    case 11: return "float64";
+    case 16: return "bfloat16";
+    default: return "an unsupported type";
+  }
+}
+
+size_t ElemSize(int32_t t) {
+  switch (t) {
+    case kFloat32: return 4;
+    case kFloat16:
+    case kBFloat16: return 2;
+    default: return 0;
+  }
+}
+
+namespace {
+
+std::string Shape(const std::vector<int64_t>& d) {
+  std::ostringstream s;
+  s << "[";
+  for (size_t i = 0; i < d.size(); ++i) s << (i ? ", " : "") << d[i];
+  s << "]";
+  return s.str();
+}
+
+Status Bad(const std::string& node, const std::string& what) {
+  return Status(Code::kInvalidArgument, "CacheUpdate node '" + node + "': " + what);
+}
+
+}  // namespace
+
+Status PlanCacheUpdate(const std::string& node, const TensorArg& cache, const TensorArg& values,
+                       const TensorArg& position, int64_t seq_axis, CacheUpdateView* view) {
+  const int64_t rank = static_cast<int64_t>(cache.dims.size());
+  std::ostringstream m;
+  if (rank < 3) {
+    m << "input '" << cache.name << "' has rank " << rank << " (shape " << Shape(cache.dims)
+      << "); a cache needs rank >= 3, e.g. BNSH [batch, heads, capacity, head_size]";
+    return Bad(node, m.str());
+  }
+  const size_t esize = ElemSize(cache.elem_type);
+  if (esize == 0) {
+    m << "input '" << cache.name << "' is " << ElemTypeName(cache.elem_type) << " (type "
+      << cache.elem_type << "); CacheUpdate takes float32, float16 or bfloat16";
+    return Bad(node, m.str());
+  }
+  if (values.elem_type != cache.elem_type) {
+    m << "input '" << values.name << "' is " << ElemTypeName(values.elem_type) << " but '" << cache.name
+      << "' is " << ElemTypeName(cache.elem_type) << "; the new values must have the cache's element type";
+    return Bad(node, m.str());
+  }
+  const int64_t axis = seq_axis < 0 ? seq_axis + rank : seq_axis;
+  if (axis < 1 || axis >= rank) {
+    m << "attribute seq_axis=" << seq_axis << " resolves to axis " << axis << " of the rank-" << rank
+      << " '" << cache.name << "'; the sequence axis must be in [1, " << rank - 1
+      << "] (axis 0 is the batch): -2 for BNSH, 1 for BSNH";
+    return Bad(node, m.str());
+  }
+  if (values.dims.size() != cache.dims.size()) {
+    m << "input '" << values.name << "' has shape " << Shape(values.dims) << " (rank " << values.dims.size()
+      << ") but '" << cache.name << "' has shape " << Shape(cache.dims) << " (rank " << rank
+      << "); they must differ only along the sequence axis " << axis;
+    return Bad(node, m.str());
+  }
+  for (int64_t i = 0; i < rank; ++i) {
+    if (i != axis && values.dims[i] != cache.dims[i]) {
+      m << "input '" << values.name << "' has shape " << Shape(values.dims) << " but '" << cache.name
+        << "' has shape " << Shape(cache.dims) << ": dim " << i << " is " << values.dims[i] << ", expected "
+        << cache.dims[i] << " (only the sequence axis " << axis << " may differ)";
+      return Bad(node, m.str());
+    }
+  }
+  const int64_t n = values.dims[axis];
+  const int64_t capacity = cache.dims[axis];
+  if (n < 1) {
+    m << "input '" << values.name << "' (shape " << Shape(values.dims) << ") holds " << n
+      << " tokens along the sequence axis " << axis << "; n must be >= 1";
+    return Bad(node, m.str());
+  }
+  if (position.elem_type != kInt64) {
+    m << "input '" << position.name << "' is " << ElemTypeName(position.elem_type) << "; position must be int64";
+    return Bad(node, m.str());
+  }
+  const int64_t rows = cache.dims[0];
+  int64_t stride = 0;
+  if (position.dims.size() == 1) {
+    if (position.dims[0] != rows) {
+      m << "input '" << position.name << "' has " << position.dims[0] << " entries but '" << cache.name
+        << "' has batch size " << rows << " (axis 0 of shape " << Shape(cache.dims)
+        << "); pass a scalar for every row or one position per row";
+      return Bad(node, m.str());
+    }
+    stride = 1;
+  } else if (!position.dims.empty()) {
+    m << "input '" << position.name << "' has shape " << Shape(position.dims)
+      << "; position must be a scalar or a vector of length batch (" << rows << ")";
+    return Bad(node, m.str());
+  }
+  const int64_t* pos = static_cast<const int64_t*>(position.data);
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t p = pos[r * stride];
+    if (p < 0) {
+      m << "position " << p << " for row " << r << " of '" << cache.name << "' is negative; positions start at 0";
+      return Bad(node, m.str());
+    }
+    if (p > capacity - n) {
+      m << "CacheUpdate node '" << node << "': row " << r << ": position " << p << " + n " << n << " = "
+        << p + n << " exceeds capacity " << capacity << " of '" << cache.name << "' (shape "
+        << Shape(cache.dims) << ", sequence axis " << axis
+        << "). Nothing was written. Remedy: evict or start a new sequence, or allocate a cache with capacity >= "
+        << p + n;
+      return Status(Code::kCapacity, m.str());
+    }
+  }
+
+  int64_t outer = 1, token = 1;
+  for (int64_t i = 1; i < axis; ++i) outer *= cache.dims[i];
+  for (int64_t i = axis + 1; i < rank; ++i) token *= cache.dims[i];
+  view->cache = const_cast<void*>(cache.data);
+  view->values = values.data;
+  view->positions = pos;
+  view->position_stride = stride;
+  view->rows = rows;
+  view->outer = outer;
+  view->capacity = capacity;
+  view->n = n;
+  view->token_bytes = token * static_cast<int64_t>(esize);
+  return Status::Ok();
+}
+
+void CacheUpdateRowSpan(const CacheUpdateView& v, int64_t r, uintptr_t* first, uintptr_t* last) {
+  const uintptr_t base = reinterpret_cast<uintptr_t>(v.cache);
+  const int64_t p = v.position(r);
+  *first = base + static_cast<uintptr_t>(((r * v.outer) * v.capacity + p) * v.token_bytes);
+  *last = base + static_cast<uintptr_t>(((r * v.outer + v.outer - 1) * v.capacity + p + v.n) * v.token_bytes);
+}
+
+}  // namespace ortkv

@@ -1,0 +1,277 @@
+// CacheUpdate(cache, values, position) -> updated_cache, domain "ortkv", opset 1.
+//
+// Note [Aliasing CacheUpdate output]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Contract: `updated_cache` MUST be the storage of `cache`. ORT never guarantees that by itself
+// (shared/facts/ORT.md): a graph output always gets its own buffer unless the caller binds one buffer
+// to both names through IOBinding. So the kernel is the enforcer: it compares the two data pointers
+// and, when they differ, fails with E_ALIAS before writing anything. It never copies a cache.
+//
+// Declaration: we declare GetAliasMap (output 0 <- input 0) and not GetMayInplace.
+//   * GetMayInplace is a hint that never fires for graph inputs, so a cache consumed by another node
+//     inside the graph (updated_cache not a graph output) would always get a fresh buffer and the
+//     kernel would always refuse. That topology would be impossible.
+//   * GetAliasMap forces ORT to hand the kernel the input's buffer as the output whenever the output
+//     is not a graph output, so the in-graph topology runs in place. When the output IS a graph
+//     output, ORT still allocates it separately unless the caller binds the same buffer, and then
+//     the pointer check catches an unbound or wrongly bound call.
+// Hazard implied by GetAliasMap: ORT writes through the alias without any ordering or ownership:
+//   (1) plain session.run() writes into the caller's numpy feed, and into an initializer (the change
+//       persists across runs) or a READ_ONLY input if a model aliases one;
+//   (2) another node that reads the pre-update `cache` may run after the write and see new data
+//       (observed in 4 of 6 orderings).
+// Guards: ortkv.graph's checker rejects an aliased initializer, an alias of a non-READ_WRITE input
+// and any reader of the pre-update name that is not ordered before the write; MutableCacheSession
+// refuses read-only, overlapping and concurrently used storage. The kernel additionally refuses to
+// write into ranges registered as write-protected in ortkv_core (read-only shared prefixes).
+//
+// CUDA: the same op is registered for CUDAExecutionProvider; `position` is a CPU input
+// (OrtMemTypeCPUInput) so the kernel validates positions on the host before launching on the compute
+// stream ORT gives the op; nothing is launched unless every check passed.
+#include <algorithm>
+#include <climits>
+#include <memory>
+#include <cstring>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "ops.h"
+#include "ort_util.h"
+#include "ortkv/cache_update.h"
+#include "ortkv/core.h"
+
+namespace ortkv_ort {
+namespace {
+
+using ortkv::CacheUpdateView;
+using ortkv::Code;
+using ortkv::Status;
+using ortkv::TensorArg;
+
+struct CacheUpdateKernel {
+  std::string node;
+  std::string input_names[3];
+  std::string output_name;
+  int64_t seq_axis = -2;
+  bool cuda = false;
+};
+
+OrtStatus* ReadTensor(const OrtValue* value, const std::string& name, TensorArg* out, int* device_type,
+                      int* device_id) {
+  OrtTensorTypeAndShapeInfo* info = nullptr;
+  ORTKV_RETURN_IF_ORT_ERROR(g_api->GetTensorTypeAndShape(value, &info));
+  ONNXTensorElementDataType type;
+  size_t rank = 0;
+  OrtStatus* s = g_api->GetTensorElementType(info, &type);
+  if (s == nullptr) s = g_api->GetDimensionsCount(info, &rank);
+  if (s == nullptr) {
+    out->dims.assign(rank, 0);
+    s = g_api->GetDimensions(info, out->dims.data(), rank);
+  }
+  g_api->ReleaseTensorTypeAndShapeInfo(info);
+  if (s != nullptr) return s;
+  out->elem_type = static_cast<int32_t>(type);
+  out->name = name;
+  void* data = nullptr;
+  ORTKV_RETURN_IF_ORT_ERROR(g_api->GetTensorMutableData(const_cast<OrtValue*>(value), &data));
+  out->data = data;
+  if (device_type != nullptr) {
+    const OrtMemoryInfo* mem = nullptr;
+    ORTKV_RETURN_IF_ORT_ERROR(g_api->GetTensorMemoryInfo(value, &mem));
+    OrtMemoryInfoDeviceType dt;
+    g_api->MemoryInfoGetDeviceType(mem, &dt);
+    *device_type = dt == OrtMemoryInfoDeviceType_GPU ? ORTKV_DEVICE_CUDA : ORTKV_DEVICE_CPU;
+    ORTKV_RETURN_IF_ORT_ERROR(g_api->MemoryInfoGetId(mem, device_id));
+  }
+  return nullptr;
+}
+
+std::string Hex(const void* p) {
+  std::ostringstream s;
+  s << "0x" << std::hex << reinterpret_cast<uintptr_t>(p);
+  return s.str();
+}
+
+Status CheckWriteProtection(const CacheUpdateKernel& k, const CacheUpdateView& v, int device_type,
+                            int device_id) {
+  for (int64_t r = 0; r < v.rows; ++r) {
+    uintptr_t first = 0, last = 0;
+    ortkv::CacheUpdateRowSpan(v, r, &first, &last);
+    uintptr_t hit = 0;
+    uint64_t hit_len = 0;
+    char label[128];
+    if (ortkv_core_find_protected(device_type, device_id, first, last - first, &hit, &hit_len, label,
+                                  sizeof(label))) {
+      std::ostringstream m;
+      m << "CacheUpdate node '" << k.node << "': row " << r << " of '" << k.input_names[0] << "' would write ["
+        << Hex(reinterpret_cast<void*>(first)) << ", " << Hex(reinterpret_cast<void*>(last))
+        << ") which overlaps the write-protected range [" << Hex(reinterpret_cast<void*>(hit)) << ", +"
+        << hit_len << " bytes) '" << label << "' (a read-only mapping). Nothing was written. "
+        << "Remedy: bind the owner's writable storage, or fork the sequence into its own pages.";
+      return Status(Code::kReadOnly, m.str());
+    }
+  }
+  return Status::Ok();
+}
+
+struct ParallelCopy {
+  const CacheUpdateView* view;
+  int64_t chunk;
+};
+
+void ParallelCopyFn(void* user, size_t i) {
+  const auto* p = static_cast<const ParallelCopy*>(user);
+  const int64_t begin = static_cast<int64_t>(i) * p->chunk;
+  const int64_t end = std::min(begin + p->chunk, p->view->pairs());
+  ortkv::CacheUpdateCpu(*p->view, begin, end);
+}
+
+OrtStatus* Compute(void* op_kernel, OrtKernelContext* ctx) {
+  const auto& k = *static_cast<const CacheUpdateKernel*>(op_kernel);
+  const OrtValue* in[3] = {nullptr, nullptr, nullptr};
+  for (size_t i = 0; i < 3; ++i) ORTKV_RETURN_IF_ORT_ERROR(g_api->KernelContext_GetInput(ctx, i, &in[i]));
+  TensorArg cache, values, position;
+  int device_type = ORTKV_DEVICE_CPU, device_id = 0;
+  ORTKV_RETURN_IF_ORT_ERROR(ReadTensor(in[0], k.input_names[0], &cache, &device_type, &device_id));
+  ORTKV_RETURN_IF_ORT_ERROR(ReadTensor(in[1], k.input_names[1], &values, nullptr, nullptr));
+  ORTKV_RETURN_IF_ORT_ERROR(ReadTensor(in[2], k.input_names[2], &position, nullptr, nullptr));
+
+  CacheUpdateView view;
+  ORTKV_RETURN_IF_ORT_ERROR(ToOrtStatus(ortkv::PlanCacheUpdate(k.node, cache, values, position, k.seq_axis, &view)));
+
+  OrtValue* out = nullptr;
+  ORTKV_RETURN_IF_ORT_ERROR(g_api->KernelContext_GetOutput(ctx, 0, cache.dims.data(), cache.dims.size(), &out));
+  void* out_data = nullptr;
+  ORTKV_RETURN_IF_ORT_ERROR(g_api->GetTensorMutableData(out, &out_data));
+  if (out_data != cache.data) {
+    std::ostringstream m;
+    m << "CacheUpdate node '" << k.node << "': output '" << k.output_name << "' at " << Hex(out_data)
+      << " is not the storage of input '" << k.input_names[0] << "' at " << Hex(cache.data)
+      << "; the updated cache MUST alias the cache and ortkv never copies a cache, so nothing was written. "
+      << "Remedy: bind ONE buffer to both names through IOBinding (bind_ortvalue_input('" << k.input_names[0]
+      << "', v) and bind_ortvalue_output('" << k.output_name << "', v) with the same OrtValue v, or "
+      << "bind_input/bind_output with the same buffer_ptr), or run the model through ortkv.MutableCacheSession.";
+    return ToOrtStatus(Status(Code::kAlias, m.str()));
+  }
+  ORTKV_RETURN_IF_ORT_ERROR(ToOrtStatus(CheckWriteProtection(k, view, device_type, device_id)));
+  if (view.bytes_written() == 0) return nullptr;
+
+  if (k.cuda) {
+#if defined(ORTKV_WITH_CUDA)
+    void* stream = nullptr;
+    ORTKV_RETURN_IF_ORT_ERROR(g_api->KernelContext_GetGPUComputeStream(ctx, &stream));
+    return ToOrtStatus(ortkv::CacheUpdateCuda(view, stream));
+#else
+    return ToOrtStatus(Status(Code::kRuntime, "CacheUpdate: this build of ortkv has no CUDA kernels"));
+#endif
+  }
+  // Small updates (one decode step) are cheaper than a thread-pool dispatch; split big ones.
+  constexpr int64_t kParallelBytes = 1 << 20;
+  constexpr int64_t kChunkBytes = 256 << 10;
+  if (view.bytes_written() < kParallelBytes || view.pairs() < 2) {
+    ortkv::CacheUpdateCpu(view, 0, view.pairs());
+    return nullptr;
+  }
+  const int64_t pair_bytes = view.n * view.token_bytes;
+  ParallelCopy job{&view, std::max<int64_t>(1, kChunkBytes / std::max<int64_t>(1, pair_bytes))};
+  const size_t tasks = static_cast<size_t>((view.pairs() + job.chunk - 1) / job.chunk);
+  return g_api->KernelContext_ParallelFor(ctx, ParallelCopyFn, tasks, 0, &job);
+}
+
+OrtStatus* CreateKernel(const OrtCustomOp* op, const OrtApi* api, const OrtKernelInfo* info, void** kernel,
+                        bool cuda) {
+  (void)op;
+  auto k = std::make_unique<CacheUpdateKernel>();
+  k->cuda = cuda;
+  ORTKV_RETURN_IF_ORT_ERROR(
+      ReadString([&](char* b, size_t* n) { return api->KernelInfo_GetNodeName(info, b, n); }, &k->node));
+  for (size_t i = 0; i < 3; ++i) {
+    ORTKV_RETURN_IF_ORT_ERROR(ReadString(
+        [&](char* b, size_t* n) { return api->KernelInfo_GetInputName(info, i, b, n); }, &k->input_names[i]));
+  }
+  ORTKV_RETURN_IF_ORT_ERROR(
+      ReadString([&](char* b, size_t* n) { return api->KernelInfo_GetOutputName(info, 0, b, n); }, &k->output_name));
+  int64_t axis = -2;
+  OrtStatus* s = api->KernelInfoGetAttribute_int64(info, "seq_axis", &axis);
+  if (s != nullptr) {
+    api->ReleaseStatus(s);  // absent: the default, BNSH
+    axis = -2;
+  }
+  k->seq_axis = axis;
+  *kernel = k.release();
+  return nullptr;
+}
+
+OrtStatus* InferShape(const OrtCustomOp*, OrtShapeInferContext* ctx) {
+  // updated_cache has the type and shape of cache. The info belongs to the context: not released.
+  OrtTensorTypeAndShapeInfo* info = nullptr;
+  ORTKV_RETURN_IF_ORT_ERROR(g_api->ShapeInferContext_GetInputTypeShape(ctx, 0, &info));
+  return g_api->ShapeInferContext_SetOutputTypeShape(ctx, 0, info);
+}
+
+size_t AliasMap(int** input_index, int** output_index) {
+  *input_index = new int[1]{0};
+  *output_index = new int[1]{0};
+  return 1;
+}
+
+void ReleaseAliasMap(int* input_index, int* output_index) {
+  delete[] input_index;
+  delete[] output_index;
+}
+
+OrtCustomOp MakeOp(bool cuda) {
+  OrtCustomOp op;
+  std::memset(&op, 0, sizeof(op));
+  op.version = ORT_API_VERSION;  // >= 18 is required for GetAliasMap to be honoured
+  op.GetName = [](const OrtCustomOp*) { return "CacheUpdate"; };
+  op.GetExecutionProviderType = cuda ? [](const OrtCustomOp*) -> const char* { return "CUDAExecutionProvider"; }
+                                     : [](const OrtCustomOp*) -> const char* { return nullptr; };
+  // cache and values: float32, float16 or bfloat16 (checked by the kernel with a named error);
+  // position: int64.
+  op.GetInputTypeCount = [](const OrtCustomOp*) -> size_t { return 3; };
+  op.GetInputType = [](const OrtCustomOp*, size_t i) {
+    return i == 2 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64 : ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+  };
+  op.GetOutputTypeCount = [](const OrtCustomOp*) -> size_t { return 1; };
+  op.GetOutputType = [](const OrtCustomOp*, size_t) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED; };
+  op.GetInputCharacteristic = [](const OrtCustomOp*, size_t) { return INPUT_OUTPUT_REQUIRED; };
+  op.GetOutputCharacteristic = [](const OrtCustomOp*, size_t) { return INPUT_OUTPUT_REQUIRED; };
+  op.GetInputMemoryType = cuda ? [](const OrtCustomOp*, size_t i) { return i == 2 ? OrtMemTypeCPUInput : OrtMemTypeDefault; }
+                               : [](const OrtCustomOp*, size_t) { return OrtMemTypeDefault; };
+  op.GetVariadicInputMinArity = [](const OrtCustomOp*) { return 1; };
+  op.GetVariadicInputHomogeneity = [](const OrtCustomOp*) { return 1; };
+  op.GetVariadicOutputMinArity = [](const OrtCustomOp*) { return 1; };
+  op.GetVariadicOutputHomogeneity = [](const OrtCustomOp*) { return 1; };
+  op.CreateKernelV2 = cuda ? [](const OrtCustomOp* o, const OrtApi* a, const OrtKernelInfo* i, void** k) {
+    return CreateKernel(o, a, i, k, true);
+  }
+                           : [](const OrtCustomOp* o, const OrtApi* a, const OrtKernelInfo* i, void** k) {
+                               return CreateKernel(o, a, i, k, false);
+                             };
+  op.KernelComputeV2 = Compute;
+  op.KernelDestroy = [](void* k) { delete static_cast<CacheUpdateKernel*>(k); };
+  op.InferOutputShapeFn = InferShape;
+  op.GetStartVersion = [](const OrtCustomOp*) { return 1; };
+  op.GetEndVersion = [](const OrtCustomOp*) { return INT_MAX; };
+  op.GetAliasMap = AliasMap;
+  op.ReleaseAliasMap = ReleaseAliasMap;
+  return op;
+}
+
+const OrtCustomOp kCacheUpdateCpu = MakeOp(false);
+#if defined(ORTKV_WITH_CUDA)
+const OrtCustomOp kCacheUpdateCuda = MakeOp(true);
+#endif
+
+}  // namespace
+
+void AppendCacheUpdateOps(std::vector<const OrtCustomOp*>* ops) {
+  ops->push_back(&kCacheUpdateCpu);
+#if defined(ORTKV_WITH_CUDA)
+  ops->push_back(&kCacheUpdateCuda);
+#endif
+}
+
+}  // namespace ortkv_ort

@@ -1,0 +1,18 @@
+// Registry of the library's ops: each op file defines its OrtCustomOp objects and lists them here.
+#pragma once
+#include <vector>
+
+#include "onnxruntime_c_api.h"
+
+namespace ortkv_ort {
+
+// CacheUpdate for the CPU EP, and for the CUDA EP in CUDA builds.
+void AppendCacheUpdateOps(std::vector<const OrtCustomOp*>* ops);
+
+inline std::vector<const OrtCustomOp*> AllOps() {
+  std::vector<const OrtCustomOp*> ops;
+  AppendCacheUpdateOps(&ops);
+  return ops;
+}
+
+}  // namespace ortkv_ort

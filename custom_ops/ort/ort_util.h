@@ -1,0 +1,37 @@
+// Small helpers over ONNX Runtime's C API for the adapter folder (the only code that sees ORT headers).
+#pragma once
+#include <string>
+#include <vector>
+
+#include "onnxruntime_c_api.h"
+#include "ortkv/status.h"
+
+namespace ortkv_ort {
+
+// Set once by RegisterCustomOps; ORT passes the same table to every kernel callback.
+extern const OrtApi* g_api;
+
+#define ORTKV_RETURN_IF_ORT_ERROR(expr)  \
+  do {                                   \
+    OrtStatus* _s = (expr);              \
+    if (_s != nullptr) return _s;        \
+  } while (0)
+
+inline OrtStatus* ToOrtStatus(const ortkv::Status& s) {
+  if (s.ok()) return nullptr;
+  const OrtErrorCode code = s.code() == ortkv::Code::kRuntime ? ORT_RUNTIME_EXCEPTION : ORT_INVALID_ARGUMENT;
+  return g_api->CreateStatus(code, s.Tagged().c_str());
+}
+
+// Reads a string property with ORT's size-query convention (call with nullptr, then fill).
+template <typename F>
+OrtStatus* ReadString(F&& getter, std::string* out) {
+  size_t size = 0;
+  ORTKV_RETURN_IF_ORT_ERROR(getter(nullptr, &size));
+  std::vector<char> buf(size + 1, '\0');
+  ORTKV_RETURN_IF_ORT_ERROR(getter(buf.data(), &size));
+  out->assign(buf.data());
+  return nullptr;
+}
+
+}  // namespace ortkv_ort
