@@ -1,0 +1,182 @@
+"""The alias checker: the model-level guard for Note [Aliasing CacheUpdate output]
+(custom_ops/ort/cache_update_op.cc). ORT writes through a declared alias without ordering or
+ownership checks, so the rules below must hold before a model runs:
+
+  alias-index     an output_alias entry names ports the node has
+  alias-cycle     alias_of annotations never form a cycle
+  alias-target    alias_of names a graph input marked READ_WRITE
+  alias-initializer  no alias (node or value annotation) resolves to an initializer
+  alias-readonly  a node's in-place write resolves to a READ_WRITE graph input (or an intermediate)
+  alias-disagree  a node's output_alias and its output's alias_of name the same input, and neither
+                  exists without the other on a graph output
+  alias-hazard    every other reader of a pre-update name runs before the write (is an ancestor of
+                  the writing node), and the pre-update name is not itself a graph output
+  ir-version      annotations need IR >= 10; ORT loads IR <= 13
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import onnx
+
+from ..errors import GraphCheckError
+from .annotations import MAX_IR_VERSION, MIN_IR_VERSION, Access, AliasAnnotations, read_annotations
+
+
+@dataclass(frozen=True)
+class Finding:
+    severity: str  # "error" or "warning"
+    rule: str
+    subject: str  # the node or value the finding is about
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.severity}: [{self.rule}] {self.subject}: {self.message}"
+
+
+def _node_label(node: onnx.NodeProto, index: int) -> str:
+    return node.name or f"{node.op_type}#{index}"
+
+
+def check_aliases(model: onnx.ModelProto) -> list[Finding]:
+    """Return every finding; the model is not modified."""
+    graph = model.graph
+    findings: list[Finding] = []
+
+    def error(rule, subject, message):
+        findings.append(Finding("error", rule, subject, message))
+
+    try:
+        ann = read_annotations(model)
+    except GraphCheckError as exc:
+        return [Finding("error", "malformed", "model", str(exc))]
+
+    inputs = {vi.name for vi in graph.input}
+    initializers = {t.name for t in graph.initializer} | {t.name for t in graph.sparse_initializer}
+    outputs = {vi.name for vi in graph.output}
+    annotated = bool(ann.access or ann.alias_of or ann.node_aliases)
+    if annotated and model.ir_version < MIN_IR_VERSION:
+        error("ir-version", "model", f"IR version {model.ir_version} has no metadata_props on values and nodes; "
+              f"alias annotations need IR >= {MIN_IR_VERSION} (set model.ir_version = {MIN_IR_VERSION})")
+    if model.ir_version > MAX_IR_VERSION:
+        findings.append(Finding("warning", "ir-version", "model",
+                                f"IR version {model.ir_version} > {MAX_IR_VERSION}: onnxruntime 1.31 refuses to load it"))
+
+    # alias-cycle: follow alias_of from every value.
+    in_cycle: set[str] = set()
+    for start in ann.alias_of:
+        chain, cur = [start], ann.alias_of[start]
+        while cur in ann.alias_of and cur not in chain:
+            chain.append(cur)
+            cur = ann.alias_of[cur]
+        if cur in chain and not in_cycle.intersection(chain):
+            cycle = chain[chain.index(cur):] + [cur]
+            in_cycle.update(cycle)
+            error("alias-cycle", start, "alias_of annotations form a cycle: " + " -> ".join(cycle))
+
+    # alias-target / alias-initializer for value annotations.
+    for value, target in ann.alias_of.items():
+        if value in in_cycle:
+            continue
+        if target in initializers:
+            error("alias-initializer", value, f"alias_of names '{target}', an initializer; an initializer is "
+                  "read-only model state and must never be written in place")
+        elif target not in inputs:
+            error("alias-target", value, f"alias_of names '{target}', which is not a graph input "
+                  f"(graph inputs: {sorted(inputs)})")
+        elif ann.access.get(target) is not Access.READ_WRITE:
+            acc = ann.access.get(target)
+            error("alias-target", value, f"alias_of names graph input '{target}', which is "
+                  f"{acc.value if acc else 'not annotated'}; mark it access=READ_WRITE to update it in place")
+
+    # Node aliases: resolve each written value to its root through earlier in-place writes.
+    producer: dict[str, tuple[int, int]] = {}  # value -> (node index, output index)
+    for idx, node in enumerate(graph.node):
+        for o, name in enumerate(node.output):
+            if name:
+                producer[name] = (idx, o)
+    node_alias_of_output: dict[str, str] = {}  # written output name -> pre-update input name
+    for idx, entries in ann.node_aliases.items():
+        node = graph.node[idx]
+        label = _node_label(node, idx)
+        for e in entries:
+            if e.output_index >= len(node.output) or e.input_index >= len(node.input):
+                error("alias-index", label, f"output_alias '{e}' names output {e.output_index} / input "
+                      f"{e.input_index} but the node has {len(node.output)} outputs and {len(node.input)} inputs")
+                continue
+            node_alias_of_output[node.output[e.output_index]] = node.input[e.input_index]
+
+    def root_of(value: str) -> str:
+        seen = set()
+        while value in node_alias_of_output and value not in seen:
+            seen.add(value)
+            value = node_alias_of_output[value]
+        return value
+
+    for out_name, in_name in node_alias_of_output.items():
+        idx, _ = producer[out_name]
+        label = _node_label(graph.node[idx], idx)
+        root = root_of(in_name)
+        if root in initializers:
+            error("alias-initializer", label, f"writes '{out_name}' in place into '{root}', an initializer; "
+                  "initializers are shared read-only model state (the write would persist across runs)")
+        elif root in inputs and ann.access.get(root) is not Access.READ_WRITE:
+            acc = ann.access.get(root)
+            error("alias-readonly", label, f"writes '{out_name}' in place into graph input '{root}', which is "
+                  f"{acc.value if acc else 'not annotated'}; mark it access=READ_WRITE")
+        declared = ann.alias_of.get(out_name)
+        if declared is not None and declared != root and out_name not in in_cycle:
+            error("alias-disagree", label, f"output_alias says '{out_name}' is the storage of '{root}' "
+                  f"(through input '{in_name}') but value '{out_name}' says alias_of '{declared}'")
+        if declared is None and out_name in outputs:
+            error("alias-disagree", out_name, f"graph output '{out_name}' is written in place by node '{label}' "
+                  f"(output_alias) but carries no alias_of='{root}'; annotate both or neither")
+    for value, target in ann.alias_of.items():
+        if value in outputs and value not in node_alias_of_output and value not in in_cycle:
+            src = producer.get(value)
+            who = _node_label(graph.node[src[0]], src[0]) if src else "no node"
+            error("alias-disagree", value, f"alias_of says '{value}' is the storage of '{target}' but its producer "
+                  f"({who}) declares no output_alias for it; annotate both or neither")
+
+    # alias-hazard: readers of a pre-update name must be ancestors of the writer.
+    consumers: dict[str, list[int]] = {}
+    for idx, node in enumerate(graph.node):
+        for name in set(node.input):
+            if name:
+                consumers.setdefault(name, []).append(idx)
+
+    def ancestors(idx: int) -> set[int]:
+        seen, stack = set(), [idx]
+        while stack:
+            for name in graph.node[stack.pop()].input:
+                p = producer.get(name)
+                if p and p[0] not in seen:
+                    seen.add(p[0])
+                    stack.append(p[0])
+        return seen
+
+    for out_name, in_name in node_alias_of_output.items():
+        w = producer[out_name][0]
+        label = _node_label(graph.node[w], w)
+        before = ancestors(w)
+        for r in consumers.get(in_name, []):
+            if r != w and r not in before:
+                error("alias-hazard", _node_label(graph.node[r], r),
+                      f"reads '{in_name}', which node '{label}' overwrites in place (as '{out_name}'), and nothing "
+                      f"orders the read before the write; read '{out_name}' instead, or make '{label}' depend on it")
+        if in_name in outputs:
+            error("alias-hazard", in_name, f"graph output '{in_name}' is the pre-update name of a cache that node "
+                  f"'{label}' overwrites in place; expose '{out_name}' instead")
+    return findings
+
+
+def check_model(model: onnx.ModelProto) -> list[Finding]:
+    """Raise GraphCheckError listing every error; return the warnings."""
+    findings = check_aliases(model)
+    errors = [f for f in findings if f.severity == "error"]
+    if errors:
+        raise GraphCheckError(
+            f"{len(errors)} alias annotation error(s):\n" + "\n".join(f"  {f}" for f in errors), findings=errors
+        )
+    return findings
