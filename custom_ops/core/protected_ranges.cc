@@ -2,6 +2,7 @@
 // ortkv/core.h. Lookups happen once per kernel launch (not per element); a mutex and a small vector
 // are enough at the sizes involved (a few ranges per shared prefix).
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <mutex>
 #include <string>
@@ -24,6 +25,7 @@ struct Registry {
   std::mutex mu;
   std::vector<Range> ranges;
   int64_t next_id = 1;
+  std::atomic<uint64_t> count{0};  // read without the lock by the kernels' fast path
 };
 
 Registry& registry() {
@@ -40,6 +42,7 @@ int64_t ortkv_core_protect_range(int32_t device_type, int32_t device_id, uintptr
   std::lock_guard<std::mutex> lock(r.mu);
   int64_t id = r.next_id++;
   r.ranges.push_back(Range{id, device_type, device_id, addr, nbytes, label ? label : ""});
+  r.count.store(r.ranges.size(), std::memory_order_release);
   return id;
 }
 
@@ -49,6 +52,7 @@ int ortkv_core_unprotect_range(int64_t id) {
   auto it = std::find_if(r.ranges.begin(), r.ranges.end(), [id](const Range& x) { return x.id == id; });
   if (it == r.ranges.end()) return 0;
   r.ranges.erase(it);
+  r.count.store(r.ranges.size(), std::memory_order_release);
   return 1;
 }
 
@@ -74,10 +78,6 @@ int ortkv_core_find_protected(int32_t device_type, int32_t device_id, uintptr_t 
   return 0;
 }
 
-uint64_t ortkv_core_protected_count(void) {
-  Registry& r = registry();
-  std::lock_guard<std::mutex> lock(r.mu);
-  return r.ranges.size();
-}
+uint64_t ortkv_core_protected_count(void) { return registry().count.load(std::memory_order_acquire); }
 
 uintptr_t ortkv_core_instance(void) { return reinterpret_cast<uintptr_t>(&registry()); }

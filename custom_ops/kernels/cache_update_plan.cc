@@ -147,11 +147,10 @@ Status PlanCacheUpdate(const std::string& node, const TensorArg& cache, const Te
   return Status::Ok();
 }
 
-void CacheUpdateRowSpan(const CacheUpdateView& v, int64_t r, uintptr_t* first, uintptr_t* last) {
+void CacheUpdatePairSpan(const CacheUpdateView& v, int64_t pair, uintptr_t* first, uintptr_t* last) {
   const uintptr_t base = reinterpret_cast<uintptr_t>(v.cache);
-  const int64_t p = v.position(r);
-  *first = base + static_cast<uintptr_t>(((r * v.outer) * v.capacity + p) * v.token_bytes);
-  *last = base + static_cast<uintptr_t>(((r * v.outer + v.outer - 1) * v.capacity + p + v.n) * v.token_bytes);
+  *first = base + static_cast<uintptr_t>((pair * v.capacity + v.position(pair / v.outer)) * v.token_bytes);
+  *last = *first + static_cast<uintptr_t>(v.n * v.token_bytes);
 }
 
 }  // namespace ortkv

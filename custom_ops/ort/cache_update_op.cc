@@ -95,17 +95,18 @@ std::string Hex(const void* p) {
 
 Status CheckWriteProtection(const CacheUpdateKernel& k, const CacheUpdateView& v, int device_type,
                             int device_id) {
-  for (int64_t r = 0; r < v.rows; ++r) {
+  if (ortkv_core_protected_count() == 0) return Status::Ok();  // the common case: one atomic read
+  for (int64_t pair = 0; pair < v.pairs(); ++pair) {
     uintptr_t first = 0, last = 0;
-    ortkv::CacheUpdateRowSpan(v, r, &first, &last);
+    ortkv::CacheUpdatePairSpan(v, pair, &first, &last);
     uintptr_t hit = 0;
     uint64_t hit_len = 0;
     char label[128];
     if (ortkv_core_find_protected(device_type, device_id, first, last - first, &hit, &hit_len, label,
                                   sizeof(label))) {
       std::ostringstream m;
-      m << "CacheUpdate node '" << k.node << "': row " << r << " of '" << k.input_names[0] << "' would write ["
-        << Hex(reinterpret_cast<void*>(first)) << ", " << Hex(reinterpret_cast<void*>(last))
+      m << "CacheUpdate node '" << k.node << "': row " << pair / v.outer << " of '" << k.input_names[0]
+        << "' would write [" << Hex(reinterpret_cast<void*>(first)) << ", " << Hex(reinterpret_cast<void*>(last))
         << ") which overlaps the write-protected range [" << Hex(reinterpret_cast<void*>(hit)) << ", +"
         << hit_len << " bytes) '" << label << "' (a read-only mapping). Nothing was written. "
         << "Remedy: bind the owner's writable storage, or fork the sequence into its own pages.";

@@ -63,8 +63,8 @@ struct CacheUpdateView {
 Status PlanCacheUpdate(const std::string& node, const TensorArg& cache, const TensorArg& values,
                        const TensorArg& position, int64_t seq_axis, CacheUpdateView* view);
 
-// [first, last) byte span that the update of row r writes, for write-protection checks.
-void CacheUpdateRowSpan(const CacheUpdateView& view, int64_t r, uintptr_t* first, uintptr_t* last);
+// [first, last): the bytes that the update writes for one (row, outer) pair (see the Note).
+void CacheUpdatePairSpan(const CacheUpdateView& view, int64_t pair, uintptr_t* first, uintptr_t* last);
 
 // CPU: copies pairs [begin, end) (see the Note). Callers split the range across threads.
 void CacheUpdateCpu(const CacheUpdateView& view, int64_t begin_pair, int64_t end_pair);

@@ -1,0 +1,253 @@
+"""Alias annotations (round trip through serialization) and every checker rule, each with a model
+that breaks it and the message it must produce."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto as TP
+from onnx import helper, numpy_helper
+
+import ortkv
+from conftest import cache_update_model
+from ortkv.graph import (
+    Access,
+    OutputAlias,
+    alias_of,
+    annotate_in_place,
+    check_aliases,
+    check_model,
+    declare_output_alias,
+    input_access,
+    make_cache_update,
+    mark_mutable,
+    output_aliases,
+    read_annotations,
+    set_alias_of,
+    set_input_access,
+)
+
+F = TP.FLOAT
+KV = [1, 2, 8, 4]
+
+
+def _model(nodes, inputs, outputs, inits=(), ir=10):
+    g = helper.make_graph(nodes, "g", inputs, outputs, list(inits))
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("ortkv", 1)],
+                             ir_version=ir)
+
+
+def _vi(name, shape=KV, t=F):
+    return helper.make_tensor_value_info(name, t, shape)
+
+
+def _base_inputs():
+    return [_vi("cache"), _vi("values", [1, 2, 1, 4]), _vi("position", [], TP.INT64)]
+
+
+def _errors(model):
+    return [f for f in check_aliases(model) if f.severity == "error"]
+
+
+def _one_error(model, rule, *fragments):
+    errs = _errors(model)
+    assert [e.rule for e in errs] == [rule], errs
+    for fragment in fragments:
+        assert fragment in errs[0].message or fragment == errs[0].subject, (fragment, errs[0])
+    with pytest.raises(ortkv.GraphCheckError) as info:
+        check_model(model)
+    assert rule in str(info.value)
+    return errs[0]
+
+
+# --- the typed API and serialization ------------------------------------------------------------
+def test_round_trip_through_bytes():
+    model = cache_update_model()
+    again = onnx.load_from_string(model.SerializeToString())
+    assert input_access(again, "cache") is Access.READ_WRITE
+    assert input_access(again, "values") is None
+    assert alias_of(again, "updated_cache") == "cache"
+    assert output_aliases(again.graph.node[0]) == [OutputAlias(0, 0)]
+    ann = read_annotations(again)
+    assert ann.mutable_inputs() == ["cache"]
+    assert ann.aliased_outputs(again.graph) == {"updated_cache": "cache"}
+    raw = {p.key: p.value for p in again.graph.node[0].metadata_props}
+    assert raw == {"output_alias": "0:0:MUST_ALIAS"}
+    assert {p.key: p.value for p in again.graph.input[0].metadata_props} == {"access": "READ_WRITE"}
+    assert {p.key: p.value for p in again.graph.output[0].metadata_props} == {"alias_of": "cache"}
+    onnx.checker.check_model(again)
+    assert check_aliases(again) == []
+
+
+def test_several_entries_on_one_node():
+    node = helper.make_node("Split2", ["a", "b"], ["x", "y"], domain="ortkv")
+    declare_output_alias(node, 0, 1)
+    declare_output_alias(node, 1, 0)
+    declare_output_alias(node, 0, 0)  # replaces the first entry for output 0
+    assert {p.key: p.value for p in node.metadata_props}["output_alias"] == "1:0:MUST_ALIAS;0:0:MUST_ALIAS"
+    assert output_aliases(node) == [OutputAlias(1, 0), OutputAlias(0, 0)]
+
+
+def test_annotate_in_place_writes_all_three():
+    node = helper.make_node("CacheUpdate", ["cache", "values", "position"], ["out"], domain="ortkv", name="cu")
+    model = _model([node], _base_inputs(), [_vi("out")])
+    annotate_in_place(model, model.graph.node[0])
+    assert (input_access(model, "cache"), alias_of(model, "out")) == (Access.READ_WRITE, "cache")
+    assert check_aliases(model) == []
+
+
+def test_api_refusals():
+    model = cache_update_model()
+    with pytest.raises(ortkv.GraphCheckError, match=r"'nope' is not a graph input"):
+        mark_mutable(model, "nope")
+    with pytest.raises(ortkv.GraphCheckError, match=r"input_index 5 is out of range"):
+        declare_output_alias(model.graph.node[0], 0, 5)
+    model.graph.initializer.append(numpy_helper.from_array(np.zeros(1, np.float32), "w"))
+    with pytest.raises(ortkv.GraphCheckError, match=r"'w' is an initializer"):
+        set_input_access(model, "w", "READ_WRITE")
+
+
+def test_ir_version_raised_to_10_when_annotating():
+    model = cache_update_model(annotate=False)
+    model.ir_version = 8
+    mark_mutable(model, "cache")
+    assert model.ir_version == 10
+
+
+# --- checker rules: one negative model each ------------------------------------------------------
+def test_rule_disagree_names_differ():
+    model = cache_update_model()
+    model.graph.input.append(_vi("other"))
+    mark_mutable(model, "other")
+    set_alias_of(model, "updated_cache", "other")
+    _one_error(model, "alias-disagree", "output_alias says 'updated_cache' is the storage of 'cache'",
+               "alias_of 'other'")
+
+
+def test_rule_disagree_alias_of_without_node_alias():
+    node = helper.make_node("Identity", ["cache"], ["out"], name="copy")
+    model = _model([node], [_vi("cache")], [_vi("out")])
+    mark_mutable(model, "cache")
+    set_alias_of(model, "out", "cache")
+    _one_error(model, "alias-disagree", "producer (copy) declares no output_alias")
+
+
+def test_rule_disagree_node_alias_without_alias_of():
+    model = cache_update_model()
+    del model.graph.output[0].metadata_props[:]
+    _one_error(model, "alias-disagree", "carries no alias_of='cache'")
+
+
+def test_rule_target_not_a_graph_input():
+    model = cache_update_model()
+    set_alias_of(model, "updated_cache", "values_typo")
+    errs = _errors(model)
+    assert {e.rule for e in errs} == {"alias-target", "alias-disagree"}
+    assert any("'values_typo', which is not a graph input" in e.message for e in errs)
+
+
+def test_rule_target_not_read_write():
+    model = cache_update_model()
+    set_input_access(model, "cache", "READ_ONLY")
+    errs = _errors(model)
+    assert {e.rule for e in errs} == {"alias-target", "alias-readonly"}
+    assert any("graph input 'cache', which is READ_ONLY" in e.message for e in errs)
+
+
+def test_rule_node_writes_unannotated_input():
+    model = cache_update_model(consumer=True, annotate=False)
+    _one_error(model, "alias-readonly", "into graph input 'cache', which is not annotated")
+
+
+def test_rule_initializer_aliased():
+    node = make_cache_update("w", "values", "position", "w_out", name="cu_w")
+    reader = helper.make_node("ReduceSum", ["w_out"], ["s"], keepdims=0)
+    model = _model([node, reader], _base_inputs()[1:], [_vi("s", [])],
+                   inits=[numpy_helper.from_array(np.zeros(KV, np.float32), "w")])
+    _one_error(model, "alias-initializer", "into 'w', an initializer")
+
+
+def test_rule_alias_of_names_initializer():
+    model = cache_update_model()
+    model.graph.initializer.append(numpy_helper.from_array(np.zeros(KV, np.float32), "w"))
+    del model.graph.output[0].metadata_props[:]
+    set_alias_of(model, "updated_cache", "w")
+    errs = _errors(model)
+    assert "alias-initializer" in {e.rule for e in errs}
+    assert any("alias_of names 'w', an initializer" in e.message for e in errs)
+
+
+def test_rule_read_after_write_hazard():
+    # Shape(cache) reads the pre-update name; nothing orders it before the in-place write.
+    model = cache_update_model()
+    model.graph.node.append(helper.make_node("Shape", ["cache"], ["cache_shape"], name="shape_reader"))
+    model.graph.output.append(helper.make_tensor_value_info("cache_shape", TP.INT64, [4]))
+    err = _one_error(model, "alias-hazard", "reads 'cache', which node 'cache_update' overwrites in place")
+    assert err.subject == "shape_reader"
+
+
+def test_reader_ordered_before_write_is_fine():
+    # The reader feeds the writer (values derived from the old cache): it is an ancestor, so it runs first.
+    reader = helper.make_node("Slice", ["cache", "s0", "s1", "ax"], ["old_slice"], name="reader")
+    writer = make_cache_update("cache", "old_slice", "position", "out", name="writer")
+    inits = [numpy_helper.from_array(np.array([0], np.int64), "s0"),
+             numpy_helper.from_array(np.array([1], np.int64), "s1"),
+             numpy_helper.from_array(np.array([2], np.int64), "ax")]
+    model = _model([reader, writer], [_vi("cache"), _vi("position", [], TP.INT64)], [_vi("out")], inits)
+    mark_mutable(model, "cache")
+    set_alias_of(model, "out", "cache")
+    assert _errors(model) == []
+
+
+def test_rule_two_unordered_writers():
+    a = make_cache_update("cache", "values", "position", "out_a", name="a")
+    b = make_cache_update("cache", "values", "position", "out_b", name="b")
+    model = _model([a, b], _base_inputs(), [_vi("out_a"), _vi("out_b")])
+    mark_mutable(model, "cache")
+    set_alias_of(model, "out_a", "cache")
+    set_alias_of(model, "out_b", "cache")
+    assert {e.rule for e in _errors(model)} == {"alias-hazard"}
+
+
+def test_rule_pre_update_name_as_graph_output():
+    model = cache_update_model()
+    model.graph.output.append(_vi("cache"))
+    _one_error(model, "alias-hazard", "graph output 'cache' is the pre-update name")
+
+
+def test_chain_of_in_place_writes_resolves_to_root():
+    a = make_cache_update("cache", "values", "position", "mid", name="a")
+    b = make_cache_update("mid", "values", "position", "out", name="b")
+    model = _model([a, b], _base_inputs(), [_vi("out")])
+    mark_mutable(model, "cache")
+    set_alias_of(model, "out", "cache")
+    assert _errors(model) == []
+    set_alias_of(model, "out", "mid")  # names the intermediate instead of the root input
+    assert {e.rule for e in _errors(model)} == {"alias-target", "alias-disagree"}
+
+
+def test_rule_cycle():
+    model = cache_update_model()
+    vi_a, vi_b = model.graph.value_info.add(), model.graph.value_info.add()
+    vi_a.name, vi_b.name = "a", "b"
+    set_alias_of(model, "a", "b")
+    set_alias_of(model, "b", "a")
+    errs = _errors(model)
+    assert [e.rule for e in errs] == ["alias-cycle"]
+    assert "form a cycle: a -> b -> a" in errs[0].message
+
+
+def test_rule_bad_index_and_malformed_entry():
+    model = cache_update_model()
+    model.graph.node[0].metadata_props[0].value = "3:0:MUST_ALIAS"
+    assert "alias-index" in {e.rule for e in _errors(model)}
+    model.graph.node[0].metadata_props[0].value = "0:0:MAY_ALIAS"
+    errs = _errors(model)
+    assert errs[0].rule == "malformed" and "expected '<output_index>:<input_index>:MUST_ALIAS'" in errs[0].message
+
+
+def test_rule_ir_version():
+    model = cache_update_model()
+    model.ir_version = 9
+    _one_error(model, "ir-version", "alias annotations need IR >= 10")
