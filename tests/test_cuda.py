@@ -1,0 +1,142 @@
+"""CacheUpdate on the CUDA execution provider (skipped with a reason where there is no GPU).
+Buffers are torch CUDA tensors; the oracle is the numpy reference on copies brought to the host."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import ortkv
+from conftest import DTYPES, cache_update_model, ort_session
+from ortkv.reference import cache_update_ref
+
+pytestmark = pytest.mark.cuda
+
+LAYOUTS = {"BNSH": ((2, 3, 16, 8), -2), "BSNH": ((2, 16, 3, 8), 1), "rank3": ((3, 16, 24), 1),
+           "odd_token": ((2, 2, 9, 3), -2)}  # 3-element tokens: the kernel's narrowest vector path
+
+
+def _torch():
+    import torch
+
+    return torch
+
+
+def _to_torch(arr):
+    torch = _torch()
+    raw = torch.from_numpy(np.ascontiguousarray(arr).view(np.uint8).copy())
+    tdtype = {np.dtype(np.float32): torch.float32, np.dtype(np.float16): torch.float16,
+              np.dtype(ml_dtypes.bfloat16): torch.bfloat16}[arr.dtype]
+    return raw.view(tdtype).reshape(arr.shape).cuda()
+
+
+def _bytes(t):
+    torch = _torch()
+    torch.cuda.synchronize()
+    return t.contiguous().cpu().view(torch.uint8).numpy().tobytes()
+
+
+def _cuda_session(model):
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.log_severity_level = 4
+    so.add_session_config_entry("session.disable_cpu_ep_fallback", "1")  # CacheUpdate must run on CUDA
+    so.register_custom_ops_library(ortkv.get_library_path())
+    return ort.InferenceSession(model.SerializeToString(), so, providers=["CUDAExecutionProvider"])
+
+
+def _run(sess, cache_t, values_t, position, onnx_type):
+    io = sess.io_binding()
+    io.bind_input("cache", "cuda", 0, onnx_type, list(cache_t.shape), cache_t.data_ptr())
+    io.bind_output("updated_cache", "cuda", 0, onnx_type, list(cache_t.shape), cache_t.data_ptr())
+    io.bind_input("values", "cuda", 0, onnx_type, list(values_t.shape), values_t.data_ptr())
+    io.bind_cpu_input("position", np.asarray(position, dtype=np.int64, order="C"))
+    sess.run_with_iobinding(io)
+    return io.get_outputs()[0].data_ptr()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("n", [1, 4])
+@pytest.mark.parametrize("vector", [False, True])
+def test_cuda_matches_reference(rng, dtype, layout, n, vector):
+    np_type, onnx_type = DTYPES[dtype]
+    shape, axis = LAYOUTS[layout]
+    cache = rng.standard_normal(shape).astype(np.float32).astype(np_type)
+    vshape = list(shape)
+    vshape[axis] = n
+    values = rng.standard_normal(vshape).astype(np.float32).astype(np_type)
+    position = rng.integers(0, shape[axis] - n + 1, size=shape[0]) if vector else np.int64(shape[axis] - n)
+    expected = cache_update_ref(cache, values, position, axis)
+    cache_t, values_t = _to_torch(cache), _to_torch(values)
+    sess = _cuda_session(cache_update_model(onnx_type, len(shape), axis, vector_position=vector))
+    assert _run(sess, cache_t, values_t, position, onnx_type) == cache_t.data_ptr()
+    assert _bytes(cache_t) == expected.view(np.uint8).tobytes()
+
+
+def test_cuda_errors_leave_cache_unchanged(rng):
+    cache_t = _to_torch(rng.standard_normal((2, 2, 8, 4)).astype(np.float32))
+    before = _bytes(cache_t)
+    sess = _cuda_session(cache_update_model(vector_position=True))
+    values_t = _to_torch(np.ones((2, 2, 3, 4), np.float32))
+    with pytest.raises(RuntimeError, match=r"E_CAPACITY.*row 1: position 6 \+ n 3 = 9 exceeds capacity 8"):
+        _run(sess, cache_t, values_t, np.array([0, 6]), 1)
+    with pytest.raises(RuntimeError, match=r"E_INPUT.*position -2 for row 0"):
+        _run(sess, cache_t, values_t, np.array([-2, 0]), 1)
+    other = cache_t.clone()
+    io = sess.io_binding()
+    io.bind_input("cache", "cuda", 0, 1, list(cache_t.shape), cache_t.data_ptr())
+    io.bind_output("updated_cache", "cuda", 0, 1, list(cache_t.shape), other.data_ptr())
+    io.bind_input("values", "cuda", 0, 1, list(values_t.shape), values_t.data_ptr())
+    io.bind_cpu_input("position", np.array([0, 0], np.int64))
+    with pytest.raises(RuntimeError, match=r"E_ALIAS"):
+        sess.run_with_iobinding(io)
+    assert _bytes(cache_t) == before and _bytes(other) == before
+
+
+def test_cuda_consumer_topology(rng):
+    import onnxruntime as ort
+
+    cache = rng.standard_normal((1, 2, 8, 4)).astype(np.float32)
+    values = rng.standard_normal((1, 2, 2, 4)).astype(np.float32)
+    expected = cache_update_ref(cache, values, 5)
+    cache_v = ort.OrtValue.ortvalue_from_numpy(cache, "cuda", 0)
+    sess = ort_session(cache_update_model(consumer=True), providers=("CUDAExecutionProvider",))
+    io = sess.io_binding()
+    io.bind_ortvalue_input("cache", cache_v)
+    io.bind_cpu_input("values", values)
+    io.bind_cpu_input("position", np.array(5, np.int64))
+    io.bind_output("total", "cpu")
+    sess.run_with_iobinding(io)
+    np.testing.assert_array_equal(cache_v.numpy(), expected)
+    np.testing.assert_allclose(io.get_outputs()[0].numpy(), expected.sum(dtype=np.float64), rtol=1e-5)
+
+
+def test_cuda_mutable_cache_session_with_dlpack_tensor(rng):
+    torch = _torch()
+    cache_t = torch.zeros((2, 4, 64, 16), device="cuda")
+    s = ortkv.MutableCacheSession(cache_update_model(vector_position=True), providers=["CUDAExecutionProvider"])
+    s.bind_cache("cache", cache_t)
+    free0 = torch.cuda.mem_get_info()[0]
+    for step in range(100):
+        values = torch.full((2, 4, 1, 16), float(step), device="cuda")
+        (out,) = s.run(["updated_cache"], {"values": values.cpu().numpy(), "position": np.array([step % 64, 63])})
+        assert out is cache_t
+    torch.cuda.synchronize()
+    assert torch.cuda.mem_get_info()[0] >= free0 - (8 << 20)  # no cache-sized allocation per run
+    assert float(cache_t[0, 0, 99 % 64, 0]) == 99.0 and float(cache_t[1, 3, 63, 0]) == 99.0
+    with pytest.raises(ortkv.CapacityError) as info:
+        s.run(None, {"values": np.ones((2, 4, 2, 16), np.float32), "position": np.array([0, 63])})
+    assert (info.value.requested, info.value.capacity) == (65, 64)
+    s.close()
+
+
+def test_cuda_cupy_storage_if_available(rng):
+    cp = pytest.importorskip("cupy", reason="cupy not installed")
+    cache = cp.zeros((1, 2, 8, 4), dtype=cp.float32)
+    with ortkv.MutableCacheSession(cache_update_model(), providers=["CUDAExecutionProvider"]) as s:
+        s.bind_cache("cache", cache)
+        s.run(None, {"values": np.full((1, 2, 1, 4), 3, np.float32), "position": np.array(7)})
+    assert float(cache[0, 1, 7, 3]) == 3.0 and float(cache[0, 1, 6, 3]) == 0.0
