@@ -31,7 +31,9 @@ def cuda_available() -> str | None:
             return "no CUDA device visible to torch"
     except ImportError:
         return "torch (used to hold CUDA buffers in the tests) is not installed"
-    if not ortkv._ortkv.CUDA_BUILD:
+    from ortkv import _ortkv
+
+    if not _ortkv.CUDA_BUILD:
         return "ortkv was built without CUDA kernels (ORTKV_CUDA=OFF or no nvcc)"
     return None
 

@@ -1,5 +1,5 @@
-// CUDA CacheUpdate: the copies of Note [CacheUpdate layout] (ortkv/cache_update.h) as one grid-stride
-// kernel per chunk of up to kRowsPerLaunch rows. Positions are host values (the op declares
+// CUDA CacheUpdate: the copies of Note [CacheUpdate layout] (ortkv/cache_update.h) as one kernel
+// launch per chunk of up to kRowsPerLaunch rows. Positions are host values (the op declares
 // `position` as a CPU input) and travel in the kernel's parameter block, so a launch needs no
 // host-to-device copy and no allocation.
 #include <cuda_runtime.h>
@@ -22,27 +22,30 @@ struct LaunchArgs {
   int64_t positions[kRowsPerLaunch];
 };
 
+// grid.y walks the (row, outer) pairs, grid.x the vectors of one pair's contiguous run: one 64-bit
+// division per pair and block, none per element.
 template <typename Vec>
 __global__ void CacheUpdateKernel(const LaunchArgs a) {
   const int64_t run = a.n * a.token_vecs;  // vectors per (row, outer) pair
-  const int64_t total = a.rows * a.outer * run;
-  const Vec* src = reinterpret_cast<const Vec*>(a.values);
-  Vec* dst = reinterpret_cast<Vec*>(a.cache);
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t pair = i / run;
-    const int64_t k = i - pair * run;
-    const int64_t r = pair / a.outer;
-    dst[(pair * a.capacity + a.positions[r]) * a.token_vecs + k] = src[i];
+  const int64_t pairs = a.rows * a.outer;
+  for (int64_t pair = blockIdx.y; pair < pairs; pair += gridDim.y) {
+    const Vec* src = reinterpret_cast<const Vec*>(a.values) + pair * run;
+    Vec* dst = reinterpret_cast<Vec*>(a.cache) + (pair * a.capacity + a.positions[pair / a.outer]) * a.token_vecs;
+    for (int64_t k = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; k < run;
+         k += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+      dst[k] = src[k];
+    }
   }
 }
 
 template <typename Vec>
 cudaError_t Launch(const LaunchArgs& a, cudaStream_t stream) {
-  const int64_t total = a.rows * a.outer * a.n * a.token_vecs;
-  const int threads = 256;
-  const int64_t blocks = std::min<int64_t>((total + threads - 1) / threads, 65535 * 8);
-  CacheUpdateKernel<Vec><<<static_cast<unsigned>(blocks), threads, 0, stream>>>(a);
+  const int64_t run = a.n * a.token_vecs;
+  const int64_t pairs = a.rows * a.outer;
+  const int threads = static_cast<int>(std::min<int64_t>(256, (run + 31) / 32 * 32));
+  const dim3 grid(static_cast<unsigned>(std::min<int64_t>((run + threads - 1) / threads, 1024)),
+                  static_cast<unsigned>(std::min<int64_t>(pairs, 65535)));
+  CacheUpdateKernel<Vec><<<grid, threads, 0, stream>>>(a);
   return cudaGetLastError();
 }
 
