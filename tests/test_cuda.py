@@ -14,7 +14,8 @@ from ortkv.reference import cache_update_ref
 pytestmark = pytest.mark.cuda
 
 LAYOUTS = {"BNSH": ((2, 3, 16, 8), -2), "BSNH": ((2, 16, 3, 8), 1), "rank3": ((3, 16, 24), 1),
-           "odd_token": ((2, 2, 9, 3), -2)}  # 3-element tokens: the kernel's narrowest vector path
+           "odd_token": ((2, 2, 9, 3), -2),  # 3-element tokens: the kernel's narrowest vector path
+           "rows_40": ((40, 6, 2, 4), 1), "rows_300": ((300, 6, 2, 4), 1)}  # parameter blocks 64, 256 + chunks
 
 
 def _torch():
