@@ -1,40 +1,125 @@
 // ortkv._ortkv: the Python face of ortkv_core (the only file that sees pybind11).
 #include <pybind11/pybind11.h>
 
+#include <pybind11/stl.h>
+
+#include <memory>
+#include <stdexcept>
 #include <string>
 
+#include "arena.h"
 #include "ortkv/core.h"
 
 namespace py = pybind11;
+using ortkv::vmm::Arena;
+using ortkv::vmm::Governor;
+
+namespace {
+// Status -> RuntimeError("[ortkv:E_*] ..."); ortkv.vmm turns the tag into the typed error.
+void Check(const ortkv::Status& s) {
+  if (!s.ok()) throw std::runtime_error(s.Tagged());
+}
+
+std::shared_ptr<ortkv::vmm::Backend> BackendFor(const std::string& kind, int device) {
+  if (kind == "cpu") return ortkv::vmm::MakeHostBackend();
+  std::shared_ptr<ortkv::vmm::Backend> b;
+  Check(ortkv::vmm::MakeCudaBackend(device, &b));
+  return b;
+}
+}  // namespace
 
 PYBIND11_MODULE(_ortkv, m) {
   m.doc() = "ortkv native core: process-global registries shared with the op library";
   m.def(
       "protect_range",
-      [](int device_type, int device_id, uintptr_t addr, uint64_t nbytes, const std::string& label) {
+      [](int device_type, int device_id, uintptr_t addr, uint64_t nbytes, const std::string& label, int kind) {
         if (nbytes == 0) throw py::value_error("protect_range: nbytes must be > 0");
-        return ortkv_core_protect_range(device_type, device_id, addr, nbytes, label.c_str());
+        return ortkv_core_protect_range(device_type, device_id, addr, nbytes, label.c_str(), kind);
       },
       py::arg("device_type"), py::arg("device_id"), py::arg("addr"), py::arg("nbytes"), py::arg("label") = "",
+      py::arg("kind") = static_cast<int>(ORTKV_RANGE_READONLY),
       "Mark [addr, addr + nbytes) as never to be written by an ortkv kernel; returns an id.");
   m.def(
       "unprotect_range", [](int64_t id) { return ortkv_core_unprotect_range(id) == 1; }, py::arg("id"),
       "Remove a protected range; True if it existed.");
   m.def(
       "find_protected",
-      [](int device_type, int device_id, uintptr_t addr, uint64_t nbytes) -> py::object {
+      [](int device_type, int device_id, uintptr_t addr, uint64_t nbytes, int kind_mask) -> py::object {
         uintptr_t hit = 0;
         uint64_t len = 0;
         char label[256];
-        if (!ortkv_core_find_protected(device_type, device_id, addr, nbytes, &hit, &len, label, sizeof(label)))
-          return py::none();
-        return py::make_tuple(hit, len, std::string(label));
+        int kind = ortkv_core_find_protected(device_type, device_id, addr, nbytes, kind_mask, &hit, &len, label,
+                                             sizeof(label));
+        if (kind == 0) return py::none();
+        return py::make_tuple(hit, len, std::string(label), kind);
       },
-      py::arg("device_type"), py::arg("device_id"), py::arg("addr"), py::arg("nbytes"));
+      py::arg("device_type"), py::arg("device_id"), py::arg("addr"), py::arg("nbytes"), py::arg("kind_mask") = 0,
+      "(addr, nbytes, label, kind) of the first protected range overlapping the span, or None.");
   m.def("protected_count", []() { return ortkv_core_protected_count(); });
   m.def("core_instance", []() { return ortkv_core_instance(); },
         "Address of the process-global registry (one per process).");
   m.attr("DEVICE_CPU") = static_cast<int>(ORTKV_DEVICE_CPU);
   m.attr("DEVICE_CUDA") = static_cast<int>(ORTKV_DEVICE_CUDA);
+  m.attr("RANGE_READONLY") = static_cast<int>(ORTKV_RANGE_READONLY);
+  m.attr("RANGE_UNCOMMITTED") = static_cast<int>(ORTKV_RANGE_UNCOMMITTED);
+
+  m.def("cuda_vmm_available", []() {
+    std::string why;
+    bool ok = ortkv::vmm::CudaDriverAvailable(&why);
+    return py::make_tuple(ok, why);
+  });
+  m.def("live_mappings", [](int device_type) { return Arena::TotalLiveMappings(device_type); },
+        py::arg("device_type"), "Live mappings made by all arenas of one backend kind in this process.");
+
+  py::class_<Governor, std::shared_ptr<Governor>>(m, "Governor")
+      .def(py::init<uint64_t>(), py::arg("budget_bytes"))
+      .def_property_readonly("budget", &Governor::budget)
+      .def_property_readonly("in_use", &Governor::in_use)
+      .def_property_readonly("quarantined", &Governor::quarantined);
+
+  py::class_<Arena>(m, "Arena")
+      .def(py::init([](uint64_t reserve, const std::string& kind, int device, std::shared_ptr<Governor> gov) {
+             std::unique_ptr<Arena> a;
+             Check(Arena::Create(BackendFor(kind, device), reserve, std::move(gov), &a));
+             return a;
+           }),
+           py::arg("reserve_bytes"), py::arg("kind"), py::arg("device"), py::arg("governor"))
+      .def_property_readonly("base", &Arena::base)
+      .def_property_readonly("granule", &Arena::granule)
+      .def_property_readonly("reserved_bytes", &Arena::reserved_bytes)
+      .def_property_readonly("committed_bytes", &Arena::committed_bytes)
+      .def_property_readonly("billed_bytes", &Arena::billed_bytes)
+      .def_property_readonly("read_only", &Arena::read_only)
+      .def_property_readonly("closed", &Arena::closed)
+      .def_property_readonly("quarantined", &Arena::quarantined)
+      .def_property_readonly("live_mappings", &Arena::live_mappings)
+      .def_property_readonly("backend", [](const Arena& a) { return std::string(a.backend().name()); })
+      .def("is_committed", &Arena::IsCommitted, py::arg("offset"), py::arg("nbytes"))
+      .def("commit",
+           [](Arena& a, uint64_t nbytes, uint64_t offset) {
+             uint64_t newly = 0;
+             Check(a.Commit(nbytes, offset, &newly));
+             return newly;
+           },
+           py::arg("nbytes"), py::arg("offset") = 0)
+      .def("release", [](Arena& a) { Check(a.Release()); })
+      .def("close",
+           [](Arena& a) {
+             bool quarantined = false;
+             ortkv::Status s = a.Close(&quarantined);
+             if (quarantined) return std::string(s.message());
+             Check(s);
+             return std::string();
+           },
+           "Close; returns a non-empty reason when the arena was quarantined instead of freed.")
+      .def("map_shared_prefix",
+           [](Arena& a, uint64_t nbytes) {
+             std::unique_ptr<Arena> sharer;
+             Check(a.MapSharedPrefix(nbytes, &sharer));
+             return sharer;
+           },
+           py::arg("nbytes"))
+      .def("inject_fault", &Arena::InjectFault, py::arg("op"), py::arg("countdown") = 0);
+
   m.attr("CUDA_BUILD") = static_cast<bool>(ORTKV_WITH_CUDA_BUILD);
 }

@@ -19,6 +19,7 @@ struct Range {
   uintptr_t addr;
   uint64_t nbytes;
   std::string label;
+  int32_t kind;
 };
 
 struct Registry {
@@ -36,12 +37,12 @@ Registry& registry() {
 }  // namespace
 
 int64_t ortkv_core_protect_range(int32_t device_type, int32_t device_id, uintptr_t addr,
-                                 uint64_t nbytes, const char* label) {
+                                 uint64_t nbytes, const char* label, int32_t kind) {
   if (nbytes == 0) return -1;
   Registry& r = registry();
   std::lock_guard<std::mutex> lock(r.mu);
   int64_t id = r.next_id++;
-  r.ranges.push_back(Range{id, device_type, device_id, addr, nbytes, label ? label : ""});
+  r.ranges.push_back(Range{id, device_type, device_id, addr, nbytes, label ? label : "", kind});
   r.count.store(r.ranges.size(), std::memory_order_release);
   return id;
 }
@@ -57,13 +58,14 @@ int ortkv_core_unprotect_range(int64_t id) {
 }
 
 int ortkv_core_find_protected(int32_t device_type, int32_t device_id, uintptr_t addr, uint64_t nbytes,
-                              uintptr_t* hit_addr, uint64_t* hit_nbytes, char* label_out,
+                              int32_t kind_mask, uintptr_t* hit_addr, uint64_t* hit_nbytes, char* label_out,
                               size_t label_cap) {
   if (nbytes == 0) return 0;
   Registry& r = registry();
   std::lock_guard<std::mutex> lock(r.mu);
   for (const Range& x : r.ranges) {
     if (x.device_type != device_type || x.device_id != device_id) continue;
+    if (kind_mask != 0 && (kind_mask & (1 << x.kind)) == 0) continue;
     if (addr < x.addr + x.nbytes && x.addr < addr + nbytes) {
       if (hit_addr) *hit_addr = x.addr;
       if (hit_nbytes) *hit_nbytes = x.nbytes;
@@ -72,7 +74,7 @@ int ortkv_core_find_protected(int32_t device_type, int32_t device_id, uintptr_t 
         std::memcpy(label_out, x.label.data(), k);
         label_out[k] = '\0';
       }
-      return 1;
+      return x.kind;
     }
   }
   return 0;

@@ -102,15 +102,19 @@ Status CheckWriteProtection(const CacheUpdateKernel& k, const CacheUpdateView& v
     uintptr_t hit = 0;
     uint64_t hit_len = 0;
     char label[128];
-    if (ortkv_core_find_protected(device_type, device_id, first, last - first, &hit, &hit_len, label,
-                                  sizeof(label))) {
+    const int kind = ortkv_core_find_protected(device_type, device_id, first, last - first, 0, &hit, &hit_len, label,
+                                               sizeof(label));
+    if (kind != 0) {
       std::ostringstream m;
       m << "CacheUpdate node '" << k.node << "': row " << pair / v.outer << " of '" << k.input_names[0]
         << "' would write [" << Hex(reinterpret_cast<void*>(first)) << ", " << Hex(reinterpret_cast<void*>(last))
-        << ") which overlaps the write-protected range [" << Hex(reinterpret_cast<void*>(hit)) << ", +"
-        << hit_len << " bytes) '" << label << "' (a read-only mapping). Nothing was written. "
-        << "Remedy: bind the owner's writable storage, or fork the sequence into its own pages.";
-      return Status(Code::kReadOnly, m.str());
+        << ") which overlaps the " << (kind == ORTKV_RANGE_UNCOMMITTED ? "uncommitted" : "write-protected")
+        << " range [" << Hex(reinterpret_cast<void*>(hit)) << ", +" << hit_len << " bytes) '" << label
+        << "'. Nothing was written. Remedy: "
+        << (kind == ORTKV_RANGE_UNCOMMITTED
+                ? "commit the arena up to the last token before the run (Arena.commit)."
+                : "bind the owner's writable storage, or fork the sequence into its own pages.");
+      return Status(kind == ORTKV_RANGE_UNCOMMITTED ? Code::kUncommitted : Code::kReadOnly, m.str());
     }
   }
   return Status::Ok();

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 
 class OrtkvError(Exception):
     """Base of every error ortkv raises on purpose."""
@@ -45,3 +47,34 @@ class StorageError(OrtkvError, ValueError):
 
 class CacheInputError(OrtkvError, ValueError):
     """A cache op refused its inputs (shape, type, negative position); the cache is unchanged."""
+
+
+# --- native status messages ("[ortkv:E_*] ...") -> typed errors ----------------------------------
+_NUMBERS = re.compile(r"\[((?:\w+=\d+ ?)+)\]")
+_KERNEL_CAPACITY = re.compile(r"position (\d+) \+ n (\d+) = (\d+) exceeds capacity (\d+)")
+
+
+def from_native(exc: Exception) -> Exception:
+    """Turn an exception whose text carries an '[ortkv:E_*]' tag (from a kernel through ONNX Runtime,
+    or from the native core) into the matching typed error; return ``exc`` itself otherwise."""
+    text = str(exc)
+    m = re.search(r"\[ortkv:(E_[A-Z]+)\] (.*)", text, re.S)
+    tagged = {"E_CAPACITY": CapacityError, "E_UNCOMMITTED": CapacityError, "E_ALIAS": AliasError,
+              "E_READONLY": ImmutableStorageError, "E_INPUT": CacheInputError}
+    if not m or m.group(1) not in tagged:
+        return exc
+    message = m.group(2).strip()
+    cls = tagged[m.group(1)]
+    if cls is not CapacityError:
+        return cls(message)
+    numbers = {}
+    for group in _NUMBERS.findall(message):
+        numbers.update({k: int(v) for k, v in (kv.split("=") for kv in group.split())})
+    c = _KERNEL_CAPACITY.search(message)
+    if c:
+        numbers.update(position=int(c.group(1)), n=int(c.group(2)), requested=int(c.group(3)),
+                       capacity=int(c.group(4)))
+    if "budget" in numbers:
+        numbers.setdefault("capacity", numbers["budget"])
+        numbers["retry_hint"] = "retry after other caches release memory, or request fewer bytes"
+    return CapacityError(message, **numbers)

@@ -13,7 +13,6 @@ AliasError. Nothing here copies a cache.
 
 from __future__ import annotations
 
-import re
 import threading
 import weakref
 from dataclasses import dataclass
@@ -27,11 +26,10 @@ from ._storage import ELEM_SIZE, ONNX_TYPE_NAMES, Storage, as_storage
 from .errors import (
     AliasError,
     BindingConflictError,
-    CacheInputError,
-    CapacityError,
     ImmutableStorageError,
     OrtkvError,
     StorageError,
+    from_native,
 )
 from .graph import Access, check_model, read_annotations
 
@@ -83,27 +81,9 @@ BINDINGS = _BindingRegistry()
 _session_ids = iter(range(1, 1 << 62))
 
 
-# --- errors coming back from the kernels -------------------------------------------------------
-_CAPACITY_RE = re.compile(r"position (\d+) \+ n (\d+) = (\d+) exceeds capacity (\d+)")
-_TAGGED = {"E_CAPACITY": CapacityError, "E_ALIAS": AliasError, "E_READONLY": ImmutableStorageError,
-           "E_INPUT": CacheInputError}
-
-
 def translate_ort_error(exc: Exception) -> Exception:
     """Turn ORT's exception carrying an '[ortkv:E_*]' message into the typed ortkv error."""
-    text = str(exc)
-    m = re.search(r"\[ortkv:(E_[A-Z]+)\] (.*)", text, re.S)
-    if not m or m.group(1) not in _TAGGED:
-        return exc
-    message = m.group(2).strip()
-    cls = _TAGGED[m.group(1)]
-    if cls is CapacityError:
-        c = _CAPACITY_RE.search(message)
-        if c:
-            return CapacityError(message, requested=int(c.group(3)), capacity=int(c.group(4)),
-                                 position=int(c.group(1)), n=int(c.group(2)))
-        return CapacityError(message)
-    return cls(message)
+    return from_native(exc)
 
 
 def _load_model(model) -> onnx.ModelProto:
@@ -194,8 +174,8 @@ class MutableCacheSession:
             raise ImmutableStorageError(
                 f"cache '{name}': the {st.kind} storage is read-only (writeable=False); ortkv writes caches in "
                 "place and never copies them. Pass a writable array (e.g. np.array(x, copy=True)).")
-        if self._protected(st):
-            hit = self._protected(st)
+        hit = self._read_only_range(st)
+        if hit:
             raise ImmutableStorageError(
                 f"cache '{name}': storage at 0x{st.ptr:x} overlaps the write-protected range 0x{hit[0]:x} "
                 f"(+{hit[1]} bytes) '{hit[2]}' (a read-only mapping)")
@@ -218,11 +198,15 @@ class MutableCacheSession:
         self._owners[name] = storage
 
     @staticmethod
-    def _protected(st: Storage):
+    def _read_only_range(st: Storage):
+        """A READONLY range (a shared prefix mapping) overlapping the storage, if any. Uncommitted
+        arena granules are fine here: a cache grows by commit before the run that needs them."""
         from . import _ortkv
 
         device = _ortkv.DEVICE_CUDA if st.device_type == "cuda" else _ortkv.DEVICE_CPU
-        return _ortkv.find_protected(device, st.device_id, st.ptr, st.nbytes) if st.nbytes else None
+        mask = 1 << _ortkv.RANGE_READONLY
+        return _ortkv.find_protected(device, st.device_id, st.ptr, st.nbytes, mask) if st.nbytes else None
+
 
     def unbind_cache(self, name: str) -> None:
         self._acquire(f"unbind cache '{name}'")

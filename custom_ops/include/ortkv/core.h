@@ -24,18 +24,22 @@
 #endif
 
 enum { ORTKV_DEVICE_CPU = 0, ORTKV_DEVICE_CUDA = 1 };
+// Why a range must not be written: a read-only mapping (a shared prefix), or reserved address space
+// with no memory behind it yet (an arena's uncommitted granules).
+enum { ORTKV_RANGE_READONLY = 1, ORTKV_RANGE_UNCOMMITTED = 2 };
 
 // Marks [addr, addr + nbytes) on (device_type, device_id) as never to be written by an ortkv
-// kernel (e.g. a read-only mapping of a shared prefix). Returns an id > 0, or -1 if nbytes == 0.
-ORTKV_CORE_API int64_t ortkv_core_protect_range(int32_t device_type, int32_t device_id,
-                                                uintptr_t addr, uint64_t nbytes, const char* label);
+// kernel. Returns an id > 0, or -1 if nbytes == 0.
+ORTKV_CORE_API int64_t ortkv_core_protect_range(int32_t device_type, int32_t device_id, uintptr_t addr,
+                                                uint64_t nbytes, const char* label, int32_t kind);
 // Removes a range; returns 1 if it existed, 0 otherwise.
 ORTKV_CORE_API int ortkv_core_unprotect_range(int64_t id);
-// Returns 1 and fills the first protected range overlapping [addr, addr + nbytes), else 0.
+// Returns the kind (> 0) of the first protected range of a kind in kind_mask (bit 1 << kind; 0 = any)
+// overlapping [addr, addr + nbytes) and fills its bounds and label, or 0 when there is none.
 // label_out (may be NULL) receives at most label_cap - 1 characters and a terminating zero.
 ORTKV_CORE_API int ortkv_core_find_protected(int32_t device_type, int32_t device_id, uintptr_t addr,
-                                             uint64_t nbytes, uintptr_t* hit_addr, uint64_t* hit_nbytes,
-                                             char* label_out, size_t label_cap);
+                                             uint64_t nbytes, int32_t kind_mask, uintptr_t* hit_addr,
+                                             uint64_t* hit_nbytes, char* label_out, size_t label_cap);
 ORTKV_CORE_API uint64_t ortkv_core_protected_count(void);
 // The address of the registry object: equal in every dependant iff the state exists once.
 ORTKV_CORE_API uintptr_t ortkv_core_instance(void);

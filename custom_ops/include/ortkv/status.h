@@ -13,7 +13,8 @@ enum class Code {
   kInvalidArgument,  // E_INPUT: shape, type, rank, attribute or position < 0
   kCapacity,         // E_CAPACITY: position + n > capacity
   kAlias,            // E_ALIAS: updated_cache is not the storage of cache
-  kReadOnly,         // E_READONLY: the write would land in a write-protected range
+  kReadOnly,         // E_READONLY: the write would land in a read-only range
+  kUncommitted,      // E_UNCOMMITTED: the write would land in reserved memory not committed yet
   kRuntime,          // E_RUNTIME: a driver or launch failure
 };
 
@@ -24,6 +25,7 @@ inline const char* CodeTag(Code c) {
     case Code::kCapacity: return "E_CAPACITY";
     case Code::kAlias: return "E_ALIAS";
     case Code::kReadOnly: return "E_READONLY";
+    case Code::kUncommitted: return "E_UNCOMMITTED";
     case Code::kRuntime: return "E_RUNTIME";
   }
   return "E_UNKNOWN";
@@ -44,5 +46,11 @@ class Status {
   Code code_ = Code::kOk;
   std::string message_;
 };
+
+#define ORTKV_RETURN_IF_ERR(expr)       \
+  do {                                  \
+    ::ortkv::Status _st = (expr);       \
+    if (!_st.ok()) return _st;          \
+  } while (0)
 
 }  // namespace ortkv

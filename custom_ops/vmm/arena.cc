@@ -1,0 +1,393 @@
+// See Note [Arena transactions] in arena.h.
+#include "arena.h"
+
+#include <algorithm>
+#include <atomic>
+#include <sstream>
+
+#include "ortkv/core.h"
+
+namespace ortkv {
+namespace vmm {
+
+struct Phys {
+  std::shared_ptr<Backend> backend;
+  std::shared_ptr<Governor> governor;  // billed once, by the owner's commit
+  uint64_t handle = 0;
+  uint64_t size = 0;
+  int mappings = 0;  // live mappings of this handle, in every arena
+};
+
+namespace {
+
+// One lock for every arena: commits, shares and teardown are rare next to kernel launches, and a
+// physical allocation's mapping count spans arenas.
+std::mutex& Mu() {
+  static std::mutex* mu = new std::mutex();
+  return *mu;
+}
+
+std::atomic<uint64_t> g_live_mappings[2];
+
+uint64_t RoundUp(uint64_t x, uint64_t g) { return (x + g - 1) / g * g; }
+
+std::string Bytes(uint64_t n) { return std::to_string(n) + " bytes"; }
+
+}  // namespace
+
+// --- Governor ---------------------------------------------------------------------------------
+Status Governor::Grant(uint64_t bytes, const std::string& who) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (bytes > budget_ - std::min(budget_, in_use_)) {
+    std::ostringstream m;
+    m << who << ": the governor refused " << bytes << " bytes: budget " << budget_ << ", in use " << in_use_
+      << ", free " << (budget_ - std::min(budget_, in_use_))
+      << ". Retry once other caches release memory (release() or close() an arena), or ask for less "
+      << "[requested=" << bytes << " budget=" << budget_ << " in_use=" << in_use_ << "]";
+    return Status(Code::kCapacity, m.str());
+  }
+  in_use_ += bytes;
+  return Status::Ok();
+}
+
+void Governor::Return(uint64_t bytes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  in_use_ -= std::min(in_use_, bytes);
+}
+
+void Governor::Quarantine(uint64_t bytes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  quarantined_ += bytes;
+}
+
+uint64_t Governor::budget() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return budget_;
+}
+uint64_t Governor::in_use() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return in_use_;
+}
+uint64_t Governor::quarantined() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return quarantined_;
+}
+
+// --- Arena ------------------------------------------------------------------------------------
+Status Arena::Create(std::shared_ptr<Backend> backend, uint64_t reserve_bytes, std::shared_ptr<Governor> governor,
+                     std::unique_ptr<Arena>* out) {
+  std::lock_guard<std::mutex> lock(Mu());
+  std::unique_ptr<Arena> a(new Arena(std::move(backend), std::move(governor)));
+  ORTKV_RETURN_IF_ERR(a->backend_->Granularity(&a->granule_));
+  if (reserve_bytes == 0) return Status(Code::kInvalidArgument, "Arena: reserve_bytes must be > 0");
+  a->reserved_ = RoundUp(reserve_bytes, a->granule_);
+  ORTKV_RETURN_IF_ERR(a->backend_->Reserve(a->reserved_, &a->base_));
+  a->SyncProtection();
+  *out = std::move(a);
+  return Status::Ok();
+}
+
+Arena::~Arena() {
+  if (!closed_) {
+    bool q = false;
+    Close(&q);  // best effort; Python closes explicitly and reports errors
+  }
+}
+
+void Arena::InjectFault(const std::string& op, int64_t countdown) {
+  std::lock_guard<std::mutex> lock(Mu());
+  fault_op_ = op;
+  fault_countdown_ = countdown;
+}
+
+Status Arena::Step(const char* op) {
+  if (fault_countdown_ >= 0 && fault_op_ == op) {
+    if (fault_countdown_-- == 0) {
+      fault_op_.clear();
+      return Status(Code::kRuntime, std::string("injected failure at ") + op);
+    }
+  }
+  return Status::Ok();
+}
+
+uint64_t Arena::committed_bytes() const {
+  std::lock_guard<std::mutex> lock(Mu());
+  uint64_t total = 0;
+  for (const Mapping& m : maps_) total += m.size;
+  return total;
+}
+
+uint64_t Arena::billed_bytes() const { return read_only_ ? 0 : committed_bytes(); }
+
+size_t Arena::live_mappings() const {
+  std::lock_guard<std::mutex> lock(Mu());
+  return maps_.size();
+}
+
+uint64_t Arena::TotalLiveMappings(int device_type) { return g_live_mappings[device_type == ORTKV_DEVICE_CUDA].load(); }
+
+bool Arena::IsCommitted(uint64_t offset, uint64_t nbytes) const {
+  std::lock_guard<std::mutex> lock(Mu());
+  uint64_t cur = offset / granule_ * granule_;
+  const uint64_t end = offset + nbytes;
+  for (const Mapping& m : maps_) {
+    if (m.offset + m.size <= cur) continue;
+    if (m.offset > cur) return false;
+    cur = m.offset + m.size;
+    if (cur >= end) return true;
+  }
+  return cur >= end;
+}
+
+void Arena::ClearProtection() {
+  for (int64_t id : protection_ids_) ortkv_core_unprotect_range(id);
+  protection_ids_.clear();
+}
+
+void Arena::SyncProtection() {
+  ClearProtection();
+  if (closed_) return;
+  const int dt = backend_->device_type(), di = backend_->device_id();
+  if (read_only_) {
+    protection_ids_.push_back(
+        ortkv_core_protect_range(dt, di, base_, reserved_, "read-only shared prefix", ORTKV_RANGE_READONLY));
+    return;
+  }
+  uint64_t cur = 0;
+  for (const Mapping& m : maps_) {
+    if (m.offset > cur)
+      protection_ids_.push_back(ortkv_core_protect_range(dt, di, base_ + cur, m.offset - cur,
+                                                         "uncommitted arena granules", ORTKV_RANGE_UNCOMMITTED));
+    cur = m.offset + m.size;
+  }
+  if (cur < reserved_)
+    protection_ids_.push_back(ortkv_core_protect_range(dt, di, base_ + cur, reserved_ - cur,
+                                                       "uncommitted arena granules", ORTKV_RANGE_UNCOMMITTED));
+}
+
+void Arena::DropPhys(const std::shared_ptr<Phys>& phys) {
+  if (--phys->mappings > 0) return;
+  if (!Step("release").ok() || !phys->backend->Release(phys->handle).ok()) {
+    // The handle could not be released: its bytes are lost to this process, never reused.
+    if (phys->governor) phys->governor->Quarantine(phys->size);
+    return;
+  }
+  if (phys->governor) phys->governor->Return(phys->size);
+}
+
+Status Arena::UnmapOne(const Mapping& m, bool* unmapped) {
+  *unmapped = false;
+  Status s = Step("unmap");
+  if (s.ok()) s = backend_->Unmap(base_ + m.offset, m.size);
+  if (!s.ok()) return s;
+  *unmapped = true;
+  g_live_mappings[backend_->device_type() == ORTKV_DEVICE_CUDA]--;
+  DropPhys(m.phys);
+  return Status::Ok();
+}
+
+Status Arena::Commit(uint64_t nbytes, uint64_t offset, uint64_t* newly) {
+  std::lock_guard<std::mutex> lock(Mu());
+  *newly = 0;
+  if (closed_) return Status(Code::kInvalidArgument, "Arena.commit: the arena is closed");
+  if (read_only_)
+    return Status(Code::kInvalidArgument, "Arena.commit: a read-only shared prefix cannot commit memory; "
+                                          "commit in the owner's arena");
+  if (nbytes == 0) return Status::Ok();
+  if (offset > reserved_ || nbytes > reserved_ - offset) {
+    std::ostringstream m;
+    m << "Arena.commit: [" << offset << ", " << offset + nbytes << ") exceeds the " << Bytes(reserved_)
+      << " reserved; reserve a larger arena (the reservation costs address space only) "
+      << "[requested=" << offset + nbytes << " capacity=" << reserved_ << "]";
+    return Status(Code::kCapacity, m.str());
+  }
+  // Missing runs of granules inside [first, last).
+  const uint64_t first = offset / granule_ * granule_, last = RoundUp(offset + nbytes, granule_);
+  std::vector<std::pair<uint64_t, uint64_t>> runs;  // (offset, size)
+  uint64_t cur = first;
+  for (const Mapping& m : maps_) {
+    if (m.offset + m.size <= cur) continue;
+    if (m.offset >= last) break;
+    if (m.offset > cur) runs.emplace_back(cur, m.offset - cur);
+    cur = std::max(cur, m.offset + m.size);
+  }
+  if (cur < last) runs.emplace_back(cur, last - cur);
+  uint64_t total = 0;
+  for (auto& r : runs) total += r.second;
+  if (total == 0) return Status::Ok();
+
+  const std::string who = std::string("Arena(") + backend_->name() + ").commit";
+  Status s = Step("grant");
+  if (s.ok() && governor_) s = governor_->Grant(total, who);
+  if (!s.ok()) return s;
+
+  std::vector<Mapping> done;
+  std::shared_ptr<Phys> pending;  // created, not mapped yet
+  for (auto& r : runs) {
+    auto phys = std::make_shared<Phys>();
+    phys->backend = backend_;
+    phys->governor = governor_;
+    phys->size = r.second;
+    s = Step("create");
+    if (s.ok()) s = backend_->Create(r.second, &phys->handle);
+    if (!s.ok()) break;
+    pending = phys;
+    s = Step("map");
+    if (s.ok()) s = backend_->Map(base_ + r.first, r.second, phys->handle, 0);
+    if (!s.ok()) break;
+    pending.reset();
+    phys->mappings = 1;
+    g_live_mappings[backend_->device_type() == ORTKV_DEVICE_CUDA]++;
+    done.push_back(Mapping{r.first, r.second, phys, 0});
+    s = Step("set_access");
+    if (s.ok()) s = backend_->SetAccess(base_ + r.first, r.second, true);
+    if (!s.ok()) break;
+  }
+  if (s.ok()) {
+    maps_.insert(maps_.end(), done.begin(), done.end());
+    std::sort(maps_.begin(), maps_.end(), [](const Mapping& a, const Mapping& b) { return a.offset < b.offset; });
+    *newly = total;
+    SyncProtection();
+    return Status::Ok();
+  }
+  // Roll back in reverse. The grant covered `total`; each Phys returns its own size when released,
+  // so first give back what was never turned into a Phys.
+  uint64_t materialized = 0;
+  for (auto& m : done) materialized += m.size;
+  if (pending) materialized += pending->size;
+  if (governor_) governor_->Return(total - materialized);
+  if (pending) {  // created but never mapped
+    pending->mappings = 1;
+    DropPhys(pending);
+  }
+  bool stuck = false;
+  for (auto it = done.rbegin(); it != done.rend(); ++it) {
+    bool unmapped = false;
+    if (!UnmapOne(*it, &unmapped).ok()) {
+      maps_.push_back(*it);  // recorded as still mapped (and billed), never as freed
+      stuck = true;
+    }
+  }
+  if (stuck) {
+    std::sort(maps_.begin(), maps_.end(), [](const Mapping& a, const Mapping& b) { return a.offset < b.offset; });
+    SyncProtection();
+  }
+  return Status(s.code(), who + " of [" + std::to_string(offset) + ", " + std::to_string(offset + nbytes) +
+                              ") failed and was rolled back" + (stuck ? " (an unmap failed: that run stays mapped)" : "") +
+                              ": " + s.message());
+}
+
+Status Arena::ReleaseLocked() {
+  Status first_error;
+  std::vector<Mapping> kept;
+  for (auto it = maps_.rbegin(); it != maps_.rend(); ++it) {
+    bool unmapped = false;
+    Status s = UnmapOne(*it, &unmapped);
+    if (!s.ok()) {
+      kept.push_back(*it);
+      if (first_error.ok()) first_error = s;
+    }
+  }
+  std::reverse(kept.begin(), kept.end());
+  maps_ = std::move(kept);
+  SyncProtection();
+  return first_error;
+}
+
+Status Arena::Release() {
+  std::lock_guard<std::mutex> lock(Mu());
+  if (closed_) return Status(Code::kInvalidArgument, "Arena.release: the arena is closed");
+  Status s = Step("synchronize");
+  if (s.ok()) s = backend_->Synchronize();
+  if (!s.ok()) return Status(s.code(), "Arena.release: device synchronization failed, nothing was unmapped: " + s.message());
+  return ReleaseLocked();
+}
+
+Status Arena::Close(bool* quarantined) {
+  std::lock_guard<std::mutex> lock(Mu());
+  *quarantined = false;
+  if (closed_) return Status::Ok();
+  Status s = Step("synchronize");
+  if (s.ok()) s = backend_->Synchronize();
+  if (!s.ok()) {
+    // Work may still touch the range: keep range and handles forever (Note [Arena transactions]).
+    closed_ = quarantined_ = true;
+    *quarantined = true;
+    if (governor_) {
+      uint64_t held = 0;
+      for (const Mapping& m : maps_) held += m.size;
+      if (!read_only_) governor_->Quarantine(held);
+    }
+    return Status(s.code(), "Arena.close: device synchronization failed; the arena's " + Bytes(reserved_) +
+                                " range and its handles are quarantined (leaked on purpose): " + s.message());
+  }
+  Status r = ReleaseLocked();
+  if (!r.ok()) return r;  // some runs are still mapped: keep the range, stay open
+  Status f = Step("free");
+  if (f.ok()) f = backend_->Free(base_, reserved_);
+  closed_ = true;
+  ClearProtection();
+  return f;
+}
+
+Status Arena::MapSharedPrefix(uint64_t nbytes, std::unique_ptr<Arena>* out) {
+  std::lock_guard<std::mutex> lock(Mu());
+  if (closed_ || read_only_)
+    return Status(Code::kInvalidArgument, "map_shared_prefix: only an open owner arena can share its prefix");
+  if (nbytes == 0 || nbytes > reserved_)
+    return Status(Code::kInvalidArgument, "map_shared_prefix: nbytes must be in [1, " + std::to_string(reserved_) + "]");
+  const uint64_t n = RoundUp(nbytes, granule_);
+  // Every granule of [0, n) must be committed.
+  uint64_t cur = 0;
+  for (const Mapping& m : maps_) {
+    if (m.offset > cur || cur >= n) break;
+    cur = m.offset + m.size;
+  }
+  if (cur < n) {
+    return Status(Code::kInvalidArgument, "map_shared_prefix: the prefix [0, " + std::to_string(n) +
+                                              ") is not fully committed (committed up to " + std::to_string(cur) +
+                                              "); commit it in the owner first");
+  }
+  std::unique_ptr<Arena> sharer(new Arena(backend_, nullptr));
+  sharer->granule_ = granule_;
+  sharer->reserved_ = n;
+  sharer->read_only_ = true;
+  sharer->fault_op_ = fault_op_;  // injected faults apply to the whole operation
+  sharer->fault_countdown_ = fault_countdown_;
+  ORTKV_RETURN_IF_ERR(backend_->Reserve(n, &sharer->base_));
+  Status s;
+  for (const Mapping& m : maps_) {
+    if (m.offset >= n) break;
+    const uint64_t size = std::min(m.offset + m.size, n) - m.offset;
+    s = sharer->Step("map");
+    if (s.ok()) s = backend_->Map(sharer->base_ + m.offset, size, m.phys->handle, m.phys_offset);
+    if (!s.ok()) break;
+    Mapping mine{m.offset, size, m.phys, m.phys_offset};
+    m.phys->mappings++;
+    g_live_mappings[backend_->device_type() == ORTKV_DEVICE_CUDA]++;
+    s = sharer->Step("set_access");
+    if (s.ok()) s = backend_->SetAccess(sharer->base_ + m.offset, size, false);
+    if (!s.ok()) {
+      bool unmapped = false;  // undo this mapping alone; the owner's handles stay
+      if (!sharer->UnmapOne(mine, &unmapped).ok()) sharer->maps_.push_back(mine);
+      break;
+    }
+    sharer->maps_.push_back(mine);
+  }
+  fault_op_ = sharer->fault_op_;
+  fault_countdown_ = sharer->fault_countdown_;
+  if (!s.ok()) {
+    sharer->fault_countdown_ = -1;
+    Status r = sharer->ReleaseLocked();
+    if (r.ok() && sharer->maps_.empty()) backend_->Free(sharer->base_, sharer->reserved_);
+    sharer->closed_ = true;
+    sharer->ClearProtection();
+    return Status(s.code(), "map_shared_prefix failed and was undone: " + s.message());
+  }
+  sharer->SyncProtection();
+  *out = std::move(sharer);
+  return Status::Ok();
+}
+
+}  // namespace vmm
+}  // namespace ortkv
