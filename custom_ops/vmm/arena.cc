@@ -96,14 +96,13 @@ Arena::~Arena() {
 
 void Arena::InjectFault(const std::string& op, int64_t countdown) {
   std::lock_guard<std::mutex> lock(Mu());
-  fault_op_ = op;
-  fault_countdown_ = countdown;
+  faults_.emplace_back(op, countdown);
 }
 
 Status Arena::Step(const char* op) {
-  if (fault_countdown_ >= 0 && fault_op_ == op) {
-    if (fault_countdown_-- == 0) {
-      fault_op_.clear();
+  for (auto it = faults_.begin(); it != faults_.end(); ++it) {
+    if (it->first == op && it->second-- == 0) {
+      faults_.erase(it);
       return Status(Code::kRuntime, std::string("injected failure at ") + op);
     }
   }
@@ -352,8 +351,7 @@ Status Arena::MapSharedPrefix(uint64_t nbytes, std::unique_ptr<Arena>* out) {
   sharer->granule_ = granule_;
   sharer->reserved_ = n;
   sharer->read_only_ = true;
-  sharer->fault_op_ = fault_op_;  // injected faults apply to the whole operation
-  sharer->fault_countdown_ = fault_countdown_;
+  sharer->faults_.swap(faults_);  // injected faults apply to the whole operation
   ORTKV_RETURN_IF_ERR(backend_->Reserve(n, &sharer->base_));
   Status s;
   for (const Mapping& m : maps_) {
@@ -374,10 +372,8 @@ Status Arena::MapSharedPrefix(uint64_t nbytes, std::unique_ptr<Arena>* out) {
     }
     sharer->maps_.push_back(mine);
   }
-  fault_op_ = sharer->fault_op_;
-  fault_countdown_ = sharer->fault_countdown_;
+  faults_.swap(sharer->faults_);
   if (!s.ok()) {
-    sharer->fault_countdown_ = -1;
     Status r = sharer->ReleaseLocked();
     if (r.ok() && sharer->maps_.empty()) backend_->Free(sharer->base_, sharer->reserved_);
     sharer->closed_ = true;

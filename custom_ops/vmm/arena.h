@@ -81,8 +81,8 @@ class ORTKV_VMM_API Arena {
   size_t live_mappings() const;
   bool IsCommitted(uint64_t offset, uint64_t nbytes) const;
   const Backend& backend() const { return *backend_; }
-  // Test hook: make the `countdown`-th next call (0 = the next) of `op` fail. ops: grant, create,
-  // map, set_access, unmap, release, synchronize, free.
+  // Test hook: make the `countdown`-th next call (0 = the next) of `op` fail, once. Several faults
+  // may be armed at a time. ops: grant, create, map, set_access, unmap, release, synchronize, free.
   void InjectFault(const std::string& op, int64_t countdown);
 
   // Process-wide count of live mappings made by arenas, per backend kind (0 cpu, 1 cuda).
@@ -108,8 +108,7 @@ class ORTKV_VMM_API Arena {
   bool quarantined_ = false;
   std::vector<Mapping> maps_;  // sorted by offset, disjoint
   std::vector<int64_t> protection_ids_;
-  std::string fault_op_;
-  int64_t fault_countdown_ = -1;
+  std::vector<std::pair<std::string, int64_t>> faults_;  // (op, countdown)
 };
 
 }  // namespace vmm

@@ -1,0 +1,358 @@
+"""ortkv.vmm: caches that grow without copying or moving, on CUDA VMM or its host twin.
+
+    gov = Governor(budget_bytes=8 << 30)
+    with Arena(64 << 30, device="cuda:0", governor=gov) as arena:   # address space only
+        arena.commit(nbytes)                    # memory behind the first nbytes, granule by granule
+        cache = arena.view(np.float16, (1, capacity, heads, head_size))
+        sess.bind_cache("past_key", cache)      # bound once: the pointer never changes
+        ...
+        arena.commit(more_bytes)                # grows in place: no copy, same base
+        prefix = arena.map_shared_prefix(nbytes)  # same physical memory, read-only, new address
+
+The C++ core (custom_ops/vmm, Note [Arena transactions]) does the work; this module words the
+errors and computes layouts. Backends: "cpu" (memfd + mmap) and "cuda:N" (cuMem* driver API).
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import _ortkv
+from ._storage import Storage, numpy_onnx_type
+from .errors import CapacityError, OrtkvError, StorageError, from_native
+
+__all__ = ["Arena", "ArenaKVCache", "CacheGeometry", "Governor", "LAYOUTS", "Shareability", "committed_bytes_for",
+           "cuda_available", "evaluate_prefix_shareability", "live_bytes", "live_fragments"]
+
+
+def _native(fn, *args):
+    try:
+        return fn(*args)
+    except RuntimeError as exc:
+        typed = from_native(exc)
+        if typed is exc:
+            raise OrtkvError(str(exc)) from None
+        raise typed from None
+
+
+def cuda_available() -> tuple[bool, str]:
+    """(True, "") where a CUDA arena can be created, else (False, why)."""
+    ok, why = _ortkv.cuda_vmm_available()
+    return bool(ok), why
+
+
+class Governor:
+    """A byte budget shared by arenas: a commit needs a grant first; refusal is CapacityError."""
+
+    def __init__(self, budget_bytes: int):
+        self._native = _ortkv.Governor(int(budget_bytes))
+
+    @property
+    def budget(self) -> int:
+        return self._native.budget
+
+    @property
+    def in_use(self) -> int:
+        return self._native.in_use
+
+    @property
+    def quarantined(self) -> int:
+        """Bytes that will never come back (teardown could not synchronize, or a release failed)."""
+        return self._native.quarantined
+
+    def __repr__(self) -> str:
+        return f"<Governor budget={self.budget} in_use={self.in_use}>"
+
+
+_warned_quarantine = False
+
+
+class Arena:
+    """A reserved virtual range; granules are committed on demand and the base never changes."""
+
+    def __init__(self, reserve_bytes: int, device: str = "cpu", governor: Governor | None = None, *, _native=None):
+        if _native is not None:
+            self._native, self.device, self.governor = _native, device, governor
+            return
+        kind, index = _parse_device(device)
+        if reserve_bytes <= 0:
+            raise OrtkvError(f"Arena: reserve_bytes must be > 0, got {reserve_bytes}")
+        self._native = _native_arena(int(reserve_bytes), kind, index, governor)
+        self.device = "cpu" if kind == "cpu" else f"cuda:{index}"
+        self.governor = governor
+
+    # -- facts ---------------------------------------------------------------------------------
+    base = property(lambda self: self._native.base, doc="First address; never changes.")
+    granule = property(lambda self: self._native.granule, doc="Commit granularity (queried).")
+    reserved_bytes = property(lambda self: self._native.reserved_bytes)
+    committed_bytes = property(lambda self: self._native.committed_bytes)
+    billed_bytes = property(lambda self: self._native.billed_bytes, doc="Bytes this arena holds from its governor "
+                                                                         "(0 for a shared prefix).")
+    read_only = property(lambda self: self._native.read_only)
+    live_mappings = property(lambda self: self._native.live_mappings)
+    closed = property(lambda self: self._native.closed)
+    quarantined = property(lambda self: self._native.quarantined)
+
+    def is_committed(self, offset: int, nbytes: int) -> bool:
+        return self._native.is_committed(offset, nbytes)
+
+    # -- operations ----------------------------------------------------------------------------
+    def commit(self, nbytes: int, offset: int = 0) -> int:
+        """Back every granule overlapping [offset, offset + nbytes); returns the bytes newly committed.
+        Atomic: on failure nothing changes (CapacityError when the governor refuses)."""
+        if nbytes < 0 or offset < 0:
+            raise OrtkvError(f"Arena.commit: nbytes ({nbytes}) and offset ({offset}) must be >= 0")
+        return _native(self._native.commit, int(nbytes), int(offset))
+
+    def release(self) -> None:
+        """Unmap everything and return it to the governor; the range stays reserved (same addresses)."""
+        _native(self._native.release)
+
+    def close(self) -> None:
+        """Synchronize, unmap, free. If synchronization fails the arena is quarantined (leaked on purpose)."""
+        global _warned_quarantine
+        reason = _native(self._native.close)
+        if reason and not _warned_quarantine:
+            _warned_quarantine = True
+            warnings.warn(f"ortkv: {reason}", RuntimeWarning, stacklevel=2)
+
+    def map_shared_prefix(self, nbytes: int) -> "Arena":
+        """A read-only Arena whose first nbytes are the SAME physical granules at a new base."""
+        return Arena(0, self.device, None, _native=_native(self._native.map_shared_prefix, int(nbytes)))
+
+    def view(self, dtype, shape, offset: int = 0):
+        """A tensor over [offset, offset + size) of this arena: a numpy array on the host (read-only
+        for a shared prefix), an object with __cuda_array_interface__ on CUDA. Both can be bound with
+        MutableCacheSession.bind_cache. Only committed bytes may be touched."""
+        dtype = np.dtype(dtype)
+        shape = tuple(int(s) for s in shape)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        if offset < 0 or offset + nbytes > self.reserved_bytes:
+            raise StorageError(f"Arena.view: [{offset}, {offset + nbytes}) is outside the {self.reserved_bytes} "
+                               "reserved bytes")
+        if offset % dtype.itemsize:
+            raise StorageError(f"Arena.view: offset {offset} is not aligned to {dtype} ({dtype.itemsize} bytes)")
+        holder = _ArenaView(self, dtype, shape, offset, nbytes)
+        return np.asarray(holder) if self.device == "cpu" else holder
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if not self.closed:
+            self.close()
+
+    def __repr__(self) -> str:
+        kind = "shared prefix (read-only)" if self.read_only else "owner"
+        return (f"<Arena {self.device} {kind} base=0x{self.base:x} reserved={self.reserved_bytes} "
+                f"committed={self.committed_bytes} granule={self.granule}>")
+
+
+def _parse_device(device: str) -> tuple[str, int]:
+    if device == "cpu":
+        return "cpu", 0
+    if device == "cuda":
+        return "cuda", 0
+    if device.startswith("cuda:") and device[5:].isdigit():
+        return "cuda", int(device[5:])
+    raise OrtkvError(f"Arena: device must be 'cpu' or 'cuda:N', got {device!r}")
+
+
+def _native_arena(reserve: int, kind: str, index: int, governor: Governor | None):
+    if kind == "cuda":
+        ok, why = cuda_available()
+        if not ok:
+            raise OrtkvError(f"Arena: cannot create a CUDA arena: {why}")
+    return _native(_ortkv.Arena, reserve, kind, index, governor._native if governor else None)
+
+
+class _ArenaView:
+    """Keeps its arena alive for as long as a numpy array (or a CUDA consumer) uses its memory."""
+
+    def __init__(self, arena: Arena, dtype: np.dtype, shape, offset: int, nbytes: int):
+        self.arena, self.dtype, self.shape, self.offset, self.nbytes = arena, dtype, shape, offset, nbytes
+        self.ptr = arena.base + offset
+        iface = {"shape": shape, "typestr": dtype.str, "data": (self.ptr, arena.read_only), "version": 3,
+                 "strides": None}
+        if dtype.name == "bfloat16":
+            iface["descr"] = [("", dtype.str)]
+        if arena.device == "cpu":
+            self.__array_interface__ = iface
+        else:
+            self.__cuda_array_interface__ = iface
+
+    def __ortkv_storage__(self) -> Storage:
+        kind, index = _parse_device(self.arena.device)
+        onnx_type = numpy_onnx_type(self.dtype)
+        return Storage(ptr=self.ptr, nbytes=self.nbytes, device_type=kind, device_id=index,
+                       onnx_type=onnx_type if onnx_type is not None else -1, shape=self.shape,
+                       writable=not self.arena.read_only, contiguous=True, kind="arena view", keepalive=(self,))
+
+
+# --- layouts ------------------------------------------------------------------------------------
+LAYOUTS = ("BNSH", "BSNH", "token-major")
+
+
+@dataclass(frozen=True)
+class CacheGeometry:
+    """K and V caches of a whole model: 2 * layers tensors of [batch, kv_heads, capacity, head_size]
+    (or its permutation), laid out back to back in one arena."""
+
+    layers: int
+    kv_heads: int
+    head_size: int
+    capacity: int
+    batch: int = 1
+    dtype_bytes: int = 2
+
+    @property
+    def tensors(self) -> int:
+        return 2 * self.layers
+
+    @property
+    def tensor_bytes(self) -> int:
+        return self.batch * self.kv_heads * self.capacity * self.head_size * self.dtype_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        return self.tensors * self.tensor_bytes
+
+    def tensor_shape(self, layout: str) -> tuple[int, ...]:
+        if layout == "BNSH":
+            return (self.batch, self.kv_heads, self.capacity, self.head_size)
+        if layout == "BSNH":
+            return (self.batch, self.capacity, self.kv_heads, self.head_size)
+        raise OrtkvError(f"layout {layout!r} has no per-tensor shape (token-major interleaves all tensors)")
+
+
+def _check_layout(layout: str) -> None:
+    if layout not in LAYOUTS:
+        raise OrtkvError(f"unknown layout {layout!r}; one of {LAYOUTS}")
+
+
+def live_fragments(layout: str, g: CacheGeometry, valid_len: int) -> list[tuple[int, int]]:
+    """The contiguous byte runs (offset, size) that hold the first ``valid_len`` tokens.
+
+    BNSH        [t][b][h][s][d]: one run per (tensor, row, head) of valid_len * head_size elements
+    BSNH        [t][b][s][h][d]: one run per (tensor, row) of valid_len * heads * head_size elements
+    token-major [s][t][b][h][d]: one run of valid_len * (all tensors' bytes per token)
+    """
+    _check_layout(layout)
+    if not 0 <= valid_len <= g.capacity:
+        raise OrtkvError(f"valid_len {valid_len} is outside [0, capacity {g.capacity}]")
+    if valid_len == 0:
+        return []
+    es, d, h, c = g.dtype_bytes, g.head_size, g.kv_heads, g.capacity
+    if layout == "token-major":
+        return [(0, valid_len * g.tensors * g.batch * h * d * es)]
+    if layout == "BSNH":
+        row = c * h * d * es
+        return [(t * g.tensor_bytes + b * row, valid_len * h * d * es) for t in range(g.tensors) for b in range(g.batch)]
+    run = c * d * es
+    return [(t * g.tensor_bytes + (b * h + hh) * run, valid_len * d * es)
+            for t in range(g.tensors) for b in range(g.batch) for hh in range(h)]
+
+
+def live_bytes(g: CacheGeometry, valid_len: int) -> int:
+    return g.tensors * g.batch * g.kv_heads * valid_len * g.head_size * g.dtype_bytes
+
+
+def _windows(fragments, granule: int) -> list[tuple[int, int]]:
+    """Merged [first, last) granule-aligned windows covering the fragments."""
+    spans = sorted((off // granule * granule, -(-(off + size) // granule) * granule) for off, size in fragments)
+    merged: list[tuple[int, int]] = []
+    for a, b in spans:
+        if merged and a <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+        else:
+            merged.append((a, b))
+    return merged
+
+
+def committed_bytes_for(layout: str, g: CacheGeometry, valid_len: int, granule: int) -> int:
+    """Bytes that must be committed to hold ``valid_len`` tokens: granule x windows with a live byte."""
+    return sum(b - a for a, b in _windows(live_fragments(layout, g, valid_len), granule))
+
+
+@dataclass(frozen=True)
+class Shareability:
+    shareable: bool
+    fragments: int  # contiguous runs of the prefix
+    fragment_bytes: int  # bytes of each run
+    shareable_granules_per_fragment: int  # whole granules inside the smallest run
+    map_operations: int  # multi-map calls a sharer needs (one per run), 0 if not shareable
+    reason: str | None = None
+
+
+def evaluate_prefix_shareability(layout: str, geometry: CacheGeometry, prefix_len: int, granule: int) -> Shareability:
+    """Can a prefix of ``prefix_len`` tokens be shared by mapping its physical granules read-only?
+    Only whole granules can be mapped, so every contiguous fragment must cover at least one."""
+    frags = live_fragments(layout, geometry, prefix_len)
+    if not frags:
+        return Shareability(False, 0, 0, 0, 0, "an empty prefix has nothing to share")
+    whole = [max(0, (off + size) // granule - (-(-off // granule))) for off, size in frags]
+    smallest = min(whole)
+    size = frags[0][1]
+    if smallest == 0:
+        per_token = size // prefix_len
+        need = -(-granule // per_token)
+        return Shareability(
+            False, len(frags), size, 0, 0,
+            f"layout {layout} splits the prefix into {len(frags)} fragments of {size} bytes; a fragment must "
+            f"cover at least one whole {granule}-byte granule to be mapped (needs >= {need} tokens per fragment "
+            f"even when aligned); use token-major, or share a longer prefix")
+    return Shareability(True, len(frags), size, smallest, len(frags))
+
+
+class ArenaKVCache:
+    """All K and V caches of a model in one arena, each tensor a contiguous BNSH or BSNH view; grows
+    with ensure(valid_len), which commits exactly the granules those tokens need. Views never move."""
+
+    def __init__(self, geometry: CacheGeometry, layout: str = "BSNH", device: str = "cpu",
+                 governor: Governor | None = None, dtype=np.float16):
+        if layout not in ("BNSH", "BSNH"):
+            raise OrtkvError(f"ArenaKVCache layout must be BNSH or BSNH (contiguous per tensor), not {layout!r}")
+        dtype = np.dtype(dtype)
+        if dtype.itemsize != geometry.dtype_bytes:
+            raise OrtkvError(f"dtype {dtype} has {dtype.itemsize} bytes but the geometry says {geometry.dtype_bytes}")
+        self.geometry, self.layout, self.dtype = geometry, layout, dtype
+        self.arena = Arena(geometry.total_bytes, device, governor)
+        self.valid_len = 0
+        shape = geometry.tensor_shape(layout)
+        self.views = [self.arena.view(dtype, shape, t * geometry.tensor_bytes) for t in range(geometry.tensors)]
+
+    def key(self, layer: int):
+        return self.views[2 * layer]
+
+    def value(self, layer: int):
+        return self.views[2 * layer + 1]
+
+    def ensure(self, valid_len: int) -> int:
+        """Commit what ``valid_len`` tokens need (call before the run that writes them); returns the
+        bytes newly committed. Raises CapacityError past the capacity or the governor's budget."""
+        g = self.geometry
+        if valid_len > g.capacity:
+            raise CapacityError(f"ArenaKVCache: {valid_len} tokens exceed the capacity of {g.capacity}",
+                                requested=valid_len, capacity=g.capacity)
+        newly = 0
+        for a, b in _windows(live_fragments(self.layout, g, valid_len), self.arena.granule):
+            newly += self.arena.commit(b - a, a)
+        self.valid_len = max(self.valid_len, valid_len)
+        return newly
+
+    @property
+    def committed_bytes(self) -> int:
+        return self.arena.committed_bytes
+
+    def close(self) -> None:
+        self.views = []
+        self.arena.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
