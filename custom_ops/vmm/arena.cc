@@ -211,6 +211,12 @@ Status Arena::Commit(uint64_t nbytes, uint64_t offset, uint64_t* newly) {
     cur = std::max(cur, m.offset + m.size);
   }
   if (cur < last) runs.emplace_back(cur, last - cur);
+  if (!backend_->SupportsPartialMap()) {  // one handle per granule (see Backend::SupportsPartialMap)
+    std::vector<std::pair<uint64_t, uint64_t>> granules;
+    for (auto& r : runs)
+      for (uint64_t o = r.first; o < r.first + r.second; o += granule_) granules.emplace_back(o, granule_);
+    runs.swap(granules);
+  }
   uint64_t total = 0;
   for (auto& r : runs) total += r.second;
   if (total == 0) return Status::Ok();

@@ -34,6 +34,10 @@ class ORTKV_VMM_API Backend {
   virtual Status SetAccess(uintptr_t addr, uint64_t size, bool writable) = 0;
   // Unmaps [addr, addr + size); the address range stays reserved.
   virtual Status Unmap(uintptr_t addr, uint64_t size) = 0;
+  // Whether Map may take part of a handle (offset > 0 or size < the handle's size). The CUDA driver
+  // maps whole handles only, so a CUDA arena creates one handle per granule; then any granule-aligned
+  // prefix can be shared.
+  virtual bool SupportsPartialMap() const = 0;
   // Waits for all work that may touch mapped memory (CUDA: the context); host: nothing to wait for.
   virtual Status Synchronize() = 0;
 };

@@ -154,6 +154,7 @@ class CudaBackend final : public Backend {
     ORTKV_RETURN_IF_ERR(Bind());
     return Cu(Driver().cuMemUnmap(static_cast<CUdeviceptr>(addr), size), "cuMemUnmap", size);
   }
+  bool SupportsPartialMap() const override { return false; }
   Status Synchronize() override {
     ORTKV_RETURN_IF_ERR(Bind());
     return Cu(Driver().cuCtxSynchronize(), "cuCtxSynchronize", 0);

@@ -83,6 +83,7 @@ class HostBackend final : public Backend {
     if (p == MAP_FAILED) return Errno("mmap(PROT_NONE) over a mapping", size);
     return Status::Ok();
   }
+  bool SupportsPartialMap() const override { return true; }
   Status Synchronize() override { return Status::Ok(); }
 };
 

@@ -23,25 +23,17 @@ struct LaunchArgs {
 };
 
 // grid.y walks the (row, outer) pairs, grid.x the vectors of one pair's contiguous run: one 64-bit
-// division per pair and block, none per element. Each thread issues kUnroll independent loads before
-// its stores so that several memory transactions are in flight.
+// division per pair and block, none per element.
 template <typename Vec, int kMaxRows>
 __global__ void CacheUpdateKernel(const LaunchArgs<kMaxRows> a) {
-  constexpr int kUnroll = 4;
   const int64_t pairs = a.rows * a.outer;
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t pair = blockIdx.y; pair < pairs; pair += gridDim.y) {
     const Vec* src = reinterpret_cast<const Vec*>(a.values) + pair * a.run;
     Vec* dst = reinterpret_cast<Vec*>(a.cache) + (pair * a.capacity + a.positions[pair / a.outer]) * a.token_vecs;
-    int64_t k = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-    for (; k + (kUnroll - 1) * stride < a.run; k += kUnroll * stride) {
-      Vec v[kUnroll];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) v[u] = src[k + u * stride];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) dst[k + u * stride] = v[u];
+    for (int64_t k = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; k < a.run;
+         k += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+      dst[k] = src[k];
     }
-    for (; k < a.run; k += stride) dst[k] = src[k];
   }
 }
 
@@ -58,7 +50,7 @@ cudaError_t Launch(const CacheUpdateView& v, int64_t r0, int64_t rows, int vec, 
   for (int64_t r = 0; r < rows; ++r) a.positions[r] = v.position(r0 + r);
   const int64_t pairs = rows * v.outer;
   const int threads = static_cast<int>(std::min<int64_t>(256, (a.run + 31) / 32 * 32));
-  const int64_t blocks_x = std::min<int64_t>((a.run + threads * 4 - 1) / (threads * 4), 1024);
+  const int64_t blocks_x = std::min<int64_t>((a.run + threads - 1) / threads, 1024);
   const dim3 grid(static_cast<unsigned>(std::max<int64_t>(1, blocks_x)),
                   static_cast<unsigned>(std::min<int64_t>(pairs, 65535)));
   CacheUpdateKernel<Vec, kMaxRows><<<grid, threads, 0, stream>>>(a);
