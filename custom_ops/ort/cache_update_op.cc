@@ -50,48 +50,10 @@ using ortkv::Status;
 using ortkv::TensorArg;
 
 struct CacheUpdateKernel {
-  std::string node;
-  std::string input_names[3];
-  std::string output_name;
+  NodeNames names;
   int64_t seq_axis = -2;
   bool cuda = false;
 };
-
-OrtStatus* ReadTensor(const OrtValue* value, const std::string& name, TensorArg* out, int* device_type,
-                      int* device_id) {
-  OrtTensorTypeAndShapeInfo* info = nullptr;
-  ORTKV_RETURN_IF_ORT_ERROR(g_api->GetTensorTypeAndShape(value, &info));
-  ONNXTensorElementDataType type;
-  size_t rank = 0;
-  OrtStatus* s = g_api->GetTensorElementType(info, &type);
-  if (s == nullptr) s = g_api->GetDimensionsCount(info, &rank);
-  if (s == nullptr) {
-    out->dims.assign(rank, 0);
-    s = g_api->GetDimensions(info, out->dims.data(), rank);
-  }
-  g_api->ReleaseTensorTypeAndShapeInfo(info);
-  if (s != nullptr) return s;
-  out->elem_type = static_cast<int32_t>(type);
-  out->name = name;
-  void* data = nullptr;
-  ORTKV_RETURN_IF_ORT_ERROR(g_api->GetTensorMutableData(const_cast<OrtValue*>(value), &data));
-  out->data = data;
-  if (device_type != nullptr) {
-    const OrtMemoryInfo* mem = nullptr;
-    ORTKV_RETURN_IF_ORT_ERROR(g_api->GetTensorMemoryInfo(value, &mem));
-    OrtMemoryInfoDeviceType dt;
-    g_api->MemoryInfoGetDeviceType(mem, &dt);
-    *device_type = dt == OrtMemoryInfoDeviceType_GPU ? ORTKV_DEVICE_CUDA : ORTKV_DEVICE_CPU;
-    ORTKV_RETURN_IF_ORT_ERROR(g_api->MemoryInfoGetId(mem, device_id));
-  }
-  return nullptr;
-}
-
-std::string Hex(const void* p) {
-  std::ostringstream s;
-  s << "0x" << std::hex << reinterpret_cast<uintptr_t>(p);
-  return s.str();
-}
 
 Status CheckWriteProtection(const CacheUpdateKernel& k, const CacheUpdateView& v, int device_type,
                             int device_id) {
@@ -106,7 +68,7 @@ Status CheckWriteProtection(const CacheUpdateKernel& k, const CacheUpdateView& v
                                                sizeof(label));
     if (kind != 0) {
       std::ostringstream m;
-      m << "CacheUpdate node '" << k.node << "': row " << pair / v.outer << " of '" << k.input_names[0]
+      m << "CacheUpdate node '" << k.names.node << "': row " << pair / v.outer << " of '" << k.names.inputs[0]
         << "' would write [" << Hex(reinterpret_cast<void*>(first)) << ", " << Hex(reinterpret_cast<void*>(last))
         << ") which overlaps the " << (kind == ORTKV_RANGE_UNCOMMITTED ? "uncommitted" : "write-protected")
         << " range [" << Hex(reinterpret_cast<void*>(hit)) << ", +" << hit_len << " bytes) '" << label
@@ -138,12 +100,12 @@ OrtStatus* Compute(void* op_kernel, OrtKernelContext* ctx) {
   for (size_t i = 0; i < 3; ++i) ORTKV_RETURN_IF_ORT_ERROR(g_api->KernelContext_GetInput(ctx, i, &in[i]));
   TensorArg cache, values, position;
   int device_type = ORTKV_DEVICE_CPU, device_id = 0;
-  ORTKV_RETURN_IF_ORT_ERROR(ReadTensor(in[0], k.input_names[0], &cache, &device_type, &device_id));
-  ORTKV_RETURN_IF_ORT_ERROR(ReadTensor(in[1], k.input_names[1], &values, nullptr, nullptr));
-  ORTKV_RETURN_IF_ORT_ERROR(ReadTensor(in[2], k.input_names[2], &position, nullptr, nullptr));
+  ORTKV_RETURN_IF_ORT_ERROR(ReadTensor(in[0], k.names.inputs[0], &cache, &device_type, &device_id));
+  ORTKV_RETURN_IF_ORT_ERROR(ReadTensor(in[1], k.names.inputs[1], &values, nullptr, nullptr));
+  ORTKV_RETURN_IF_ORT_ERROR(ReadTensor(in[2], k.names.inputs[2], &position, nullptr, nullptr));
 
   CacheUpdateView view;
-  ORTKV_RETURN_IF_ORT_ERROR(ToOrtStatus(ortkv::PlanCacheUpdate(k.node, cache, values, position, k.seq_axis, &view)));
+  ORTKV_RETURN_IF_ORT_ERROR(ToOrtStatus(ortkv::PlanCacheUpdate(k.names.node, cache, values, position, k.seq_axis, &view)));
 
   OrtValue* out = nullptr;
   ORTKV_RETURN_IF_ORT_ERROR(g_api->KernelContext_GetOutput(ctx, 0, cache.dims.data(), cache.dims.size(), &out));
@@ -151,11 +113,11 @@ OrtStatus* Compute(void* op_kernel, OrtKernelContext* ctx) {
   ORTKV_RETURN_IF_ORT_ERROR(g_api->GetTensorMutableData(out, &out_data));
   if (out_data != cache.data) {
     std::ostringstream m;
-    m << "CacheUpdate node '" << k.node << "': output '" << k.output_name << "' at " << Hex(out_data)
-      << " is not the storage of input '" << k.input_names[0] << "' at " << Hex(cache.data)
+    m << "CacheUpdate node '" << k.names.node << "': output '" << k.names.outputs[0] << "' at " << Hex(out_data)
+      << " is not the storage of input '" << k.names.inputs[0] << "' at " << Hex(cache.data)
       << "; the updated cache MUST alias the cache and ortkv never copies a cache, so nothing was written. "
-      << "Remedy: bind ONE buffer to both names through IOBinding (bind_ortvalue_input('" << k.input_names[0]
-      << "', v) and bind_ortvalue_output('" << k.output_name << "', v) with the same OrtValue v, or "
+      << "Remedy: bind ONE buffer to both names through IOBinding (bind_ortvalue_input('" << k.names.inputs[0]
+      << "', v) and bind_ortvalue_output('" << k.names.outputs[0] << "', v) with the same OrtValue v, or "
       << "bind_input/bind_output with the same buffer_ptr), or run the model through ortkv.MutableCacheSession.";
     return ToOrtStatus(Status(Code::kAlias, m.str()));
   }
@@ -189,14 +151,7 @@ OrtStatus* CreateKernel(const OrtCustomOp* op, const OrtApi* api, const OrtKerne
   (void)op;
   auto k = std::make_unique<CacheUpdateKernel>();
   k->cuda = cuda;
-  ORTKV_RETURN_IF_ORT_ERROR(
-      ReadString([&](char* b, size_t* n) { return api->KernelInfo_GetNodeName(info, b, n); }, &k->node));
-  for (size_t i = 0; i < 3; ++i) {
-    ORTKV_RETURN_IF_ORT_ERROR(ReadString(
-        [&](char* b, size_t* n) { return api->KernelInfo_GetInputName(info, i, b, n); }, &k->input_names[i]));
-  }
-  ORTKV_RETURN_IF_ORT_ERROR(
-      ReadString([&](char* b, size_t* n) { return api->KernelInfo_GetOutputName(info, 0, b, n); }, &k->output_name));
+  ORTKV_RETURN_IF_ORT_ERROR(ReadNodeNames(api, info, 3, 1, &k->names));
   int64_t axis = -2;
   OrtStatus* s = api->KernelInfoGetAttribute_int64(info, "seq_axis", &axis);
   if (s != nullptr) {

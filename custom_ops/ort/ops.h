@@ -8,10 +8,13 @@ namespace ortkv_ort {
 
 // CacheUpdate for the CPU EP, and for the CUDA EP in CUDA builds.
 void AppendCacheUpdateOps(std::vector<const OrtCustomOp*>* ops);
+// CacheAttention for the CPU EP (its CUDA kernel belongs to a later issue).
+void AppendCacheAttentionOps(std::vector<const OrtCustomOp*>* ops);
 
 inline std::vector<const OrtCustomOp*> AllOps() {
   std::vector<const OrtCustomOp*> ops;
   AppendCacheUpdateOps(&ops);
+  AppendCacheAttentionOps(&ops);
   return ops;
 }
 

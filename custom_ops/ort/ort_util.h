@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "onnxruntime_c_api.h"
+#include "ortkv/cache_update.h"
 #include "ortkv/status.h"
 
 namespace ortkv_ort {
@@ -33,5 +34,19 @@ OrtStatus* ReadString(F&& getter, std::string* out) {
   out->assign(buf.data());
   return nullptr;
 }
+
+// Element type, dims, data pointer and the graph value's name of a kernel input or output; with
+// device_type non-null also its device (ORTKV_DEVICE_*) and device id.
+OrtStatus* ReadTensor(const OrtValue* value, const std::string& name, ortkv::TensorArg* out, int* device_type,
+                      int* device_id);
+
+std::string Hex(const void* p);
+
+// Node name, input and output value names of a kernel, read once at kernel creation.
+struct NodeNames {
+  std::string node;
+  std::vector<std::string> inputs, outputs;
+};
+OrtStatus* ReadNodeNames(const OrtApi* api, const OrtKernelInfo* info, size_t inputs, size_t outputs, NodeNames* out);
 
 }  // namespace ortkv_ort

@@ -19,3 +19,12 @@ def make_cache_update(cache: str, values: str, position: str, updated: str, *, n
                             seq_axis=seq_axis)
     declare_output_alias(node, 0, 0)
     return node
+
+
+def make_cache_attention(query: str, key_cache: str, value_cache: str, start: str, output: str, *, name: str,
+                         num_heads: int, kv_num_heads: int, scale: float = 0.0, seq_axis: int = 1) -> onnx.NodeProto:
+    """``output = CacheAttention(query, key_cache, value_cache, start)``: GQA over the caches in place.
+    start: the position of each row's first new token (the row's length before this block)."""
+    return helper.make_node("CacheAttention", [query, key_cache, value_cache, start], [output], domain=DOMAIN,
+                            name=name, num_heads=num_heads, kv_num_heads=kv_num_heads, scale=float(scale),
+                            seq_axis=seq_axis)

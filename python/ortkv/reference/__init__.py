@@ -1,5 +1,6 @@
 """numpy references (oracles) for every ortkv op and codec."""
 
+from .cache_attention import cache_attention_ref
 from .cache_update import cache_update_ref
 
-__all__ = ["cache_update_ref"]
+__all__ = ["cache_attention_ref", "cache_update_ref"]

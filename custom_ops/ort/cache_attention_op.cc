@@ -1,0 +1,116 @@
+// CacheAttention(query, key_cache, value_cache, start) -> output, domain "ortkv", opset 1 (CPU).
+// See Note [CacheAttention] in ortkv/cache_attention.h. The caches are read where they lie (the
+// outputs of CacheUpdate); the op never copies or slices them. Attributes: num_heads, kv_num_heads
+// (required), scale (default 1/sqrt(head_size)), seq_axis (1: BSNH caches, default; 2: BNSH).
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#include "ops.h"
+#include "ort_util.h"
+#include "ortkv/cache_attention.h"
+
+namespace ortkv_ort {
+namespace {
+
+struct CacheAttentionKernel {
+  NodeNames names;
+  int64_t num_heads = 0, kv_num_heads = 0, seq_axis = 1;
+  float scale = 0.0f;
+};
+
+struct Job {
+  const ortkv::CacheAttentionView* view;
+};
+
+void Task(void* user, size_t i) {
+  const auto& v = *static_cast<const Job*>(user)->view;
+  thread_local std::vector<float> scratch;
+  const size_t need = static_cast<size_t>((v.Hq / v.Hkv) * v.C);
+  if (scratch.size() < need) scratch.resize(need);
+  ortkv::CacheAttentionCpu(v, static_cast<int64_t>(i), static_cast<int64_t>(i) + 1, scratch.data());
+}
+
+OrtStatus* Compute(void* op_kernel, OrtKernelContext* ctx) {
+  const auto& k = *static_cast<const CacheAttentionKernel*>(op_kernel);
+  const OrtValue* in[4] = {nullptr, nullptr, nullptr, nullptr};
+  ortkv::TensorArg args[4];
+  for (size_t i = 0; i < 4; ++i) {
+    ORTKV_RETURN_IF_ORT_ERROR(g_api->KernelContext_GetInput(ctx, i, &in[i]));
+    ORTKV_RETURN_IF_ORT_ERROR(ReadTensor(in[i], k.names.inputs[i], &args[i], nullptr, nullptr));
+  }
+  OrtValue* out = nullptr;
+  ORTKV_RETURN_IF_ORT_ERROR(g_api->KernelContext_GetOutput(ctx, 0, args[0].dims.data(), args[0].dims.size(), &out));
+  void* out_data = nullptr;
+  ORTKV_RETURN_IF_ORT_ERROR(g_api->GetTensorMutableData(out, &out_data));
+  ortkv::CacheAttentionView view;
+  ORTKV_RETURN_IF_ORT_ERROR(ToOrtStatus(ortkv::PlanCacheAttention(k.names.node, args[0], args[1], args[2], args[3],
+                                                                  k.num_heads, k.kv_num_heads, k.scale, k.seq_axis,
+                                                                  static_cast<float*>(out_data), &view)));
+  if (view.tasks() == 0) return nullptr;
+  Job job{&view};
+  if (view.tasks() == 1) {
+    Task(&job, 0);
+    return nullptr;
+  }
+  return g_api->KernelContext_ParallelFor(ctx, Task, static_cast<size_t>(view.tasks()), 0, &job);
+}
+
+OrtStatus* Create(const OrtCustomOp*, const OrtApi* api, const OrtKernelInfo* info, void** kernel) {
+  auto k = std::make_unique<CacheAttentionKernel>();
+  ORTKV_RETURN_IF_ORT_ERROR(ReadNodeNames(api, info, 4, 1, &k->names));
+  ORTKV_RETURN_IF_ORT_ERROR(api->KernelInfoGetAttribute_int64(info, "num_heads", &k->num_heads));
+  ORTKV_RETURN_IF_ORT_ERROR(api->KernelInfoGetAttribute_int64(info, "kv_num_heads", &k->kv_num_heads));
+  if (OrtStatus* s = api->KernelInfoGetAttribute_float(info, "scale", &k->scale)) {
+    api->ReleaseStatus(s);
+    k->scale = 0.0f;
+  }
+  if (OrtStatus* s = api->KernelInfoGetAttribute_int64(info, "seq_axis", &k->seq_axis)) {
+    api->ReleaseStatus(s);
+    k->seq_axis = 1;
+  }
+  *kernel = k.release();
+  return nullptr;
+}
+
+OrtStatus* InferShape(const OrtCustomOp*, OrtShapeInferContext* ctx) {
+  OrtTensorTypeAndShapeInfo* info = nullptr;  // owned by the context
+  ORTKV_RETURN_IF_ORT_ERROR(g_api->ShapeInferContext_GetInputTypeShape(ctx, 0, &info));
+  return g_api->ShapeInferContext_SetOutputTypeShape(ctx, 0, info);
+}
+
+OrtCustomOp MakeOp() {
+  OrtCustomOp op;
+  std::memset(&op, 0, sizeof(op));
+  op.version = ORT_API_VERSION;
+  op.GetName = [](const OrtCustomOp*) { return "CacheAttention"; };
+  op.GetExecutionProviderType = [](const OrtCustomOp*) -> const char* { return nullptr; };
+  op.GetInputTypeCount = [](const OrtCustomOp*) -> size_t { return 4; };
+  op.GetInputType = [](const OrtCustomOp*, size_t i) {
+    return i == 3 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+  };
+  op.GetOutputTypeCount = [](const OrtCustomOp*) -> size_t { return 1; };
+  op.GetOutputType = [](const OrtCustomOp*, size_t) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; };
+  op.GetInputCharacteristic = [](const OrtCustomOp*, size_t) { return INPUT_OUTPUT_REQUIRED; };
+  op.GetOutputCharacteristic = [](const OrtCustomOp*, size_t) { return INPUT_OUTPUT_REQUIRED; };
+  op.GetInputMemoryType = [](const OrtCustomOp*, size_t) { return OrtMemTypeDefault; };
+  op.GetVariadicInputMinArity = [](const OrtCustomOp*) { return 1; };
+  op.GetVariadicInputHomogeneity = [](const OrtCustomOp*) { return 1; };
+  op.GetVariadicOutputMinArity = [](const OrtCustomOp*) { return 1; };
+  op.GetVariadicOutputHomogeneity = [](const OrtCustomOp*) { return 1; };
+  op.CreateKernelV2 = Create;
+  op.KernelComputeV2 = Compute;
+  op.KernelDestroy = [](void* k) { delete static_cast<CacheAttentionKernel*>(k); };
+  op.InferOutputShapeFn = InferShape;
+  op.GetStartVersion = [](const OrtCustomOp*) { return 1; };
+  op.GetEndVersion = [](const OrtCustomOp*) { return 1 << 30; };
+  return op;
+}
+
+const OrtCustomOp kCacheAttentionCpu = MakeOp();
+
+}  // namespace
+
+void AppendCacheAttentionOps(std::vector<const OrtCustomOp*>* ops) { ops->push_back(&kCacheAttentionCpu); }
+
+}  // namespace ortkv_ort

@@ -1,0 +1,62 @@
+// Helpers shared by the op adapters.
+#include "ort_util.h"
+
+#include <sstream>
+
+#include "ortkv/core.h"
+
+namespace ortkv_ort {
+
+OrtStatus* ReadTensor(const OrtValue* value, const std::string& name, ortkv::TensorArg* out, int* device_type,
+                      int* device_id) {
+  OrtTensorTypeAndShapeInfo* info = nullptr;
+  ORTKV_RETURN_IF_ORT_ERROR(g_api->GetTensorTypeAndShape(value, &info));
+  ONNXTensorElementDataType type;
+  size_t rank = 0;
+  OrtStatus* s = g_api->GetTensorElementType(info, &type);
+  if (s == nullptr) s = g_api->GetDimensionsCount(info, &rank);
+  if (s == nullptr) {
+    out->dims.assign(rank, 0);
+    s = g_api->GetDimensions(info, out->dims.data(), rank);
+  }
+  g_api->ReleaseTensorTypeAndShapeInfo(info);
+  if (s != nullptr) return s;
+  out->elem_type = static_cast<int32_t>(type);
+  out->name = name;
+  void* data = nullptr;
+  ORTKV_RETURN_IF_ORT_ERROR(g_api->GetTensorMutableData(const_cast<OrtValue*>(value), &data));
+  out->data = data;
+  if (device_type != nullptr) {
+    const OrtMemoryInfo* mem = nullptr;
+    ORTKV_RETURN_IF_ORT_ERROR(g_api->GetTensorMemoryInfo(value, &mem));
+    OrtMemoryInfoDeviceType dt;
+    g_api->MemoryInfoGetDeviceType(mem, &dt);
+    *device_type = dt == OrtMemoryInfoDeviceType_GPU ? ORTKV_DEVICE_CUDA : ORTKV_DEVICE_CPU;
+    ORTKV_RETURN_IF_ORT_ERROR(g_api->MemoryInfoGetId(mem, device_id));
+  }
+  return nullptr;
+}
+
+std::string Hex(const void* p) {
+  std::ostringstream s;
+  s << "0x" << std::hex << reinterpret_cast<uintptr_t>(p);
+  return s.str();
+}
+
+OrtStatus* ReadNodeNames(const OrtApi* api, const OrtKernelInfo* info, size_t inputs, size_t outputs, NodeNames* out) {
+  ORTKV_RETURN_IF_ORT_ERROR(
+      ReadString([&](char* b, size_t* n) { return api->KernelInfo_GetNodeName(info, b, n); }, &out->node));
+  out->inputs.assign(inputs, "");
+  out->outputs.assign(outputs, "");
+  for (size_t i = 0; i < inputs; ++i) {
+    ORTKV_RETURN_IF_ORT_ERROR(ReadString(
+        [&](char* b, size_t* n) { return api->KernelInfo_GetInputName(info, i, b, n); }, &out->inputs[i]));
+  }
+  for (size_t i = 0; i < outputs; ++i) {
+    ORTKV_RETURN_IF_ORT_ERROR(ReadString(
+        [&](char* b, size_t* n) { return api->KernelInfo_GetOutputName(info, i, b, n); }, &out->outputs[i]));
+  }
+  return nullptr;
+}
+
+}  // namespace ortkv_ort
