@@ -11,6 +11,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="ortkv", description="ortkv: in-place KV caches for ONNX Runtime")
     sub = p.add_subparsers(dest="command", required=True)
     sub.add_parser("demo", help="decode with an in-place cache beside a Concat copy baseline", add_help=False)
+    sub.add_parser("generate", help="generate text with SmolLM2-135M through ortkv (--compare: vs GenAI, copy)",
+                   add_help=False)
     sub.add_parser("lib", help="print the op library path (for register_custom_ops_library)")
     if not argv or argv[0] in ("-h", "--help"):
         p.print_help()
@@ -20,6 +22,10 @@ def main(argv=None) -> int:
         from .demo import main as demo_main
 
         return demo_main(rest)
+    if cmd == "generate":
+        from .generate.cli import main as generate_main
+
+        return generate_main(rest)
     if cmd == "lib":
         from . import get_library_path
 

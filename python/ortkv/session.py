@@ -86,15 +86,20 @@ def translate_ort_error(exc: Exception) -> Exception:
     return from_native(exc)
 
 
-def _load_model(model) -> onnx.ModelProto:
+def _load_model(model) -> tuple[onnx.ModelProto, object]:
+    """(the proto to read annotations from, what InferenceSession should load). A path is loaded by
+    ORT itself (external weights are not read twice); its proto is read without external data."""
     if isinstance(model, onnx.ModelProto):
-        return model
+        return model, model.SerializeToString()
     if isinstance(model, (bytes, bytearray)):
-        return onnx.load_from_string(bytes(model))
+        return onnx.load_from_string(bytes(model)), bytes(model)
     path = Path(model)
     if not path.exists():
         raise OrtkvError(f"model file {path} does not exist")
-    return onnx.load(str(path))
+    try:
+        return onnx.load(str(path), load_external_data=False), str(path)
+    except Exception as exc:  # protobuf DecodeError and friends
+        raise OrtkvError(f"{path} is not an ONNX model ({type(exc).__name__}: {exc})") from None
 
 
 class MutableCacheSession:
@@ -103,7 +108,7 @@ class MutableCacheSession:
     def __init__(self, model, providers=None, sess_options=None):
         import onnxruntime as ort
 
-        proto = _load_model(model)
+        proto, source = _load_model(model)
         self.model = proto
         self.annotations = read_annotations(proto)
         self.warnings = check_model(proto)  # raises GraphCheckError on any error
@@ -116,7 +121,7 @@ class MutableCacheSession:
             self._alias_outputs.setdefault(cache, []).append(out)
         so = sess_options if sess_options is not None else ort.SessionOptions()
         so.register_custom_ops_library(get_library_path())
-        self._session = ort.InferenceSession(proto.SerializeToString(), so, providers=providers)
+        self._session = ort.InferenceSession(source, so, providers=providers)
         self._id = next(_session_ids)
         self._bindings: dict[str, Storage] = {}
         self._owners: dict[str, object] = {}

@@ -1,0 +1,111 @@
+"""The generation loop: tokenize, prefill, then sample and decode until eos or max_length.
+
+    logits = runner.prefill(prompt_ids)          # every row's prompt in one run
+    while not done:
+        next = sample(logits)                     # greedy, or temperature / top-k / top-p with a seed
+        logits = runner.step(next)                # one token per row, written in place (ortkv)
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .._memory import peak_rss_bytes, reset_peak, rss_bytes
+from ..errors import OrtkvError
+from .config import Search
+
+
+@dataclass
+class Sampler:
+    search: Search
+    seed: int = 0
+
+    def __post_init__(self):
+        self.rng = np.random.default_rng(self.seed)
+
+    def __call__(self, logits: np.ndarray) -> np.ndarray:
+        s = self.search
+        if not s.do_sample:
+            return logits.argmax(axis=-1).astype(np.int64)
+        out = np.empty(len(logits), np.int64)
+        for b, row in enumerate(logits.astype(np.float64) / s.temperature):
+            order = np.argsort(-row)
+            if s.top_k:
+                order = order[: s.top_k]
+            p = np.exp(row[order] - row[order[0]])
+            p /= p.sum()
+            keep = int(np.searchsorted(np.cumsum(p), s.top_p) + 1)
+            p = p[:keep] / p[:keep].sum()
+            out[b] = order[self.rng.choice(keep, p=p)]
+        return out
+
+
+@dataclass
+class Generation:
+    prompt_ids: list[list[int]]
+    new_ids: list[list[int]] = field(default_factory=list)
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    decode_steps: int = 0
+    kv_bytes: int = 0
+    kv_bytes_per_step: list[int] = field(default_factory=list)
+    rss_per_step: list[int] = field(default_factory=list)
+    peak_rss_above_load: int | None = None
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return sum(len(p) for p in self.prompt_ids) / self.prefill_s if self.prefill_s else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.decode_steps * len(self.prompt_ids) / self.decode_s if self.decode_s else 0.0
+
+
+def generate(runner, prompt_ids: list[list[int]], search: Search, max_new_tokens: int, eos_id: int, pad_id: int,
+             seed: int = 0, on_token=None) -> Generation:
+    """Generate for a batch of prompts (of any lengths). ``on_token(row, token_id)`` streams tokens."""
+    lengths = np.array([len(p) for p in prompt_ids], np.int64)
+    if (lengths == 0).any():
+        raise OrtkvError("a prompt is empty: nothing to condition on")
+    longest = int(lengths.max())
+    if longest >= search.max_length:
+        raise OrtkvError(f"the prompt has {longest} tokens but search.max_length is {search.max_length}: nothing "
+                         "would be generated; raise max_length or shorten the prompt")
+    budget = min(max_new_tokens, search.max_length - longest)
+    ids = np.full((len(prompt_ids), longest), pad_id, np.int64)
+    for b, p in enumerate(prompt_ids):
+        ids[b, : len(p)] = p
+    sample = Sampler(search, seed)
+    g = Generation(prompt_ids=[list(p) for p in prompt_ids], new_ids=[[] for _ in prompt_ids])
+    reset = reset_peak()
+    start_rss = rss_bytes()  # model loaded, no generation state yet: peaks are measured above this
+    runner.start(len(prompt_ids), search.max_length)
+    t0 = time.perf_counter()
+    logits = runner.prefill(ids, lengths)
+    g.prefill_s = time.perf_counter() - t0
+    done = np.zeros(len(prompt_ids), bool)
+    t0 = time.perf_counter()
+    for step in range(budget):
+        nxt = sample(logits)
+        for b, tok in enumerate(nxt):
+            if done[b]:
+                continue
+            g.new_ids[b].append(int(tok))
+            if on_token:
+                on_token(b, int(tok))
+            if tok == eos_id and len(g.new_ids[b]) >= search.min_length:
+                done[b] = True
+        g.kv_bytes_per_step.append(runner.kv_bytes())
+        g.rss_per_step.append(rss_bytes())
+        if done.all() or step == budget - 1:
+            break
+        logits = runner.step(np.where(done, pad_id, nxt))
+        g.decode_steps += 1
+    g.decode_s = time.perf_counter() - t0
+    g.kv_bytes = runner.kv_bytes()
+    if reset:
+        g.peak_rss_above_load = peak_rss_bytes() - start_rss
+    return g
