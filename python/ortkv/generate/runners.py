@@ -47,6 +47,12 @@ class OrtkvRunner:
 
     def start(self, batch: int, max_length: int) -> None:
         cfg, d = self.cfg, self.cfg.model.decoder
+        if self.arena_cache is not None:  # a new generation: give the previous caches back
+            for i in range(self.layers):
+                for name in ortkv_names(i)[:2]:
+                    self.sess.unbind_cache(name)
+            self.arena_cache.close()
+            self.arena_cache = None
         geom = CacheGeometry(layers=self.layers, kv_heads=d.num_key_value_heads, head_size=d.head_size,
                              capacity=max_length, batch=batch, dtype_bytes=4)
         if cfg.ortkv.cache == "arena":
