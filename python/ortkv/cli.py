@@ -13,6 +13,8 @@ def main(argv=None) -> int:
     sub.add_parser("demo", help="decode with an in-place cache beside a Concat copy baseline", add_help=False)
     sub.add_parser("generate", help="generate text with SmolLM2-135M through ortkv (--compare: vs GenAI, copy)",
                    add_help=False)
+    sub.add_parser("bench", help="ortkv vs onnxruntime-genai (share-buffer and not) vs copy, same weights",
+                   add_help=False)
     sub.add_parser("lib", help="print the op library path (for register_custom_ops_library)")
     if not argv or argv[0] in ("-h", "--help"):
         p.print_help()
@@ -26,6 +28,10 @@ def main(argv=None) -> int:
         from .generate.cli import main as generate_main
 
         return generate_main(rest)
+    if cmd == "bench":
+        from .generate.bench import main as bench_main
+
+        return bench_main(rest)
     if cmd == "lib":
         from . import get_library_path
 

@@ -28,15 +28,16 @@ def resolve_config(path: str | None) -> GenAIConfig:
     return load_config(local) if local.exists() else GenAIConfig().validate()
 
 
-def run_one(cfg: GenAIConfig, variant: str, prompts: list[str], stream: bool, log=print) -> dict:
+def run_one(cfg: GenAIConfig, variant: str, prompts: list, stream: bool, log=print) -> dict:
+    """prompts: texts, or lists of token ids (used as they are)."""
     from .loop import generate
     from .models import tokenizer_for
     from .runners import make_runner
 
     tok = tokenizer_for(cfg, log=log)
     chat = cfg.ortkv.chat
-    texts = [tok.apply_chat([_msg(p)]) if chat else p for p in prompts]
-    prompt_ids = [tok.encode(t) for t in texts]
+    texts = [p if isinstance(p, list) else tok.apply_chat([_msg(p)]) if chat else p for p in prompts]
+    prompt_ids = [t if isinstance(t, list) else tok.encode(t) for t in texts]
     rss0 = rss_bytes()
     runner = make_runner(variant, cfg, log=log)
     rss_load = rss_bytes()
@@ -56,7 +57,7 @@ def run_one(cfg: GenAIConfig, variant: str, prompts: list[str], stream: bool, lo
         on_token(row, t)
 
     if stream:
-        sys.stdout.write(texts[0] if not chat else prompts[0] + "\n")
+        sys.stdout.write(tok.decode(prompt_ids[0]) if not chat else prompts[0] + "\n")
     g = generate(runner, prompt_ids, cfg.search, cfg.ortkv.max_new_tokens, cfg.model.eos_token_id,
                  cfg.model.pad_token_id, seed=cfg.ortkv.seed, on_token=track)
     if stream:
