@@ -99,6 +99,25 @@ def test_slice_three_graphs_agree(slice_models):
         np.testing.assert_allclose(other, outs[0], rtol=1e-3, atol=2e-3)
 
 
+def test_q4_weights_are_the_gguf_values(gguf):
+    """MatMulNBits form of Q4_1 (scale d, zero point -m/d) reproduces gguf's own dequantization, and the
+    q4 graph computes what the float32 graph computes."""
+    w32, _ = weights.load(gguf, layers=1)
+    w4, _ = weights.load(gguf, layers=1, fmt="q4")
+    for name in ("wq", "wk", "wd"):
+        np.testing.assert_allclose(w4.layers[0][name].dequantize(), w32.layers[0][name], rtol=1e-5, atol=1e-5)
+    ids = np.array([[504, 3575, 282, 4649, 314]])
+    logits = []
+    for w in (w32, w4):
+        model = builder.build(w, "copy", max_positions=64)
+        sess = ortkv.MutableCacheSession(model)  # no caches in the copy graph: a plain run
+        past = {n: np.zeros((1, 3, 0, 64), np.float32) for n in builder.genai_names(0)[:2]}
+        (out,) = sess.run(["logits"], {"input_ids": ids, "attention_mask": np.ones((1, 5), np.int64),
+                                       "position_ids": np.arange(5)[None], **past})
+        logits.append(out)
+    np.testing.assert_allclose(logits[1], logits[0], rtol=1e-3, atol=1e-2)
+
+
 def test_ortkv_model_passes_the_checker(slice_models):
     _, paths = slice_models
     model = onnx.load(str(paths["ortkv"]), load_external_data=False)

@@ -22,7 +22,7 @@ from onnx import TensorProto as TP
 from onnx import helper, numpy_helper
 
 from ..graph import make_cache_attention, make_cache_update, mark_mutable, set_alias_of
-from .weights import LlamaWeights
+from .weights import LlamaWeights, Q4Weight
 
 VARIANTS = ("ortkv", "genai", "copy")
 IR_VERSION = 10
@@ -114,17 +114,27 @@ def build(weights: LlamaWeights, variant: str, max_positions: int | None = None)
             g.init("shape_q", np.array([0, 0, H, D], np.int64))
             g.init("shape_e", np.array([0, 0, E], np.int64))
 
+    def matmul(x, name, w):
+        """x @ W: MatMul on float32 [in, out], or MatMulNBits on a Q4Weight."""
+        if isinstance(w, Q4Weight):
+            g.init(name + "_q4", w.packed)
+            g.init(name + "_scales", w.scales)
+            g.init(name + "_zp", w.zero_points)
+            return g.op("MatMulNBits", [x, name + "_q4", name + "_scales", name + "_zp"], domain="com.microsoft",
+                        K=w.K, N=w.N, bits=4, block_size=32)
+        return g.op("MatMul", [x, g.init(name, w)])
+
     x = g.op("Gather", ["embed", "input_ids"], axis=0)
     for i, lw in enumerate(weights.layers):
         p = f"l{i}_"
-        for k in ("wq", "wk", "wv", "wo", "wg", "wu", "wd", "attn_norm", "ffn_norm"):
+        for k in ("attn_norm", "ffn_norm"):
             g.init(p + k, lw[k])
         h = g.op("SimplifiedLayerNormalization", [x, p + "attn_norm"], axis=-1, epsilon=cfg.rms_eps)
-        q = g.op("RotaryEmbedding", [g.op("MatMul", [h, p + "wq"]), pos_ids, "rope_cos", "rope_sin"],
+        q = g.op("RotaryEmbedding", [matmul(h, p + "wq", lw["wq"]), pos_ids, "rope_cos", "rope_sin"],
                  domain="com.microsoft", interleaved=1, num_heads=H)
-        k = g.op("RotaryEmbedding", [g.op("MatMul", [h, p + "wk"]), pos_ids, "rope_cos", "rope_sin"],
+        k = g.op("RotaryEmbedding", [matmul(h, p + "wk", lw["wk"]), pos_ids, "rope_cos", "rope_sin"],
                  domain="com.microsoft", interleaved=1, num_heads=Hkv)
-        v = g.op("MatMul", [h, p + "wv"])
+        v = matmul(h, p + "wv", lw["wv"])
         if variant == "ortkv":
             past_k, past_v, pres_k, pres_v = ortkv_names(i)
             kv_shape = ["batch", "capacity", Hkv, D]
@@ -158,11 +168,11 @@ def build(weights: LlamaWeights, variant: str, max_positions: int | None = None)
         out_shape = kv_shape if variant == "ortkv" else ["batch", Hkv, "total_seq", D]
         outputs += [helper.make_tensor_value_info(pres_k, TP.FLOAT, out_shape),
                     helper.make_tensor_value_info(pres_v, TP.FLOAT, out_shape)]
-        x = g.op("Add", [x, g.op("MatMul", [attn, p + "wo"])])
+        x = g.op("Add", [x, matmul(attn, p + "wo", lw["wo"])])
         h2 = g.op("SimplifiedLayerNormalization", [x, p + "ffn_norm"], axis=-1, epsilon=cfg.rms_eps)
-        gate = g.op("MatMul", [h2, p + "wg"])
-        act = g.op("Mul", [g.op("Mul", [gate, g.op("Sigmoid", [gate])]), g.op("MatMul", [h2, p + "wu"])])
-        x = g.op("Add", [x, g.op("MatMul", [act, p + "wd"])])
+        gate = matmul(h2, p + "wg", lw["wg"])
+        act = g.op("Mul", [g.op("Mul", [gate, g.op("Sigmoid", [gate])]), matmul(h2, p + "wu", lw["wu"])])
+        x = g.op("Add", [x, matmul(act, p + "wd", lw["wd"])])
     xn = g.op("SimplifiedLayerNormalization", [x, "final_norm"], axis=-1, epsilon=cfg.rms_eps)
     g.op("MatMul", [xn, "lm_head"], ["logits"])
     graph = helper.make_graph(g.nodes, f"smollm2_{variant}", inputs, outputs, g.inits)

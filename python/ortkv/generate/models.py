@@ -18,7 +18,7 @@ from .builder import VARIANTS, build
 from .config import GenAIConfig, to_dict
 from .weights import load, load_tokenizer
 
-BUILD_TAG = "smollm2-135m-f32-v1"  # bump when the graphs change
+BUILD_TAG = "smollm2-135m-{weights}-v1"  # bump when the graphs change
 MAX_POSITIONS = 16384  # rotary table rows: the arena test generates at max_length 16384
 
 
@@ -27,7 +27,9 @@ def gguf_path(cfg: GenAIConfig, log=print) -> Path:
 
 
 def model_dir(cfg: GenAIConfig) -> Path:
-    tag = BUILD_TAG if not cfg.ortkv.gguf else f"{BUILD_TAG}-{Path(cfg.ortkv.gguf).stem}"
+    tag = BUILD_TAG.format(weights="f32" if cfg.ortkv.weights == "float32" else cfg.ortkv.weights)
+    if cfg.ortkv.gguf:
+        tag += "-" + Path(cfg.ortkv.gguf).stem
     return cache_dir() / "models" / tag
 
 
@@ -40,7 +42,7 @@ def model_path(cfg: GenAIConfig, variant: str, log=print) -> Path:
     if target.exists():
         return target
     src = gguf_path(cfg, log)
-    weights, tokenizer = load(src, log=log)
+    weights, tokenizer = load(src, log=log, fmt=cfg.ortkv.weights)
     for v in VARIANTS:
         out = root / v / "model.onnx"
         if out.exists():

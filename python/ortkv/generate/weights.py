@@ -36,11 +36,46 @@ class LlamaConfig:
 
 
 @dataclass
+class Q4Weight:
+    """A Q4_1 matrix in com.microsoft.MatMulNBits' form (bits 4, block 32): w = (q - zero_point) * scale.
+    Q4_1 stores w = d * q + m per block of 32, so scale = d and zero_point = -m / d."""
+
+    packed: np.ndarray  # [N, K / 32, 16] uint8: byte i of a block holds element 2i (low) and 2i + 1 (high)
+    scales: np.ndarray  # [N * K / 32] float32
+    zero_points: np.ndarray  # [N * K / 32] float32
+    K: int
+    N: int
+
+    def dequantize(self) -> np.ndarray:  # [K, N], for tests
+        q = np.stack([self.packed & 0x0F, self.packed >> 4], axis=-1).reshape(self.N, self.K)
+        s = np.repeat(self.scales.reshape(self.N, -1), 32, axis=1)
+        z = np.repeat(self.zero_points.reshape(self.N, -1), 32, axis=1)
+        return ((q - z) * s).T.astype(np.float32)
+
+
+def q4_from_gguf(raw: np.ndarray, n: int, k: int) -> Q4Weight:
+    """Repack ggml's block_q4_1 {f16 d; f16 m; u8 qs[16]} (qs[j]: element j low, j + 16 high)."""
+    blocks = np.asarray(raw).reshape(n, k // 32, 20)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    qs = blocks[..., 4:]
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # element order 0..31
+    flat = d == 0  # every element equals m: encode as q = 0, zero point -1, scale m
+    q[flat] = 0
+    scale = np.where(flat, m, d)
+    zp = np.where(flat, -1.0, -m / np.where(flat, 1.0, d))
+    packed = (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8)
+    return Q4Weight(packed, scale.ravel().astype(np.float32), zp.ravel().astype(np.float32), k, n)
+
+
+@dataclass
 class LlamaWeights:
     config: LlamaConfig
     embed: np.ndarray  # [vocab, hidden]
     final_norm: np.ndarray  # [hidden]
-    layers: list[dict[str, np.ndarray]] = field(default_factory=list)  # MatMul weights as [in, out]
+    # MatMul weights as float32 [in, out], or Q4Weight for weights="q4"
+    layers: list[dict] = field(default_factory=list)
+    format: str = "float32"
 
 
 def _reader(path):
@@ -77,8 +112,11 @@ def read_config(reader) -> LlamaConfig:
                        len(f["tokenizer.ggml.tokens"].data))
 
 
-def load(path, layers: int | None = None, log=None) -> tuple[LlamaWeights, SmolTokenizer]:
-    """Dequantize the GGUF to float32 (``layers`` limits the blocks read, for tests)."""
+def load(path, layers: int | None = None, log=None, fmt: str = "float32") -> tuple[LlamaWeights, SmolTokenizer]:
+    """Read the GGUF: matrices dequantized to float32, or (fmt="q4") kept 4-bit for MatMulNBits;
+    norms and the embedding are float32 either way. ``layers`` limits the blocks read (tests)."""
+    if fmt not in ("float32", "q4"):
+        raise OrtkvError(f"weights format {fmt!r}: one of 'float32', 'q4'")
     import gguf
 
     t0 = time.perf_counter()
@@ -94,18 +132,27 @@ def load(path, layers: int | None = None, log=None) -> tuple[LlamaWeights, SmolT
         t = tensors[name]
         return np.ascontiguousarray(gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False))
 
-    w = LlamaWeights(cfg, embed=deq("token_embd.weight"), final_norm=deq("output_norm.weight"))
+    def matrix(name):
+        t = tensors[name]
+        if fmt == "q4":
+            if t.tensor_type != gguf.GGMLQuantizationType.Q4_1:
+                raise OrtkvError(f"weights 'q4' need Q4_1 tensors; '{name}' is {t.tensor_type.name}")
+            k, n = int(t.shape[0]), int(t.shape[1])  # ggml order: ne0 = in (K), ne1 = out (N)
+            return q4_from_gguf(t.data, n, k)
+        return np.ascontiguousarray(deq(name).T)
+
+    w = LlamaWeights(cfg, embed=deq("token_embd.weight"), final_norm=deq("output_norm.weight"), format=fmt)
     for i in range(n):
         p = f"blk.{i}."
         w.layers.append({
             "attn_norm": deq(p + "attn_norm.weight"),
             "ffn_norm": deq(p + "ffn_norm.weight"),
-            **{k: np.ascontiguousarray(deq(p + name + ".weight").T) for k, name in
+            **{k: matrix(p + name + ".weight") for k, name in
                (("wq", "attn_q"), ("wk", "attn_k"), ("wv", "attn_v"), ("wo", "attn_output"),
                 ("wg", "ffn_gate"), ("wu", "ffn_up"), ("wd", "ffn_down"))},
         })
     if log:
-        log(f"ortkv: dequantized {n} layers of {Path(path).name} to float32 in {time.perf_counter() - t0:.1f} s")
+        log(f"ortkv: read {n} layers of {Path(path).name} ({fmt} matrices) in {time.perf_counter() - t0:.1f} s")
     return w, SmolTokenizer.from_gguf(reader)
 
 
