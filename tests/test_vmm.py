@@ -305,7 +305,7 @@ def test_kernel_refuses_to_write_read_only_prefix():
 def test_dense_cache_grows_by_commit_without_moving(device):
     providers = ["CPUExecutionProvider"] if device == "cpu" else ["CUDAExecutionProvider"]
     geom = CacheGeometry(layers=1, kv_heads=4, head_size=64, capacity=65536, batch=1, dtype_bytes=4)  # 2 x 64 MiB
-    with ArenaKVCache(geom, "BSNH", device, Governor(1 << 30), dtype=np.float32) as kv:
+    with ArenaKVCache(geom, "BSNH", device, Governor(1 << 30), dtype=np.float32, chunk_tokens=1) as kv:
         key = kv.key(0)
         s = ortkv.MutableCacheSession(cache_update_model(seq_axis=1), providers=providers)
         s.bind_cache("cache", key)
@@ -324,6 +324,25 @@ def test_dense_cache_grows_by_commit_without_moving(device):
         with pytest.raises(ortkv.CapacityError, match=r"uncommitted.*Arena.commit"):
             s.run(None, {"values": np.ones((1, 1, 4, 64), np.float32), "position": np.array(far)})
         s.close()
+
+
+def test_cache_commits_ahead_in_chunks_in_one_transaction(device):
+    geom = CacheGeometry(layers=2, kv_heads=2, head_size=64, capacity=8192, batch=2, dtype_bytes=4)
+    gov = Governor(1 << 30)
+    with ArenaKVCache(geom, "BSNH", device, gov, dtype=np.float32, chunk_tokens=64) as kv:
+        g = kv.arena.granule
+        first = kv.ensure(1)
+        assert first == committed_bytes_for("BSNH", geom, 64, g) and kv.committed_tokens == 64
+        assert kv.ensure(50) == 0 and kv.ensure(64) == 0  # inside the chunk: nothing to do
+        assert kv.ensure(65) == committed_bytes_for("BSNH", geom, 128, g) - first
+        assert gov.in_use == kv.committed_bytes
+        # one transaction: a refused grant leaves every tensor as it was
+        small = Governor(kv.committed_bytes)
+        with ArenaKVCache(geom, "BSNH", device, small, dtype=np.float32, chunk_tokens=64) as kv2:
+            kv2.ensure(1)
+            with pytest.raises(ortkv.CapacityError):
+                kv2.ensure(4096)
+            assert kv2.committed_tokens == 64 and kv2.committed_bytes == small.in_use
 
 
 # --- layouts and shareability (hand-computed) -----------------------------------------------------------

@@ -102,6 +102,13 @@ PYBIND11_MODULE(_ortkv, m) {
              return newly;
            },
            py::arg("nbytes"), py::arg("offset") = 0)
+      .def("commit_ranges",
+           [](Arena& a, const std::vector<std::pair<uint64_t, uint64_t>>& ranges) {
+             uint64_t newly = 0;
+             Check(a.CommitRanges(ranges, &newly));
+             return newly;
+           },
+           py::arg("ranges"), "[(offset, nbytes), ...] in one transaction; returns the bytes newly committed.")
       .def("release", [](Arena& a) { Check(a.Release()); })
       .def("close",
            [](Arena& a) {

@@ -186,37 +186,57 @@ Status Arena::UnmapOne(const Mapping& m, bool* unmapped) {
 }
 
 Status Arena::Commit(uint64_t nbytes, uint64_t offset, uint64_t* newly) {
+  return CommitRanges({{offset, nbytes}}, newly);
+}
+
+Status Arena::CommitRanges(const std::vector<std::pair<uint64_t, uint64_t>>& ranges, uint64_t* newly) {
   std::lock_guard<std::mutex> lock(Mu());
   *newly = 0;
   if (closed_) return Status(Code::kInvalidArgument, "Arena.commit: the arena is closed");
   if (read_only_)
     return Status(Code::kInvalidArgument, "Arena.commit: a read-only shared prefix cannot commit memory; "
                                           "commit in the owner's arena");
-  if (nbytes == 0) return Status::Ok();
-  if (offset > reserved_ || nbytes > reserved_ - offset) {
-    std::ostringstream m;
-    m << "Arena.commit: [" << offset << ", " << offset + nbytes << ") exceeds the " << Bytes(reserved_)
-      << " reserved; reserve a larger arena (the reservation costs address space only) "
-      << "[requested=" << offset + nbytes << " capacity=" << reserved_ << "]";
-    return Status(Code::kCapacity, m.str());
+  // Granule-aligned windows of the requested ranges, sorted and merged.
+  std::vector<std::pair<uint64_t, uint64_t>> windows;  // [first, last)
+  for (const auto& [offset, nbytes] : ranges) {
+    if (nbytes == 0) continue;
+    if (offset > reserved_ || nbytes > reserved_ - offset) {
+      std::ostringstream m;
+      m << "Arena.commit: [" << offset << ", " << offset + nbytes << ") exceeds the " << Bytes(reserved_)
+        << " reserved; reserve a larger arena (the reservation costs address space only) "
+        << "[requested=" << offset + nbytes << " capacity=" << reserved_ << "]";
+      return Status(Code::kCapacity, m.str());
+    }
+    windows.emplace_back(offset / granule_ * granule_, RoundUp(offset + nbytes, granule_));
   }
-  // Missing runs of granules inside [first, last).
-  const uint64_t first = offset / granule_ * granule_, last = RoundUp(offset + nbytes, granule_);
+  std::sort(windows.begin(), windows.end());
+  std::vector<std::pair<uint64_t, uint64_t>> merged;
+  for (const auto& w : windows) {
+    if (!merged.empty() && w.first <= merged.back().second)
+      merged.back().second = std::max(merged.back().second, w.second);
+    else
+      merged.push_back(w);
+  }
+  // Missing runs: the windows minus what is mapped (both sorted: one merge walk).
   std::vector<std::pair<uint64_t, uint64_t>> runs;  // (offset, size)
-  uint64_t cur = first;
-  for (const Mapping& m : maps_) {
-    if (m.offset + m.size <= cur) continue;
-    if (m.offset >= last) break;
-    if (m.offset > cur) runs.emplace_back(cur, m.offset - cur);
-    cur = std::max(cur, m.offset + m.size);
+  size_t mi = 0;
+  for (const auto& [first, last] : merged) {
+    uint64_t cur = first;
+    while (mi < maps_.size() && maps_[mi].offset + maps_[mi].size <= cur) ++mi;
+    for (size_t j = mi; j < maps_.size() && maps_[j].offset < last; ++j) {
+      if (maps_[j].offset > cur) runs.emplace_back(cur, maps_[j].offset - cur);
+      cur = std::max(cur, maps_[j].offset + maps_[j].size);
+    }
+    if (cur < last) runs.emplace_back(cur, last - cur);
   }
-  if (cur < last) runs.emplace_back(cur, last - cur);
   if (!backend_->SupportsPartialMap()) {  // one handle per granule (see Backend::SupportsPartialMap)
     std::vector<std::pair<uint64_t, uint64_t>> granules;
     for (auto& r : runs)
       for (uint64_t o = r.first; o < r.first + r.second; o += granule_) granules.emplace_back(o, granule_);
     runs.swap(granules);
   }
+  const uint64_t offset = merged.empty() ? 0 : merged.front().first;
+  const uint64_t nbytes = merged.empty() ? 0 : merged.back().second - offset;
   uint64_t total = 0;
   for (auto& r : runs) total += r.second;
   if (total == 0) return Status::Ok();

@@ -66,6 +66,9 @@ class ORTKV_VMM_API Arena {
   ~Arena();
 
   Status Commit(uint64_t nbytes, uint64_t offset, uint64_t* newly_committed);
+  // Several [offset, offset + nbytes) ranges in ONE transaction (one grant, all or nothing): what a
+  // decode step needs across every layer's K and V.
+  Status CommitRanges(const std::vector<std::pair<uint64_t, uint64_t>>& ranges, uint64_t* newly_committed);
   Status Release();
   Status Close(bool* quarantined);
   Status MapSharedPrefix(uint64_t nbytes, std::unique_ptr<Arena>* out);

@@ -7,6 +7,7 @@
 
 #include <cerrno>
 #include <cstring>
+#include <map>
 #include <sstream>
 
 #include "backend.h"
@@ -22,8 +23,16 @@ Status Errno(const char* what, uint64_t size) {
   return Status(errno == ENOMEM || errno == ENOSPC ? Code::kCapacity : Code::kRuntime, m.str());
 }
 
+// Physical memory is ONE memfd per backend (one backend per arena, shared with its sharers): a handle
+// is an offset into it. Create appends to the file, Release punches the range out (the pages go back
+// to the system; the offsets are not reused). One file descriptor per arena, however many commits:
+// a cache that grows a granule at a time must not run the process out of descriptors, and adjacent
+// mappings of adjacent offsets merge into one kernel VMA.
 class HostBackend final : public Backend {
  public:
+  ~HostBackend() override {
+    if (fd_ >= 0) close(fd_);
+  }
   const char* name() const override { return "cpu"; }
   int device_type() const override { return ORTKV_DEVICE_CPU; }
   int device_id() const override { return 0; }
@@ -45,30 +54,35 @@ class HostBackend final : public Backend {
     return Status::Ok();
   }
   Status Create(uint64_t size, uint64_t* handle) override {
-    int fd = memfd_create("ortkv-vmm", MFD_CLOEXEC);
-    if (fd < 0) return Errno("memfd_create", size);
-    if (ftruncate(fd, static_cast<off_t>(size)) != 0) {
-      Status s = Errno("ftruncate(memfd)", size);
-      close(fd);
-      return s;
+    if (fd_ < 0) {
+      fd_ = memfd_create("ortkv-vmm", MFD_CLOEXEC);
+      if (fd_ < 0) return Errno("memfd_create", size);
     }
+    const uint64_t offset = end_;
+    if (ftruncate(fd_, static_cast<off_t>(offset + size)) != 0) return Errno("ftruncate(memfd)", size);
     // Back the pages now, so a commit that succeeds cannot fault later (SIGBUS on a full tmpfs).
-    int rc = fallocate(fd, 0, 0, static_cast<off_t>(size));
-    if (rc != 0 && errno != EOPNOTSUPP) {
+    if (fallocate(fd_, 0, static_cast<off_t>(offset), static_cast<off_t>(size)) != 0 && errno != EOPNOTSUPP) {
       Status s = Errno("fallocate(memfd)", size);
-      close(fd);
+      ftruncate(fd_, static_cast<off_t>(offset));
       return s;
     }
-    *handle = static_cast<uint64_t>(fd);
+    end_ = offset + size;
+    sizes_[offset] = size;
+    *handle = offset;
     return Status::Ok();
   }
   Status Release(uint64_t handle) override {
-    if (close(static_cast<int>(handle)) != 0) return Errno("close(memfd)", 0);
+    auto it = sizes_.find(handle);
+    if (it == sizes_.end()) return Status(Code::kRuntime, "host VMM: release of an unknown handle");
+    if (fallocate(fd_, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, static_cast<off_t>(handle),
+                  static_cast<off_t>(it->second)) != 0)
+      return Errno("fallocate(PUNCH_HOLE)", it->second);
+    sizes_.erase(it);
     return Status::Ok();
   }
   Status Map(uintptr_t addr, uint64_t size, uint64_t handle, uint64_t offset) override {
-    void* p = mmap(reinterpret_cast<void*>(addr), size, PROT_NONE, MAP_FIXED | MAP_SHARED, static_cast<int>(handle),
-                   static_cast<off_t>(offset));
+    void* p = mmap(reinterpret_cast<void*>(addr), size, PROT_NONE, MAP_FIXED | MAP_SHARED, fd_,
+                   static_cast<off_t>(handle + offset));
     if (p == MAP_FAILED) return Errno("mmap(MAP_FIXED | MAP_SHARED)", size);
     return Status::Ok();
   }
@@ -85,6 +99,11 @@ class HostBackend final : public Backend {
   }
   bool SupportsPartialMap() const override { return true; }
   Status Synchronize() override { return Status::Ok(); }
+
+ private:
+  int fd_ = -1;
+  uint64_t end_ = 0;                     // file size: the next handle's offset
+  std::map<uint64_t, uint64_t> sizes_;   // live handle (offset) -> size
 };
 
 }  // namespace

@@ -107,6 +107,13 @@ class Arena:
             raise OrtkvError(f"Arena.commit: nbytes ({nbytes}) and offset ({offset}) must be >= 0")
         return _native(self._native.commit, int(nbytes), int(offset))
 
+    def commit_many(self, ranges) -> int:
+        """Commit several (offset, nbytes) ranges in ONE transaction (one grant; all or nothing)."""
+        ranges = [(int(o), int(n)) for o, n in ranges]
+        if any(o < 0 or n < 0 for o, n in ranges):
+            raise OrtkvError("Arena.commit_many: offsets and sizes must be >= 0")
+        return _native(self._native.commit_ranges, ranges)
+
     def release(self) -> None:
         """Unmap everything and return it to the governor; the range stays reserved (same addresses)."""
         _native(self._native.release)
@@ -309,18 +316,22 @@ def evaluate_prefix_shareability(layout: str, geometry: CacheGeometry, prefix_le
 
 class ArenaKVCache:
     """All K and V caches of a model in one arena, each tensor a contiguous BNSH or BSNH view; grows
-    with ensure(valid_len), which commits exactly the granules those tokens need. Views never move."""
+    with ensure(valid_len), which commits the granules the first valid_len tokens need, rounded up to
+    ``chunk_tokens`` so that a decode loop commits once per chunk, in one transaction for all tensors.
+    Views never move."""
 
     def __init__(self, geometry: CacheGeometry, layout: str = "BSNH", device: str = "cpu",
-                 governor: Governor | None = None, dtype=np.float16):
+                 governor: Governor | None = None, dtype=np.float16, chunk_tokens: int = 128):
         if layout not in ("BNSH", "BSNH"):
             raise OrtkvError(f"ArenaKVCache layout must be BNSH or BSNH (contiguous per tensor), not {layout!r}")
         dtype = np.dtype(dtype)
         if dtype.itemsize != geometry.dtype_bytes:
             raise OrtkvError(f"dtype {dtype} has {dtype.itemsize} bytes but the geometry says {geometry.dtype_bytes}")
         self.geometry, self.layout, self.dtype = geometry, layout, dtype
+        self.chunk_tokens = max(1, int(chunk_tokens))
         self.arena = Arena(geometry.total_bytes, device, governor)
         self.valid_len = 0
+        self.committed_tokens = 0
         shape = geometry.tensor_shape(layout)
         self.views = [self.arena.view(dtype, shape, t * geometry.tensor_bytes) for t in range(geometry.tensors)]
 
@@ -337,10 +348,12 @@ class ArenaKVCache:
         if valid_len > g.capacity:
             raise CapacityError(f"ArenaKVCache: {valid_len} tokens exceed the capacity of {g.capacity}",
                                 requested=valid_len, capacity=g.capacity)
-        newly = 0
-        for a, b in _windows(live_fragments(self.layout, g, valid_len), self.arena.granule):
-            newly += self.arena.commit(b - a, a)
         self.valid_len = max(self.valid_len, valid_len)
+        if valid_len <= self.committed_tokens:
+            return 0
+        target = min(g.capacity, -(-valid_len // self.chunk_tokens) * self.chunk_tokens)
+        newly = self.arena.commit_many(live_fragments(self.layout, g, target))
+        self.committed_tokens = target
         return newly
 
     @property

@@ -157,6 +157,7 @@ class GenAIRunner:
 
         self.name = "genai-share" if share else "genai"
         self.share, self.pad = share, cfg.model.pad_token_id
+        self.greedy = not cfg.search.do_sample
         d = cfg.model.decoder
         self._per_token = 2 * d.num_hidden_layers * d.num_key_value_heads * d.head_size * 4
         config = og.Config(str(path.parent))
@@ -168,6 +169,9 @@ class GenAIRunner:
     def start(self, batch: int, max_length: int) -> None:
         import onnxruntime_genai as og
 
+        if batch > 1 and not self.greedy:
+            raise OrtkvError("the onnxruntime-genai baseline samples only at batch 1 (its generator takes tokens "
+                             "from outside once per batch); use greedy search for batch > 1")
         self.max_length, self.batch = max_length, batch
         params = og.GeneratorParams(self.model)
         params.set_search_options(max_length=max_length, batch_size=batch)
@@ -182,7 +186,17 @@ class GenAIRunner:
         return np.asarray(self.gen.get_logits()).reshape(self.batch, -1)
 
     def step(self, next_ids):
-        self.gen.append_tokens(next_ids.reshape(-1, 1).astype(np.int32))
+        if self.batch > 1:
+            # GenAI's own greedy step (its generator accepts outside tokens only once when batch > 1);
+            # it must pick what ortkv's sampler picked from the same logits.
+            self.gen.generate_next_token()
+            chosen = np.asarray(self.gen.get_next_tokens()).reshape(-1)
+            live = next_ids != self.pad
+            if (chosen[live] != next_ids[live]).any():
+                raise OrtkvError(f"onnxruntime-genai chose {chosen.tolist()} where ortkv's greedy sampler chose "
+                                 f"{next_ids.tolist()} from the same logits")
+        else:
+            self.gen.append_tokens(next_ids.reshape(-1, 1).astype(np.int32))
         self.tokens += 1
         return np.asarray(self.gen.get_logits()).reshape(self.batch, -1)
 
