@@ -240,3 +240,30 @@ def test_cli_generates(cfg):
                           "--max-new-tokens", "8"], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert "Paris" in out.stdout and "[ortkv] prefill" in out.stdout and "decode" in out.stdout
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("share", [True, False])
+def test_genai_model_runs_on_cuda(cfg, share):
+    """The GenAI-format model runs under onnxruntime-genai's CUDA provider and greedy-decodes what
+    the CPU decoders decode."""
+    og = pytest.importorskip("onnxruntime_genai")
+    if not og.is_cuda_available():
+        pytest.skip("onnxruntime-genai was installed without CUDA (pip install onnxruntime-genai-cuda)")
+    from ortkv.generate.models import model_path
+
+    path = model_path(cfg, "genai")
+    config = og.Config(str(path.parent))
+    config.clear_providers()
+    config.append_provider("cuda")
+    config.overlay(json.dumps({"search": {"past_present_share_buffer": share}}))
+    model = og.Model(config)
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=64, batch_size=1)
+    gen = og.Generator(model, params)
+    gen.append_tokens(np.array([[504, 3575, 282, 4649, 314]], np.int32))  # "The capital of France is"
+    out = []
+    for _ in range(8):
+        gen.generate_next_token()
+        out.append(int(gen.get_next_tokens()[0]))
+    assert out == [7042, 30, 198, 198, 504, 2988, 314, 42]  # " Paris.\n\nThe answer is:" as on the CPU

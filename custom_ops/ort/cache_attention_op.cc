@@ -2,7 +2,6 @@
 // See Note [CacheAttention] in ortkv/cache_attention.h. The caches are read where they lie (the
 // outputs of CacheUpdate); the op never copies or slices them. Attributes: num_heads, kv_num_heads
 // (required), scale (default 1/sqrt(head_size)), seq_axis (1: BSNH caches, default; 2: BNSH).
-#include <cstring>
 #include <memory>
 #include <vector>
 
@@ -81,29 +80,18 @@ OrtStatus* InferShape(const OrtCustomOp*, OrtShapeInferContext* ctx) {
 
 OrtCustomOp MakeOp() {
   OrtCustomOp op;
-  std::memset(&op, 0, sizeof(op));
-  op.version = ORT_API_VERSION;
+  InitCustomOp(&op);
   op.GetName = [](const OrtCustomOp*) { return "CacheAttention"; };
-  op.GetExecutionProviderType = [](const OrtCustomOp*) -> const char* { return nullptr; };
   op.GetInputTypeCount = [](const OrtCustomOp*) -> size_t { return 4; };
   op.GetInputType = [](const OrtCustomOp*, size_t i) {
     return i == 3 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
   };
   op.GetOutputTypeCount = [](const OrtCustomOp*) -> size_t { return 1; };
   op.GetOutputType = [](const OrtCustomOp*, size_t) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; };
-  op.GetInputCharacteristic = [](const OrtCustomOp*, size_t) { return INPUT_OUTPUT_REQUIRED; };
-  op.GetOutputCharacteristic = [](const OrtCustomOp*, size_t) { return INPUT_OUTPUT_REQUIRED; };
-  op.GetInputMemoryType = [](const OrtCustomOp*, size_t) { return OrtMemTypeDefault; };
-  op.GetVariadicInputMinArity = [](const OrtCustomOp*) { return 1; };
-  op.GetVariadicInputHomogeneity = [](const OrtCustomOp*) { return 1; };
-  op.GetVariadicOutputMinArity = [](const OrtCustomOp*) { return 1; };
-  op.GetVariadicOutputHomogeneity = [](const OrtCustomOp*) { return 1; };
   op.CreateKernelV2 = Create;
   op.KernelComputeV2 = Compute;
   op.KernelDestroy = [](void* k) { delete static_cast<CacheAttentionKernel*>(k); };
   op.InferOutputShapeFn = InferShape;
-  op.GetStartVersion = [](const OrtCustomOp*) { return 1; };
-  op.GetEndVersion = [](const OrtCustomOp*) { return 1 << 30; };
   return op;
 }
 

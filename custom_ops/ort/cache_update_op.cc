@@ -29,7 +29,6 @@
 // (OrtMemTypeCPUInput) so the kernel validates positions on the host before launching on the compute
 // stream ORT gives the op; nothing is launched unless every check passed.
 #include <algorithm>
-#include <climits>
 #include <memory>
 #include <cstring>
 #include <sstream>
@@ -183,8 +182,7 @@ void ReleaseAliasMap(int* input_index, int* output_index) {
 
 OrtCustomOp MakeOp(bool cuda) {
   OrtCustomOp op;
-  std::memset(&op, 0, sizeof(op));
-  op.version = ORT_API_VERSION;  // >= 18 is required for GetAliasMap to be honoured
+  InitCustomOp(&op);  // version >= 18: GetAliasMap is honoured
   op.GetName = [](const OrtCustomOp*) { return "CacheUpdate"; };
   op.GetExecutionProviderType = cuda ? [](const OrtCustomOp*) -> const char* { return "CUDAExecutionProvider"; }
                                      : [](const OrtCustomOp*) -> const char* { return nullptr; };
@@ -196,14 +194,8 @@ OrtCustomOp MakeOp(bool cuda) {
   };
   op.GetOutputTypeCount = [](const OrtCustomOp*) -> size_t { return 1; };
   op.GetOutputType = [](const OrtCustomOp*, size_t) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED; };
-  op.GetInputCharacteristic = [](const OrtCustomOp*, size_t) { return INPUT_OUTPUT_REQUIRED; };
-  op.GetOutputCharacteristic = [](const OrtCustomOp*, size_t) { return INPUT_OUTPUT_REQUIRED; };
   op.GetInputMemoryType = cuda ? [](const OrtCustomOp*, size_t i) { return i == 2 ? OrtMemTypeCPUInput : OrtMemTypeDefault; }
                                : [](const OrtCustomOp*, size_t) { return OrtMemTypeDefault; };
-  op.GetVariadicInputMinArity = [](const OrtCustomOp*) { return 1; };
-  op.GetVariadicInputHomogeneity = [](const OrtCustomOp*) { return 1; };
-  op.GetVariadicOutputMinArity = [](const OrtCustomOp*) { return 1; };
-  op.GetVariadicOutputHomogeneity = [](const OrtCustomOp*) { return 1; };
   op.CreateKernelV2 = cuda ? [](const OrtCustomOp* o, const OrtApi* a, const OrtKernelInfo* i, void** k) {
     return CreateKernel(o, a, i, k, true);
   }
@@ -213,8 +205,6 @@ OrtCustomOp MakeOp(bool cuda) {
   op.KernelComputeV2 = Compute;
   op.KernelDestroy = [](void* k) { delete static_cast<CacheUpdateKernel*>(k); };
   op.InferOutputShapeFn = InferShape;
-  op.GetStartVersion = [](const OrtCustomOp*) { return 1; };
-  op.GetEndVersion = [](const OrtCustomOp*) { return INT_MAX; };
   op.GetAliasMap = AliasMap;
   op.ReleaseAliasMap = ReleaseAliasMap;
   return op;

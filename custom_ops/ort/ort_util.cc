@@ -1,6 +1,8 @@
 // Helpers shared by the op adapters.
 #include "ort_util.h"
 
+#include <climits>
+#include <cstring>
 #include <sstream>
 
 #include "ortkv/core.h"
@@ -57,6 +59,21 @@ OrtStatus* ReadNodeNames(const OrtApi* api, const OrtKernelInfo* info, size_t in
         [&](char* b, size_t* n) { return api->KernelInfo_GetOutputName(info, i, b, n); }, &out->outputs[i]));
   }
   return nullptr;
+}
+
+void InitCustomOp(OrtCustomOp* op) {
+  std::memset(op, 0, sizeof(*op));
+  op->version = ORT_API_VERSION;
+  op->GetExecutionProviderType = [](const OrtCustomOp*) -> const char* { return nullptr; };
+  op->GetInputCharacteristic = [](const OrtCustomOp*, size_t) { return INPUT_OUTPUT_REQUIRED; };
+  op->GetOutputCharacteristic = [](const OrtCustomOp*, size_t) { return INPUT_OUTPUT_REQUIRED; };
+  op->GetInputMemoryType = [](const OrtCustomOp*, size_t) { return OrtMemTypeDefault; };
+  op->GetVariadicInputMinArity = [](const OrtCustomOp*) { return 1; };
+  op->GetVariadicInputHomogeneity = [](const OrtCustomOp*) { return 1; };
+  op->GetVariadicOutputMinArity = [](const OrtCustomOp*) { return 1; };
+  op->GetVariadicOutputHomogeneity = [](const OrtCustomOp*) { return 1; };
+  op->GetStartVersion = [](const OrtCustomOp*) { return 1; };
+  op->GetEndVersion = [](const OrtCustomOp*) { return INT_MAX; };
 }
 
 }  // namespace ortkv_ort

@@ -49,4 +49,9 @@ struct NodeNames {
 };
 OrtStatus* ReadNodeNames(const OrtApi* api, const OrtKernelInfo* info, size_t inputs, size_t outputs, NodeNames* out);
 
+// Zeroes `op` and fills what every ortkv op shares: version (>= 18, so GetAliasMap is honoured),
+// required single inputs and outputs, default memory types, opset range [1, INT_MAX]. Each op then
+// sets its name, types, kernel callbacks and shape inference.
+void InitCustomOp(OrtCustomOp* op);
+
 }  // namespace ortkv_ort

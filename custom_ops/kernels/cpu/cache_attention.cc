@@ -1,9 +1,10 @@
 // CPU CacheAttention (Note [CacheAttention] in ortkv/cache_attention.h). One task is one (row, KV
-// head, query token): the G = Hq / Hkv query heads that share the KV head run in the same task, one
-// after the other, so the group's key and value rows are still in cache for the second and third
-// head. Loops over the head dimension are plain contiguous loops the compiler vectorizes.
+// head, query token) and serves the G = Hq / Hkv query heads that share the KV head: every key and
+// value row is read once per task, not once per query head. Loops over the head dimension are plain
+// contiguous loops the compiler vectorizes.
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <sstream>
 
@@ -26,6 +27,69 @@ inline float Dot(const float* a, const float* b, int64_t n) {
   return s + ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
 }
 
+// exp(x) for x <= 0 (scores minus their maximum), as a loop the compiler vectorizes: 2^n * p(r) with
+// n = round(x log2 e), |r| <= 1/2 and a degree-6 polynomial for 2^r (relative error ~2e-7). A scalar
+// std::exp per score cost more than the rest of decode attention at a few thousand tokens.
+inline void ExpNonPositive(float* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float t = std::max(x[i], -87.0f) * 1.44269504088896341f;
+    const float fn = std::floor(t + 0.5f);
+    const float r = t - fn;
+    float p = 1.54035303933816e-4f;
+    p = p * r + 1.33335581464284e-3f;
+    p = p * r + 9.61812910762848e-3f;
+    p = p * r + 5.55041086648216e-2f;
+    p = p * r + 2.40226506959101e-1f;
+    p = p * r + 6.93147180559945e-1f;
+    p = p * r + 1.0f;
+    const int32_t bits = (static_cast<int32_t>(fn) + 127) << 23;
+    float scale;
+    std::memcpy(&scale, &bits, sizeof(scale));
+    x[i] = p * scale;
+  }
+}
+
+// One task (see CacheAttentionCpu), compiled for AVX2+FMA and for the baseline ISA; the loader picks
+// the best the CPU has (GCC target_clones), so one build runs everywhere.
+__attribute__((target_clones("arch=haswell", "default"))) void AttendGroup(const CacheAttentionView& a, int64_t task,
+                                                                            float* scratch) {
+  const int64_t G = a.Hq / a.Hkv, D = a.D;
+  const int64_t t = task % a.T;
+  const int64_t hk = (task / a.T) % a.Hkv;
+  const int64_t b = task / (a.T * a.Hkv);
+  const int64_t L = a.start[b * a.start_stride] + t + 1;  // keys [0, start + t]
+  const float* kbase = a.k + b * a.row_stride + hk * a.head_stride;
+  const float* vbase = a.v + b * a.row_stride + hk * a.head_stride;
+  const float* q = a.q + (b * a.T + t) * a.Hq * D + hk * G * D;  // the group's G query heads
+  float* out = a.out + (b * a.T + t) * a.Hq * D + hk * G * D;
+  // Scores: each key row is loaded once for the G query heads that share it.
+  for (int64_t j = 0; j < L; ++j) {
+    const float* kj = kbase + j * a.tok_stride;
+    for (int64_t g = 0; g < G; ++g) scratch[g * a.C + j] = a.scale * Dot(q + g * D, kj, D);
+  }
+  std::fill(out, out + G * D, 0.0f);
+  float inv[64];  // G <= 64 (checked when planning)
+  for (int64_t g = 0; g < G; ++g) {
+    float* sc = scratch + g * a.C;
+    float mx = -std::numeric_limits<float>::infinity();
+    for (int64_t j = 0; j < L; ++j) mx = std::max(mx, sc[j]);
+    for (int64_t j = 0; j < L; ++j) sc[j] -= mx;
+    ExpNonPositive(sc, L);
+    float sum = 0;
+    for (int64_t j = 0; j < L; ++j) sum += sc[j];
+    inv[g] = 1.0f / sum;
+  }
+  // Values: likewise one load of each value row for the whole group.
+  for (int64_t j = 0; j < L; ++j) {
+    const float* vj = vbase + j * a.tok_stride;
+    for (int64_t g = 0; g < G; ++g) {
+      const float p = scratch[g * a.C + j] * inv[g];
+      float* og = out + g * D;
+      for (int64_t d = 0; d < D; ++d) og[d] += p * vj[d];
+    }
+  }
+}
+
 }  // namespace
 
 Status PlanCacheAttention(const std::string& node, const TensorArg& q, const TensorArg& k, const TensorArg& v,
@@ -43,8 +107,9 @@ Status PlanCacheAttention(const std::string& node, const TensorArg& q, const Ten
       << (v.dims != k.dims && v.dims.size() == k.dims.size() ? " (key and value shapes differ)" : "");
     return Bad(node, m.str());
   }
-  if (num_heads <= 0 || kv_num_heads <= 0 || num_heads % kv_num_heads != 0) {
-    m << "num_heads " << num_heads << " must be a positive multiple of kv_num_heads " << kv_num_heads;
+  if (num_heads <= 0 || kv_num_heads <= 0 || num_heads % kv_num_heads != 0 || num_heads / kv_num_heads > 64) {
+    m << "num_heads " << num_heads << " must be a positive multiple of kv_num_heads " << kv_num_heads
+      << " (at most 64 query heads per KV head)";
     return Bad(node, m.str());
   }
   const bool bsnh = seq_axis == 1;
@@ -97,39 +162,7 @@ Status PlanCacheAttention(const std::string& node, const TensorArg& q, const Ten
 }
 
 void CacheAttentionCpu(const CacheAttentionView& a, int64_t begin, int64_t end, float* scratch) {
-  const int64_t G = a.Hq / a.Hkv, D = a.D;
-  for (int64_t task = begin; task < end; ++task) {
-    const int64_t t = task % a.T;
-    const int64_t hk = (task / a.T) % a.Hkv;
-    const int64_t b = task / (a.T * a.Hkv);
-    const int64_t L = a.start[b * a.start_stride] + t + 1;  // keys [0, start + t]
-    const float* kbase = a.k + b * a.row_stride + hk * a.head_stride;
-    const float* vbase = a.v + b * a.row_stride + hk * a.head_stride;
-    const float* q = a.q + (b * a.T + t) * a.Hq * D + hk * G * D;  // the group's G query heads
-    float* out = a.out + (b * a.T + t) * a.Hq * D + hk * G * D;
-    for (int64_t g = 0; g < G; ++g) {
-      float* sc = scratch + g * a.C;
-      const float* qg = q + g * D;
-      float mx = -std::numeric_limits<float>::infinity();
-      for (int64_t j = 0; j < L; ++j) {
-        sc[j] = a.scale * Dot(qg, kbase + j * a.tok_stride, D);
-        mx = std::max(mx, sc[j]);
-      }
-      float sum = 0;
-      for (int64_t j = 0; j < L; ++j) {
-        sc[j] = std::exp(sc[j] - mx);
-        sum += sc[j];
-      }
-      const float inv = 1.0f / sum;
-      float* og = out + g * D;
-      std::fill(og, og + D, 0.0f);
-      for (int64_t j = 0; j < L; ++j) {
-        const float p = sc[j] * inv;
-        const float* vj = vbase + j * a.tok_stride;
-        for (int64_t d = 0; d < D; ++d) og[d] += p * vj[d];
-      }
-    }
-  }
+  for (int64_t task = begin; task < end; ++task) AttendGroup(a, task, scratch);
 }
 
 }  // namespace ortkv
