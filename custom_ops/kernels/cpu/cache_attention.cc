@@ -62,24 +62,37 @@ __attribute__((target_clones("arch=haswell", "default"))) void AttendGroup(const
   const float* vbase = a.v + b * a.row_stride + hk * a.head_stride;
   const float* q = a.q + (b * a.T + t) * a.Hq * D + hk * G * D;  // the group's G query heads
   float* out = a.out + (b * a.T + t) * a.Hq * D + hk * G * D;
-  // Scores: each key row is loaded once for the G query heads that share it.
-  for (int64_t j = 0; j < L; ++j) {
-    const float* kj = kbase + j * a.tok_stride;
-    for (int64_t g = 0; g < G; ++g) scratch[g * a.C + j] = a.scale * Dot(q + g * D, kj, D);
-  }
-  std::fill(out, out + G * D, 0.0f);
+  // Per query head of the group: its query row and its output accumulator stay in registers while
+  // the key and value rows stream by; the group's 2nd and later heads find those rows in L2.
   float inv[64];  // G <= 64 (checked when planning)
   for (int64_t g = 0; g < G; ++g) {
     float* sc = scratch + g * a.C;
+    const float* qg = q + g * D;
     float mx = -std::numeric_limits<float>::infinity();
-    for (int64_t j = 0; j < L; ++j) mx = std::max(mx, sc[j]);
+    for (int64_t j = 0; j < L; ++j) {
+      sc[j] = a.scale * Dot(qg, kbase + j * a.tok_stride, D);
+      mx = std::max(mx, sc[j]);
+    }
     for (int64_t j = 0; j < L; ++j) sc[j] -= mx;
     ExpNonPositive(sc, L);
     float sum = 0;
     for (int64_t j = 0; j < L; ++j) sum += sc[j];
     inv[g] = 1.0f / sum;
   }
-  // Values: likewise one load of each value row for the whole group.
+  if (D == 64) {  // the common head size: a fixed-size accumulator the compiler keeps in registers
+    for (int64_t g = 0; g < G; ++g) {
+      const float* sc = scratch + g * a.C;
+      float acc[64] = {};
+      for (int64_t j = 0; j < L; ++j) {
+        const float p = sc[j];
+        const float* vj = vbase + j * a.tok_stride;
+        for (int d = 0; d < 64; ++d) acc[d] += p * vj[d];
+      }
+      for (int d = 0; d < 64; ++d) out[g * D + d] = acc[d] * inv[g];
+    }
+    return;
+  }
+  std::fill(out, out + G * D, 0.0f);
   for (int64_t j = 0; j < L; ++j) {
     const float* vj = vbase + j * a.tok_stride;
     for (int64_t g = 0; g < G; ++g) {
