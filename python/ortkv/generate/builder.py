@@ -1,7 +1,7 @@
 """ONNX decoders of a llama-architecture model, three ways, on the same weights:
 
-* ``ortkv``: per layer K and V caches [B, capacity, kv_heads, head_size] (BSNH) are READ_WRITE graph
-  inputs; CacheUpdate writes the new tokens at each row's position and CacheAttention reads the
+* ``ortkv``: per layer K and V caches [B, kv_heads, capacity, head_size] (BNSH; BSNH on request) are
+  READ_WRITE graph inputs; CacheUpdate writes the new tokens at each row's position and CacheAttention reads the
   valid prefix in place. Inputs: input_ids [B, T], positions [B] (each row's length before the block).
 * ``genai``: onnxruntime-genai's decoder format (input_ids, attention_mask, position_ids,
   past_key_values.N.key/value -> logits, present.N.key/value, BNSH) with com.microsoft
@@ -60,9 +60,16 @@ def rope_tables(cfg, rows: int) -> tuple[np.ndarray, np.ndarray]:
     return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
 
 
-def build(weights: LlamaWeights, variant: str, max_positions: int | None = None) -> onnx.ModelProto:
+def build(weights: LlamaWeights, variant: str, max_positions: int | None = None,
+          cache_layout: str = "BNSH") -> onnx.ModelProto:
+    """cache_layout (ortkv variant): BNSH [B, kv_heads, capacity, D] (each head's keys contiguous: the
+    fastest for CacheAttention on CPU) or BSNH [B, capacity, kv_heads, D] (token-major per row: the
+    fewest committed bytes with large granules)."""
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}, not {variant!r}")
+    if cache_layout not in ("BNSH", "BSNH"):
+        raise ValueError(f"cache_layout must be BNSH or BSNH, not {cache_layout!r}")
+    bnsh = cache_layout == "BNSH"
     cfg = weights.config
     H, Hkv, D, E = cfg.heads, cfg.kv_heads, cfg.head_size, cfg.hidden
     g = _Graph()
@@ -137,14 +144,20 @@ def build(weights: LlamaWeights, variant: str, max_positions: int | None = None)
         v = matmul(h, p + "wv", lw["wv"])
         if variant == "ortkv":
             past_k, past_v, pres_k, pres_v = ortkv_names(i)
-            kv_shape = ["batch", "capacity", Hkv, D]
-            g.nodes.append(make_cache_update(past_k, g.op("Reshape", [k, "shape_kv"]), "positions", pres_k,
-                                             name=f"update_k_{i}", seq_axis=1))
-            g.nodes.append(make_cache_update(past_v, g.op("Reshape", [v, "shape_kv"]), "positions", pres_v,
-                                             name=f"update_v_{i}", seq_axis=1))
+            kv_shape = ["batch", Hkv, "capacity", D] if bnsh else ["batch", "capacity", Hkv, D]
+            axis = 2 if bnsh else 1
+
+            def new_tokens(t):  # [B, T, Hkv*D] -> the cache's layout (only the new tokens move)
+                t = g.op("Reshape", [t, "shape_kv"])
+                return g.op("Transpose", [t], perm=[0, 2, 1, 3]) if bnsh else t
+
+            g.nodes.append(make_cache_update(past_k, new_tokens(k), "positions", pres_k, name=f"update_k_{i}",
+                                             seq_axis=axis))
+            g.nodes.append(make_cache_update(past_v, new_tokens(v), "positions", pres_v, name=f"update_v_{i}",
+                                             seq_axis=axis))
             attn = p + "attn"
             g.nodes.append(make_cache_attention(q, pres_k, pres_v, "positions", attn, name=f"attention_{i}",
-                                                num_heads=H, kv_num_heads=Hkv, seq_axis=1))
+                                                num_heads=H, kv_num_heads=Hkv, seq_axis=axis))
         else:
             past_k, past_v, pres_k, pres_v = genai_names(i)
             kv_shape = ["batch", Hkv, "past_seq", D]

@@ -78,7 +78,7 @@ class Ortkv:
     gguf: str = ""  # an explicit GGUF path instead of the download
     weights: str = "float32"  # "float32" (dequantized) or "q4" (Q4_1 kept 4-bit, com.microsoft.MatMulNBits)
     cache: str = "arena"  # "arena": KV bytes follow the tokens (ortkv.vmm); "dense": max_length preallocated
-    cache_layout: str = "BSNH"
+    cache_layout: str = "BNSH"  # ortkv decoder caches: "BNSH" (fastest attention on CPU) or "BSNH"
     arena_budget_bytes: int = 8 << 30
     max_new_tokens: int = 128
     seed: int = 0
@@ -105,8 +105,8 @@ class GenAIConfig:
             raise OrtkvError(f"ortkv.cache = {o.cache!r}: one of 'arena', 'dense'")
         if o.weights not in ("float32", "q4"):
             raise OrtkvError(f"ortkv.weights = {o.weights!r}: one of 'float32', 'q4'")
-        if o.cache_layout != "BSNH":
-            raise OrtkvError(f"ortkv.cache_layout = {o.cache_layout!r}: the decoder uses 'BSNH'")
+        if o.cache_layout not in ("BNSH", "BSNH"):
+            raise OrtkvError(f"ortkv.cache_layout = {o.cache_layout!r}: one of 'BNSH', 'BSNH'")
         return self
 
 

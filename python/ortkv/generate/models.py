@@ -1,7 +1,7 @@
 """Build-once cache of the three decoders of the default model (large files stay outside git):
 
-    <cache>/models/smollm2-135m-f32-v1/{ortkv,genai,copy}/model.onnx (+ model.onnx.data)
-    <cache>/models/smollm2-135m-f32-v1/genai/genai_config.json, tokenizer.json, tokenizer_config.json
+    <cache>/models/smollm2-135m-f32-v2/{ortkv,genai,copy}/model.onnx (+ model.onnx.data)
+    <cache>/models/smollm2-135m-f32-v2/genai/genai_config.json, tokenizer.json, tokenizer_config.json
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from .builder import VARIANTS, build
 from .config import GenAIConfig, to_dict
 from .weights import load, load_tokenizer
 
-BUILD_TAG = "smollm2-135m-{weights}-v1"  # bump when the graphs change
+BUILD_TAG = "smollm2-135m-{weights}-v2"  # bump when the graphs change; + "-bsnh" for that layout
 MAX_POSITIONS = 16384  # rotary table rows: the arena test generates at max_length 16384
 
 
@@ -28,6 +28,8 @@ def gguf_path(cfg: GenAIConfig, log=print) -> Path:
 
 def model_dir(cfg: GenAIConfig) -> Path:
     tag = BUILD_TAG.format(weights="f32" if cfg.ortkv.weights == "float32" else cfg.ortkv.weights)
+    if cfg.ortkv.cache_layout != "BNSH":
+        tag += "-" + cfg.ortkv.cache_layout.lower()
     if cfg.ortkv.gguf:
         tag += "-" + Path(cfg.ortkv.gguf).stem
     return cache_dir() / "models" / tag
@@ -48,7 +50,7 @@ def model_path(cfg: GenAIConfig, variant: str, log=print) -> Path:
         if out.exists():
             continue
         log(f"ortkv: building the {v} decoder ...")
-        model = build(weights, v, max_positions=MAX_POSITIONS)
+        model = build(weights, v, max_positions=MAX_POSITIONS, cache_layout=cfg.ortkv.cache_layout)
         tmp = root / f".{v}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)

@@ -56,10 +56,11 @@ class OrtkvRunner:
         geom = CacheGeometry(layers=self.layers, kv_heads=d.num_key_value_heads, head_size=d.head_size,
                              capacity=max_length, batch=batch, dtype_bytes=4)
         if cfg.ortkv.cache == "arena":
-            self.arena_cache = ArenaKVCache(geom, "BSNH", "cpu", Governor(cfg.ortkv.arena_budget_bytes), np.float32)
+            self.arena_cache = ArenaKVCache(geom, cfg.ortkv.cache_layout, "cpu", Governor(cfg.ortkv.arena_budget_bytes),
+                                            np.float32)
             views = self.arena_cache.views
         else:  # dense: the whole max_length, resident up front (what a preallocated buffer costs)
-            shape = geom.tensor_shape("BSNH")
+            shape = geom.tensor_shape(cfg.ortkv.cache_layout)
             views = [np.zeros(shape, np.float32) for _ in range(geom.tensors)]
             for v in views:
                 v.fill(0)
