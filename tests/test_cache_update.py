@@ -112,7 +112,6 @@ def test_values_type_mismatch(rng):
 
 def _mixed_type_model():
     from onnx import TensorProto as TP
-    from onnx import helper
 
     m = cache_update_model(TP.FLOAT)
     m.graph.input[1].type.tensor_type.elem_type = TP.FLOAT16

@@ -22,7 +22,7 @@ import numpy as np
 import onnx
 
 from . import get_library_path
-from ._storage import ELEM_SIZE, ONNX_TYPE_NAMES, Storage, as_storage
+from ._storage import ONNX_TYPE_NAMES, Storage, as_storage
 from .errors import (
     AliasError,
     BindingConflictError,
@@ -304,7 +304,3 @@ class MutableCacheSession:
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"caches={self._caches}, bound={sorted(self._bindings)}"
         return f"<MutableCacheSession #{self._id} {state}>"
-
-
-def cache_nbytes(shape, onnx_type: int) -> int:
-    return int(np.prod(shape, dtype=np.int64)) * ELEM_SIZE[onnx_type]

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import onnx
 
 from ..errors import GraphCheckError
-from .annotations import MAX_IR_VERSION, MIN_IR_VERSION, Access, AliasAnnotations, read_annotations
+from .annotations import MAX_IR_VERSION, MIN_IR_VERSION, Access, read_annotations
 
 
 @dataclass(frozen=True)
