@@ -103,6 +103,17 @@ def run_bound(sess: ort.InferenceSession, cache: np.ndarray, values: np.ndarray,
     return io.get_outputs()[0].data_ptr()
 
 
+def random_case(rng, shape, axis: int, n: int, vector: bool, np_type):
+    """A cache, n new values along `axis` and a valid position (per row, or the last slot for all)."""
+    cache = rng.standard_normal(shape).astype(np.float32).astype(np_type)
+    vshape = list(shape)
+    vshape[axis] = n
+    values = rng.standard_normal(vshape).astype(np.float32).astype(np_type)
+    cap = shape[axis]
+    position = rng.integers(0, cap - n + 1, size=shape[0]) if vector else np.int64(cap - n)
+    return cache, values, position
+
+
 @pytest.fixture
 def rng():
     return np.random.default_rng(1234)

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import DTYPES, cache_update_model, cached_session, digest, ort_session, run_bound
+from conftest import DTYPES, cache_update_model, cached_session, digest, ort_session, random_case, run_bound
 from ortkv._memory import rss_bytes
 from ortkv.reference import cache_update_ref
 
@@ -31,12 +31,7 @@ def _rand(rng, shape, dtype):
 def test_matches_reference(rng, dtype, layout, n, vector):
     np_type, onnx_type = DTYPES[dtype]
     shape, axis = LAYOUTS[layout]
-    cache = _rand(rng, shape, np_type)
-    vshape = list(shape)
-    vshape[axis] = n
-    values = _rand(rng, vshape, np_type)
-    cap = shape[axis]
-    position = rng.integers(0, cap - n + 1, size=shape[0]) if vector else np.int64(cap - n)  # scalar: last slot
+    cache, values, position = random_case(rng, shape, axis, n, vector, np_type)
     expected = cache_update_ref(cache, values, position, axis)
     sess = cached_session(onnx_type, len(shape), axis, vector)
     ptr = run_bound(sess, cache, values, position, onnx_type)

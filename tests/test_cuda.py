@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import ortkv
-from conftest import DTYPES, cache_update_model, ort_session
+from conftest import DTYPES, cache_update_model, ort_session, random_case
 from ortkv.reference import cache_update_ref
 
 pytestmark = pytest.mark.cuda
@@ -65,11 +65,7 @@ def _run(sess, cache_t, values_t, position, onnx_type):
 def test_cuda_matches_reference(rng, dtype, layout, n, vector):
     np_type, onnx_type = DTYPES[dtype]
     shape, axis = LAYOUTS[layout]
-    cache = rng.standard_normal(shape).astype(np.float32).astype(np_type)
-    vshape = list(shape)
-    vshape[axis] = n
-    values = rng.standard_normal(vshape).astype(np.float32).astype(np_type)
-    position = rng.integers(0, shape[axis] - n + 1, size=shape[0]) if vector else np.int64(shape[axis] - n)
+    cache, values, position = random_case(rng, shape, axis, n, vector, np_type)
     expected = cache_update_ref(cache, values, position, axis)
     cache_t, values_t = _to_torch(cache), _to_torch(values)
     sess = _cuda_session(cache_update_model(onnx_type, len(shape), axis, vector_position=vector))

@@ -24,17 +24,10 @@ def top1_agreement(runner, cases: list[dict], max_length: int = 2048) -> list[di
         seq = list(case["prompt_ids"]) + list(case["new_ids"])
         ids = np.array([seq], np.int64)
         runner.start(1, max_length)
-        logits = runner_logits_all(runner, ids)
+        logits = runner.logits_all(ids)[0]
         n_prompt = len(case["prompt_ids"])
         pred = logits[n_prompt - 1:len(seq) - 1].argmax(-1)
         truth = np.array(case["new_ids"])
         out.append({"prompt": case["prompt"], "kind": case["kind"], "positions": len(truth),
                     "top1_matches": int((pred == truth).sum())})
     return out
-
-
-def runner_logits_all(runner, ids: np.ndarray) -> np.ndarray:
-    """Logits of every position of one row (ortkv runner)."""
-    runner._ensure(ids.shape[1])
-    (logits,) = runner.sess.run(["logits"], {"input_ids": ids, "positions": np.zeros(1, np.int64)})
-    return logits[0]

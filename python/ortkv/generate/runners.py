@@ -75,9 +75,14 @@ class OrtkvRunner:
         if self.arena_cache is not None:
             self.arena_cache.ensure(tokens)
 
-    def prefill(self, ids: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    def logits_all(self, ids: np.ndarray) -> np.ndarray:
+        """Run right-padded prompts from position 0; logits of every position [B, T, V]."""
         self._ensure(ids.shape[1])
         (logits,) = self.sess.run(["logits"], {"input_ids": ids, "positions": np.zeros(len(ids), np.int64)})
+        return logits
+
+    def prefill(self, ids: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        logits = self.logits_all(ids)
         self.lengths = lengths.astype(np.int64).copy()
         return logits[np.arange(len(ids)), lengths - 1]
 
