@@ -15,6 +15,7 @@ def main(argv=None) -> int:
                    add_help=False)
     sub.add_parser("bench", help="ortkv vs onnxruntime-genai (share-buffer and not) vs copy, same weights",
                    add_help=False)
+    sub.add_parser("check", help="check a model: alias rules, alias-aware shapes, peak-memory plan", add_help=False)
     sub.add_parser("lib", help="print the op library path (for register_custom_ops_library)")
     if not argv or argv[0] in ("-h", "--help"):
         p.print_help()
@@ -32,6 +33,10 @@ def main(argv=None) -> int:
         from .generate.bench import main as bench_main
 
         return bench_main(rest)
+    if cmd == "check":
+        from .graph.cli import main as check_main
+
+        return check_main(rest)
     if cmd == "lib":
         from . import get_library_path
 

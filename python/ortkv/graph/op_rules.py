@@ -1,0 +1,250 @@
+"""Shape rules of the ortkv ops and of the com.microsoft ops the decoders use, for ShapesContext.
+
+A rule takes (ctx, node, label, input types) and returns the output types; it reports what is wrong
+with the inputs as ``op-input`` findings (the same conditions the kernels refuse at run time, found
+before the model runs) and checks ``position + n <= capacity`` where the numbers are known.
+WORKSPACE gives the bytes an op allocates beside its outputs while it runs (the memory planner).
+
+PagedCacheUpdate / PagedCacheAttention follow the contract in design/ARCHITECTURE.md:
+  PagedCacheUpdate(pool, page_table, values, positions) -> (updated_pool, updated_page_table),
+      both MUST alias; page_table int32/int64 [batch, max_pages]; values [batch, T, kv_heads, head_size];
+      positions int64 [batch] or scalar; attribute page_size (tokens per page): a row holds at most
+      max_pages * page_size tokens. The pool's layout is the kernel's (per-page formats), passed through.
+  PagedCacheAttention(query, pool, page_table, start) -> output shaped like query.
+"""
+
+from __future__ import annotations
+
+from onnx import TensorProto
+
+from .dims import ShapeConflict, ValueType, elem_name, list_dims
+
+FLOATS = (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16)
+
+
+def _attr(node, name, default=None):
+    from onnx import helper
+
+    for a in node.attribute:
+        if a.name == name:
+            return helper.get_attribute_value(a)
+    return default
+
+
+def _pad(ins, n):
+    return list(ins) + [ValueType()] * (n - len(ins))
+
+
+def _meet_dim(ctx, label, op, a_name, a_t, a_i, b_name, b_t, b_i, why) -> None:
+    """Dim a_i of a_name and dim b_i of b_name must be equal (unify when symbolic)."""
+    if a_t.shape is None or b_t.shape is None or a_i >= len(a_t.shape) or b_i >= len(b_t.shape):
+        return
+    try:
+        ctx.table.meet(a_t.shape[a_i], b_t.shape[b_i])
+    except ShapeConflict:
+        ctx.error("op-input", label, f"{op} node '{label}': dim {a_i} of '{a_name}' {list_dims(a_t.shape)} is "
+                  f"{a_t.shape[a_i]} but dim {b_i} of '{b_name}' {list_dims(b_t.shape)} is {b_t.shape[b_i]} ({why})")
+
+
+def _meet_value(ctx, label, op, name, t, i, value, why) -> None:
+    if t.shape is None or i >= len(t.shape):
+        return
+    try:
+        ctx.table.meet(t.shape[i], value)
+    except ShapeConflict:
+        ctx.error("op-input", label, f"{op} node '{label}': dim {i} of '{name}' {list_dims(t.shape)} is "
+                  f"{ctx.table.resolve(t.shape[i])}, expected {value} ({why})")
+
+
+def _position(ctx, label, op, name, t, batch_t, batch_name) -> bool:
+    if t.elem is not None and t.elem != TensorProto.INT64:
+        ctx.error("op-input", label, f"{op} node '{label}': input '{name}' is {elem_name(t.elem)}; "
+                  f"positions must be int64")
+        return False
+    if t.rank is not None and t.rank > 1:
+        ctx.error("op-input", label, f"{op} node '{label}': input '{name}' has shape {list_dims(t.shape)}; "
+                  f"it must be a scalar or one entry per batch row")
+        return False
+    if t.rank == 1:
+        _meet_dim(ctx, label, op, name, t, 0, batch_name, batch_t, 0, "one position per batch row")
+    return True
+
+
+def cache_update(ctx, node, label, ins):
+    op = "CacheUpdate"
+    cache, values, pos = _pad(ins, 3)
+    cname, vname, pname = (list(node.input) + ["", "", ""])[:3]
+    if cache.rank is not None and cache.rank < 3:
+        ctx.error("op-input", label, f"{op} node '{label}': input '{cname}' has rank {cache.rank} "
+                  f"{list_dims(cache.shape)}; a cache needs rank >= 3, e.g. BNSH [batch, heads, capacity, head_size]")
+        return [cache]
+    if cache.elem is not None and cache.elem not in FLOATS:
+        ctx.error("op-input", label, f"{op} node '{label}': input '{cname}' is {elem_name(cache.elem)}; "
+                  f"CacheUpdate takes float32, float16 or bfloat16")
+    if cache.elem is not None and values.elem is not None and cache.elem != values.elem:
+        ctx.error("op-input", label, f"{op} node '{label}': input '{vname}' is {elem_name(values.elem)} but "
+                  f"'{cname}' is {elem_name(cache.elem)}; the new values must have the cache's element type")
+    rank = cache.rank if cache.rank is not None else values.rank
+    if rank is None:
+        return [cache]
+    seq_axis = _attr(node, "seq_axis", -2)
+    axis = seq_axis + rank if seq_axis < 0 else seq_axis
+    if not 1 <= axis < rank:
+        ctx.error("op-input", label, f"{op} node '{label}': seq_axis={seq_axis} resolves to axis {axis} of a "
+                  f"rank-{rank} cache; the sequence axis must be in [1, {rank - 1}] (-2 for BNSH, 1 for BSNH)")
+        return [cache]
+    if cache.rank is not None and values.rank is not None:
+        if values.rank != cache.rank:
+            ctx.error("op-input", label, f"{op} node '{label}': input '{vname}' {list_dims(values.shape)} has "
+                      f"rank {values.rank} but '{cname}' {list_dims(cache.shape)} has rank {cache.rank}; they "
+                      f"must differ only along the sequence axis {axis}")
+            return [cache]
+        for i in range(rank):
+            if i != axis:
+                _meet_dim(ctx, label, op, vname, values, i, cname, cache, i,
+                          f"only the sequence axis {axis} may differ")
+    _position(ctx, label, op, pname, pos, cache, cname)
+    cache, values = ctx.type_of(cname), ctx.type_of(vname)
+    n = values.shape[axis] if values.shape is not None else None
+    cap = cache.shape[axis] if cache.shape is not None else None
+    ctx.check_capacity(label, op, pname, n, cap, f"'{cname}'", "position")
+    return [cache]
+
+
+def cache_attention(ctx, node, label, ins):
+    op = "CacheAttention"
+    q, k, v, start = _pad(ins, 4)
+    qn, kn, vn, sn = (list(node.input) + [""] * 4)[:4]
+    hq, hkv = _attr(node, "num_heads"), _attr(node, "kv_num_heads")
+    seq_axis = _attr(node, "seq_axis", 1)
+    if hq is None or hkv is None or hkv <= 0 or hq % hkv:
+        ctx.error("op-input", label, f"{op} node '{label}': num_heads={hq} must be a positive multiple of "
+                  f"kv_num_heads={hkv}")
+    if seq_axis not in (1, 2):
+        ctx.error("op-input", label, f"{op} node '{label}': seq_axis={seq_axis}; 1 (BSNH) or 2 (BNSH)")
+        return [q]
+    if q.rank is not None and q.rank != 3:
+        ctx.error("op-input", label, f"{op} node '{label}': query '{qn}' {list_dims(q.shape)} must be "
+                  f"[batch, tokens, num_heads * head_size]")
+        return [q]
+    for name, t in ((kn, k), (vn, v)):
+        if t.rank is not None and t.rank != 4:
+            ctx.error("op-input", label, f"{op} node '{label}': cache '{name}' {list_dims(t.shape)} must have rank 4 "
+                      f"({'[batch, capacity, kv_heads, head_size]' if seq_axis == 1 else '[batch, kv_heads, capacity, head_size]'})")
+            return [q]
+    for name, t in ((kn, k), (vn, v)):
+        if t.elem is not None and q.elem is not None and t.elem != q.elem:
+            ctx.error("op-input", label, f"{op} node '{label}': cache '{name}' is {elem_name(t.elem)} but query "
+                      f"'{qn}' is {elem_name(q.elem)}")
+    if q.elem is not None and q.elem != TensorProto.FLOAT:
+        ctx.error("op-input", label, f"{op} node '{label}': query '{qn}' is {elem_name(q.elem)}; the CPU kernel "
+                  f"takes float32")
+    for i in range(4):
+        _meet_dim(ctx, label, op, vn, v, i, kn, k, i, "the key and value caches share one layout")
+    head_axis = 2 if seq_axis == 1 else 1
+    if hkv:
+        _meet_value(ctx, label, op, kn, k, head_axis, hkv, f"kv_num_heads={hkv}")
+    _meet_dim(ctx, label, op, qn, q, 0, kn, k, 0, "batch")
+    k = ctx.type_of(kn)
+    if k.shape is not None and isinstance(k.shape[3], int) and hq:
+        _meet_value(ctx, label, op, qn, q, 2, hq * k.shape[3], f"num_heads={hq} x head_size={k.shape[3]}")
+    _position(ctx, label, op, sn, start, q, qn)
+    q, k = ctx.type_of(qn), ctx.type_of(kn)
+    if q.shape is not None and k.shape is not None:
+        ctx.check_capacity(label, op, sn, q.shape[1], k.shape[seq_axis], f"'{kn}'", "start")
+    return [q]
+
+
+def cache_attention_workspace(ctx, node, threads: int) -> int:
+    """The CPU kernel's scratch: one float per (query head in a group, cache slot), per thread."""
+    k = ctx.type_of(node.input[1])
+    hq, hkv = _attr(node, "num_heads", 1), _attr(node, "kv_num_heads", 1)
+    seq_axis = _attr(node, "seq_axis", 1)
+    if k.shape is None or not isinstance(k.shape[seq_axis], int) or not hkv:
+        return 0
+    return (hq // hkv) * k.shape[seq_axis] * 4 * threads
+
+
+def paged_cache_update(ctx, node, label, ins):
+    op = "PagedCacheUpdate"
+    pool, table, values, pos = _pad(ins, 4)
+    pn, tn, vn, sn = (list(node.input) + [""] * 4)[:4]
+    page_size = _attr(node, "page_size")
+    if table.elem is not None and table.elem not in (TensorProto.INT32, TensorProto.INT64):
+        ctx.error("op-input", label, f"{op} node '{label}': page table '{tn}' is {elem_name(table.elem)}; "
+                  f"a page table holds int32 (or int64) page indices")
+    if table.rank is not None and table.rank != 2:
+        ctx.error("op-input", label, f"{op} node '{label}': page table '{tn}' {list_dims(table.shape)} must be "
+                  f"[batch, max_pages]")
+    if values.rank is not None and values.rank != 4:
+        ctx.error("op-input", label, f"{op} node '{label}': values '{vn}' {list_dims(values.shape)} must be "
+                  f"[batch, tokens, kv_heads, head_size]")
+    if values.elem is not None and values.elem not in FLOATS:
+        ctx.error("op-input", label, f"{op} node '{label}': values '{vn}' are {elem_name(values.elem)}; the "
+                  f"kernel quantizes float32, float16 or bfloat16 values into the pages")
+    if page_size is None or page_size < 1:
+        ctx.error("op-input", label, f"{op} node '{label}': attribute page_size (tokens per page) must be >= 1, "
+                  f"not {page_size}")
+    _meet_dim(ctx, label, op, vn, values, 0, tn, table, 0, "one page-table row per batch row")
+    _position(ctx, label, op, sn, pos, table, tn)
+    table, values = ctx.type_of(tn), ctx.type_of(vn)
+    if table.shape is not None and values.shape is not None and page_size:
+        max_pages = table.shape[1]
+        cap = max_pages * page_size if isinstance(max_pages, int) else None
+        ctx.check_capacity(label, op, sn, values.shape[1], cap, f"page table '{tn}' ({max_pages} pages x {page_size} tokens)",
+                           "position")
+    return [pool, table]
+
+
+def paged_cache_attention(ctx, node, label, ins):
+    q = _pad(ins, 4)[0]
+    return [q]
+
+
+def passthrough(ctx, node, label, ins):
+    return [ins[0] if ins else None]
+
+
+def simplified_layer_norm(ctx, node, label, ins):
+    x = ins[0]
+    outs = [x]
+    if len(node.output) > 1 and x.shape is not None:
+        axis = _attr(node, "axis", -1) % len(x.shape)
+        outs.append(ValueType(TensorProto.FLOAT, tuple(x.shape[:axis]) + (1,) * (len(x.shape) - axis)))
+    return outs
+
+
+def matmul_nbits(ctx, node, label, ins):
+    a = ins[0]
+    n = _attr(node, "N")
+    k = _attr(node, "K")
+    if a.shape is not None and k is not None:
+        _meet_value(ctx, label, "MatMulNBits", node.input[0], a, len(a.shape) - 1, k, f"K={k}")
+    return [ValueType(a.elem, None if a.shape is None else tuple(a.shape[:-1]) + (n,))]
+
+
+def group_query_attention(ctx, node, label, ins):
+    q, past_k = ins[0], _pad(ins, 4)[3]
+    hq, hkv = _attr(node, "num_heads"), _attr(node, "kv_num_heads")
+    d = past_k.shape[3] if past_k.shape is not None else None
+    out = ValueType(q.elem, None if q.shape is None else (q.shape[0], q.shape[1],
+                                                          hq * d if isinstance(d, int) else None))
+    present = ValueType(q.elem, None if q.shape is None else (q.shape[0], hkv, None, d))
+    return [out, present, present]
+
+
+OP_RULES = {
+    ("ortkv", "CacheUpdate"): cache_update,
+    ("ortkv", "CacheAttention"): cache_attention,
+    ("ortkv", "PagedCacheUpdate"): paged_cache_update,
+    ("ortkv", "PagedCacheAttention"): paged_cache_attention,
+    ("com.microsoft", "SimplifiedLayerNormalization"): simplified_layer_norm,
+    ("", "SimplifiedLayerNormalization"): simplified_layer_norm,  # ORT also registers it in the onnx domain
+    ("com.microsoft", "RotaryEmbedding"): passthrough,
+    ("com.microsoft", "MatMulNBits"): matmul_nbits,
+    ("com.microsoft", "GroupQueryAttention"): group_query_attention,
+}
+
+WORKSPACE = {
+    ("ortkv", "CacheAttention"): cache_attention_workspace,
+}
