@@ -128,6 +128,32 @@ def test_ortkv_model_passes_the_checker(slice_models):
 
 
 # --- the full model ----------------------------------------------------------------------------------------
+def test_check_types_the_real_model_and_plans_one_cache_less_than_copy(cfg, capsys):
+    """ShapesContext types every value of the ortkv and copy decoders; the planner counts the ortkv
+    caches once (60 in-place updates add nothing) and the copy model's past + present: a second cache."""
+    from ortkv.cli import main as cli_main
+    from ortkv.generate.models import model_path
+
+    cap, layers, kv_heads, head = 2048, 30, 3, 64
+    cache = 2 * layers * kv_heads * cap * head * 4  # K and V, float32, batch 1
+    reports = {}
+    for variant, dims in (("ortkv", {"batch": 1, "seq": 1, "capacity": cap}),
+                          ("copy", {"batch": 1, "seq": 1, "past_seq": cap - 1, "total_seq": cap})):
+        m = onnx.load(str(model_path(cfg, variant)), load_external_data=False)
+        r = ortkv.graph.check(m, dims=dims)
+        assert r.findings == [] and r.shapes.untyped() == [], r.findings
+        reports[variant] = r
+    a, b = reports["ortkv"], reports["copy"]
+    assert len(a.shapes.classes()) == 2 * layers and len(a.plan.in_place) == 2 * layers
+    assert a.plan.bytes_by_kind(at_peak=True)["cache"] == cache
+    assert b.plan.bytes_by_kind(at_peak=True)["cache"] == 0 and b.plan.in_place == []
+    assert b.plan.bytes_by_kind(at_peak=True)["output"] >= cache  # present: a new [1, 3, 2048, 64] per layer
+    assert b.plan.peak_bytes - a.plan.peak_bytes >= cache * (cap - 1) // cap  # the past inputs: the extra cache
+    assert cli_main(["check", "--variant", "ortkv", "--dims", "batch=1", "seq=1", "capacity=2048"]) == 0
+    out = capsys.readouterr().out
+    assert "values typed: 698/698" in out and "in-place updates: 60" in out and "caches 90.00 MiB" in out
+
+
 @pytest.fixture(scope="session")
 def full_runs(cfg, reference):
     """Greedy, 128 new tokens, batch 1, every reference prompt, through each decoder."""

@@ -71,9 +71,11 @@ def check_aliases(model: onnx.ModelProto) -> list[Finding]:
             chain.append(cur)
             cur = ann.alias_of[cur]
         if cur in chain and not in_cycle.intersection(chain):
-            cycle = chain[chain.index(cur):] + [cur]
+            cycle = chain[chain.index(cur):]
             in_cycle.update(cycle)
-            error("alias-cycle", start, "alias_of annotations form a cycle: " + " -> ".join(cycle))
+            k = cycle.index(min(cycle))  # start at the smallest name: one text per cycle
+            cycle = cycle[k:] + cycle[:k] + [cycle[k]]
+            error("alias-cycle", cycle[0], "alias_of annotations form a cycle: " + " -> ".join(cycle))
 
     # alias-target / alias-initializer for value annotations.
     for value, target in ann.alias_of.items():
@@ -132,9 +134,13 @@ def check_aliases(model: onnx.ModelProto) -> list[Finding]:
         if declared is None and out_name in outputs:
             error("alias-disagree", out_name, f"graph output '{out_name}' is written in place by node '{label}' "
                   f"(output_alias) but carries no alias_of='{root}'; annotate both or neither")
+    local_functions = {(f.domain, f.name) for f in model.functions}
     for value, target in ann.alias_of.items():
+        src = producer.get(value)
+        if src and (graph.node[src[0]].op_type in ("If", "Loop", "Scan") and graph.node[src[0]].domain in ("", "ai.onnx")
+                    or (graph.node[src[0]].domain, graph.node[src[0]].op_type) in local_functions):
+            continue  # a composite node's aliases come from its bodies: ShapesContext derives and checks them
         if value in outputs and value not in node_alias_of_output and value not in in_cycle:
-            src = producer.get(value)
             who = _node_label(graph.node[src[0]], src[0]) if src else "no node"
             error("alias-disagree", value, f"alias_of says '{value}' is the storage of '{target}' but its producer "
                   f"({who}) declares no output_alias for it; annotate both or neither")

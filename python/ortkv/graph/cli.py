@@ -67,8 +67,8 @@ def main(argv=None) -> int:
         print(json.dumps({
             "model": path,
             "findings": [vars(f) for f in report.findings],
-            "typed": len(report.shapes._outputs) - len(report.shapes.untyped()),
-            "values": len(report.shapes._outputs),
+            "typed": report.shapes.counts()[0],
+            "values": report.shapes.counts()[1],
             "alias_classes": report.shapes.classes(),
             "plan": report.plan.as_dict() if report.plan else None,
             "plan_error": report.plan_error,

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import onnx
 
 from ..errors import GraphCheckError
 from .annotations import Access
 from .op_rules import WORKSPACE
+from .shapes import outer_reads
 
 KINDS = ("cache", "input", "initializer", "output", "activation")
 
@@ -95,21 +95,6 @@ def _mib(n: int) -> str:
     return f"{n / (1 << 20):.2f} MiB"
 
 
-def _subgraph_reads(node: onnx.NodeProto) -> set[str]:
-    """Outer-scope names read anywhere inside the node's bodies."""
-    reads: set[str] = set()
-    for a in node.attribute:
-        for g in ([a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)):
-            local = {vi.name for vi in g.input} | {t.name for t in g.initializer}
-            for n in g.node:
-                local.update(o for o in n.output if o)
-            for n in g.node:
-                reads.update(i for i in n.input if i and i not in local)
-                reads.update(r for r in _subgraph_reads(n) if r not in local)
-            reads.update(vi.name for vi in g.output if vi.name not in local)
-    return reads
-
-
 def plan_memory(ctx, threads: int = 1) -> MemoryPlan:
     """Plan ``ctx`` (an inferred ShapesContext whose dims are all concrete: pass ``dims``)."""
     graph = ctx.model.graph
@@ -127,7 +112,7 @@ def plan_memory(ctx, threads: int = 1) -> MemoryPlan:
                 birth[o] = i
     last_read: dict[str, int] = {}
     for i, (_, node) in enumerate(steps):
-        for n in (*node.input, *_subgraph_reads(node)):
+        for n in (*node.input, *outer_reads(node)):
             if n:
                 last_read[n] = i
 
@@ -141,7 +126,7 @@ def plan_memory(ctx, threads: int = 1) -> MemoryPlan:
             missing.append((root, t))
             continue
         persistent = any(m in inputs or m in inits for m in members)
-        if ctx._access.get(root) is Access.READ_WRITE:
+        if ctx.access(root) is Access.READ_WRITE:
             kind = "cache"
         elif root in inits:
             kind = "initializer"

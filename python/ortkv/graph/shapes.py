@@ -38,7 +38,7 @@ from onnx import TensorProto, helper, numpy_helper
 from ..errors import GraphCheckError
 from .annotations import ALIAS_OF_KEY, Access, output_aliases, read_annotations
 from .checker import Finding
-from .dims import DimTable, ShapeConflict, ValueType, elem_name, join_types, list_dims
+from .dims import DimTable, ShapeConflict, ValueType, join_types
 
 SMALL = 4096  # int tensors up to this many elements are propagated as values (shape arithmetic)
 COMPOSITE = {"If", "Loop", "Scan"}
@@ -91,6 +91,9 @@ class ShapesContext:
         self._access = {}
         self._functions = {(f.domain, f.name): f for f in model.functions}
         self._warned_ops: set[str] = set()
+        self._claims: dict[str, list] = {}            # composite node label -> its output_alias entries
+        self._deferred_alias_of: dict[str, str] = {}  # alias_of on composite outputs, checked after the rule
+        self._composite_outputs: set[str] = set()
         self._inferred = False
         self._depth = 0
 
@@ -151,7 +154,7 @@ class ShapesContext:
                        f"({exc.detail}), and {why} makes them one storage: an in-place update keeps the "
                        f"cache's element type and shape")
             return
-        self._origin.setdefault(rt, ot if (ot := self._origin.get(rt)) else ov)
+        self._origin.setdefault(rt, ov)
 
     # --- types ------------------------------------------------------------------------------------
     def type_of(self, name: str) -> ValueType:
@@ -185,6 +188,14 @@ class ShapesContext:
 
     def dim_bindings(self) -> dict[str, object]:
         return self.table.bindings()
+
+    def access(self, name: str) -> Access | None:
+        """The access annotation of graph input ``name`` (READ_WRITE marks a persistent cache)."""
+        return self._access.get(name)
+
+    def counts(self) -> tuple[int, int]:
+        """(typed node outputs, all node outputs)."""
+        return len(self._outputs) - len(self.untyped()), len(self._outputs)
 
     # --- values and bounds ------------------------------------------------------------------------
     def value(self, name: str) -> np.ndarray | None:
@@ -255,6 +266,8 @@ class ShapesContext:
     def _node_edges(self, graph: onnx.GraphProto, prefix: str, edges: dict, composite_claims: dict) -> None:
         for idx, node in enumerate(graph.node):
             label = prefix + (node.name or f"{node.op_type}#{idx}")
+            if self._is_composite(node):
+                self._composite_outputs.update(o for o in node.output if o)
             try:
                 entries = output_aliases(node)
             except GraphCheckError as exc:
@@ -272,7 +285,7 @@ class ShapesContext:
                 if self._is_composite(node):
                     composite_claims.setdefault(label, []).append((node, e, out, inp))
                 else:
-                    edges[out] = (inp, f"node '{label}' (output_alias {e})")
+                    edges[out] = (inp, f"node '{label}' (output_alias {e})", label)
             for a in node.attribute:
                 for g in ([a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)):
                     self._node_edges(g, f"{label}/{a.name}/", edges, composite_claims)
@@ -293,16 +306,14 @@ class ShapesContext:
 
     def _resolve_annotations(self, graph: onnx.GraphProto) -> None:
         """Steps 1-5 of Note [Alias classes] for the annotations."""
-        edges: dict[str, tuple[str, str]] = {}
-        self._claims: dict[str, list] = {}
+        edges: dict[str, tuple[str, str, str]] = {}  # output -> (input, why, node label)
         self._node_edges(graph, "", edges, self._claims)
         alias_of: dict[str, str] = {}
         self._alias_of_edges(graph, alias_of)
-        self._deferred_alias_of: dict[str, str] = {}
 
         # alias-cycle over both kinds of edge
         succ: dict[str, set[str]] = {}
-        for v, (t, _) in edges.items():
+        for v, (t, _, _) in edges.items():
             succ.setdefault(v, set()).add(t)
         for v, t in alias_of.items():
             succ.setdefault(v, set()).add(t)
@@ -316,10 +327,12 @@ class ShapesContext:
             stack.append(v)
             for t in sorted(succ.get(v, ())):
                 if state.get(t) == 1:
-                    cycle = stack[stack.index(t):] + [t]
+                    cycle = stack[stack.index(t):]
                     if not cyclic.intersection(cycle):
-                        self.error("alias-cycle", t, "alias annotations form a cycle: " + " -> ".join(cycle) +
-                                   "; every alias chain must end at the storage owner (a graph input)")
+                        k = cycle.index(min(cycle))  # start at the smallest name: one text per cycle
+                        cycle = cycle[k:] + cycle[:k] + [cycle[k]]
+                        self.error("alias-cycle", cycle[0], "alias annotations form a cycle: " + " -> ".join(cycle)
+                                   + "; every alias chain must end at the storage owner (a graph input)")
                     cyclic.update(cycle)
                 elif state.get(t) is None:
                     visit(t, stack)
@@ -338,7 +351,7 @@ class ShapesContext:
             return v
 
         claimed = {c[2] for cs in self._claims.values() for c in cs}
-        for v, (t, why) in edges.items():
+        for v, (t, why, _) in edges.items():
             if v not in cyclic:
                 self._union(v, t, why)
         for v, t in alias_of.items():
@@ -347,29 +360,14 @@ class ShapesContext:
             if v in edges:
                 end = chain_end(v)
                 if end != t:
-                    self.error("alias-disagree", v, f"alias_of says '{v}' is the storage of '{t}', but "
+                    self.error("alias-disagree", edges[v][2], f"alias_of says '{v}' is the storage of '{t}', but "
                                f"{edges[v][1]} makes it the storage of '{end}'; both annotations must name the "
                                f"same input")
                     continue
-            if v in claimed or v in self.producer_of_composite(graph):
+            if v in claimed or v in self._composite_outputs:
                 self._deferred_alias_of[v] = t  # checked after the composite node's rule
                 continue
             self._union(v, t, f"alias_of on '{v}'")
-
-    def producer_of_composite(self, graph: onnx.GraphProto) -> set[str]:
-        if not hasattr(self, "_composite_outputs"):
-            names: set[str] = set()
-
-            def collect(g):
-                for n in g.node:
-                    if self._is_composite(n):
-                        names.update(o for o in n.output if o)
-                    for a in n.attribute:
-                        for sg in ([a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)):
-                            collect(sg)
-            collect(graph)
-            self._composite_outputs = names
-        return self._composite_outputs
 
     def _walk(self, nodes, scope: _Scope, top: bool = False) -> set[str]:
         """Infer every node in order; return the names defined here (including nested bodies)."""
@@ -390,13 +388,14 @@ class ShapesContext:
         key = (node.domain, node.op_type)
         ins = [self.type_of(i) for i in node.input]
         nested: set[str] = set()
-        if key in self._functions:
-            nested = self._call_function(node, label, scope)
-            self._verify_claims(node, label)
-            return nested
-        if node.domain in ("", "ai.onnx") and node.op_type in COMPOSITE:
-            nested = getattr(self, "_rule_" + node.op_type)(node, label, scope, ins)
-            self._verify_claims(node, label)
+        if key in self._functions or (node.domain in ("", "ai.onnx") and node.op_type in COMPOSITE):
+            before = len(self.findings)
+            if key in self._functions:
+                nested = self._call_function(node, label, scope)
+            else:
+                nested = getattr(self, "_rule_" + node.op_type)(node, label, scope, ins)
+            failed = any(f.subject == label and f.severity == "error" for f in self.findings[before:])
+            self._verify_claims(node, label, quiet=failed)
             return nested
         rule = OP_RULES.get(key)
         if rule is not None:
@@ -416,15 +415,16 @@ class ShapesContext:
             self._propagate(node, scope)
         return nested
 
-    def _verify_claims(self, node: onnx.NodeProto, label: str) -> None:
-        """Annotations on a composite node are claims: check them against what the rule derived."""
+    def _verify_claims(self, node: onnx.NodeProto, label: str, quiet: bool = False) -> None:
+        """Annotations on a composite node are claims: check them against what the rule derived
+        (``quiet``: the rule already refused the node; its reason is the one to read)."""
         for _node, e, out, inp in self._claims.get(label, []):
-            if self.root(out) != self.root(inp):
+            if self.root(out) != self.root(inp) and not quiet:
                 self.error("alias-disagree", label, f"output_alias '{e}' says '{out}' is the storage of '{inp}', "
                            f"but the body makes '{out}' {self._describe(out)}")
         for o in node.output:
             t = self._deferred_alias_of.pop(o, None)
-            if t is not None and self.root(o) != self.root(t):
+            if t is not None and self.root(o) != self.root(t) and not quiet:
                 self.error("alias-disagree", o, f"alias_of says '{o}' is the storage of '{t}', but node '{label}' "
                            f"makes it {self._describe(o)}")
 
@@ -800,15 +800,53 @@ class ShapesContext:
             if self.root(v) != self.root(t):
                 self.error("alias-disagree", v, f"alias_of says '{v}' is the storage of '{t}', but its producer "
                            f"makes it {self._describe(v)}")
+        self._hazards()
         missing = self.untyped()
         if missing:
             shown = ", ".join(f"'{m}'" for m in missing[:8])
             self.warning("untyped", "model", f"{len(missing)} value(s) have no element type or rank: {shown}"
                          f"{' ...' if len(missing) > 8 else ''}")
 
+    def _hazards(self) -> None:
+        """alias-hazard for every top-level writer, composite ones included: a node whose output is the
+        storage of one of its inputs (or of a value its bodies read) overwrites that pre-update name,
+        so every other reader of the name must run before it (be an ancestor of the writer)."""
+        nodes = [n for _, n in self.order]
+        labels = [lbl for lbl, _ in self.order]
+        made = {o: i for i, n in enumerate(nodes) for o in n.output if o}
+        reads = [set(i for i in n.input if i) | outer_reads(n) for n in nodes]
+        readers: dict[str, list[int]] = {}
+        for i, names in enumerate(reads):
+            for name in names:
+                readers.setdefault(name, []).append(i)
+        outputs = {vi.name for vi in self.model.graph.output}
+        for w, node in enumerate(nodes):
+            roots = {self.root(o): o for o in node.output if o and self.root(o) != o}
+            if not roots:
+                continue
+            before, stack = set(), [w]
+            while stack:
+                for name in reads[stack.pop()]:
+                    p = made.get(name)
+                    if p is not None and p not in before:
+                        before.add(p)
+                        stack.append(p)
+            for pre in sorted(reads[w]):
+                if self.root(pre) not in roots or pre == roots[self.root(pre)]:
+                    continue
+                out = roots[self.root(pre)]
+                for r in readers.get(pre, []):
+                    if r != w and r not in before:
+                        self.error("alias-hazard", labels[r],
+                                   f"reads '{pre}', which node '{labels[w]}' overwrites in place (as '{out}'), and "
+                                   f"nothing orders the read before the write; read '{out}' instead, or make "
+                                   f"'{labels[w]}' depend on it")
+                if pre in outputs:
+                    self.error("alias-hazard", pre, f"graph output '{pre}' is the pre-update name of a cache that "
+                               f"node '{labels[w]}' overwrites in place; expose '{out}' instead")
+
     def summary(self, limit: int = 4) -> str:
-        total = len(self._outputs)
-        typed = total - len(self.untyped())
+        typed, total = self.counts()
         cls = self.classes()
         lines = [f"values typed: {typed}/{total} node outputs; alias classes: {len(cls)}"]
         for r, members in sorted(cls.items())[:limit]:
@@ -819,6 +857,19 @@ class ShapesContext:
 
 
 # --- helpers -------------------------------------------------------------------------------------------
+
+def outer_reads(node: onnx.NodeProto) -> set[str]:
+    """Names a node's bodies read from the enclosing scope."""
+    reads: set[str] = set()
+    for a in node.attribute:
+        for g in ([a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)):
+            local = {vi.name for vi in g.input} | {t.name for t in g.initializer}
+            local.update(o for n in g.node for o in n.output if o)
+            for n in g.node:
+                reads.update(i for i in (*n.input, *outer_reads(n)) if i and i not in local)
+            reads.update(vi.name for vi in g.output if vi.name not in local)
+    return reads
+
 
 def _divide(num: list, den: list):
     """The dim d with prod(num) == d * prod(den) when it can be named (a number or one symbol)."""
