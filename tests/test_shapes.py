@@ -521,5 +521,15 @@ def test_cli_check(tmp_path, capsys):
     assert "memory plan: not computed" in capsys.readouterr().out
     assert cli_main(["check", str(tmp_path / "sym.onnx"), "--dims", "batch=1", "tokens=1"]) == 0
     assert "memory plan: peak" in capsys.readouterr().out
+    assert cli_main(["check", "--dims", "batch=1", "tokens=1", str(tmp_path / "sym.onnx")]) == 0  # path last
+    assert "memory plan: peak" in capsys.readouterr().out
     assert cli_main(["check", str(tmp_path / "missing.onnx")]) == 2
     assert "cannot load" in capsys.readouterr().err
+    assert cli_main(["check", str(good), "--dims", "batch=x"]) == 2
+    assert "--dims batch=x: the value must be an integer" in capsys.readouterr().err
+    assert cli_main(["check", str(good), "--bounds", "pos=0:z"]) == 2
+    assert "expected LO:HI" in capsys.readouterr().err
+    assert cli_main(["check", str(good), "--bounds", "pos=0:7"]) == 0  # n 1 at 7 fits capacity 8
+    capsys.readouterr()
+    assert cli_main(["check", str(good), "--bounds", "pos=0:8"]) == 1
+    assert "position 8 + n 1 = 9 exceeds capacity 8" in capsys.readouterr().out

@@ -35,16 +35,23 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=1, help="threads for per-thread kernel workspace (default 1)")
     p.add_argument("--json", action="store_true", help="print findings and plan as JSON")
     args = p.parse_args(argv)
+    for opt in ("dims", "bounds"):  # "--dims a=1 model.onnx": the path was taken as one more NAME=VALUE
+        items = getattr(args, opt) or []
+        if args.model is None and items and "=" not in items[-1]:
+            args.model = items.pop()
     if bool(args.model) == bool(args.variant):
         p.error("give a MODEL path or --variant")
+    dims, bounds = {}, {}
     try:
-        dims = {k: int(v) for k, v in _pairs(args.dims, "--dims").items()}
-        bounds = {}
+        for k, v in _pairs(args.dims, "--dims").items():
+            what = f"--dims {k}={v}: the value must be an integer"
+            dims[k] = int(v)
         for k, v in _pairs(args.bounds, "--bounds").items():
+            what = f"--bounds {k}={v}: expected LO:HI integers (or one integer)"
             lo, sep, hi = v.partition(":")
             bounds[k] = (int(lo), int(hi if sep else lo))
-    except ValueError as exc:
-        print(f"ortkv check: {exc}", file=sys.stderr)
+    except ValueError:
+        print(f"ortkv check: {what}", file=sys.stderr)
         return 2
     path = args.model
     try:
