@@ -197,17 +197,28 @@ def m_if_new_value():
                [helper.make_node("Identity", ["past"], ["e_out"], name="copy")], "e_out"), {}
 
 
-def _loop(body_nodes, body_out):
+def _loop(body_nodes, body_out, trips=3):
     body = helper.make_graph(
         [helper.make_node("Identity", ["cond_in"], ["cond_out"], name="keep_going"), *body_nodes], "body",
         [vi("iter", [], I64), vi("cond_in", [], TP.BOOL), helper.make_tensor_value_info("k_in", F, None)],
         [vi("cond_out", [], TP.BOOL), helper.make_tensor_value_info(body_out, F, None)])
     node = helper.make_node("Loop", ["trips", "", "past"], ["present"], name="loop", body=body)
-    return model([node], [vi("past"), vi("new", [1, 2, 1, 4])], [vi("present")], inits=[init("trips", 3)])
+    return model([node], [vi("past"), vi("new", [1, 2, 1, 4])], [vi("present")], inits=[init("trips", trips)])
 
 
 def m_loop_carries_cache():
     return _loop([update(cache="k_in", pos="iter", out="k_out", name="body_update")], "k_out"), {}
+
+
+def m_loop_overflows():
+    return _loop([update(cache="k_in", pos="iter", out="k_out", name="body_update")], "k_out", trips=9), {}
+
+
+def m_scan_overflows():
+    m, _ = m_scan_carries_cache()
+    m.graph.initializer.append(init("positions", [0, 5, 8]))
+    del m.graph.input[2]
+    return m, {}
 
 
 def m_loop_loses_alias():
@@ -343,6 +354,9 @@ CORPUS = {
                                                               "else_branch returns 'e_out', the storage of 'past_v'")),
     "if-new-value": (m_if_new_value, "if-branch", ("else_branch returns 'e_out', a new value",)),
     "loop-carries-cache": (m_loop_carries_cache, None, ()),
+    "loop-overflows": (m_loop_overflows, "capacity", ("loop/body/body_update", "'iter' may reach 8 (bounds [0, 8])",
+                                                     "8 + n 1 = 9 exceeds capacity 8 of 'k_in'")),
+    "scan-overflows": (m_scan_overflows, "capacity", ("scan/body/step", "'p_t' may reach 8")),
     "loop-loses-alias": (m_loop_loses_alias, "loop-carry", ("carries cache 'past' as 'k_in'", "'k_out'",
                                                             "a new value")),
     "scan-carries-cache": (m_scan_carries_cache, None, ()),

@@ -676,6 +676,10 @@ class ShapesContext:
                        f"{len(body.output)} outputs for {n} loop-carried values (expected {n + 2} and >= {n + 1})")
             return set()
         self.set_type(body.input[0].name, ValueType(TensorProto.INT64, ()), f"Loop node '{label}'")
+        trips = self.values.get(node.input[0]) if node.input and node.input[0] else None
+        trip = int(trips.reshape(-1)[0]) if trips is not None else None
+        if trip is not None and trip > 0:  # the iteration number is bounded by the trip count
+            self.bounds[body.input[0].name] = (0, trip - 1)
         self.set_type(body.input[1].name, ValueType(TensorProto.BOOL, ()), f"Loop node '{label}'")
         for j, init in enumerate(carried):
             self._pre_carry(label, "Loop", init, body.input[2 + j].name)
@@ -683,8 +687,6 @@ class ShapesContext:
         for j, init in enumerate(carried):
             final = node.output[j] if j < len(node.output) else ""
             self._carry(label, "Loop", init, body.input[2 + j].name, body.output[1 + j].name, final)
-        trips = self.values.get(node.input[0]) if node.input and node.input[0] else None
-        trip = int(trips.reshape(-1)[0]) if trips is not None else None
         for k, vo in enumerate(body.output[1 + n:]):
             if n + k < len(node.output) and node.output[n + k]:
                 t = self.type_of(vo.name)
@@ -710,6 +712,8 @@ class ShapesContext:
                 length = self.table.resolve(t.shape[ax]) if length is None else length
                 self.set_type(body.input[n + k].name, ValueType(t.elem, t.shape[:ax] + t.shape[ax + 1:]),
                               f"Scan node '{label}' (slice of '{name}')")
+            if n + k < len(body.input) and self.bounds_of(name) is not None:  # a slice stays in the input's range
+                self.bounds[body.input[n + k].name] = self.bounds_of(name)
         defined, _ = self._sub(body, scope, label, "body")
         for j, init in enumerate(states):
             final = node.output[j] if j < len(node.output) else ""
