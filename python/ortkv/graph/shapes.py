@@ -198,9 +198,6 @@ class ShapesContext:
         return len(self._outputs) - len(self.untyped()), len(self._outputs)
 
     # --- values and bounds ------------------------------------------------------------------------
-    def value(self, name: str) -> np.ndarray | None:
-        return self.values.get(name)
-
     def bounds_of(self, name: str) -> tuple[int, int] | None:
         if name in self.values and self.values[name].size and self.values[name].dtype.kind in "iu":
             v = self.values[name]
@@ -241,13 +238,13 @@ class ShapesContext:
         self._access = dict(ann.access)
         opsets = {(o.domain if o.domain != "ai.onnx" else ""): o.version for o in model.opset_import}
         graph = model.graph
-        self._declare_graph(graph, outer=True)
+        self._declare_graph(graph)
         self._resolve_annotations(graph)
         self._walk(graph.node, _Scope(opsets), top=True)
         self._finish(graph)
         return self
 
-    def _declare_graph(self, graph: onnx.GraphProto, outer: bool) -> None:
+    def _declare_graph(self, graph: onnx.GraphProto) -> None:
         """Declared types of a graph's inputs, initializers, value_info and outputs (recursively)."""
         for init in graph.initializer:
             t = ValueType(init.data_type, tuple(init.dims))
@@ -261,7 +258,7 @@ class ShapesContext:
         for node in graph.node:
             for a in node.attribute:
                 for g in ([a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)):
-                    self._declare_graph(g, outer=False)
+                    self._declare_graph(g)
 
     def _node_edges(self, graph: onnx.GraphProto, prefix: str, edges: dict, composite_claims: dict) -> None:
         for idx, node in enumerate(graph.node):
@@ -317,8 +314,9 @@ class ShapesContext:
             succ.setdefault(v, set()).add(t)
         for v, t in alias_of.items():
             succ.setdefault(v, set()).add(t)
-        for v, (_node, _e, out, inp) in ((v, c) for cs in self._claims.values() for c in cs for v in [c[2]]):
-            succ.setdefault(out, set()).add(inp)
+        for claims in self._claims.values():
+            for _node, _e, out, inp in claims:
+                succ.setdefault(out, set()).add(inp)
         cyclic: set[str] = set()
         state: dict[str, int] = {}
 
