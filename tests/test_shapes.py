@@ -10,6 +10,8 @@ import json
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from onnx import TensorProto as TP
 from onnx import helper, numpy_helper
 
@@ -18,6 +20,7 @@ from ortkv.cli import main as cli_main
 from ortkv.graph import ShapesContext, ValueType, check, infer_shapes, make_cache_attention, make_cache_update, \
     mark_mutable, plan_memory, set_alias_of
 from ortkv.graph.annotations import declare_output_alias
+from ortkv.graph.dims import DimTable, ShapeConflict
 
 F, F16, I64, I32, U8 = TP.FLOAT, TP.FLOAT16, TP.INT64, TP.INT32, TP.UINT8
 KV = [1, 2, 8, 4]  # [batch, heads, capacity, head_size]: BNSH, sequence axis 2
@@ -547,3 +550,38 @@ def test_cli_check(tmp_path, capsys):
     capsys.readouterr()
     assert cli_main(["check", str(good), "--bounds", "pos=0:8"]) == 1
     assert "position 8 + n 1 = 9 exceeds capacity 8" in capsys.readouterr().out
+
+
+# --- DimTable against a plain partition of symbols ---------------------------------------------------
+_dim = st.one_of(st.sampled_from(["a", "b", "c", "d", "e"]), st.integers(1, 3))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(_dim, _dim), max_size=12))
+def test_dim_table_is_a_partition_with_bindings(meets):
+    table, groups = DimTable(), {s: ({s}, None) for s in "abcde"}  # symbol -> (its group, its value)
+
+    def ref_value(d):
+        return d if isinstance(d, int) else groups[d][1]
+
+    for x, y in meets:
+        vx, vy = ref_value(x), ref_value(y)
+        conflict = vx is not None and vy is not None and vx != vy
+        if isinstance(x, str) and isinstance(y, str) and groups[x][0] is groups[y][0]:
+            conflict = False
+        if conflict:
+            with pytest.raises(ShapeConflict):
+                table.meet(x, y)
+            continue
+        table.meet(x, y)
+        value = vx if vx is not None else vy
+        members = set().union(*(groups[d][0] for d in (x, y) if isinstance(d, str)))
+        for s in members:
+            groups[s] = (members, value)
+    for s, (members, value) in groups.items():
+        got = table.resolve(s)
+        if value is not None:
+            assert got == value
+        else:
+            assert isinstance(got, str) and all(table.resolve(m) == got for m in members)
+            assert all(table.resolve(o) != got for o in "abcde" if o not in members)
