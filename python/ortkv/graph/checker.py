@@ -146,34 +146,8 @@ def check_aliases(model: onnx.ModelProto) -> list[Finding]:
                   f"({who}) declares no output_alias for it; annotate both or neither")
 
     # alias-hazard: readers of a pre-update name must be ancestors of the writer.
-    consumers: dict[str, list[int]] = {}
-    for idx, node in enumerate(graph.node):
-        for name in set(node.input):
-            if name:
-                consumers.setdefault(name, []).append(idx)
-
-    def ancestors(idx: int) -> set[int]:
-        seen, stack = set(), [idx]
-        while stack:
-            for name in graph.node[stack.pop()].input:
-                p = producer.get(name)
-                if p and p[0] not in seen:
-                    seen.add(p[0])
-                    stack.append(p[0])
-        return seen
-
-    for out_name, in_name in node_alias_of_output.items():
-        w = producer[out_name][0]
-        label = _node_label(graph.node[w], w)
-        before = ancestors(w)
-        for r in consumers.get(in_name, []):
-            if r != w and r not in before:
-                error("alias-hazard", _node_label(graph.node[r], r),
-                      f"reads '{in_name}', which node '{label}' overwrites in place (as '{out_name}'), and nothing "
-                      f"orders the read before the write; read '{out_name}' instead, or make '{label}' depend on it")
-        if in_name in outputs:
-            error("alias-hazard", in_name, f"graph output '{in_name}' is the pre-update name of a cache that node "
-                  f"'{label}' overwrites in place; expose '{out_name}' instead")
+    labels = [_node_label(n, i) for i, n in enumerate(graph.node)]
+    findings.extend(hazard_findings(list(graph.node), labels, root_of, outputs))
     return findings
 
 
@@ -185,4 +159,57 @@ def check_model(model: onnx.ModelProto) -> list[Finding]:
         raise GraphCheckError(
             f"{len(errors)} alias annotation error(s):\n" + "\n".join(f"  {f}" for f in errors), findings=errors
         )
+    return findings
+
+
+def outer_reads(node: onnx.NodeProto) -> set[str]:
+    """Names a node's bodies (If/Loop/Scan subgraphs) read from the enclosing scope."""
+    reads: set[str] = set()
+    for a in node.attribute:
+        for g in ([a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)):
+            local = {vi.name for vi in g.input} | {t.name for t in g.initializer}
+            local.update(o for n in g.node for o in n.output if o)
+            for n in g.node:
+                reads.update(i for i in (*n.input, *outer_reads(n)) if i and i not in local)
+            reads.update(vi.name for vi in g.output if vi.name not in local)
+    return reads
+
+
+def hazard_findings(nodes: list[onnx.NodeProto], labels: list[str], root, outputs: set[str]) -> list[Finding]:
+    """alias-hazard. A node whose output is the storage of one of the names it reads (its inputs, or
+    what its bodies read) overwrites that pre-update name in place, so every other reader of the name
+    must run before it (be an ancestor of the writer), and the name must not be a graph output.
+    ``root`` maps a value name to its storage root (the annotations' chain, or ShapesContext.root)."""
+    findings: list[Finding] = []
+    made = {o: i for i, n in enumerate(nodes) for o in n.output if o}
+    reads = [{i for i in n.input if i} | outer_reads(n) for n in nodes]
+    readers: dict[str, list[int]] = {}
+    for i, names in enumerate(reads):
+        for name in names:
+            readers.setdefault(name, []).append(i)
+    for w, node in enumerate(nodes):
+        written = {root(o): o for o in node.output if o and root(o) != o}
+        if not written:
+            continue
+        before, stack = set(), [w]
+        while stack:
+            for name in reads[stack.pop()]:
+                p = made.get(name)
+                if p is not None and p not in before:
+                    before.add(p)
+                    stack.append(p)
+        for pre in sorted(reads[w]):
+            out = written.get(root(pre))
+            if out is None or pre == out:
+                continue
+            for r in readers.get(pre, []):
+                if r != w and r not in before:
+                    findings.append(Finding(
+                        "error", "alias-hazard", labels[r],
+                        f"reads '{pre}', which node '{labels[w]}' overwrites in place (as '{out}'), and nothing "
+                        f"orders the read before the write; read '{out}' instead, or make '{labels[w]}' depend on it"))
+            if pre in outputs:
+                findings.append(Finding(
+                    "error", "alias-hazard", pre, f"graph output '{pre}' is the pre-update name of a cache that node "
+                    f"'{labels[w]}' overwrites in place; expose '{out}' instead"))
     return findings

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from ..errors import GraphCheckError
 from .annotations import Access
 from .op_rules import WORKSPACE
-from .shapes import outer_reads
+from .checker import outer_reads
 
 KINDS = ("cache", "input", "initializer", "output", "activation")
 

@@ -37,7 +37,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from ..errors import GraphCheckError
 from .annotations import ALIAS_OF_KEY, Access, output_aliases, read_annotations
-from .checker import Finding
+from .checker import Finding, hazard_findings
 from .dims import DimTable, ShapeConflict, ValueType, join_types
 
 SMALL = 4096  # int tensors up to this many elements are propagated as values (shape arithmetic)
@@ -810,42 +810,10 @@ class ShapesContext:
                          f"{' ...' if len(missing) > 8 else ''}")
 
     def _hazards(self) -> None:
-        """alias-hazard for every top-level writer, composite ones included: a node whose output is the
-        storage of one of its inputs (or of a value its bodies read) overwrites that pre-update name,
-        so every other reader of the name must run before it (be an ancestor of the writer)."""
-        nodes = [n for _, n in self.order]
-        labels = [lbl for lbl, _ in self.order]
-        made = {o: i for i, n in enumerate(nodes) for o in n.output if o}
-        reads = [set(i for i in n.input if i) | outer_reads(n) for n in nodes]
-        readers: dict[str, list[int]] = {}
-        for i, names in enumerate(reads):
-            for name in names:
-                readers.setdefault(name, []).append(i)
+        """alias-hazard for every top-level writer, composite ones (If/Loop/Scan, calls) included."""
         outputs = {vi.name for vi in self.model.graph.output}
-        for w, node in enumerate(nodes):
-            roots = {self.root(o): o for o in node.output if o and self.root(o) != o}
-            if not roots:
-                continue
-            before, stack = set(), [w]
-            while stack:
-                for name in reads[stack.pop()]:
-                    p = made.get(name)
-                    if p is not None and p not in before:
-                        before.add(p)
-                        stack.append(p)
-            for pre in sorted(reads[w]):
-                if self.root(pre) not in roots or pre == roots[self.root(pre)]:
-                    continue
-                out = roots[self.root(pre)]
-                for r in readers.get(pre, []):
-                    if r != w and r not in before:
-                        self.error("alias-hazard", labels[r],
-                                   f"reads '{pre}', which node '{labels[w]}' overwrites in place (as '{out}'), and "
-                                   f"nothing orders the read before the write; read '{out}' instead, or make "
-                                   f"'{labels[w]}' depend on it")
-                if pre in outputs:
-                    self.error("alias-hazard", pre, f"graph output '{pre}' is the pre-update name of a cache that "
-                               f"node '{labels[w]}' overwrites in place; expose '{out}' instead")
+        self.findings.extend(hazard_findings([n for _, n in self.order], [lbl for lbl, _ in self.order], self.root,
+                                             outputs))
 
     def summary(self, limit: int = 4) -> str:
         typed, total = self.counts()
@@ -859,19 +827,6 @@ class ShapesContext:
 
 
 # --- helpers -------------------------------------------------------------------------------------------
-
-def outer_reads(node: onnx.NodeProto) -> set[str]:
-    """Names a node's bodies read from the enclosing scope."""
-    reads: set[str] = set()
-    for a in node.attribute:
-        for g in ([a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)):
-            local = {vi.name for vi in g.input} | {t.name for t in g.initializer}
-            local.update(o for n in g.node for o in n.output if o)
-            for n in g.node:
-                reads.update(i for i in (*n.input, *outer_reads(n)) if i and i not in local)
-            reads.update(vi.name for vi in g.output if vi.name not in local)
-    return reads
-
 
 def _divide(num: list, den: list):
     """The dim d with prod(num) == d * prod(den) when it can be named (a number or one symbol)."""
