@@ -224,6 +224,15 @@ def m_scan_overflows():
     return m, {}
 
 
+def m_loop_body_hazard():
+    late = helper.make_node("ReduceSum", ["k_in"], ["seen"], name="late_reader", keepdims=0)
+    m = _loop([update(cache="k_in", pos="iter", out="k_out", name="body_update"), late], "k_out")
+    m.graph.node[0].attribute[0].g.output.append(helper.make_tensor_value_info("seen", F, None))
+    m.graph.output.append(helper.make_tensor_value_info("seen_all", F, None))
+    m.graph.node[0].output.append("seen_all")
+    return m, {}
+
+
 def m_loop_loses_alias():
     return _loop([helper.make_node("Concat", ["k_in", "new"], ["k_out"], axis=2, name="grow")], "k_out"), {}
 
@@ -360,6 +369,8 @@ CORPUS = {
     "loop-overflows": (m_loop_overflows, "capacity", ("loop/body/body_update", "'iter' may reach 8 (bounds [0, 8])",
                                                      "8 + n 1 = 9 exceeds capacity 8 of 'k_in'")),
     "scan-overflows": (m_scan_overflows, "capacity", ("scan/body/step", "'p_t' may reach 8")),
+    "loop-body-hazard": (m_loop_body_hazard, "alias-hazard", ("loop/body/late_reader", "reads 'k_in'",
+                                                             "node 'loop/body/body_update' overwrites")),
     "loop-loses-alias": (m_loop_loses_alias, "loop-carry", ("carries cache 'past' as 'k_in'", "'k_out'",
                                                             "a new value")),
     "scan-carries-cache": (m_scan_carries_cache, None, ()),

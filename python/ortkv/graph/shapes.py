@@ -601,6 +601,8 @@ class ShapesContext:
             defined |= self._walk(graph.node, sub)
         finally:
             self._depth -= 1
+        labels = [sub.prefix + (n.name or f"{n.op_type}#{i}") for i, n in enumerate(graph.node)]
+        self.findings.extend(hazard_findings(list(graph.node), labels, self.root, {vi.name for vi in graph.output}))
         return defined, sub
 
     def _rule_If(self, node, label, scope, ins):
