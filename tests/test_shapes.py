@@ -596,3 +596,34 @@ def test_dim_table_is_a_partition_with_bindings(meets):
         else:
             assert isinstance(got, str) and all(table.resolve(m) == got for m in members)
             assert all(table.resolve(o) != got for o in "abcde" if o not in members)
+
+
+def test_agrees_with_onnx_on_its_own_test_models():
+    """On the models onnx ships (no ortkv ops), ShapesContext knows at least what onnx's own inference
+    knows and never contradicts a concrete dim."""
+    import glob
+    import os
+
+    import onnx
+    from onnx import shape_inference
+
+    paths = sorted(glob.glob(os.path.join(os.path.dirname(onnx.__file__), "backend/test/data/*/*/model.onnx")))
+    if not paths:
+        pytest.skip("this onnx wheel ships no backend test models")
+    compared = 0
+    for p in paths:
+        m = onnx.load(p)
+        ref = shape_inference.infer_shapes(m, strict_mode=False, data_prop=True)
+        ctx = ShapesContext(m).infer()
+        assert ctx.errors == [], (p, ctx.errors)
+        known = {vi.name: ValueType.from_proto(vi.type) for vi in (*ref.graph.value_info, *ref.graph.output)}
+        for _, node in ctx.order:
+            for name in node.output:
+                r, t = known.get(name), ctx.type_of(name)
+                if r is None or not r.known or r.opaque is not None:
+                    continue
+                compared += 1
+                assert t.known and t.elem == r.elem and t.rank == r.rank, (p, name, r, t)
+                for a, b in zip(r.shape, t.shape):
+                    assert not isinstance(a, int) or a == b, (p, name, r, t)
+    assert compared > 100
