@@ -538,10 +538,9 @@ class ShapesContext:
         if op in ("Identity", "Cast") and sym[0]:
             self._set_dims_value(out, *sym[0])
         elif op == "Gather" and sym[0] and ins[1] in self.values and _attr(node, "axis", 0) == 0:
-            idx = self.values[ins[1]]
-            entries = sym[0][0]
-            picked = [entries[int(i)] for i in idx.reshape(-1)]
-            self._set_dims_value(out, picked, idx.ndim == 0)
+            idx, entries = self.values[ins[1]], sym[0][0]
+            if idx.ndim <= 1 and all(-len(entries) <= int(i) < len(entries) for i in idx.reshape(-1)):
+                self._set_dims_value(out, [entries[int(i)] for i in idx.reshape(-1)], idx.ndim == 0)
         elif op == "Concat" and all(sym) and _attr(node, "axis", 0) == 0:
             self._set_dims_value(out, [d for s in sym for d in s[0]], False)
         elif op == "Unsqueeze" and sym[0] and sym[0][1]:
