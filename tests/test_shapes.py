@@ -627,3 +627,30 @@ def test_agrees_with_onnx_on_its_own_test_models():
                 for a, b in zip(r.shape, t.shape):
                     assert not isinstance(a, int) or a == b, (p, name, r, t)
     assert compared > 100
+
+
+def test_share_buffer_aliases_plan_genai_as_it_runs():
+    """GroupQueryAttention under past_present_share_buffer: present K/V are the past buffers (bound so by
+    onnxruntime-genai); assumed as aliases, the plan counts each cache once; unequal past/present dims are
+    refused (share-buffer needs past = present = max_length)."""
+    from ortkv.graph import share_buffer_aliases
+
+    gqa = helper.make_node("GroupQueryAttention", ["q", "k", "v", "past_k", "past_v", "seqlens", "total"],
+                           ["out", "present_k", "present_v"], domain="com.microsoft", name="gqa", num_heads=4,
+                           kv_num_heads=2)
+    inputs = [vi("q", [1, 1, 16]), vi("k", [1, 1, 8]), vi("v", [1, 1, 8]), vi("past_k", [1, 2, "past", 4]),
+              vi("past_v", [1, 2, "past", 4]), vi("seqlens", [1], I32), vi("total", [], I32)]
+    m = model([gqa], inputs, [vi("out", [1, 1, 16]), vi("present_k", [1, 2, "total_seq", 4]),
+                              vi("present_v", [1, 2, "total_seq", 4])], mutable=(), alias={})
+    m.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    assumed = share_buffer_aliases(m)
+    assert assumed == {"present_k": "past_k", "present_v": "past_v"}
+    dims = {"past": 8, "total_seq": 8}
+    copy_plan = check(m, dims=dims).plan
+    shared = check(m, dims=dims, assume_aliases=assumed)
+    assert shared.ok and shared.shapes.root("present_k") == "past_k"
+    cache = 2 * 8 * 4 * 4  # one [1, 2, 8, 4] float32
+    assert copy_plan.peak_bytes - shared.plan.peak_bytes == 2 * cache
+    bad = check(m, dims={"past": 7, "total_seq": 8}, assume_aliases=assumed)
+    assert {f.rule for f in bad.errors} == {"alias-dim"} and "the assumed alias 'present_k' -> 'past_k'" in str(
+        bad.errors[0])

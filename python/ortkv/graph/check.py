@@ -54,11 +54,13 @@ class CheckReport:
 
 
 def check(model: onnx.ModelProto, dims: dict[str, int] | None = None,
-          bounds: dict[str, tuple[int, int]] | None = None, plan: bool = True, threads: int = 1) -> CheckReport:
+          bounds: dict[str, tuple[int, int]] | None = None, plan: bool = True, threads: int = 1,
+          assume_aliases: dict[str, str] | None = None) -> CheckReport:
     """Check ``model`` and, when every dim is concrete (``dims`` binds the symbols), plan its memory.
-    Returns the findings as data; ``report.raise_for_errors()`` turns errors into GraphCheckError."""
+    Returns the findings as data; ``report.raise_for_errors()`` turns errors into GraphCheckError.
+    ``assume_aliases``: see ShapesContext (e.g. ``share_buffer_aliases(model)``)."""
     findings = check_aliases(model)
-    ctx = ShapesContext(model, dims, bounds).infer()
+    ctx = ShapesContext(model, dims, bounds, assume_aliases).infer()
     seen = {(f.rule, f.subject) for f in findings}
     for f in ctx.findings:
         if (f.rule, f.subject) not in seen:

@@ -32,6 +32,8 @@ def main(argv=None) -> int:
                    "capacity=2048; with every dim bound the memory plan is printed")
     p.add_argument("--bounds", nargs="*", metavar="NAME=LO:HI", help="known range of an integer input, e.g. "
                    "positions=0:4095 (checked against the cache capacity)")
+    p.add_argument("--share-buffer", action="store_true", help="plan as onnxruntime-genai's "
+                   "past_present_share_buffer runs it: each GroupQueryAttention's present K/V is its past K/V buffer")
     p.add_argument("--threads", type=int, default=1, help="threads for per-thread kernel workspace (default 1)")
     p.add_argument("--json", action="store_true", help="print findings and plan as JSON")
     args = p.parse_args(argv)
@@ -68,8 +70,10 @@ def main(argv=None) -> int:
         print(f"ortkv check: cannot load '{path}': {exc}", file=sys.stderr)
         return 2
     from .check import check
+    from .shapes import share_buffer_aliases
 
-    report = check(model, dims=dims, bounds=bounds, threads=args.threads)
+    assumed = share_buffer_aliases(model) if args.share_buffer else None
+    report = check(model, dims=dims, bounds=bounds, threads=args.threads, assume_aliases=assumed)
     if args.json:
         print(json.dumps({
             "model": path,

@@ -72,11 +72,15 @@ class ShapesContext:
     dims:   symbol -> value (``{"batch": 1, "capacity": 2048}``) bound before inference.
     bounds: value name -> (lo, hi): known ranges of integer inputs such as ``positions``; used with
             constants and simple arithmetic (Add, Sub, Clip, Min, Max) for the capacity check.
+    assume_aliases: value -> the input whose storage it is, for aliases a runtime makes by binding
+            rather than the model stating them (``share_buffer_aliases``: onnxruntime-genai's
+            past_present_share_buffer).
     Call ``infer()`` once; then ``type_of``, ``root``, ``classes``, ``findings``, ``untyped``."""
 
     def __init__(self, model: onnx.ModelProto, dims: dict[str, int] | None = None,
-                 bounds: dict[str, tuple[int, int]] | None = None):
+                 bounds: dict[str, tuple[int, int]] | None = None, assume_aliases: dict[str, str] | None = None):
         self.model = model
+        self.assume_aliases = dict(assume_aliases or {})  # value -> storage, as if annotated (share_buffer_aliases)
         self.table = DimTable(dims)
         self.findings: list[Finding] = []
         self.values: dict[str, np.ndarray] = {}      # small int tensors with known contents
@@ -305,6 +309,8 @@ class ShapesContext:
         """Steps 1-5 of Note [Alias classes] for the annotations."""
         edges: dict[str, tuple[str, str, str]] = {}  # output -> (input, why, node label)
         self._node_edges(graph, "", edges, self._claims)
+        for v, t in self.assume_aliases.items():
+            edges[v] = (t, f"the assumed alias '{v}' -> '{t}'", v)
         alias_of: dict[str, str] = {}
         self._alias_of_edges(graph, alias_of)
 
@@ -881,8 +887,22 @@ def _fold(node: onnx.NodeProto, values: dict[str, np.ndarray], opsets: dict[str,
 from .op_rules import OP_RULES  # noqa: E402  (the rules import ShapesContext's helpers)
 
 
+def share_buffer_aliases(model: onnx.ModelProto) -> dict[str, str]:
+    """The aliases onnxruntime-genai's past_present_share_buffer makes at run time: every
+    GroupQueryAttention's present key/value (outputs 1, 2) is bound to its past key/value buffer
+    (inputs 3, 4). Pass them as ShapesContext(assume_aliases=...) to plan a GenAI share-buffer model."""
+    out = {}
+    for node in model.graph.node:
+        if node.op_type == "GroupQueryAttention" and node.domain == "com.microsoft":
+            for o, i in ((1, 3), (2, 4)):
+                if o < len(node.output) and i < len(node.input) and node.output[o] and node.input[i]:
+                    out[node.output[o]] = node.input[i]
+    return out
+
+
 def infer_shapes(model: onnx.ModelProto, dims: dict[str, int] | None = None,
-                 bounds: dict[str, tuple[int, int]] | None = None, strict: bool = True) -> ShapesContext:
+                 bounds: dict[str, tuple[int, int]] | None = None, strict: bool = True,
+                 assume_aliases: dict[str, str] | None = None) -> ShapesContext:
     """Run ShapesContext on ``model``; with ``strict`` raise GraphCheckError on any error."""
-    ctx = ShapesContext(model, dims, bounds).infer()
+    ctx = ShapesContext(model, dims, bounds, assume_aliases).infer()
     return ctx.raise_for_errors() if strict else ctx
