@@ -10,6 +10,9 @@ persistent: counted once, never released and never reused. Steps are the top-lev
 order (a topological order; ORT may schedule differently). No buffer is shared between values that
 are not declared aliases: ORT's own reuse of dead buffers can only lower the transient part, never
 the caches. An op that declares a workspace (op_rules.WORKSPACE) adds it during its own step.
+The plan is of a run the way MutableCacheSession makes it: each aliased graph output bound to its
+cache's storage. ORT alone never makes a graph output alias an input (facts/ORT.md); through a plain
+session.run the output would be a fresh buffer, and CacheUpdate refuses to run rather than use it.
 """
 
 from __future__ import annotations
