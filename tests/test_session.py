@@ -222,6 +222,21 @@ def test_session_refuses_model_failing_the_checker():
         ortkv.MutableCacheSession(model)
 
 
+def test_full_check_at_load_refuses_what_the_annotation_rules_cannot_see():
+    model = cache_update_model()
+    # the cache declared with capacity 16, its update with 8: the annotations agree, the shapes cannot
+    for vi, cap in ((model.graph.input[0], 16), (model.graph.output[0], 8)):
+        for d, v in zip(vi.type.tensor_type.shape.dim, (1, 2, cap, 4)):
+            d.dim_value = v
+    assert ortkv.MutableCacheSession(model).warnings == []  # annotation rules only: loads
+    with pytest.raises(ortkv.GraphCheckError, match=r"alias-dim.*'updated_cache'.*'cache'.*dim 2 is 16 vs 8") as info:
+        ortkv.MutableCacheSession(model, check="full")
+    assert [f.rule for f in info.value.findings] == ["alias-dim"]
+    assert ortkv.MutableCacheSession(cache_update_model(), check="full").warnings == []
+    with pytest.raises(ValueError, match="'annotations' or 'full'"):
+        ortkv.MutableCacheSession(cache_update_model(), check="everything")
+
+
 def test_model_from_path_and_bytes(tmp_path):
     model = cache_update_model()
     path = tmp_path / "m.onnx"
