@@ -541,7 +541,7 @@ def test_cli_check(tmp_path, capsys):
     assert cli_main(["check", str(good), "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["findings"] == [] and data["plan"]["peak_bytes"] == 296
-    assert data["alias_classes"] == {"past": ["past", "present"]}
+    assert data["alias_classes"] == {"past": ["past", "present"]} and data["typed"] == data["values"] == 1
     m = m_symbolic_meets_concrete()[0]
     m.graph.input[1].type.tensor_type.shape.dim[2].dim_param = "tokens"
     onnx.save(m, tmp_path / "sym.onnx")
@@ -549,6 +549,9 @@ def test_cli_check(tmp_path, capsys):
     assert "memory plan: not computed" in capsys.readouterr().out
     assert cli_main(["check", str(tmp_path / "sym.onnx"), "--dims", "batch=1", "tokens=1"]) == 0
     assert "memory plan: peak" in capsys.readouterr().out
+    assert cli_main(["check", str(tmp_path / "sym.onnx"), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["plan"] is None and "'tokens'" in data["plan_error"] and data["dims"]["batch"] == 1
     assert cli_main(["check", "--dims", "batch=1", "tokens=1", str(tmp_path / "sym.onnx")]) == 0  # path last
     assert "memory plan: peak" in capsys.readouterr().out
     assert cli_main(["check", str(tmp_path / "missing.onnx")]) == 2

@@ -81,6 +81,7 @@ def main(argv=None) -> int:
             "typed": report.shapes.counts()[0],
             "values": report.shapes.counts()[1],
             "alias_classes": report.shapes.classes(),
+            "dims": report.shapes.dim_bindings(),
             "plan": report.plan.as_dict() if report.plan else None,
             "plan_error": report.plan_error,
         }, indent=2))
