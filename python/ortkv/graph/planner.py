@@ -156,15 +156,20 @@ def plan_memory(ctx, threads: int = 1) -> MemoryPlan:
 
     in_place = [(label, o, ctx.root(o)) for label, node in steps for o in node.output
                 if o and ctx.root(o) != o]
+    # live bytes per step by a sweep: +nbytes where a buffer is born, -nbytes after its last step
+    delta = [0] * (end + 1)
+    for b in buffers:
+        delta[max(b.birth, 0)] += b.nbytes
+        delta[min(b.death, end - 1) + 1] -= b.nbytes
     step_bytes: list[tuple[str, int]] = []
-    peak, peak_step, peak_ws = -1, -1, 0
+    peak, peak_step, peak_ws, live = -1, -1, 0, 0
     for i, (label, node) in enumerate(steps):
         rule = WORKSPACE.get((node.domain, node.op_type))
         ws = rule(ctx, node, threads) if rule else 0
-        live = sum(b.nbytes for b in buffers if b.birth <= i <= b.death) + ws
-        step_bytes.append((label, live))
-        if live > peak:
-            peak, peak_step, peak_ws = live, i, ws
+        live += delta[i]
+        step_bytes.append((label, live + ws))
+        if live + ws > peak:
+            peak, peak_step, peak_ws = live + ws, i, ws
     if not steps:
         peak, peak_step = sum(b.nbytes for b in buffers), -1
     live = [b for b in buffers if b.birth <= peak_step <= b.death] if steps else list(buffers)
