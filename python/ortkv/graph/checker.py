@@ -137,8 +137,7 @@ def check_aliases(model: onnx.ModelProto) -> list[Finding]:
     local_functions = {(f.domain, f.name) for f in model.functions}
     for value, target in ann.alias_of.items():
         src = producer.get(value)
-        if src and (graph.node[src[0]].op_type in ("If", "Loop", "Scan") and graph.node[src[0]].domain in ("", "ai.onnx")
-                    or (graph.node[src[0]].domain, graph.node[src[0]].op_type) in local_functions):
+        if src and is_composite(graph.node[src[0]], local_functions):
             continue  # a composite node's aliases come from its bodies: ShapesContext derives and checks them
         if value in outputs and value not in node_alias_of_output and value not in in_cycle:
             who = _node_label(graph.node[src[0]], src[0]) if src else "no node"
@@ -162,16 +161,31 @@ def check_model(model: onnx.ModelProto) -> list[Finding]:
     return findings
 
 
+COMPOSITE = ("If", "Loop", "Scan")
+
+
+def subgraphs(node: onnx.NodeProto) -> list[tuple[str, onnx.GraphProto]]:
+    """(attribute name, body) for every graph-valued attribute of ``node`` (If branches, Loop/Scan body)."""
+    return [(a.name, g) for a in node.attribute
+            for g in ([a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs))]
+
+
+def is_composite(node: onnx.NodeProto, local_functions) -> bool:
+    """If/Loop/Scan or a call of a model-local function: its aliases come from its bodies, not its
+    annotations (ShapesContext derives them and checks any annotation as a claim)."""
+    return ((node.domain in ("", "ai.onnx") and node.op_type in COMPOSITE)
+            or (node.domain, node.op_type) in local_functions)
+
+
 def outer_reads(node: onnx.NodeProto) -> set[str]:
     """Names a node's bodies (If/Loop/Scan subgraphs) read from the enclosing scope."""
     reads: set[str] = set()
-    for a in node.attribute:
-        for g in ([a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)):
-            local = {vi.name for vi in g.input} | {t.name for t in g.initializer}
-            local.update(o for n in g.node for o in n.output if o)
-            for n in g.node:
-                reads.update(i for i in (*n.input, *outer_reads(n)) if i and i not in local)
-            reads.update(vi.name for vi in g.output if vi.name not in local)
+    for _, g in subgraphs(node):
+        local = {vi.name for vi in g.input} | {t.name for t in g.initializer}
+        local.update(o for n in g.node for o in n.output if o)
+        for n in g.node:
+            reads.update(i for i in (*n.input, *outer_reads(n)) if i and i not in local)
+        reads.update(vi.name for vi in g.output if vi.name not in local)
     return reads
 
 

@@ -9,6 +9,18 @@ from dataclasses import dataclass
 
 import onnx
 
+
+def find_root(parent: dict[str, str], x: str) -> str:
+    """Union-find lookup with path compression; an unseen ``x`` becomes its own root."""
+    parent.setdefault(x, x)
+    root = x
+    while parent[root] != root:
+        root = parent[root]
+    while parent[x] != root:
+        parent[x], x = root, parent[x]
+    return root
+
+
 def elem_name(elem: int | None) -> str:
     if elem is None:
         return "an unknown type"
@@ -22,8 +34,6 @@ def elem_size(elem: int) -> float:
     """Bytes per element (fractions for the 4-bit and 2-bit types)."""
     if elem in (onnx.TensorProto.INT4, onnx.TensorProto.UINT4):
         return 0.5
-    if elem in (onnx.TensorProto.BOOL,):
-        return 1
     if elem == onnx.TensorProto.STRING:
         raise ValueError("string tensors have no fixed size")
     return onnx.helper.tensor_dtype_to_np_dtype(elem).itemsize if elem != onnx.TensorProto.BFLOAT16 else 2
@@ -56,8 +66,7 @@ class ValueType:
     def __str__(self) -> str:
         if self.opaque is not None:
             return str(self.opaque.WhichOneof("value"))
-        shape = "[?]" if self.shape is None else "[" + ", ".join("?" if d is None else str(d) for d in self.shape) + "]"
-        return f"{elem_name(self.elem)} {shape}"
+        return f"{elem_name(self.elem)} {'[?]' if self.shape is None else list_dims(self.shape)}"
 
     @classmethod
     def from_proto(cls, tp: onnx.TypeProto) -> "ValueType":
@@ -79,8 +88,7 @@ class ValueType:
     def to_proto(self) -> onnx.TypeProto:
         if self.opaque is not None:
             return self.opaque
-        shape = None if self.shape is None else [d for d in self.shape]
-        return onnx.helper.make_tensor_type_proto(self.elem or 0, shape)
+        return onnx.helper.make_tensor_type_proto(self.elem or 0, None if self.shape is None else list(self.shape))
 
 
 class ShapeConflict(Exception):
@@ -104,13 +112,7 @@ class DimTable:
             self._value[name] = int(value)
 
     def find(self, sym: str) -> str:
-        self._parent.setdefault(sym, sym)
-        root = sym
-        while self._parent[root] != root:
-            root = self._parent[root]
-        while self._parent[sym] != root:
-            self._parent[sym], sym = root, self._parent[sym]
-        return root
+        return find_root(self._parent, sym)
 
     def resolve(self, d):
         """int for a concrete or bound dim, the class's symbol for a free one, None for unknown."""

@@ -15,16 +15,15 @@ PagedCacheUpdate / PagedCacheAttention follow the contract in design/ARCHITECTUR
 
 from __future__ import annotations
 
-from onnx import TensorProto
+from onnx import TensorProto, helper
 
 from .dims import ShapeConflict, ValueType, elem_name, list_dims
 
 FLOATS = (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16)
 
 
-def _attr(node, name, default=None):
-    from onnx import helper
-
+def attr(node, name, default=None):
+    """The value of attribute ``name`` of ``node``, or ``default``."""
     for a in node.attribute:
         if a.name == name:
             return helper.get_attribute_value(a)
@@ -87,7 +86,7 @@ def cache_update(ctx, node, label, ins):
     rank = cache.rank if cache.rank is not None else values.rank
     if rank is None:
         return [cache]
-    seq_axis = _attr(node, "seq_axis", -2)
+    seq_axis = attr(node, "seq_axis", -2)
     axis = seq_axis + rank if seq_axis < 0 else seq_axis
     if not 1 <= axis < rank:
         ctx.error("op-input", label, f"{op} node '{label}': seq_axis={seq_axis} resolves to axis {axis} of a "
@@ -115,8 +114,8 @@ def cache_attention(ctx, node, label, ins):
     op = "CacheAttention"
     q, k, v, start = _pad(ins, 4)
     qn, kn, vn, sn = (list(node.input) + [""] * 4)[:4]
-    hq, hkv = _attr(node, "num_heads"), _attr(node, "kv_num_heads")
-    seq_axis = _attr(node, "seq_axis", 1)
+    hq, hkv = attr(node, "num_heads"), attr(node, "kv_num_heads")
+    seq_axis = attr(node, "seq_axis", 1)
     if hq is None or hkv is None or hkv <= 0 or hq % hkv:
         ctx.error("op-input", label, f"{op} node '{label}': num_heads={hq} must be a positive multiple of "
                   f"kv_num_heads={hkv}")
@@ -158,8 +157,8 @@ def cache_attention(ctx, node, label, ins):
 def cache_attention_workspace(ctx, node, threads: int) -> int:
     """The CPU kernel's scratch: one float per (query head in a group, cache slot), per thread."""
     k = ctx.type_of(node.input[1])
-    hq, hkv = _attr(node, "num_heads", 1), _attr(node, "kv_num_heads", 1)
-    seq_axis = _attr(node, "seq_axis", 1)
+    hq, hkv = attr(node, "num_heads", 1), attr(node, "kv_num_heads", 1)
+    seq_axis = attr(node, "seq_axis", 1)
     if k.shape is None or not isinstance(k.shape[seq_axis], int) or not hkv:
         return 0
     return (hq // hkv) * k.shape[seq_axis] * 4 * threads
@@ -169,7 +168,7 @@ def paged_cache_update(ctx, node, label, ins):
     op = "PagedCacheUpdate"
     pool, table, values, pos = _pad(ins, 4)
     pn, tn, vn, sn = (list(node.input) + [""] * 4)[:4]
-    page_size = _attr(node, "page_size")
+    page_size = attr(node, "page_size")
     if table.elem is not None and table.elem not in (TensorProto.INT32, TensorProto.INT64):
         ctx.error("op-input", label, f"{op} node '{label}': page table '{tn}' is {elem_name(table.elem)}; "
                   f"a page table holds int32 (or int64) page indices")
@@ -209,15 +208,15 @@ def simplified_layer_norm(ctx, node, label, ins):
     x = ins[0]
     outs = [x]
     if len(node.output) > 1 and x.shape is not None:
-        axis = _attr(node, "axis", -1) % len(x.shape)
+        axis = attr(node, "axis", -1) % len(x.shape)
         outs.append(ValueType(TensorProto.FLOAT, tuple(x.shape[:axis]) + (1,) * (len(x.shape) - axis)))
     return outs
 
 
 def matmul_nbits(ctx, node, label, ins):
     a = ins[0]
-    n = _attr(node, "N")
-    k = _attr(node, "K")
+    n = attr(node, "N")
+    k = attr(node, "K")
     if a.shape is not None and k is not None:
         _meet_value(ctx, label, "MatMulNBits", node.input[0], a, len(a.shape) - 1, k, f"K={k}")
     return [ValueType(a.elem, None if a.shape is None else tuple(a.shape[:-1]) + (n,))]
@@ -225,7 +224,7 @@ def matmul_nbits(ctx, node, label, ins):
 
 def group_query_attention(ctx, node, label, ins):
     q, past_k = ins[0], _pad(ins, 4)[3]
-    hq, hkv = _attr(node, "num_heads"), _attr(node, "kv_num_heads")
+    hq, hkv = attr(node, "num_heads"), attr(node, "kv_num_heads")
     d = past_k.shape[3] if past_k.shape is not None else None
     out = ValueType(q.elem, None if q.shape is None else (q.shape[0], q.shape[1],
                                                           hq * d if isinstance(d, int) else None))

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-
 from ..errors import GraphCheckError
 from .annotations import Access
 from .op_rules import WORKSPACE
@@ -55,12 +54,6 @@ class MemoryPlan:
             out[b.kind] += b.nbytes
         return out
 
-    @property
-    def cache_bytes(self) -> int:
-        """Bytes of KV state held at the peak: READ_WRITE caches, plus (for copy models) every input
-        or output that holds a past/present cache."""
-        return sum(b.nbytes for b in self.live_at_peak if b.kind == "cache")
-
     def format(self, top: int = 10) -> str:
         k = self.bytes_by_kind(at_peak=True)
         lines = [
@@ -86,7 +79,7 @@ class MemoryPlan:
         return {
             "peak_bytes": self.peak_bytes, "peak_step": self.peak_step, "peak_node": self.peak_node,
             "workspace_at_peak": self.workspace_at_peak, "in_place": len(self.in_place),
-            "live_at_peak": {kind: v for kind, v in self.bytes_by_kind(at_peak=True).items()},
+            "live_at_peak": self.bytes_by_kind(at_peak=True),
         }
 
 

@@ -36,26 +36,13 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from ..errors import GraphCheckError
-from .annotations import ALIAS_OF_KEY, Access, output_aliases, read_annotations
-from .checker import Finding, hazard_findings
-from .dims import DimTable, ShapeConflict, ValueType, join_types
+from .annotations import ALIAS_OF_KEY, Access, _get, output_aliases, read_annotations
+from .checker import Finding, hazard_findings, is_composite, subgraphs
+from .dims import DimTable, ShapeConflict, ValueType, find_root, join_types
+from .op_rules import OP_RULES
+from .op_rules import attr as _attr
 
 SMALL = 4096  # int tensors up to this many elements are propagated as values (shape arithmetic)
-COMPOSITE = {"If", "Loop", "Scan"}
-
-
-def _attr(node: onnx.NodeProto, name: str, default=None):
-    for a in node.attribute:
-        if a.name == name:
-            return helper.get_attribute_value(a)
-    return default
-
-
-def _meta(props, key):
-    for p in props:
-        if p.key == key:
-            return p.value
-    return None
 
 
 @dataclass
@@ -120,13 +107,8 @@ class ShapesContext:
 
     # --- alias classes ----------------------------------------------------------------------------
     def root(self, name: str) -> str:
-        self._parent.setdefault(name, name)
-        r = name
-        while self._parent[r] != r:
-            r = self._parent[r]
-        while self._parent[name] != r:
-            self._parent[name], name = r, self._parent[name]
-        return r
+        """The storage owner of ``name``'s alias class (``name`` itself when it aliases nothing)."""
+        return find_root(self._parent, name)
 
     def classes(self) -> dict[str, list[str]]:
         """Alias classes with more than one name: root -> members (root first)."""
@@ -260,9 +242,8 @@ class ShapesContext:
             if vi.type.WhichOneof("value") is not None:
                 self.set_type(vi.name, ValueType.from_proto(vi.type), f"the declared type of '{vi.name}'")
         for node in graph.node:
-            for a in node.attribute:
-                for g in ([a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)):
-                    self._declare_graph(g)
+            for _, g in subgraphs(node):
+                self._declare_graph(g)
 
     def _node_edges(self, graph: onnx.GraphProto, prefix: str, edges: dict, composite_claims: dict) -> None:
         for idx, node in enumerate(graph.node):
@@ -287,23 +268,20 @@ class ShapesContext:
                     composite_claims.setdefault(label, []).append((node, e, out, inp))
                 else:
                     edges[out] = (inp, f"node '{label}' (output_alias {e})", label)
-            for a in node.attribute:
-                for g in ([a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)):
-                    self._node_edges(g, f"{label}/{a.name}/", edges, composite_claims)
+            for attr_name, g in subgraphs(node):
+                self._node_edges(g, f"{label}/{attr_name}/", edges, composite_claims)
 
     def _alias_of_edges(self, graph: onnx.GraphProto, out: dict) -> None:
         for vi in (*graph.input, *graph.value_info, *graph.output):
-            target = _meta(vi.metadata_props, ALIAS_OF_KEY)
+            target = _get(vi.metadata_props, ALIAS_OF_KEY)
             if target is not None:
                 out[vi.name] = target
         for node in graph.node:
-            for a in node.attribute:
-                for g in ([a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)):
-                    self._alias_of_edges(g, out)
+            for _, g in subgraphs(node):
+                self._alias_of_edges(g, out)
 
     def _is_composite(self, node: onnx.NodeProto) -> bool:
-        return ((node.domain in ("", "ai.onnx") and node.op_type in COMPOSITE)
-                or (node.domain, node.op_type) in self._functions)
+        return is_composite(node, self._functions)
 
     def _resolve_annotations(self, graph: onnx.GraphProto) -> None:
         """Steps 1-5 of Note [Alias classes] for the annotations."""
@@ -392,7 +370,7 @@ class ShapesContext:
         key = (node.domain, node.op_type)
         ins = [self.type_of(i) for i in node.input]
         nested: set[str] = set()
-        if key in self._functions or (node.domain in ("", "ai.onnx") and node.op_type in COMPOSITE):
+        if self._is_composite(node):
             before = len(self.findings)
             if key in self._functions:
                 nested = self._call_function(node, label, scope)
@@ -531,9 +509,7 @@ class ShapesContext:
             if t.concrete():
                 self.values[out] = np.array(int(np.prod(t.shape)), np.int64)
             return
-        if all(i in self.values for i in ins if i) and not any(a.type in (onnx.AttributeProto.GRAPH,
-                                                                         onnx.AttributeProto.GRAPHS)
-                                                               for a in node.attribute):
+        if all(i in self.values for i in ins if i) and not subgraphs(node):
             folded = _fold(node, {i: self.values[i] for i in ins if i}, scope.opsets)
             if folded is not None:
                 for name, arr in zip(outs, folded):
@@ -785,7 +761,7 @@ class ShapesContext:
         finally:
             self._depth -= 1
         for vi in f.value_info:
-            target = _meta(vi.metadata_props, ALIAS_OF_KEY)
+            target = _get(vi.metadata_props, ALIAS_OF_KEY)
             if target is not None and vi.name in rename:
                 out, want = rename[vi.name], rename.get(target, target)
                 if self.root(out) != self.root(want):
@@ -882,9 +858,6 @@ def _fold(node: onnx.NodeProto, values: dict[str, np.ndarray], opsets: dict[str,
         return None
     it = iter(res)
     return [next(it) if o else None for o in node.output]
-
-
-from .op_rules import OP_RULES  # noqa: E402  (the rules import ShapesContext's helpers)
 
 
 def share_buffer_aliases(model: onnx.ModelProto) -> dict[str, str]:
