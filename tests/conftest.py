@@ -23,7 +23,7 @@ DTYPES = {"float32": (np.float32, TP.FLOAT), "float16": (np.float16, TP.FLOAT16)
 def cuda_available() -> str | None:
     """None when CUDA tests can run, else the reason they cannot."""
     if "CUDAExecutionProvider" not in ort.get_available_providers():
-        return "onnxruntime has no CUDAExecutionProvider (CPU wheel); see shared/device/DEVICE.md"
+        return "onnxruntime has no CUDAExecutionProvider (the CPU wheel); install onnxruntime-gpu, see docs/GPU.md"
     try:
         import torch
 
