@@ -25,6 +25,7 @@ from . import get_library_path
 from ._storage import (
     _ORT_TYPE_STRINGS,
     BFLOAT16,
+    ELEM_SIZE,
     ONNX_TYPE_NAMES,
     Storage,
     as_storage,
@@ -127,6 +128,13 @@ def _whole_tensor_readers(graph: onnx.GraphProto, annotations, caches) -> dict[s
             if name in root:
                 readers.setdefault(root[name], (node.name or node.op_type, node.op_type))
     return readers
+
+
+def _ortvalue_nbytes(value) -> int:
+    size = getattr(value, "tensor_size_in_bytes", None)
+    if size is not None:
+        return int(size())
+    return int(np.prod(value.shape(), dtype=np.int64)) * ELEM_SIZE.get(value.element_type(), 1)
 
 
 def _registered_uncommitted(lo: int, hi: int) -> bool:
@@ -341,8 +349,12 @@ class MutableCacheSession:
             if hasattr(value, "data_ptr") and hasattr(value, "device_name"):  # OrtValue
                 self._check_feed_type(name, value.element_type() if value.is_tensor() else None, declared)
                 if value.is_tensor():
-                    kind, index = ortvalue_device(value)
-                    self._check_feed_overlap(name, (kind, index), value.data_ptr(), value.tensor_size_in_bytes())
+                    try:
+                        device = ortvalue_device(value)
+                    except StorageError:  # a device no cache can live on: nothing to overlap
+                        device = None
+                    if device is not None:
+                        self._check_feed_overlap(name, device, value.data_ptr(), _ortvalue_nbytes(value))
                 io.bind_ortvalue_input(name, value)
             else:
                 arr = np.asarray(value, order="C")  # keeps 0-d scalars 0-d
