@@ -312,6 +312,25 @@ def test_read_only_pages_refused_even_when_numpy_says_writable():
         libc.munmap(addr, 4096)
 
 
+def test_ortvalue_over_bytes_laundered_through_dlpack_refused():
+    """OrtValue.__dlpack__ exports read-only memory through a capsule that cannot say so: the same
+    bytes object, bound as a DLPack tensor, is refused too."""
+    raw = bytes(range(256))
+    value = ort.OrtValue.ortvalue_from_numpy(np.frombuffer(raw, np.float32).reshape(1, 2, 8, 4))
+
+    class Tensor:  # any object forwarding the OrtValue's DLPack export
+        def __dlpack__(self, **kw):
+            return value.__dlpack__()
+
+        def __dlpack_device__(self):
+            return value.__dlpack_device__()
+
+    with _session() as s, pytest.raises(ortkv.ImmutableStorageError,
+                                        match=r"exported by an onnxruntime OrtValue.*not known writable"):
+        s.bind_cache("cache", Tensor())
+    assert raw == bytes(range(256))
+
+
 def test_host_ortvalue_of_unknown_provenance_refused():
     """An OrtValue that ORT allocated carries no owner's word on writability: refused with a remedy."""
     value = ort.OrtValue.ortvalue_from_shape_and_type([1, 2, 8, 4], np.float32)

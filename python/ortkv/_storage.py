@@ -83,6 +83,12 @@ def _from_numpy(arr: np.ndarray, declared_type: int | None) -> Storage:
 #     an OrtValue is refused with the remedy: bind the numpy array or the DLPack tensor itself
 #     (ortkv reads their read-only flags), or wrap a writable array with ortvalue_from_numpy. If a
 #     future onnxruntime drops `_numpy_obj`, host OrtValues are refused the same way (fail closed).
+#   * a DLPack tensor: the producer's word. A versioned capsule carries a read-only flag; an
+#     unversioned one cannot, and by convention a producer does not export read-only memory through
+#     it (numpy raises BufferError instead). OrtValue.__dlpack__ breaks that convention; its capsules
+#     are recognised by their deleter (code of onnxruntime's extension module) and refused like a
+#     host OrtValue of unknown provenance. Memory that a third framework imported and re-exports
+#     (torch.from_dlpack(ortvalue)) carries that framework's word: the limit of what can be known.
 #   * CUDA memory: the allocations an OrtValue holds (cudaMalloc through ORT's allocator, or a
 #     DLPack producer's) are mapped read-write; the only read-only device memory in an ortkv process
 #     is a shared prefix that ortkv mapped itself and registered in the core (checked at bind and by
@@ -147,6 +153,20 @@ def _from_ortvalue(value) -> Storage:
 def ortvalue_device(value) -> tuple[str, int]:
     """(device type, device index) of an OrtValue: 'cpu' or 'cuda'."""
     return _ortvalue_device(value)
+
+
+def _mapping_path(addr: int, maps_path: str = "/proc/self/maps") -> str:
+    """The file mapped at host address ``addr`` ('' if anonymous, unknown or unreadable)."""
+    try:
+        with open(maps_path) as f:
+            for line in f:
+                parts = line.split(None, 5)
+                lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                if lo <= addr < hi:
+                    return parts[5].strip() if len(parts) > 5 else ""
+    except OSError:
+        pass
+    return ""
 
 
 def check_host_pages(ptr: int, nbytes: int, tolerate=None, maps_path: str = "/proc/self/maps") -> str:
@@ -223,12 +243,21 @@ def _from_dlpack(obj) -> Storage:
         capsule = obj.__dlpack__()
     except BufferError as exc:  # e.g. numpy refuses to export a read-only array in legacy mode
         raise StorageError(f"the tensor refused to export itself through DLPack: {exc}") from exc
-    read_only = False
+    read_only, why = False, ""
     if _capsule_valid(capsule, b"dltensor_versioned"):
         managed = _DLManagedTensorVersioned.from_address(_capsule_get(capsule, b"dltensor_versioned"))
         read_only = bool(managed.flags & _DLPACK_READ_ONLY)
     elif _capsule_valid(capsule, b"dltensor"):
         managed = _DLManagedTensor.from_address(_capsule_get(capsule, b"dltensor"))
+        # Note [Writable OrtValue storage]: an unversioned capsule cannot say "read-only"; numpy
+        # therefore refuses to export read-only memory through one, but OrtValue.__dlpack__ exports
+        # whatever it wraps (a read-only array included). Its capsules are recognised by their
+        # deleter, which lives in onnxruntime's extension module, and get the OrtValue rule: refused.
+        if managed.deleter and "onnxruntime" in _mapping_path(managed.deleter):
+            read_only = True
+            why = ("a DLPack tensor exported by an onnxruntime OrtValue, whose capsule does not carry the "
+                   "read-only flag, so its memory is not known writable. Bind the numpy array (or the OrtValue "
+                   "made from a writable numpy array) itself")
     else:
         raise StorageError("__dlpack__ returned no DLPack capsule")
     t = managed.dl_tensor
@@ -253,7 +282,8 @@ def _from_dlpack(obj) -> Storage:
     # deleter because we never rename it "used_dltensor").
     return Storage(ptr=(t.data or 0) + t.byte_offset, nbytes=int(np.prod(shape, dtype=np.int64)) * size,
                    device_type=device_type, device_id=t.device.device_id, onnx_type=onnx_type, shape=shape,
-                   writable=not read_only, contiguous=contiguous, kind="dlpack", keepalive=(obj, capsule))
+                   writable=not read_only, contiguous=contiguous, kind="dlpack", keepalive=(obj, capsule),
+                   not_writable_because=why)
 
 
 def as_storage(obj, declared_type: int | None = None) -> Storage:
