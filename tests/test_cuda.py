@@ -151,7 +151,8 @@ def test_cuda_values_overlapping_cache_refused(where):
     values_t = {"inside": buf[72:80], "head": buf[57:65], "tail": buf[127:135]}[where].view(1, 2, 1, 4)
     before = _bytes(buf)
     sess = _cuda_session(cache_update_model())
-    with pytest.raises(RuntimeError, match=r"E_INPUT.*input 'values' \[0x.*overlaps the cache 'cache'.*Nothing was written"):
+    with pytest.raises(RuntimeError,
+                       match=r"E_INPUT.*input 'values' \[0x.*overlaps the cache 'cache'.*Nothing was written"):
         _run(sess, cache_t, values_t, 3, 1)
     assert _bytes(buf) == before
 

@@ -269,7 +269,8 @@ def test_ortvalue_over_bytes_refused_and_bytes_untouched():
     value = ort.OrtValue.ortvalue_from_numpy(arr)
     with _session() as s:
         with pytest.raises(ortkv.ImmutableStorageError,
-                           match=r"cache 'cache': an OrtValue made from a read-only numpy array.*np.array\(x, copy=True\)"):
+                           match=r"cache 'cache': an OrtValue made from a read-only numpy array"
+                                 r".*np.array\(x, copy=True\)"):
             s.bind_cache("cache", value)
         with pytest.raises(ortkv.OrtkvError, match=r"not bound"):
             s.run(None, _feed())
@@ -305,7 +306,8 @@ def test_read_only_pages_refused_even_when_numpy_says_writable():
         arr = np.ctypeslib.as_array((ctypes.c_float * 64).from_address(addr)).reshape(1, 2, 8, 4)
         assert arr.flags.writeable  # numpy cannot know
         with _session() as s, pytest.raises(ortkv.ImmutableStorageError,
-                                            match=r"is not writable memory: \[0x[0-9a-f]+, 0x[0-9a-f]+\) is mapped r--"):
+                                            match=r"is not writable memory: \[0x[0-9a-f]+, 0x[0-9a-f]+\) "
+                                                  r"is mapped r--"):
             s.bind_cache("cache", arr)
         assert not arr.any()  # still the zero page: nothing was written (a write would have faulted)
     finally:
@@ -393,7 +395,8 @@ def test_capacity_error_at_the_largest_position_keeps_its_numbers():
 
 @pytest.mark.parametrize("shape", [(1, 2, 0, 4), (1, 0, 8, 4), (0, 2, 8, 4)])
 def test_zero_element_cache_refused_at_bind(shape):
-    with _session() as s, pytest.raises(ortkv.StorageError, match=r"cache 'cache': storage shape \[.*\] has no elements"):
+    with _session() as s, pytest.raises(ortkv.StorageError,
+                                        match=r"cache 'cache': storage shape \[.*\] has no elements"):
         s.bind_cache("cache", np.zeros(shape, np.float32))
 
 
@@ -402,7 +405,8 @@ def test_feed_of_the_wrong_type_is_a_typed_error():
     before = digest(cache)
     with _session() as s:
         s.bind_cache("cache", cache)
-        with pytest.raises(ortkv.InputTypeError, match=r"input 'position' is int32 but the model declares int64") as info:
+        with pytest.raises(ortkv.InputTypeError,
+                           match=r"input 'position' is int32 but the model declares int64") as info:
             s.run(None, {"values": np.ones((1, 2, 1, 4), np.float32), "position": np.array(0, np.int32)})
         assert (info.value.input, info.value.expected, info.value.given) == ("position", "int64", "int32")
         with pytest.raises(ortkv.InputTypeError, match=r"input 'values' is float16 but the model declares float32"):
