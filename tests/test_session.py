@@ -409,6 +409,7 @@ def test_feed_of_the_wrong_type_is_a_typed_error():
                            match=r"input 'position' is int32 but the model declares int64") as info:
             s.run(None, {"values": np.ones((1, 2, 1, 4), np.float32), "position": np.array(0, np.int32)})
         assert (info.value.input, info.value.expected, info.value.given) == ("position", "int64", "int32")
+        assert str(info.value).endswith("e.g. np.asarray(x, dtype=np.int64)")
         with pytest.raises(ortkv.InputTypeError, match=r"input 'values' is float16 but the model declares float32"):
             s.run(None, {"values": ort.OrtValue.ortvalue_from_numpy(np.ones((1, 2, 1, 4), np.float16)),
                          "position": np.array(0)})

@@ -420,10 +420,10 @@ class MutableCacheSession:
             return
         exp = ONNX_TYPE_NAMES.get(declared, str(declared))
         got = ONNX_TYPE_NAMES.get(given, "an unsupported type") if given is not None else "not a tensor"
+        np_name = "ml_dtypes.bfloat16" if declared == BFLOAT16 else "np.bool_" if exp == "bool" else f"np.{exp}"
         raise InputTypeError(
-            f"input '{name}' is {got} but the model declares {exp}; pass a {exp} array "
-            f"(e.g. np.asarray(x, dtype=...{' (ml_dtypes.bfloat16)' if declared == BFLOAT16 else ''}))",
-            input=name, expected=exp, given=got)
+            f"input '{name}' is {got} but the model declares {exp}; onnxruntime does not convert feeds. "
+            f"Pass {exp} data, e.g. np.asarray(x, dtype={np_name})", input=name, expected=exp, given=got)
 
     def _check_feed_overlap(self, name: str, device: tuple[str, int], ptr: int, nbytes: int) -> None:
         """A feed sharing bytes with a cache this run writes in place reads torn data (and CacheUpdate's
