@@ -33,9 +33,9 @@ def test_matches_reference(rng, dtype, layout, n, vector):
     shape, axis = LAYOUTS[layout]
     cache, values, position = random_case(rng, shape, axis, n, vector, np_type)
     expected = cache_update_ref(cache, values, position, axis)
+    assert not np.array_equal(cache.view(np.uint8), expected.view(np.uint8))  # the update is visible
     sess = cached_session(onnx_type, len(shape), axis, vector)
-    ptr = run_bound(sess, cache, values, position, onnx_type)
-    assert ptr == cache.ctypes.data
+    run_bound(sess, cache, values, position, onnx_type)
     np.testing.assert_array_equal(cache.view(np.uint8), expected.view(np.uint8))
 
 
@@ -148,13 +148,15 @@ def test_100_runs_same_pointer_and_flat_rss(rng):
     sess = cached_session(1, 4, -2, False)
     values = _rand(rng, (1, 8, 1, 512), np.float32)
     run_bound(sess, cache, values, 0, 1)  # warm-up (ORT allocates its own small buffers once)
-    rss0, ptrs = rss_bytes(), set()
+    rss0 = rss_bytes()
     for step in range(100):
-        ptrs.add(run_bound(sess, cache, values * step, step, 1))
+        run_bound(sess, cache, values * step, step, 1)
     growth = rss_bytes() - rss0
-    assert ptrs == {cache.ctypes.data}
     assert growth < 4 << 20, f"RSS grew by {growth} bytes over 100 in-place runs of a 32 MiB cache"
-    np.testing.assert_array_equal(cache[0, :, 99], (values * 99)[0, :, 0])
+    # every run landed in the caller's array (not in a buffer ORT handed back), and nothing beyond
+    steps = np.arange(100, dtype=np.float32)[None, :, None]
+    np.testing.assert_array_equal(cache[0, :, :100], values[0] * steps)
+    assert not cache[0, :, 100:].any()
 
 
 # --- hypothesis: the error contract on random shapes and positions ----------------------------
@@ -194,5 +196,73 @@ def test_error_contract_random(case):
             run_bound(sess, cache, values, position, onnx_type)
         assert digest(cache) == before
     else:
-        assert run_bound(sess, cache, values, position, onnx_type) == cache.ctypes.data
+        run_bound(sess, cache, values, position, onnx_type)
         np.testing.assert_array_equal(cache.view(np.uint8), expected.view(np.uint8))
+
+
+# --- misuse (issue 9) -------------------------------------------------------------------------
+def test_position_at_int64_max_reports_the_true_sum(rng):
+    """position + n overflowed int64 in the message (printed negative; CapacityError.requested None)."""
+    cache = _rand(rng, (1, 2, 8, 4), np.float32)
+    _expect_error(cached_session(1, 4, -2, False), cache, _rand(rng, (1, 2, 1, 4), np.float32), 2**63 - 1, 1,
+                  "[ortkv:E_CAPACITY]", "position 9223372036854775807 + n 1 = 9223372036854775808 exceeds capacity 8",
+                  "capacity >= 9223372036854775808")
+
+
+def test_zero_element_cache_refused(rng):
+    """A cache with a 0 dim used to pass (or end in a bogus alias error in the session)."""
+    cache = np.zeros((1, 0, 8, 4), np.float32)
+    _expect_error(cached_session(1, 4, -2, False), cache, np.zeros((1, 0, 1, 4), np.float32), 0, 1,
+                  "[ortkv:E_INPUT]", "'cache' has shape [1, 0, 8, 4] with no elements (dim 1 is 0)")
+
+
+def _run_raw(sess, cache, values, position):
+    """run_bound with raw pointers: `values` may be any (pointer, shape) inside another buffer."""
+    io = sess.io_binding()
+    io.bind_input("cache", "cpu", 0, 1, list(cache.shape), cache.ctypes.data)
+    io.bind_output("updated_cache", "cpu", 0, 1, list(cache.shape), cache.ctypes.data)
+    io.bind_input("values", "cpu", 0, 1, list(values.shape), values.ctypes.data)
+    io.bind_cpu_input("position", np.asarray(position, dtype=np.int64))
+    sess.run_with_iobinding(io)
+
+
+@pytest.mark.parametrize("where", ["inside", "head", "tail"])
+def test_values_overlapping_cache_refused(where):
+    """values sharing bytes with the cache: memcpy with overlapping arguments (undefined, and run to run
+    different on the thread pool). Refused before any write, whatever the overlap."""
+    buf = np.arange(3 * 64, dtype=np.float32)
+    cache = buf[64:128].reshape(1, 2, 8, 4)
+    if where == "inside":
+        values = cache.reshape(-1)[8:16].reshape(1, 2, 1, 4)
+    elif where == "head":  # the last value element is the cache's first
+        values = buf[64 - 7:64 + 1].reshape(1, 2, 1, 4)
+    else:  # the first value element is the cache's last
+        values = buf[127:135].reshape(1, 2, 1, 4)
+    assert np.shares_memory(values, cache)
+    before = digest(buf)
+    with pytest.raises(Exception) as info:
+        _run_raw(cached_session(1, 4, -2, False), cache, values, 3)
+    text = str(info.value)
+    assert "[ortkv:E_INPUT]" in text and "input 'values' [0x" in text and "overlaps the cache 'cache'" in text
+    assert "32 and 256 bytes" in text and "Nothing was written" in text
+    assert digest(buf) == before
+
+
+def test_values_adjacent_to_cache_accepted():
+    buf = np.arange(3 * 64, dtype=np.float32)
+    cache = buf[64:128].reshape(1, 2, 8, 4)
+    for values in (buf[56:64].reshape(1, 2, 1, 4), buf[128:136].reshape(1, 2, 1, 4)):
+        expected = cache_update_ref(cache, values.copy(), 7)
+        _run_raw(cached_session(1, 4, -2, False), cache, values, 7)
+        np.testing.assert_array_equal(cache, expected)
+
+
+def test_large_overlapping_update_refused():
+    """The multithreaded path (> 1 MiB): refused the same way, cache unchanged."""
+    cache = np.zeros((4, 8, 512, 64), np.float32)
+    cache[:] = np.arange(512, dtype=np.float32)[:, None]
+    values = cache.reshape(-1)[: 4 * 8 * 300 * 64].reshape(4, 8, 300, 64)
+    before = digest(cache)
+    with pytest.raises(Exception, match=r"\[ortkv:E_INPUT\].*overlaps the cache 'cache'"):
+        _run_raw(cached_session(1, 4, -2, True), cache, values, np.array([0, 100, 212, 7]))
+    assert digest(cache) == before

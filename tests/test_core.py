@@ -62,5 +62,9 @@ def test_core_is_loaded_once():
     assert out == ["1", "True"]
 
 
-def test_cuda_build_flag_is_boolean():
-    assert isinstance(_ortkv.CUDA_BUILD, bool)
+def test_cuda_build_flag_matches_the_op_library():
+    """CUDA_BUILD (the extension's compile flag) must agree with the op library ORT loads: a library
+    built without CUDA kernels carries the refusal text of its CPU-only CacheUpdate, a CUDA build does not."""
+    with open(ortkv.get_library_path(), "rb") as f:
+        cpu_only = b"this build of ortkv has no CUDA kernels" in f.read()
+    assert cpu_only is (not _ortkv.CUDA_BUILD)

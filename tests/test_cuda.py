@@ -69,7 +69,8 @@ def test_cuda_matches_reference(rng, dtype, layout, n, vector):
     expected = cache_update_ref(cache, values, position, axis)
     cache_t, values_t = _to_torch(cache), _to_torch(values)
     sess = _cuda_session(cache_update_model(onnx_type, len(shape), axis, vector_position=vector))
-    assert _run(sess, cache_t, values_t, position, onnx_type) == cache_t.data_ptr()
+    assert _bytes(cache_t) != expected.view(np.uint8).tobytes()
+    _run(sess, cache_t, values_t, position, onnx_type)
     assert _bytes(cache_t) == expected.view(np.uint8).tobytes()
 
 
@@ -122,8 +123,7 @@ def test_cuda_mutable_cache_session_with_dlpack_tensor(rng):
     torch.cuda.synchronize()
     free0 = torch.cuda.mem_get_info()[0]
     for step in range(100):
-        (out,) = s.run(["updated_cache"], feed(step))
-        assert out is cache_t
+        s.run(["updated_cache"], feed(step))
     torch.cuda.synchronize()
     assert torch.cuda.mem_get_info()[0] >= free0 - (16 << 20), "device memory grew by a cache-sized amount"
     assert float(cache_t[0, 0, 99, 0]) == 99.0 and float(cache_t[1, 7, 4095, 0]) == 99.0
@@ -140,3 +140,53 @@ def test_cuda_cupy_storage_if_available(rng):
         s.bind_cache("cache", cache)
         s.run(None, {"values": np.full((1, 2, 1, 4), 3, np.float32), "position": np.array(7)})
     assert float(cache[0, 1, 7, 3]) == 3.0 and float(cache[0, 1, 6, 3]) == 0.0
+
+
+# --- misuse (issue 9), CUDA variants ------------------------------------------------------------
+@pytest.mark.parametrize("where", ["inside", "head", "tail"])
+def test_cuda_values_overlapping_cache_refused(where):
+    torch = _torch()
+    buf = torch.arange(3 * 64, dtype=torch.float32, device="cuda")
+    cache_t = buf[64:128].view(1, 2, 8, 4)
+    values_t = {"inside": buf[72:80], "head": buf[57:65], "tail": buf[127:135]}[where].view(1, 2, 1, 4)
+    before = _bytes(buf)
+    sess = _cuda_session(cache_update_model())
+    with pytest.raises(RuntimeError,
+                       match=r"E_INPUT.*input 'values' \[0x.*overlaps the cache 'cache'.*Nothing was written"):
+        _run(sess, cache_t, values_t, 3, 1)
+    assert _bytes(buf) == before
+
+
+def test_cuda_position_at_int64_max_reports_the_true_sum():
+    torch = _torch()
+    cache_t = torch.zeros((1, 2, 8, 4), device="cuda")
+    sess = _cuda_session(cache_update_model())
+    with pytest.raises(RuntimeError, match=r"E_CAPACITY.*= 9223372036854775808 exceeds capacity 8"):
+        _run(sess, cache_t, torch.ones((1, 2, 1, 4), device="cuda"), 2**63 - 1, 1)
+    assert not bool(cache_t.any())
+
+
+def test_cuda_ortvalue_cache_with_its_device_index():
+    import onnxruntime as ort
+    from ortkv._storage import as_storage
+
+    value = ort.OrtValue.ortvalue_from_numpy(np.zeros((1, 2, 8, 4), np.float32), "cuda", 0)
+    assert as_storage(value).device_key == ("cuda", 0)
+    with ortkv.MutableCacheSession(cache_update_model(), providers=["CUDAExecutionProvider"]) as s:
+        s.bind_cache("cache", value)
+        s.run(None, {"values": np.full((1, 2, 1, 4), 2, np.float32), "position": np.array(5)})
+    host = value.numpy()
+    assert (host[0, :, 5] == 2).all() and host.sum() == 16
+
+
+def test_cuda_session_feed_overlapping_cache_refused():
+    import onnxruntime as ort
+
+    torch = _torch()
+    cache_t = torch.zeros((1, 1, 16, 4), device="cuda")
+    with ortkv.MutableCacheSession(cache_update_model(), providers=["CUDAExecutionProvider"]) as s:
+        s.bind_cache("cache", cache_t)
+        values = ort.OrtValue.from_dlpack(cache_t[:, :, 2:3])
+        with pytest.raises(ortkv.BindingConflictError, match=r"feed 'values' .* on cuda:0 overlaps cache 'cache'"):
+            s.run(None, {"values": values, "position": np.array(5)})
+    assert not bool(cache_t.any())

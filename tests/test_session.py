@@ -29,12 +29,13 @@ def test_run_updates_in_place_and_returns_the_cache(rng):
     cache = rng.standard_normal((2, 3, 8, 4)).astype(np.float32)
     values = rng.standard_normal((2, 3, 2, 4)).astype(np.float32)
     expected = cache_update_ref(cache, values, np.array([0, 6]))
+    assert not np.array_equal(cache, expected)
     with _session(vector_position=True) as s:
         assert s.caches == ["cache"] and s.aliased_outputs("cache") == ["updated_cache"]
         s.bind_cache("cache", cache)
         (out,) = s.run(["updated_cache"], {"values": values, "position": np.array([0, 6])})
-    assert out is cache
-    np.testing.assert_array_equal(cache, expected)
+    np.testing.assert_array_equal(cache, expected)  # the caller's array was updated in place
+    np.testing.assert_array_equal(out, expected)
 
 
 @pytest.mark.parametrize("kind", ["ortvalue", "dlpack", "bf16_uint16", "bf16_ml_dtypes"])
@@ -161,7 +162,7 @@ def test_second_concurrent_run_refused():
         s.bind_cache("cache", np.zeros((1, 2, 8, 4), np.float32))
     release.set()
     t.join(10)
-    assert results["a"][0] is cache and cache[0, 0, 0, 0] == 1 and cache[0, 0, 1, 0] == 0
+    assert cache[0, 0, 0, 0] == 1 and cache[0, 0, 1, 0] == 0  # only the first run wrote
 
 
 def test_capacity_error_has_numbers():
@@ -177,7 +178,12 @@ def test_capacity_error_has_numbers():
 
 
 def test_alias_error_when_pointer_differs(monkeypatch, rng):
-    """The post-run check: an aliased output that comes back elsewhere raises AliasError."""
+    """The post-run check: an aliased output that comes back elsewhere raises AliasError.
+
+    This check is reachable only by monkeypatching: with one buffer bound as input and output, ORT
+    always hands back that buffer, and an unbound output is refused by the kernel first (E_ALIAS,
+    see test_plain_run_of_the_session_model_is_refused). It stays as a second line of defence; this
+    test only proves the check is wired (a changed pointer is reported, not ignored)."""
     cache = np.zeros((1, 2, 8, 4), np.float32)
     with _session() as s:
         s.bind_cache("cache", cache)
@@ -247,3 +253,244 @@ def test_model_from_path_and_bytes(tmp_path):
         s.close()
     with pytest.raises(ortkv.OrtkvError, match=r"does not exist"):
         ortkv.MutableCacheSession(str(tmp_path / "missing.onnx"))
+
+
+# --- misuse (issue 9): read-only memory behind an OrtValue, overlapping feeds, feed types ------
+def _feed(n=1, position=0, dtype=np.float32):
+    return {"values": np.ones((1, 2, n, 4), dtype), "position": np.array(position)}
+
+
+def test_ortvalue_over_bytes_refused_and_bytes_untouched():
+    """ortvalue_from_numpy wraps a read-only array (here over a Python bytes object) without a word;
+    binding it used to succeed and the run wrote into the bytes object."""
+    raw = bytes(range(256))  # 256 bytes: float32 [1, 2, 8, 4]
+    arr = np.frombuffer(raw, np.float32).reshape(1, 2, 8, 4)
+    original = bytes(raw)
+    value = ort.OrtValue.ortvalue_from_numpy(arr)
+    with _session() as s:
+        with pytest.raises(ortkv.ImmutableStorageError,
+                           match=r"cache 'cache': an OrtValue made from a read-only numpy array"
+                                 r".*np.array\(x, copy=True\)"):
+            s.bind_cache("cache", value)
+        with pytest.raises(ortkv.OrtkvError, match=r"not bound"):
+            s.run(None, _feed())
+    assert raw == original
+
+
+def test_ortvalue_over_readonly_memmap_refused(tmp_path):
+    """A read-only np.memmap behind an OrtValue: the run used to segfault writing the mapping."""
+    path = tmp_path / "cache.bin"
+    data = np.arange(64, dtype=np.float32)
+    data.tofile(path)
+    mm = np.memmap(path, np.float32, mode="r", shape=(1, 2, 8, 4))
+    value = ort.OrtValue.ortvalue_from_numpy(mm)
+    with _session() as s, pytest.raises(ortkv.ImmutableStorageError, match=r"read-only numpy array.*memmap"):
+        s.bind_cache("cache", value)
+    del value, mm
+    assert path.read_bytes() == data.tobytes()
+
+
+def test_read_only_pages_refused_even_when_numpy_says_writable():
+    """An array built over a raw pointer claims writeable=True whatever the page protection is;
+    the bind checks the pages themselves (a run would segfault inside the op)."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    addr = libc.mmap(None, 4096, mmap.PROT_READ, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
+    assert addr not in (None, ctypes.c_void_p(-1).value)
+    try:
+        arr = np.ctypeslib.as_array((ctypes.c_float * 64).from_address(addr)).reshape(1, 2, 8, 4)
+        assert arr.flags.writeable  # numpy cannot know
+        with _session() as s, pytest.raises(ortkv.ImmutableStorageError,
+                                            match=r"is not writable memory: \[0x[0-9a-f]+, 0x[0-9a-f]+\) "
+                                                  r"is mapped r--"):
+            s.bind_cache("cache", arr)
+        assert not arr.any()  # still the zero page: nothing was written (a write would have faulted)
+    finally:
+        libc.munmap(addr, 4096)
+
+
+def test_ortvalue_over_bytes_laundered_through_dlpack_refused():
+    """OrtValue.__dlpack__ exports read-only memory through a capsule that cannot say so: the same
+    bytes object, bound as a DLPack tensor, is refused too."""
+    raw = bytes(range(256))
+    value = ort.OrtValue.ortvalue_from_numpy(np.frombuffer(raw, np.float32).reshape(1, 2, 8, 4))
+
+    class Tensor:  # any object forwarding the OrtValue's DLPack export
+        def __dlpack__(self, **kw):
+            return value.__dlpack__()
+
+        def __dlpack_device__(self):
+            return value.__dlpack_device__()
+
+    with _session() as s, pytest.raises(ortkv.ImmutableStorageError,
+                                        match=r"exported by an onnxruntime OrtValue.*not known writable"):
+        s.bind_cache("cache", Tensor())
+    assert raw == bytes(range(256))
+
+
+def test_host_ortvalue_of_unknown_provenance_refused():
+    """An OrtValue that ORT allocated carries no owner's word on writability: refused with a remedy."""
+    value = ort.OrtValue.ortvalue_from_shape_and_type([1, 2, 8, 4], np.float32)
+    with _session() as s, pytest.raises(ortkv.ImmutableStorageError,
+                                        match=r"not known writable: it was not made from a numpy array.*"
+                                              r"ortvalue_from_numpy\(writable_array\)"):
+        s.bind_cache("cache", value)
+
+
+def test_ortvalue_of_a_non_contiguous_array_is_a_copy_and_refused():
+    """ortvalue_from_numpy copies a non-contiguous array: an update would never reach the caller's array."""
+    base = np.zeros((1, 2, 8, 8), np.float32)
+    value = ort.OrtValue.ortvalue_from_numpy(base[..., ::2])
+    with _session() as s, pytest.raises(ortkv.StorageError, match=r"onnxruntime copied it.*np.ascontiguousarray"):
+        s.bind_cache("cache", value)
+
+
+def test_ortvalue_device_index_comes_from_the_value():
+    """The device index was hard-coded to 0; it now comes from the OrtValue (DLPack device)."""
+    from ortkv._storage import as_storage
+
+    class OnSecondGpu(ort.OrtValue):  # what a CUDA OrtValue on device 1 reports
+        def device_name(self):
+            return "cuda"
+
+        def __dlpack_device__(self):
+            return (2, 1)
+
+    inner = ort.OrtValue.ortvalue_from_shape_and_type([1, 2, 8, 4], np.float32)
+    st = as_storage(OnSecondGpu(inner._get_c_value()))
+    assert (st.device_type, st.device_id, st.writable) == ("cuda", 1, True)
+    assert as_storage(ort.OrtValue.ortvalue_from_numpy(np.zeros(4, np.float32))).device_key == ("cpu", 0)
+
+
+def test_values_overlapping_the_cache_refused():
+    cache = np.arange(64, dtype=np.float32).reshape(1, 1, 16, 4)
+    before = digest(cache)
+    values = cache[:, :, 2:3]  # a contiguous view into the cache itself
+    assert np.shares_memory(values, cache) and values.flags.c_contiguous
+    with _session() as s:
+        s.bind_cache("cache", cache)
+        with pytest.raises(ortkv.BindingConflictError,
+                           match=r"feed 'values' \[0x[0-9a-f]+, 0x[0-9a-f]+\) on cpu:0 overlaps cache 'cache'.*copy"):
+            s.run(None, {"values": values, "position": np.array(5)})
+        assert digest(cache) == before
+        s.run(None, {"values": values.copy(), "position": np.array(5)})  # a copy is fine
+    np.testing.assert_array_equal(cache[0, 0, 5], [8, 9, 10, 11])
+
+
+def test_capacity_error_at_the_largest_position_keeps_its_numbers():
+    cache = np.zeros((1, 2, 8, 4), np.float32)
+    before = digest(cache)
+    with _session() as s:
+        s.bind_cache("cache", cache)
+        with pytest.raises(ortkv.CapacityError, match=r"= 9223372036854775808 exceeds capacity 8") as info:
+            s.run(None, _feed(position=2**63 - 1))
+    assert (info.value.requested, info.value.capacity, info.value.position) == (2**63, 8, 2**63 - 1)
+    assert digest(cache) == before
+
+
+@pytest.mark.parametrize("shape", [(1, 2, 0, 4), (1, 0, 8, 4), (0, 2, 8, 4)])
+def test_zero_element_cache_refused_at_bind(shape):
+    with _session() as s, pytest.raises(ortkv.StorageError,
+                                        match=r"cache 'cache': storage shape \[.*\] has no elements"):
+        s.bind_cache("cache", np.zeros(shape, np.float32))
+
+
+def test_feed_of_the_wrong_type_is_a_typed_error():
+    cache = np.zeros((1, 2, 8, 4), np.float32)
+    before = digest(cache)
+    with _session() as s:
+        s.bind_cache("cache", cache)
+        with pytest.raises(ortkv.InputTypeError,
+                           match=r"input 'position' is int32 but the model declares int64") as info:
+            s.run(None, {"values": np.ones((1, 2, 1, 4), np.float32), "position": np.array(0, np.int32)})
+        assert (info.value.input, info.value.expected, info.value.given) == ("position", "int64", "int32")
+        assert str(info.value).endswith("e.g. np.asarray(x, dtype=np.int64)")
+        with pytest.raises(ortkv.InputTypeError, match=r"input 'values' is float16 but the model declares float32"):
+            s.run(None, {"values": ort.OrtValue.ortvalue_from_numpy(np.ones((1, 2, 1, 4), np.float16)),
+                         "position": np.array(0)})
+    assert digest(cache) == before
+
+
+@pytest.mark.parametrize("feed_kind", ["ml_dtypes", "uint16_bits"])
+def test_bfloat16_numpy_feed(rng, feed_kind):
+    cache = rng.standard_normal((1, 2, 8, 4)).astype(ml_dtypes.bfloat16)
+    values = rng.standard_normal((1, 2, 2, 4)).astype(ml_dtypes.bfloat16)
+    expected = cache_update_ref(cache, values, 3)
+    assert not np.array_equal(expected.view(np.uint16), cache.view(np.uint16))
+    with ortkv.MutableCacheSession(cache_update_model(TP.BFLOAT16)) as s:
+        s.bind_cache("cache", cache)
+        feed = values if feed_kind == "ml_dtypes" else values.view(np.uint16)
+        s.run(None, {"values": feed, "position": np.array(3)})
+    np.testing.assert_array_equal(cache.view(np.uint16), expected.view(np.uint16))
+
+
+def test_plain_run_of_the_session_model_is_refused():
+    """What can actually go wrong with the aliasing: running the model without binding the cache as
+    its output (plain InferenceSession.run). The kernel refuses; the caller's array is untouched."""
+    cache = np.zeros((1, 2, 8, 4), np.float32)
+    before = digest(cache)
+    with _session() as s:
+        with pytest.raises(Exception, match=r"\[ortkv:E_ALIAS\].*is not the storage of input 'cache'"):
+            s.session.run(None, {"cache": cache, **_feed()})
+    assert digest(cache) == before
+
+
+_UNCOMMITTED_SCRIPT = r"""
+import sys
+import numpy as np
+import onnxruntime as ort
+sys.path.insert(0, {tests!r})
+import ortkv
+from conftest import cache_update_model
+from ortkv.vmm import Arena
+
+a = Arena(1 << 24, "cpu")
+g = a.granule
+a.commit(g)                                  # only the first granule is committed
+shape = (1, 1, (2 * g) // 16, 4)             # two granules; the write at token 0 lands in the first
+view = a.view(np.float32, shape)
+def so():
+    o = ort.SessionOptions(); o.log_severity_level = 4
+    return o
+feed = {{"values": np.ones((1, 1, 1, 4), np.float32), "position": np.array(0)}}
+with ortkv.MutableCacheSession(cache_update_model(consumer=True), sess_options=so(), check={check!r}) as s:
+    s.bind_cache("cache", view)
+    try:
+        s.run(None, feed)
+        print("RAN")
+    except ortkv.CapacityError as e:
+        print("REFUSED", e.requested, e.capacity, str(e))
+    a.commit(2 * g)                          # commit what ReduceSum reads: the run goes through
+    total, = s.run(None, feed)
+    print("TOTAL", float(total))
+with ortkv.MutableCacheSession(cache_update_model(), sess_options=so()) as s:  # no whole-tensor reader
+    b = Arena(1 << 24, "cpu"); b.commit(g)
+    s.bind_cache("cache", b.view(np.float32, shape))
+    s.run(None, feed)
+    print("PLAIN OK")
+"""
+
+
+@pytest.mark.parametrize("check", ["annotations", "full"])
+def test_uncommitted_cache_read_by_a_non_ortkv_op_refused(check):
+    """An arena view with an uncommitted tail, consumed by ReduceSum, used to segfault inside ORT:
+    run in a subprocess so that a regression cannot take the suite down."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = _UNCOMMITTED_SCRIPT.format(tests=str(Path(__file__).parent), check=check)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, f"rc={proc.returncode}: {proc.stdout}{proc.stderr[-2000:]}"
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("REFUSED"), lines
+    _, requested, committed, message = lines[0].split(" ", 3)
+    assert int(committed) > 0 and int(requested) == 2 * int(committed)
+    assert "read whole by node 'ReduceSum' (ReduceSum, not an ortkv op" in message and "Arena.commit" in message
+    assert f"({int(requested) - int(committed)} bytes, 'uncommitted arena granules') is not committed" in message
+    assert lines[1:] == ["TOTAL 4.0", "PLAIN OK"]

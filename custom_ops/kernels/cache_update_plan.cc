@@ -57,6 +57,13 @@ Status PlanCacheUpdate(const std::string& node, const TensorArg& cache, const Te
       << "); a cache needs rank >= 3, e.g. BNSH [batch, heads, capacity, head_size]";
     return Bad(node, m.str());
   }
+  for (int64_t i = 0; i < rank; ++i) {
+    if (cache.dims[i] == 0) {
+      m << "input '" << cache.name << "' has shape " << Shape(cache.dims) << " with no elements (dim " << i
+        << " is 0); a cache holds at least one slot in every dim, so allocate it with every dim >= 1";
+      return Bad(node, m.str());
+    }
+  }
   const size_t esize = ElemSize(cache.elem_type);
   if (esize == 0) {
     m << "input '" << cache.name << "' is " << ElemTypeName(cache.elem_type) << " (type "
@@ -123,11 +130,13 @@ Status PlanCacheUpdate(const std::string& node, const TensorArg& cache, const Te
       return Bad(node, m.str());
     }
     if (p > capacity - n) {
+      // p >= 0 and n >= 1 here, so their sum fits in uint64 even at p = INT64_MAX (as int64 it overflows).
+      const uint64_t end = static_cast<uint64_t>(p) + static_cast<uint64_t>(n);
       m << "CacheUpdate node '" << node << "': row " << r << ": position " << p << " + n " << n << " = "
-        << p + n << " exceeds capacity " << capacity << " of '" << cache.name << "' (shape "
+        << end << " exceeds capacity " << capacity << " of '" << cache.name << "' (shape "
         << Shape(cache.dims) << ", sequence axis " << axis
         << "). Nothing was written. Remedy: evict or start a new sequence, or allocate a cache with capacity >= "
-        << p + n;
+        << end;
       return Status(Code::kCapacity, m.str());
     }
   }
@@ -144,6 +153,27 @@ Status PlanCacheUpdate(const std::string& node, const TensorArg& cache, const Te
   view->capacity = capacity;
   view->n = n;
   view->token_bytes = token * static_cast<int64_t>(esize);
+
+  // Note [CacheUpdate values must not overlap the cache]
+  // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+  // The copies are memcpy (CPU) and unordered vector stores (CUDA), split over threads / blocks.
+  // If `values` shares bytes with `cache`, a copy reads bytes another copy (or itself) has already
+  // overwritten: undefined for memcpy, and different from run to run on the thread pool. The
+  // update has no sensible meaning then (which token wins?), so it is refused before any write;
+  // values sliced out of the cache must be copied by the caller first. Both inputs are on the
+  // op's device (CPU, or CUDA memory for the CUDA op), so their addresses are comparable.
+  const uintptr_t cache_lo = reinterpret_cast<uintptr_t>(cache.data);
+  const uintptr_t cache_hi = cache_lo + static_cast<uintptr_t>(rows * outer * capacity * view->token_bytes);
+  const uintptr_t values_lo = reinterpret_cast<uintptr_t>(values.data);
+  const uintptr_t values_hi = values_lo + static_cast<uintptr_t>(view->bytes_written());
+  if (values_lo < cache_hi && cache_lo < values_hi) {
+    m << "input '" << values.name << "' [0x" << std::hex << values_lo << ", 0x" << values_hi
+      << ") overlaps the cache '" << cache.name << "' [0x" << cache_lo << ", 0x" << cache_hi << std::dec
+      << ") (" << view->bytes_written() << " and " << cache_hi - cache_lo
+      << " bytes); the new values must not share memory with the cache they are written into. Nothing was "
+         "written. Remedy: copy the values into their own buffer first (e.g. np.array(values, copy=True))";
+    return Bad(node, m.str());
+  }
   return Status::Ok();
 }
 

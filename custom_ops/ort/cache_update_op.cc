@@ -23,7 +23,8 @@
 // Guards: ortkv.graph's checker rejects an aliased initializer, an alias of a non-READ_WRITE input
 // and any reader of the pre-update name that is not ordered before the write; MutableCacheSession
 // refuses read-only, overlapping and concurrently used storage. The kernel additionally refuses to
-// write into ranges registered as write-protected in ortkv_core (read-only shared prefixes).
+// write into ranges registered as write-protected in ortkv_core (read-only shared prefixes), and
+// `values` that share bytes with `cache` (Note [CacheUpdate values must not overlap the cache]).
 //
 // CUDA: the same op is registered for CUDAExecutionProvider; `position` is a CPU input
 // (OrtMemTypeCPUInput) so the kernel validates positions on the host before launching on the compute

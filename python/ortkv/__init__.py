@@ -18,6 +18,7 @@ from .errors import (
     CapacityError,
     GraphCheckError,
     ImmutableStorageError,
+    InputTypeError,
     OrtkvError,
     StorageError,
 )
@@ -55,6 +56,7 @@ __all__ = [
     "DOMAIN",
     "GraphCheckError",
     "ImmutableStorageError",
+    "InputTypeError",
     "MutableCacheSession",
     "OPSET",
     "OrtkvError",

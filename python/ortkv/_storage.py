@@ -44,6 +44,8 @@ class Storage:
     kind: str  # "numpy", "ortvalue", "dlpack"
     ortvalue: Any = None  # set for OrtValue storage: bound as is
     keepalive: tuple = field(default_factory=tuple)
+    # Why the storage is not known writable (shown in the refusal), when ``writable`` is False.
+    not_writable_because: str = ""
 
     @property
     def device_key(self) -> tuple[str, int]:
@@ -64,16 +66,138 @@ def _from_numpy(arr: np.ndarray, declared_type: int | None) -> Storage:
                    keepalive=(arr,))
 
 
+# Note [Writable OrtValue storage]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A cache is written in place, so its memory must be KNOWN writable; an OrtValue does not say.
+# OrtValue.ortvalue_from_numpy wraps any array, read-only ones included (np.frombuffer over a
+# `bytes` object, an np.memmap opened with mode='r'), and ORT writes through it: the bytes object
+# changes, the read-only mapping segfaults. What can actually be known about an OrtValue's memory:
+#   * host memory made from a numpy array: ORT keeps that array (OrtValue._numpy_obj, the reference
+#     that keeps the buffer alive). numpy's writeable flag is the owner's word: numpy refuses to make
+#     a view of bytes, of a read-only mapping or of a read-only base writable. We require that array,
+#     require that the OrtValue's bytes lie inside it (ORT silently copies a non-contiguous array,
+#     and writing the copy would not update the caller's array), and require writeable=True.
+#   * any other host OrtValue (allocated by ORT, or imported through OrtValue.from_dlpack, which
+#     drops DLPack's read-only flag): nothing says whether the memory may be written. Page protection
+#     (/proc/self/maps) is not a proof either: a `bytes` object lives on a writable heap page. Such
+#     an OrtValue is refused with the remedy: bind the numpy array or the DLPack tensor itself
+#     (ortkv reads their read-only flags), or wrap a writable array with ortvalue_from_numpy. If a
+#     future onnxruntime drops `_numpy_obj`, host OrtValues are refused the same way (fail closed).
+#   * a DLPack tensor: the producer's word. A versioned capsule carries a read-only flag; an
+#     unversioned one cannot, and by convention a producer does not export read-only memory through
+#     it (numpy raises BufferError instead). OrtValue.__dlpack__ breaks that convention; its capsules
+#     are recognised by their deleter (code of onnxruntime's extension module) and refused like a
+#     host OrtValue of unknown provenance. Memory that a third framework imported and re-exports
+#     (torch.from_dlpack(ortvalue)) carries that framework's word: the limit of what can be known.
+#   * CUDA memory: the allocations an OrtValue holds (cudaMalloc through ORT's allocator, or a
+#     DLPack producer's) are mapped read-write; the only read-only device memory in an ortkv process
+#     is a shared prefix that ortkv mapped itself and registered in the core (checked at bind and by
+#     the kernel). So a CUDA OrtValue is accepted.
+# Independently, MutableCacheSession checks the page protection of every host cache that is not an
+# arena view (check_host_pages): it catches memory that numpy believes writable but that is mapped
+# read-only (an array made over a raw pointer), which would otherwise segfault inside the op.
+# The device id comes from OrtValue.__dlpack_device__() (the device name carries no index).
+def _ortvalue_device(value) -> tuple[str, int]:
+    name = value.device_name().lower()
+    try:
+        dl_type, dl_id = value.__dlpack_device__()
+    except (AttributeError, RuntimeError, TypeError):  # an onnxruntime without OrtValue DLPack support
+        if name == "cpu":
+            return "cpu", 0
+        raise StorageError(
+            f"an OrtValue on '{name}': this onnxruntime cannot tell which device index holds it "
+            "(OrtValue.__dlpack_device__ is missing); bind the tensor through DLPack (a torch or cupy tensor) "
+            "instead") from None
+    if dl_type in (_DL_CPU, _DL_CUDA_HOST):
+        return "cpu", int(dl_id)
+    if dl_type in (_DL_CUDA, _DL_CUDA_MANAGED):
+        return "cuda", int(dl_id)
+    raise StorageError(f"an OrtValue on '{name}' (DLPack device type {dl_type}) cannot be a cache: cpu or cuda only")
+
+
+def _ortvalue_host_writable(value, ptr: int, nbytes: int) -> str:
+    """'' when the host OrtValue's memory is known writable, else why not (Note [Writable OrtValue storage])."""
+    source = getattr(value, "_numpy_obj", None)
+    if not isinstance(source, np.ndarray):
+        return ("an OrtValue whose host memory is not known writable: it was not made from a numpy array "
+                "(ORT allocated it, or it was imported through DLPack, which loses the read-only flag). "
+                "Bind the numpy array or the DLPack tensor itself, or make the OrtValue with "
+                "OrtValue.ortvalue_from_numpy(writable_array)")
+    low, high = np.lib.array_utils.byte_bounds(source) if hasattr(np.lib, "array_utils") else np.byte_bounds(source)
+    if nbytes and not (low <= ptr and ptr + nbytes <= high):
+        raise StorageError(
+            f"the OrtValue at 0x{ptr:x} (+{nbytes} bytes) is not the memory of the numpy array it was made from "
+            f"([0x{low:x}, 0x{high:x})): onnxruntime copied it (a non-contiguous array is copied), so an update "
+            "would not reach your array. Pass a C-contiguous array (np.ascontiguousarray) and bind that array")
+    if not source.flags.writeable:
+        return ("an OrtValue made from a read-only numpy array (writeable=False: e.g. np.frombuffer over bytes, "
+                "or an np.memmap opened with mode='r'); ortkv writes caches in place and never copies them. "
+                "Wrap a writable array (e.g. np.array(x, copy=True))")
+    return ""
+
+
 def _from_ortvalue(value) -> Storage:
     if not value.is_tensor():
         raise StorageError("an OrtValue bound as a cache must be a tensor")
     onnx_type = _ORT_TYPE_STRINGS.get(value.data_type(), -1)
     shape = tuple(value.shape())
     nbytes = int(np.prod(shape, dtype=np.int64)) * ELEM_SIZE.get(onnx_type, 0)
-    device = value.device_name().lower()
-    return Storage(ptr=value.data_ptr(), nbytes=nbytes, device_type="cuda" if "cuda" in device else "cpu",
-                   device_id=0, onnx_type=onnx_type, shape=shape, writable=True, contiguous=True,
-                   kind="ortvalue", ortvalue=value, keepalive=(value,))
+    device_type, device_id = _ortvalue_device(value)
+    ptr = value.data_ptr()
+    why = _ortvalue_host_writable(value, ptr, nbytes) if device_type == "cpu" else ""
+    return Storage(ptr=ptr, nbytes=nbytes, device_type=device_type, device_id=device_id, onnx_type=onnx_type,
+                   shape=shape, writable=not why, contiguous=True, kind="ortvalue", ortvalue=value,
+                   keepalive=(value,), not_writable_because=why)
+
+
+def ortvalue_device(value) -> tuple[str, int]:
+    """(device type, device index) of an OrtValue: 'cpu' or 'cuda'."""
+    return _ortvalue_device(value)
+
+
+def _mapping_path(addr: int, maps_path: str = "/proc/self/maps") -> str:
+    """The file mapped at host address ``addr`` ('' if anonymous, unknown or unreadable)."""
+    try:
+        with open(maps_path) as f:
+            for line in f:
+                parts = line.split(None, 5)
+                lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                if lo <= addr < hi:
+                    return parts[5].strip() if len(parts) > 5 else ""
+    except OSError:
+        pass
+    return ""
+
+
+def check_host_pages(ptr: int, nbytes: int, tolerate=None, maps_path: str = "/proc/self/maps") -> str:
+    """'' when every byte of host memory [ptr, ptr + nbytes) lies in a writable mapping, else a
+    description of the first byte range that does not (read-only, or not mapped at all). A range
+    for which ``tolerate(lo, hi)`` is true is skipped (an arena's reserved, uncommitted granules).
+    Linux only: where the maps file cannot be read, '' (the storage's own flag is all we know)."""
+    if nbytes <= 0:
+        return ""
+    try:
+        with open(maps_path) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return ""
+    spans = []
+    for line in lines:
+        parts = line.split(None, 5)
+        lo, hi = (int(x, 16) for x in parts[0].split("-"))
+        if hi > ptr and lo < ptr + nbytes:
+            spans.append((lo, hi, parts[1], parts[5].strip() if len(parts) > 5 else ""))
+    cursor, end = ptr, ptr + nbytes
+    ok = tolerate or (lambda lo, hi: False)
+    for lo, hi, perms, path in sorted(spans):
+        if lo > cursor and not ok(cursor, lo):
+            return f"[0x{cursor:x}, 0x{lo:x}) is not mapped"
+        if "w" not in perms and not ok(max(lo, ptr), min(hi, end)):
+            return f"[0x{lo:x}, 0x{hi:x}) is mapped {perms} (not writable){' from ' + path if path else ''}"
+        cursor = max(cursor, hi)
+        if cursor >= end:
+            return ""
+    return "" if ok(cursor, end) else f"[0x{cursor:x}, 0x{end:x}) is not mapped"
 
 
 # --- DLPack (https://dmlc.github.io/dlpack/latest/c_api.html), read with ctypes -------------------
@@ -119,12 +243,21 @@ def _from_dlpack(obj) -> Storage:
         capsule = obj.__dlpack__()
     except BufferError as exc:  # e.g. numpy refuses to export a read-only array in legacy mode
         raise StorageError(f"the tensor refused to export itself through DLPack: {exc}") from exc
-    read_only = False
+    read_only, why = False, ""
     if _capsule_valid(capsule, b"dltensor_versioned"):
         managed = _DLManagedTensorVersioned.from_address(_capsule_get(capsule, b"dltensor_versioned"))
         read_only = bool(managed.flags & _DLPACK_READ_ONLY)
     elif _capsule_valid(capsule, b"dltensor"):
         managed = _DLManagedTensor.from_address(_capsule_get(capsule, b"dltensor"))
+        # Note [Writable OrtValue storage]: an unversioned capsule cannot say "read-only"; numpy
+        # therefore refuses to export read-only memory through one, but OrtValue.__dlpack__ exports
+        # whatever it wraps (a read-only array included). Its capsules are recognised by their
+        # deleter, which lives in onnxruntime's extension module, and get the OrtValue rule: refused.
+        if managed.deleter and "onnxruntime" in _mapping_path(managed.deleter):
+            read_only = True
+            why = ("a DLPack tensor exported by an onnxruntime OrtValue, whose capsule does not carry the "
+                   "read-only flag, so its memory is not known writable. Bind the numpy array (or the OrtValue "
+                   "made from a writable numpy array) itself")
     else:
         raise StorageError("__dlpack__ returned no DLPack capsule")
     t = managed.dl_tensor
@@ -149,7 +282,8 @@ def _from_dlpack(obj) -> Storage:
     # deleter because we never rename it "used_dltensor").
     return Storage(ptr=(t.data or 0) + t.byte_offset, nbytes=int(np.prod(shape, dtype=np.int64)) * size,
                    device_type=device_type, device_id=t.device.device_id, onnx_type=onnx_type, shape=shape,
-                   writable=not read_only, contiguous=contiguous, kind="dlpack", keepalive=(obj, capsule))
+                   writable=not read_only, contiguous=contiguous, kind="dlpack", keepalive=(obj, capsule),
+                   not_writable_because=why)
 
 
 def as_storage(obj, declared_type: int | None = None) -> Storage:

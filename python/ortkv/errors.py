@@ -45,6 +45,16 @@ class StorageError(OrtkvError, ValueError):
     """Storage offered for a cache has the wrong type, shape, device or layout."""
 
 
+class InputTypeError(OrtkvError, TypeError):
+    """A feed (an input that is not a cache) has an element type the model does not declare.
+    ``input``, ``expected`` and ``given`` carry the input's name and the two type names."""
+
+    def __init__(self, message: str, input: str | None = None, expected: str | None = None,
+                 given: str | None = None):
+        super().__init__(message)
+        self.input, self.expected, self.given = input, expected, given
+
+
 class CacheInputError(OrtkvError, ValueError):
     """A cache op refused its inputs (shape, type, negative position); the cache is unchanged."""
 

@@ -22,16 +22,29 @@ import numpy as np
 import onnx
 
 from . import get_library_path
-from ._storage import ONNX_TYPE_NAMES, Storage, as_storage
+from ._storage import (
+    _ORT_TYPE_STRINGS,
+    BFLOAT16,
+    ELEM_SIZE,
+    ONNX_TYPE_NAMES,
+    Storage,
+    as_storage,
+    check_host_pages,
+    numpy_onnx_type,
+    ortvalue_device,
+)
 from .errors import (
     AliasError,
     BindingConflictError,
+    CapacityError,
     ImmutableStorageError,
+    InputTypeError,
     OrtkvError,
     StorageError,
     from_native,
 )
 from .graph import Access, check_model, read_annotations
+from .graph.checker import outer_reads
 
 
 # --- process-wide registry of live writable bindings -------------------------------------------
@@ -86,6 +99,56 @@ def translate_ort_error(exc: Exception) -> Exception:
     return from_native(exc)
 
 
+# Note [Whole-tensor readers of a cache]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# An arena view may be bound while only a prefix of it is committed (the cache grows by commit as
+# tokens arrive); the tail is reserved address space with nothing behind it. ortkv's own ops touch
+# only [0, position + n), but any other op that consumes the cache, or a value aliasing it (the
+# output of CacheUpdate), reads the whole tensor (a ReduceSum, a Cast, a MatMul) and faults inside
+# ORT. Only ortkv ops know the valid length, so at load the session lists, per cache, the first
+# non-ortkv node that reads it or an alias of it (following CacheUpdate's output and every declared
+# output_alias, and reads from If/Loop/Scan bodies), and before every run it asks the core registry
+# whether such a cache still has an uncommitted range (one lookup per cache, only for the caches
+# that have such a reader; committing may happen between bind and run, so bind cannot decide).
+# A hit refuses the run before anything executes. Plain ORT sessions get no such guard.
+def _whole_tensor_readers(graph: onnx.GraphProto, annotations, caches) -> dict[str, tuple[str, str]]:
+    root = {c: c for c in caches}  # value -> the cache whose storage it is
+    for index, node in enumerate(graph.node):
+        pairs = [(e.output_index, e.input_index) for e in annotations.node_aliases.get(index, [])]
+        if node.domain == "ortkv" and node.op_type == "CacheUpdate":
+            pairs.append((0, 0))  # the op's contract (GetAliasMap), annotated or not
+        for out_i, in_i in pairs:
+            if in_i < len(node.input) and out_i < len(node.output) and node.input[in_i] in root:
+                root[node.output[out_i]] = root[node.input[in_i]]
+    readers: dict[str, tuple[str, str]] = {}
+    for node in graph.node:
+        if node.domain == "ortkv":
+            continue
+        for name in [*node.input, *sorted(outer_reads(node))]:
+            if name in root:
+                readers.setdefault(root[name], (node.name or node.op_type, node.op_type))
+    return readers
+
+
+def _ortvalue_nbytes(value) -> int:
+    size = getattr(value, "tensor_size_in_bytes", None)
+    if size is not None:
+        return int(size())
+    return int(np.prod(value.shape(), dtype=np.int64)) * ELEM_SIZE.get(value.element_type(), 1)
+
+
+def _registered_uncommitted(lo: int, hi: int) -> bool:
+    """Whether host [lo, hi) is wholly covered by ranges the core knows as reserved, uncommitted."""
+    from . import _ortkv
+
+    while lo < hi:
+        hit = _ortkv.find_protected(_ortkv.DEVICE_CPU, 0, lo, hi - lo, 1 << _ortkv.RANGE_UNCOMMITTED)
+        if not hit or hit[0] > lo:
+            return False
+        lo = hit[0] + hit[1]
+    return True
+
+
 def _load_model(model) -> tuple[onnx.ModelProto, object]:
     """(the proto to read annotations from, what InferenceSession should load). A path is loaded by
     ORT itself (external weights are not read twice); its proto is read without external data."""
@@ -133,6 +196,8 @@ class MutableCacheSession:
         so = sess_options if sess_options is not None else ort.SessionOptions()
         so.register_custom_ops_library(get_library_path())
         self._session = ort.InferenceSession(source, so, providers=providers)
+        self._whole_readers = _whole_tensor_readers(graph, self.annotations, self._caches)
+        self._feed_types = {i.name: _ORT_TYPE_STRINGS.get(i.type) for i in self._session.get_inputs()}
         self._id = next(_session_ids)
         self._bindings: dict[str, Storage] = {}
         self._owners: dict[str, object] = {}
@@ -188,6 +253,7 @@ class MutableCacheSession:
         st = as_storage(storage, tensor_type.elem_type)
         if not st.writable:
             raise ImmutableStorageError(
+                f"cache '{name}': {st.not_writable_because}." if st.not_writable_because else
                 f"cache '{name}': the {st.kind} storage is read-only (writeable=False); ortkv writes caches in "
                 "place and never copies them. Pass a writable array (e.g. np.array(x, copy=True)).")
         hit = self._read_only_range(st)
@@ -195,6 +261,15 @@ class MutableCacheSession:
             raise ImmutableStorageError(
                 f"cache '{name}': storage at 0x{st.ptr:x} overlaps the write-protected range 0x{hit[0]:x} "
                 f"(+{hit[1]} bytes) '{hit[2]}' (a read-only mapping)")
+        # Note [Writable OrtValue storage] (_storage.py). An arena's uncommitted granules are mapped
+        # PROT_NONE on purpose: they are registered in the core, and the kernel / run() check them.
+        if st.device_type == "cpu":
+            bad = check_host_pages(st.ptr, st.nbytes, tolerate=_registered_uncommitted)
+            if bad:
+                raise ImmutableStorageError(
+                    f"cache '{name}': the {st.kind} storage at 0x{st.ptr:x} (+{st.nbytes} bytes) is not writable "
+                    f"memory: {bad}. ortkv writes caches in place; bind memory mapped read-write (e.g. a copy, "
+                    "np.array(x, copy=True), or an np.memmap opened with mode='r+').")
         if not st.contiguous:
             raise StorageError(f"cache '{name}': storage is not C-contiguous; bind a contiguous buffer")
         if st.onnx_type != tensor_type.elem_type:
@@ -206,6 +281,10 @@ class MutableCacheSession:
                 d.HasField("dim_value") and d.dim_value != s for d, s in zip(dims, st.shape)):
             declared = [d.dim_value if d.HasField("dim_value") else (d.dim_param or "?") for d in dims]
             raise StorageError(f"cache '{name}': storage shape {list(st.shape)} does not match the declared {declared}")
+        if 0 in st.shape:
+            raise StorageError(
+                f"cache '{name}': storage shape {list(st.shape)} has no elements; a cache holds at least one "
+                "slot in every dim (a zero capacity cannot take a token). Allocate it with every dim >= 1.")
         if st.device_type == "cuda" and "CUDAExecutionProvider" not in self._session.get_providers():
             raise StorageError(f"cache '{name}': storage is on cuda:{st.device_id} but the session runs on "
                                f"{self._session.get_providers()}; create it with providers=['CUDAExecutionProvider']")
@@ -261,16 +340,34 @@ class MutableCacheSession:
                 for out in outs:
                     io.bind_output(out, st.device_type, st.device_id, st.onnx_type, list(st.shape), st.ptr)
             alias_names.update({out: name for out in outs})
+        self._check_committed()
         keep = []
         for name, value in feeds.items():
             if name in self._bindings or name in self._caches:
                 raise OrtkvError(f"'{name}' is a cache: bind it with bind_cache(), do not pass it in feeds")
+            declared = self._feed_types.get(name)
             if hasattr(value, "data_ptr") and hasattr(value, "device_name"):  # OrtValue
+                self._check_feed_type(name, value.element_type() if value.is_tensor() else None, declared)
+                if value.is_tensor():
+                    try:
+                        device = ortvalue_device(value)
+                    except StorageError:  # a device no cache can live on: nothing to overlap
+                        device = None
+                    if device is not None:
+                        self._check_feed_overlap(name, device, value.data_ptr(), _ortvalue_nbytes(value))
                 io.bind_ortvalue_input(name, value)
             else:
                 arr = np.asarray(value, order="C")  # keeps 0-d scalars 0-d
+                given = numpy_onnx_type(arr.dtype)
+                if declared == BFLOAT16 and arr.dtype == np.uint16:
+                    given = BFLOAT16  # bfloat16 bits held in a uint16 array, as for caches
+                self._check_feed_type(name, given, declared)
+                self._check_feed_overlap(name, ("cpu", 0), arr.ctypes.data, arr.nbytes)
                 keep.append(arr)
-                io.bind_cpu_input(name, arr)
+                if given == BFLOAT16:  # numpy has no bfloat16: ORT cannot map ml_dtypes' dtype itself
+                    io.bind_input(name, "cpu", 0, BFLOAT16, list(arr.shape), arr.ctypes.data)
+                else:
+                    io.bind_cpu_input(name, arr)
         if output_names is None:
             output_names = [o.name for o in self._session.get_outputs()]
         bound_order = list(alias_names)
@@ -294,6 +391,52 @@ class MutableCacheSession:
                     f"output '{out}' came back at 0x{got:x} but its cache '{cache}' is at 0x{st.ptr:x}: the update "
                     "did not happen in place (ORT gave the op a fresh buffer). The cache may be stale.")
         return [self._owners[alias_names[n]] if n in alias_names else values[n].numpy() for n in output_names]
+
+    def _check_committed(self) -> None:
+        """Note [Whole-tensor readers of a cache]: refuse the run while such a cache has a hole."""
+        if not self._whole_readers:
+            return
+        from . import _ortkv
+
+        for cache, (node, op_type) in self._whole_readers.items():
+            st = self._bindings[cache]
+            device = _ortkv.DEVICE_CUDA if st.device_type == "cuda" else _ortkv.DEVICE_CPU
+            hit = _ortkv.find_protected(device, st.device_id, st.ptr, st.nbytes, 1 << _ortkv.RANGE_UNCOMMITTED)
+            if hit:
+                end = st.ptr + st.nbytes
+                lo, hi = max(hit[0], st.ptr), min(hit[0] + hit[1], end)
+                committed = lo - st.ptr
+                raise CapacityError(
+                    f"cache '{cache}' ({st.nbytes} bytes at 0x{st.ptr:x}) is read whole by node '{node}' ({op_type}, "
+                    f"not an ortkv op, so it does not know how many tokens are valid), but [0x{lo:x}, 0x{hi:x}) of it "
+                    f"({hi - lo} bytes, '{hit[2]}') is not committed: reading it would fault. Nothing was run. "
+                    f"Remedy: commit the arena over the whole cache (Arena.commit of its {st.nbytes} bytes at the "
+                    "cache's offset) before the run, or read the cache only through ortkv ops.",
+                    requested=st.nbytes, capacity=committed)
+
+    def _check_feed_type(self, name: str, given: int | None, declared: int | None) -> None:
+        """ORT's own refusal is an untyped RuntimeError without the input's name; this one is typed."""
+        if declared is None or given == declared:
+            return
+        exp = ONNX_TYPE_NAMES.get(declared, str(declared))
+        got = ONNX_TYPE_NAMES.get(given, "an unsupported type") if given is not None else "not a tensor"
+        np_name = "ml_dtypes.bfloat16" if declared == BFLOAT16 else "np.bool_" if exp == "bool" else f"np.{exp}"
+        raise InputTypeError(
+            f"input '{name}' is {got} but the model declares {exp}; onnxruntime does not convert feeds. "
+            f"Pass {exp} data, e.g. np.asarray(x, dtype={np_name})", input=name, expected=exp, given=got)
+
+    def _check_feed_overlap(self, name: str, device: tuple[str, int], ptr: int, nbytes: int) -> None:
+        """A feed sharing bytes with a cache this run writes in place reads torn data (and CacheUpdate's
+        values would overlap their destination): refused before the run."""
+        if nbytes <= 0:
+            return
+        for cache, st in self._bindings.items():
+            if st.device_key == device and st.nbytes and ptr < st.ptr + st.nbytes and st.ptr < ptr + nbytes:
+                raise BindingConflictError(
+                    f"feed '{name}' [0x{ptr:x}, 0x{ptr + nbytes:x}) on {device[0]}:{device[1]} overlaps cache "
+                    f"'{cache}' [0x{st.ptr:x}, 0x{st.ptr + st.nbytes:x}), which this run writes in place; a feed must "
+                    "not share memory with a bound cache. Nothing was run. Remedy: pass a copy "
+                    "(e.g. np.array(x, copy=True)).")
 
     # -- lifetime --------------------------------------------------------------------------------
     def close(self) -> None:
