@@ -107,16 +107,26 @@ class Generation:
         return self.decode_steps * len(self.prompt_ids) / self.decode_s if self.decode_s else 0.0
 
 
+def check_prompts(prompt_ids: list[list[int]], max_length: int) -> None:
+    """Refuse a batch that would generate nothing (callers run this before loading a model, too)."""
+    if not prompt_ids:
+        raise OrtkvError("no prompt given: nothing to condition on")
+    for b, p in enumerate(prompt_ids):
+        if len(p) == 0:
+            raise OrtkvError(f"prompt {b + 1} of {len(prompt_ids)} is empty (0 tokens): nothing to condition on; "
+                             "give some text")
+    longest = max(len(p) for p in prompt_ids)
+    if longest >= max_length:
+        raise OrtkvError(f"the prompt has {longest} tokens but search.max_length is {max_length}: nothing "
+                         "would be generated; raise max_length or shorten the prompt")
+
+
 def generate(runner, prompt_ids: list[list[int]], search: Search, max_new_tokens: int, eos_id: int, pad_id: int,
              seed: int = 0, on_token=None) -> Generation:
     """Generate for a batch of prompts (of any lengths). ``on_token(row, token_id)`` streams tokens."""
+    check_prompts(prompt_ids, search.max_length)
     lengths = np.array([len(p) for p in prompt_ids], np.int64)
-    if (lengths == 0).any():
-        raise OrtkvError("a prompt is empty: nothing to condition on")
     longest = int(lengths.max())
-    if longest >= search.max_length:
-        raise OrtkvError(f"the prompt has {longest} tokens but search.max_length is {search.max_length}: nothing "
-                         "would be generated; raise max_length or shorten the prompt")
     budget = min(max_new_tokens, search.max_length - longest)
     ids = np.full((len(prompt_ids), longest), pad_id, np.int64)
     for b, p in enumerate(prompt_ids):
