@@ -171,3 +171,24 @@ def test_bad_gguf_metadata_is_a_one_line_error(tmp_path, over, message):
     with pytest.raises(ortkv.OrtkvError, match=message) as info:
         weights.load(path)
     assert "\n" not in str(info.value)
+
+
+def test_config_that_does_not_describe_the_model_is_refused(tmp_path, monkeypatch):
+    from ortkv.generate.cli import apply_overrides
+    from ortkv.generate.runners import make_runner
+
+    monkeypatch.setenv("ORTKV_CACHE_DIR", str(tmp_path / "cache"))
+    tiny = {"model.decoder.head_size": 4, "model.decoder.hidden_size": 8, "model.decoder.num_attention_heads": 2,
+            "model.decoder.num_key_value_heads": 1, "model.vocab_size": 12, "model.bos_token_id": 10,
+            "model.eos_token_id": 11, "model.pad_token_id": 11, "search.max_length": 32,
+            "ortkv.gguf": str(write_gguf(tmp_path / "tiny.gguf", context=64))}
+    for variant in ("ortkv", "copy"):
+        cfg = apply_overrides(GenAIConfig(), {**tiny, "model.decoder.num_hidden_layers": 3})
+        with pytest.raises(ortkv.OrtkvError, match=r"model.decoder.num_hidden_layers = 3 but .* has 1 layers of KV "
+                                                   r"caches; take the decoder's numbers from the model"):
+            make_runner(variant, cfg, log=lambda *a: None)
+        cfg = apply_overrides(GenAIConfig(), {**tiny, "model.decoder.num_hidden_layers": 1})
+        r = make_runner(variant, cfg, log=lambda *a: None)
+        r.start(1, 32)
+        assert r.prefill(np.array([[1, 2, 3]]), np.array([3])).shape == (1, 12)
+        r.close()

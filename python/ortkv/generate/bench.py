@@ -66,7 +66,7 @@ def main(argv=None) -> int:
         cell = {"prompt_tokens": pt, "new_tokens": nt, "max_length": ml, "batch": b, "runs": {}}
         for v in a.variants:
             r = run_worker(v, None, overrides, prompts)
-            for k in ("texts", "prompt_ids"):
+            for k in ("texts", "prompt_ids", "prompts"):
                 r.pop(k)
             cell["runs"][v] = r
             print(f"  prompt {pt} new {nt} max_length {ml} batch {b} {v:<12} decode {r['decode_tok_s']:7.1f} tok/s"

@@ -167,7 +167,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="ortkv generate", description=" ".join(__doc__.split()).replace("``", ""),
         epilog="Settings come from --config (else ./genai_config.json, else the built-in defaults); a flag overrides "
-               "its key. Models are built on first use and cached: `ortkv cache list` shows them. --json prints one "
+               "its key. Models are built on first use (only the variant that runs) and cached in "
+               "<cache>/models, <cache> = $ORTKV_CACHE_DIR, else $XDG_CACHE_HOME/ortkv, else ~/.cache/ortkv "
+               "(about 650 MB per float32 decoder): "
+               "`ortkv cache list` shows them, `ortkv cache rm` removes them. --json prints one "
                "JSON object per run (keys: variant, prompts, prompt_ids, new_ids, texts, prefill_tok_s, "
                "decode_tok_s, kv_bytes, peak_rss_above_load, model_rss, peak_rss, weights, cache, search, "
                "kv_bytes_per_step, rss_per_step).")

@@ -59,9 +59,9 @@ class Search:
     max_length: int = 2048  # prompt + generated tokens, per sequence
     min_length: int = 0
     do_sample: bool = False  # False: greedy
-    top_k: int = 50  # sampling: keep the k most likely tokens (0: all)
-    top_p: float = 1.0  # sampling: keep the smallest set with this much probability
-    temperature: float = 1.0
+    top_k: int = 50  # sampling: keep the k most likely tokens (0: all, as in onnxruntime-genai)
+    top_p: float = 1.0  # sampling: keep the smallest set with this much probability (at least one token; 1: all)
+    temperature: float = 1.0  # sampling: logits / temperature; 0: greedy (Note [Sampling semantics] in loop.py)
     num_beams: int = 1  # ortkv decodes greedily or by sampling; beams are not supported
     num_return_sequences: int = 1
     past_present_share_buffer: bool = True  # GenAI baseline: one max_length buffer for past and present
