@@ -104,6 +104,15 @@ def test_empty_prompt_is_refused_before_the_model_loads(tmp_path, capsys):
     assert "absent.gguf does not exist" in capsys.readouterr().err
 
 
+def test_sampling_flags_without_do_sample_say_so(tmp_path, capsys):
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps({"ortkv": {"gguf": str(tmp_path / "absent.gguf")}}))
+    cli_main(["generate", "--config", str(cfg), "--temperature", "0.5", "--top-p", "0.9"])
+    assert "note: --temperature, --top-p take effect only when sampling; add --do-sample" in capsys.readouterr().err
+    cli_main(["generate", "--config", str(cfg), "--temperature", "0.5", "--do-sample"])
+    assert "note:" not in capsys.readouterr().err
+
+
 # --- ortkv generate: runs of the real model ----------------------------------------------------------------------
 def test_json_prints_one_object_per_run():
     out = ortkv_cmd("generate", "--json", "--prompt", PROMPT, "--max-new-tokens", "6", "--do-sample", "--top-k", "1",

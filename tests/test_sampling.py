@@ -133,8 +133,9 @@ def test_unusable_logits_are_refused():
     s = search(do_sample=True, top_k=0)
     bad = np.zeros((1, 8))
     bad[0, 3] = np.nan
-    with pytest.raises(ortkv.OrtkvError, match=r"the logits hold nan at token 3"):
-        Sampler(s)(bad)
+    for sampler in (Sampler(s), Sampler(search(do_sample=False))):
+        with pytest.raises(ortkv.OrtkvError, match=r"the logits hold nan at token 3"):
+            sampler(bad)
     with pytest.raises(ortkv.OrtkvError, match=r"all -inf"):
         Sampler(s)(np.full((1, 8), -np.inf))
     masked = np.full((1, 8), -np.inf)

@@ -76,6 +76,8 @@ class Sampler:
     def __call__(self, logits: np.ndarray) -> np.ndarray:
         logits = np.asarray(logits)
         if self.greedy:
+            if np.isnan(logits).any():  # argmax would return the NaN's index as if it were the best token
+                self.kept(logits[np.isnan(logits).any(axis=-1)][0])  # raises, naming the token
             return logits.argmax(axis=-1).astype(np.int64)
         out = np.empty(len(logits), np.int64)
         for b, row in enumerate(logits):
