@@ -31,9 +31,14 @@ def test_compare_reports_less_memory_growth_for_in_place():
     res = compare(cfg, out=lines.append)
     o, c = res["ortkv"], res["copy"]
     assert res["max_abs_diff_last"] < 1e-4
-    if o["peak_rss_growth_decode"] is not None:
-        # the copy baseline allocates a whole new present K and V per step; in place allocates none
-        assert c["peak_rss_growth_decode"] > o["peak_rss_growth_decode"] + cfg.kv_bytes(1000) // 2
+    # The main claim, always checked: a platform without a resettable peak-RSS mark (Linux < 4.0) fails
+    # here rather than passing without measuring.
+    assert o["peak_rss_growth_decode"] is not None and c["peak_rss_growth_decode"] is not None, \
+        "peak RSS could not be reset (/proc/self/clear_refs refused): the decode growth was not measured"
+    # the copy baseline allocates a whole new present K and V per step; in place allocates none
+    assert c["peak_rss_growth_decode"] > o["peak_rss_growth_decode"] + cfg.kv_bytes(1000) // 2
+    assert o["peak_rss_growth_decode"] < cfg.kv_bytes(1000) // 2  # in place: well under one cache
+    assert o["kv_bytes"] == cfg.kv_bytes(1024) and c["kv_bytes"] == cfg.kv_bytes(1024)
     assert any("decode tokens/s" in line for line in lines)
 
 
@@ -43,4 +48,4 @@ def test_cli_lib_and_help():
     out = subprocess.run([sys.executable, "-m", "ortkv.cli", "--help"], capture_output=True, text=True)
     assert out.returncode == 0 and "demo" in out.stdout
     out = subprocess.run([sys.executable, "-m", "ortkv.cli", "nonsense"], capture_output=True, text=True)
-    assert out.returncode == 2 and "invalid choice" in out.stderr
+    assert out.returncode == 2 and "unknown command 'nonsense'" in out.stderr and "Traceback" not in out.stderr

@@ -195,7 +195,8 @@ def test_arena_kv_follows_tokens_not_max_length(cfg, tokenizer):
     ids = [tokenizer.encode("The three primary colors are")]
     kv = {}
     for max_length in (2048, 16384):
-        c = apply_overrides(GenAIConfig(), {"search.max_length": max_length})
+        # beyond SmolLM2's context_length of 8192: the config must say the context is longer
+        c = apply_overrides(GenAIConfig(), {"model.context_length": 16384, "search.max_length": max_length})
         r = make_runner("ortkv", c)
         g = generate(r, ids, c.search, 16, 2, 2)
         kv[max_length] = g.kv_bytes

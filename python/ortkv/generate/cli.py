@@ -28,45 +28,73 @@ def resolve_config(path: str | None) -> GenAIConfig:
     return load_config(local) if local.exists() else GenAIConfig().validate()
 
 
-def run_one(cfg: GenAIConfig, variant: str, prompts: list, stream: bool, log=print) -> dict:
-    """prompts: texts, or lists of token ids (used as they are)."""
-    from .loop import generate
+class StreamOut:
+    """stdout for streamed text; remembers whether its last line is unfinished, so that an error or an
+    interrupt printed after streaming started begins on a line of its own (Note [Ctrl-C] in ortkv.cli)."""
+
+    def __init__(self, file=None):
+        self.file = file or sys.stdout
+        self.open = False
+
+    def write(self, text: str) -> None:
+        if text:
+            self.file.write(text)
+            self.file.flush()
+            self.open = not text.endswith("\n")
+
+    def end_line(self) -> None:
+        if self.open:
+            self.write("\n")
+
+
+def run_one(cfg: GenAIConfig, variant: str, prompts: list, stream: bool, log=print,
+            out: StreamOut | None = None) -> dict:
+    """prompts: texts, or lists of token ids (used as they are). The prompts are checked before the
+    model is loaded (or built)."""
+    from .loop import check_prompts, generate
     from .models import tokenizer_for
     from .runners import make_runner
 
+    out = out or StreamOut()
+    for i, p in enumerate(prompts):
+        if isinstance(p, str) and not p.strip():
+            raise OrtkvError(f"prompt {i + 1} of {len(prompts)} is empty: give some text (--prompt TEXT)")
     tok = tokenizer_for(cfg, log=log)
     chat = cfg.ortkv.chat
     texts = [p if isinstance(p, list) else tok.apply_chat([_msg(p)]) if chat else p for p in prompts]
     prompt_ids = [t if isinstance(t, list) else tok.encode(t) for t in texts]
+    check_prompts(prompt_ids, cfg.search.max_length)
     rss0 = rss_bytes()
     runner = make_runner(variant, cfg, log=log)
-    rss_load = rss_bytes()
-    shown = [""]
+    try:
+        rss_load = rss_bytes()
+        shown = [""]
+        g_ids = [[] for _ in prompts]
 
-    def on_token(row, _tok):
-        if stream and row == 0:
-            text = tok.decode(g_ids[0])
-            sys.stdout.write(text[len(shown[0]):])
-            sys.stdout.flush()
-            shown[0] = text
+        def track(row, t):
+            g_ids[row].append(t)
+            if stream and row == 0:
+                text = tok.decode(g_ids[0])
+                out.write(text[len(shown[0]):])
+                shown[0] = text
 
-    g_ids = [[] for _ in prompts]
-
-    def track(row, t):
-        g_ids[row].append(t)
-        on_token(row, t)
-
-    if stream:
-        sys.stdout.write(tok.decode(prompt_ids[0]) if not chat else prompts[0] + "\n")
-    g = generate(runner, prompt_ids, cfg.search, cfg.ortkv.max_new_tokens, cfg.model.eos_token_id,
-                 cfg.model.pad_token_id, seed=cfg.ortkv.seed, on_token=track)
-    if stream:
-        sys.stdout.write("\n")
-    runner.close()
-    return {"variant": variant, "prompt_ids": g.prompt_ids, "new_ids": g.new_ids,
+        if stream:
+            out.write(tok.decode(prompt_ids[0]) if not chat else prompts[0] + "\n")
+        g = generate(runner, prompt_ids, cfg.search, cfg.ortkv.max_new_tokens, cfg.model.eos_token_id,
+                     cfg.model.pad_token_id, seed=cfg.ortkv.seed, on_token=track)
+        if stream:
+            out.write("\n")
+    finally:
+        runner.close()
+    s = cfg.search
+    return {"variant": variant, "prompts": prompts, "prompt_ids": g.prompt_ids, "new_ids": g.new_ids,
             "texts": [tok.decode(ids) for ids in g.new_ids], "prefill_tok_s": g.prefill_tokens_per_s,
             "decode_tok_s": g.decode_tokens_per_s, "kv_bytes": g.kv_bytes,
             "peak_rss_above_load": g.peak_rss_above_load, "model_rss": rss_load - rss0, "peak_rss": peak_rss_bytes(),
+            "weights": cfg.ortkv.weights, "cache": cfg.ortkv.cache,
+            "search": {"do_sample": s.do_sample, "temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p,
+                       "max_length": s.max_length, "max_new_tokens": cfg.ortkv.max_new_tokens,
+                       "seed": cfg.ortkv.seed},
             "kv_bytes_per_step": g.kv_bytes_per_step, "rss_per_step": g.rss_per_step}
 
 
@@ -94,61 +122,157 @@ def run_worker(variant: str, cfg_path: str | None, overrides: dict, prompts: lis
 
 
 def apply_overrides(cfg: GenAIConfig, overrides: dict) -> GenAIConfig:
+    """Set "section.key" (or "model.decoder.key") values and validate the result."""
     for key, value in overrides.items():
-        section, name = key.split(".")
-        setattr(getattr(cfg, section), name, value)
+        *path, name = key.split(".")
+        obj = cfg
+        for part in path:
+            if not hasattr(obj, part):
+                raise OrtkvError(f"override {key!r}: no section {part!r}")
+            obj = getattr(obj, part)
+        if not hasattr(obj, name) or not path:
+            raise OrtkvError(f"override {key!r}: no such key")
+        setattr(obj, name, value)
     return cfg.validate()
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="ortkv generate", description=__doc__.split("\n")[0])
-    p.add_argument("--prompt", action="append", help="a prompt (repeat for a batch); default: "
-                   f"{DEFAULT_PROMPT!r}")
-    p.add_argument("--config", help="genai_config.json (default: ./genai_config.json, else built-in defaults)")
-    p.add_argument("--chat", action="store_true", help="wrap prompts in the model's ChatML template")
-    p.add_argument("--variant", default="ortkv", choices=RUNNERS)
-    p.add_argument("--max-new-tokens", type=int)
-    p.add_argument("--max-length", type=int)
-    p.add_argument("--weights", choices=["float32", "q4"], help="float32 (dequantized, default) or q4 "
-                   "(Q4_1 kept 4-bit through com.microsoft.MatMulNBits); every variant uses the same")
+def _int_at_least(low: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+    return parse
+
+
+def _float_in(low: float, high: float):
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not low <= value <= high:  # NaN fails too
+            raise argparse.ArgumentTypeError(f"must be between {low:g} and {high:g}, got {text}")
+        return value
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = GenAIConfig()
+    s, o = d.search, d.ortkv
+    cfg_default = lambda key, value: f"default: the config's {key}, built in {value}"  # noqa: E731
+    p = argparse.ArgumentParser(
+        prog="ortkv generate", description=" ".join(__doc__.split()).replace("``", ""),
+        epilog="Settings come from --config (else ./genai_config.json, else the built-in defaults); a flag overrides "
+               "its key. Models are built on first use (only the variant that runs) and cached in "
+               "<cache>/models, <cache> = $ORTKV_CACHE_DIR, else $XDG_CACHE_HOME/ortkv, else ~/.cache/ortkv "
+               "(about 650 MB per float32 decoder): "
+               "`ortkv cache list` shows them, `ortkv cache rm` removes them. --json prints one "
+               "JSON object per run (keys: variant, prompts, prompt_ids, new_ids, texts, prefill_tok_s, "
+               "decode_tok_s, kv_bytes, peak_rss_above_load, model_rss, peak_rss, weights, cache, search, "
+               "kv_bytes_per_step, rss_per_step).")
+    p.add_argument("--prompt", action="append", metavar="TEXT",
+                   help=f"a prompt (repeat for a batch); default: {DEFAULT_PROMPT!r}")
+    p.add_argument("--config", metavar="PATH",
+                   help="genai_config.json (default: ./genai_config.json if present, else built-in defaults)")
+    p.add_argument("--chat", action="store_true", help="wrap prompts in the model's ChatML template "
+                   "(ortkv.chat; default: off)")
+    p.add_argument("--variant", default="ortkv", choices=RUNNERS, help="which decoder runs (default: ortkv)")
+    p.add_argument("--max-new-tokens", type=_int_at_least(1), metavar="N",
+                   help="tokens to generate per prompt, >= 1 "
+                        f"({cfg_default('ortkv.max_new_tokens', o.max_new_tokens)})")
+    p.add_argument("--max-length", type=_int_at_least(2), metavar="N",
+                   help="prompt + generated tokens per sequence, <= model.context_length; sizes the KV cache "
+                        f"({cfg_default('search.max_length', s.max_length)})")
+    p.add_argument("--do-sample", action=argparse.BooleanOptionalAction, default=None,
+                   help="sample with --temperature/--top-k/--top-p; --no-do-sample decodes greedily "
+                        f"({cfg_default('search.do_sample', 'false: greedy')})")
+    p.add_argument("--temperature", type=_float_in(0, 1e6), metavar="T",
+                   help="divide the logits by T; 0 decodes greedily "
+                        f"({cfg_default('search.temperature', s.temperature)})")
+    p.add_argument("--top-k", type=_int_at_least(0), metavar="K",
+                   help=f"sample from the K most likely tokens; 0: all ({cfg_default('search.top_k', s.top_k)})")
+    p.add_argument("--top-p", type=_float_in(0, 1), metavar="P",
+                   help="sample from the smallest most-likely set of tokens holding probability P (at least one); "
+                        f"1: all ({cfg_default('search.top_p', s.top_p)})")
+    p.add_argument("--seed", type=_int_at_least(0), metavar="S",
+                   help=f"seed of the sampler's random generator ({cfg_default('ortkv.seed', o.seed)})")
+    p.add_argument("--weights", choices=["float32", "q4"], help="float32 (dequantized) or q4 (Q4_1 kept 4-bit "
+                   "through com.microsoft.MatMulNBits); every variant uses the same "
+                   f"({cfg_default('ortkv.weights', o.weights)})")
+    p.add_argument("--json", action="store_true", help="print one JSON object per run instead of text and a "
+                   "summary; messages go to stderr (default: off)")
     p.add_argument("--compare", action="store_true", help="also run GenAI share-buffer, GenAI and the copy "
-                   "model on the same prompts and weights, each in its own process, and print ratios")
+                   "model on the same prompts and weights, each in its own process, and print ratios (default: off)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--overrides", help=argparse.SUPPRESS)
     p.add_argument("--prompts-json", help=argparse.SUPPRESS)
-    a = p.parse_args(argv)
+    return p
+
+
+FLAG_KEYS = {"max_new_tokens": "ortkv.max_new_tokens", "max_length": "search.max_length",
+             "do_sample": "search.do_sample", "temperature": "search.temperature", "top_k": "search.top_k",
+             "top_p": "search.top_p", "seed": "ortkv.seed", "weights": "ortkv.weights"}
+
+
+def config_from_args(a) -> tuple[GenAIConfig, dict]:
+    """The config file (or defaults) with the command line's flags written onto its keys, validated."""
+    overrides = json.loads(a.overrides) if a.overrides else {}
+    if a.chat:
+        overrides["ortkv.chat"] = True
+    for flag, key in FLAG_KEYS.items():
+        if getattr(a, flag) is not None:
+            overrides[key] = getattr(a, flag)
+    return apply_overrides(resolve_config(a.config), overrides), overrides
+
+
+def main(argv=None) -> int:
+    a = build_parser().parse_args(argv)
+    out = StreamOut()
+    err = lambda *x: print(*x, file=sys.stderr)  # noqa: E731
     try:
-        overrides = json.loads(a.overrides) if a.overrides else {}
-        if a.chat:
-            overrides["ortkv.chat"] = True
-        if a.max_new_tokens is not None:
-            overrides["ortkv.max_new_tokens"] = a.max_new_tokens
-        if a.max_length is not None:
-            overrides["search.max_length"] = a.max_length
-        if a.weights is not None:
-            overrides["ortkv.weights"] = a.weights
-        cfg = apply_overrides(resolve_config(a.config), overrides)
+        cfg, overrides = config_from_args(a)
         prompts = json.loads(a.prompts_json) if a.prompts_json else (a.prompt or [DEFAULT_PROMPT])
         if a.worker:
-            r = run_one(cfg, a.worker, prompts, stream=False, log=lambda *x: print(*x, file=sys.stderr))
+            r = run_one(cfg, a.worker, prompts, stream=False, log=err)
             print(json.dumps(r))
             return 0
-        r = run_one(cfg, a.variant, prompts, stream=len(prompts) == 1)
-        if len(prompts) > 1:
-            for prompt, text in zip(prompts, r["texts"]):
-                print(f"--- {prompt!r}\n{text}")
-        print(summary(r))
+        unused = [f"--{f.replace('_', '-')}" for f in ("temperature", "top_k", "top_p", "seed")
+                  if getattr(a, f) is not None]
+        if unused and not cfg.search.do_sample:
+            err(f"ortkv generate: note: {', '.join(unused)} take effect only when sampling; add --do-sample "
+                "(search.do_sample is false: greedy)")
+        log = err if a.json else print
+        r = run_one(cfg, a.variant, prompts, stream=len(prompts) == 1 and not a.json, log=log, out=out)
+        if a.json:
+            print(json.dumps(r), flush=True)
+        else:
+            if len(prompts) > 1:
+                for prompt, text in zip(prompts, r["texts"]):
+                    print(f"--- {prompt!r}\n{text}")
+            print(summary(r))
         if a.compare:
-            print("comparing on the same prompts and weights (each variant in its own process) ...")
+            log("comparing on the same prompts and weights (each variant in its own process) ...")
             rows = {r["variant"]: r}
             for v in RUNNERS:
                 if v not in rows:
                     rows[v] = run_worker(v, a.config, overrides, prompts)
-            print(compare_table(rows, cfg))
+                    if a.json:
+                        print(json.dumps(rows[v]), flush=True)
+            if not a.json:
+                print(compare_table(rows, cfg))
         return 0
     except OrtkvError as exc:
-        print(f"ortkv generate: error: {exc}", file=sys.stderr)
+        out.end_line()
+        err(f"ortkv generate: error: {exc}")
         return 2
+    except KeyboardInterrupt:  # Note [Ctrl-C] in ortkv.cli
+        out.end_line()
+        err("ortkv generate: interrupted")
+        return 130
 
 
 def compare_table(rows: dict, cfg: GenAIConfig) -> str:

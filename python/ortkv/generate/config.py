@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import numpy as np
 
 from ..errors import OrtkvError
 
@@ -56,9 +59,9 @@ class Search:
     max_length: int = 2048  # prompt + generated tokens, per sequence
     min_length: int = 0
     do_sample: bool = False  # False: greedy
-    top_k: int = 50  # sampling: keep the k most likely tokens (0: all)
-    top_p: float = 1.0  # sampling: keep the smallest set with this much probability
-    temperature: float = 1.0
+    top_k: int = 50  # sampling: keep the k most likely tokens (0: all, as in onnxruntime-genai)
+    top_p: float = 1.0  # sampling: keep the smallest set with this much probability (at least one token; 1: all)
+    temperature: float = 1.0  # sampling: logits / temperature; 0: greedy (Note [Sampling semantics] in loop.py)
     num_beams: int = 1  # ortkv decodes greedily or by sampling; beams are not supported
     num_return_sequences: int = 1
     past_present_share_buffer: bool = True  # GenAI baseline: one max_length buffer for past and present
@@ -93,14 +96,53 @@ class GenAIConfig:
     ortkv: Ortkv = field(default_factory=Ortkv)
 
     def validate(self) -> "GenAIConfig":
-        s, o = self.search, self.ortkv
+        """Refuse what the generation loop cannot honour, one key per message (Note [Untrusted config])."""
+        m, d, s, o = self.model, self.model.decoder, self.search, self.ortkv
+        for section, obj in (("model", m), ("model.decoder", d), ("search", s), ("ortkv", o)):
+            _check_types(obj, section)
+        for key in ("head_size", "hidden_size", "num_attention_heads", "num_hidden_layers", "num_key_value_heads"):
+            _at_least(d, "model.decoder", key, 1)
+        if d.num_attention_heads % d.num_key_value_heads:
+            raise OrtkvError(f"model.decoder.num_attention_heads = {d.num_attention_heads} is not a multiple of "
+                             f"num_key_value_heads = {d.num_key_value_heads}; take both from the model")
+        if d.hidden_size != d.num_attention_heads * d.head_size:
+            raise OrtkvError(f"model.decoder.hidden_size = {d.hidden_size} is not num_attention_heads x head_size = "
+                             f"{d.num_attention_heads} x {d.head_size}; take all three from the model")
+        _at_least(m, "model", "vocab_size", 1)
+        _at_least(m, "model", "context_length", 2)
+        for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            value = getattr(m, key)
+            if not 0 <= value < m.vocab_size:
+                raise OrtkvError(f"model.{key} = {value} is not a token id of the vocabulary (0 .. "
+                                 f"{m.vocab_size - 1})")
         if s.num_beams != 1:
             raise OrtkvError(f"search.num_beams = {s.num_beams}: ortkv decodes greedily or by sampling (num_beams 1)")
-        if s.max_length < 2:
-            raise OrtkvError(f"search.max_length = {s.max_length} must be >= 2")
-        if s.do_sample and (s.temperature <= 0 or not 0 < s.top_p <= 1 or s.top_k < 0):
-            raise OrtkvError(f"sampling needs temperature > 0, 0 < top_p <= 1 and top_k >= 0 (got {s.temperature}, "
-                             f"{s.top_p}, {s.top_k})")
+        if s.num_return_sequences != 1:
+            raise OrtkvError(f"search.num_return_sequences = {s.num_return_sequences}: ortkv returns one sequence "
+                             "per prompt (set 1; repeat the prompt for more)")
+        _at_least(s, "search", "max_length", 2)
+        limit = min(m.context_length, MAX_POSITIONS)
+        if s.max_length > limit:
+            why = (f"model.context_length = {m.context_length}" if m.context_length <= MAX_POSITIONS else
+                   f"the {MAX_POSITIONS} positions the decoders are built for")
+            raise OrtkvError(f"search.max_length = {s.max_length} exceeds {why}; set max_length <= {limit}")
+        _at_least(s, "search", "min_length", 0)
+        _at_least(s, "search", "batch_size", 1)
+        _at_least(s, "search", "top_k", 0, " (0: every token)")
+        if not 0 <= s.top_p <= 1:
+            raise OrtkvError(f"search.top_p = {s.top_p} must be between 0 and 1 (1: every token)")
+        if s.temperature < 0:
+            raise OrtkvError(f"search.temperature = {s.temperature} must be >= 0 (0: greedy)")
+        if s.repetition_penalty != 1.0:
+            raise OrtkvError(f"search.repetition_penalty = {s.repetition_penalty}: ortkv does not apply a repetition "
+                             "penalty; set 1.0")
+        if s.no_repeat_ngram_size != 0:
+            raise OrtkvError(f"search.no_repeat_ngram_size = {s.no_repeat_ngram_size}: ortkv does not block "
+                             "repeated n-grams; set 0")
+        _at_least(o, "ortkv", "max_new_tokens", 1)
+        _at_least(o, "ortkv", "seed", 0)
+        _at_least(o, "ortkv", "arena_budget_bytes", 1)
+        _at_least(o, "ortkv", "intra_op_num_threads", 0, " (0: ONNX Runtime's default)")
         if o.cache not in ("arena", "dense"):
             raise OrtkvError(f"ortkv.cache = {o.cache!r}: one of 'arena', 'dense'")
         if o.weights not in ("float32", "q4"):
@@ -108,6 +150,68 @@ class GenAIConfig:
         if o.cache_layout not in ("BNSH", "BSNH"):
             raise OrtkvError(f"ortkv.cache_layout = {o.cache_layout!r}: one of 'BNSH', 'BSNH'")
         return self
+
+
+# Note [Untrusted config]
+# A genai_config.json (and a command line, which lands in the same dataclasses) is untrusted input: every
+# key is checked for its type (an integer key takes an integral JSON number, 4096.0 included; a float key
+# a finite one: json.loads accepts NaN and Infinity) and its range, and refused with one line naming the
+# key, the value and the remedy before anything is loaded or reserved. search.max_length bounds every
+# allocation of a generation (the KV caches are sized by it), so it is held to model.context_length, as in
+# onnxruntime-genai, and to the positions the built decoders' rotary tables cover.
+MAX_POSITIONS = 16384  # rotary table rows of the built decoders (the arena test generates at 16384)
+
+
+def _at_least(obj, section: str, key: str, low: int, note: str = "") -> None:
+    value = getattr(obj, key)
+    if value < low:
+        raise OrtkvError(f"{section}.{key} = {value} must be >= {low}{note}")
+
+
+def _kind(default) -> str | None:
+    if isinstance(default, bool):
+        return "bool"
+    if isinstance(default, int):
+        return "int"
+    if isinstance(default, float):
+        return "float"
+    if isinstance(default, str):
+        return "str"
+    if isinstance(default, dict):
+        return "dict"
+    return None
+
+
+def _coerce(value, default, where: str):
+    """value as the type of the key's default, or a one-line error naming the key."""
+    kind = _kind(default)
+    if kind == "bool":
+        if not isinstance(value, (bool, np.bool_)):
+            raise OrtkvError(f"{where}: expected true or false, got {value!r}")
+        return bool(value)
+    if kind in ("int", "float"):
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+            raise OrtkvError(f"{where}: expected a number, got {value!r}")
+        if not math.isfinite(value):
+            raise OrtkvError(f"{where}: expected a finite number, got {value!r}")
+        if kind == "float":
+            return float(value)
+        if float(value) != int(value):
+            raise OrtkvError(f"{where}: expected an integer, got {value!r}")
+        return int(value)
+    if kind == "str" and not isinstance(value, str):
+        raise OrtkvError(f"{where}: expected a string, got {value!r}")
+    if kind == "dict" and not isinstance(value, dict):
+        raise OrtkvError(f"{where}: expected an object, got {value!r}")
+    return value
+
+
+def _check_types(obj, section: str) -> None:
+    """Coerce the fields of one section in place (values set in code or by overrides, not only from JSON)."""
+    for f in dataclasses.fields(obj):
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        if not dataclasses.is_dataclass(default):
+            setattr(obj, f.name, _coerce(getattr(obj, f.name), default, f"{section}.{f.name}"))
 
 
 def _from_dict(cls, data: dict, where: str):
@@ -123,14 +227,8 @@ def _from_dict(cls, data: dict, where: str):
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
         if dataclasses.is_dataclass(default):
             kwargs[name] = _from_dict(type(default), value, f"{where}.{name}")
-        elif isinstance(default, bool) and not isinstance(value, bool):
-            raise OrtkvError(f"{where}.{name}: expected true or false, got {value!r}")
-        elif isinstance(default, (int, float)) and not isinstance(default, bool) and (
-                isinstance(value, bool) or not isinstance(value, (int, float))):
-            raise OrtkvError(f"{where}.{name}: expected a number, got {value!r}")
         else:
-            kwargs[name] = type(default)(value) if isinstance(default, (int, float)) and not isinstance(default, bool) \
-                else value
+            kwargs[name] = _coerce(value, default, f"{where}.{name}")
     return cls(**kwargs)
 
 
@@ -139,10 +237,16 @@ def load_config(path) -> GenAIConfig:
     if not path.exists():
         raise OrtkvError(f"config file {path} does not exist")
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as exc:
         raise OrtkvError(f"{path} is not valid JSON: {exc}") from None
-    return _from_dict(GenAIConfig, data, path.name).validate()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise OrtkvError(f"config file {path} cannot be read: {exc}") from None
+    cfg = _from_dict(GenAIConfig, data, path.name)
+    try:
+        return cfg.validate()
+    except OrtkvError as exc:
+        raise OrtkvError(f"{path.name}: {exc}") from None
 
 
 def to_dict(cfg: GenAIConfig) -> dict:

@@ -20,26 +20,71 @@ from .config import Search
 
 @dataclass
 class Sampler:
+    """Picks the next token of each row from its logits, as onnxruntime-genai and Hugging Face do.
+
+    Note [Sampling semantics]
+    greedy (argmax, the lowest id among ties) when do_sample is false, temperature is 0 or top_k is 1;
+    otherwise, in this order:
+      * temperature T: logits / T (T < 1 sharpens, T > 1 flattens);
+      * top_k k: keep the k most likely tokens; 0 keeps all (onnxruntime-genai's meaning, where 0
+        selects its top-p-only path); k >= the vocabulary keeps all;
+      * top_p p: of what top_k kept, renormalized, keep the smallest most-likely-first set whose mass is
+        >= p, never fewer than one token (p = 0 keeps only the most likely; p = 1 keeps all);
+      * draw from the kept tokens, renormalized, with this sampler's seeded generator.
+    The nucleus cut is computed from the cumulative mass BEFORE each token (a token is kept while the
+    mass ahead of it is < p), so rounding in the cumulative sum can never make the cut exceed the
+    vocabulary (the old cut `searchsorted(cumsum, p) + 1` did exactly that at p = 1.0 whenever the sum
+    rounded below 1, about every other step). Ties in probability are ordered by token id.
+    onnxruntime-genai refuses temperature 0 when sampling; ortkv reads it as greedy, as llama.cpp does.
+    """
+
     search: Search
     seed: int = 0
 
     def __post_init__(self):
         self.rng = np.random.default_rng(self.seed)
 
-    def __call__(self, logits: np.ndarray) -> np.ndarray:
+    @property
+    def greedy(self) -> bool:
         s = self.search
-        if not s.do_sample:
+        return not s.do_sample or s.temperature == 0 or s.top_k == 1
+
+    def kept(self, row: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The tokens a draw can return for one row of logits, most likely first, and their renormalized
+        probabilities (float64, summing to 1)."""
+        s = self.search
+        row = np.asarray(row, np.float64)
+        if np.isnan(row).any() or np.isposinf(row).any():
+            bad = int(np.flatnonzero(np.isnan(row) | np.isposinf(row))[0])
+            raise OrtkvError(f"the logits hold {row[bad]} at token {bad}: the model produced no usable distribution")
+        if self.greedy:
+            return np.array([int(row.argmax())]), np.ones(1)
+        if np.isneginf(row).all():
+            raise OrtkvError("the logits are all -inf: the model produced no usable distribution")
+        row = row / s.temperature
+        order = np.argsort(-row, kind="stable")  # most likely first, ties by token id
+        if 0 < s.top_k < len(order):
+            order = order[: s.top_k]
+        p = np.exp(row[order] - row[order[0]])  # row[order[0]] is the finite maximum: p[0] = 1
+        p /= p.sum()
+        if s.top_p < 1.0:
+            before = np.cumsum(p) - p  # mass ahead of each token
+            keep = max(1, int(np.count_nonzero(before < s.top_p)))
+            order, p = order[:keep], p[:keep] / p[:keep].sum()
+        return order, p
+
+    def __call__(self, logits: np.ndarray) -> np.ndarray:
+        logits = np.asarray(logits)
+        if self.greedy:
+            if np.isnan(logits).any():  # argmax would return the NaN's index as if it were the best token
+                self.kept(logits[np.isnan(logits).any(axis=-1)][0])  # raises, naming the token
             return logits.argmax(axis=-1).astype(np.int64)
         out = np.empty(len(logits), np.int64)
-        for b, row in enumerate(logits.astype(np.float64) / s.temperature):
-            order = np.argsort(-row)
-            if s.top_k:
-                order = order[: s.top_k]
-            p = np.exp(row[order] - row[order[0]])
-            p /= p.sum()
-            keep = int(np.searchsorted(np.cumsum(p), s.top_p) + 1)
-            p = p[:keep] / p[:keep].sum()
-            out[b] = order[self.rng.choice(keep, p=p)]
+        for b, row in enumerate(logits):
+            order, p = self.kept(row)
+            c = np.cumsum(p)
+            i = int(np.searchsorted(c, self.rng.random() * c[-1], side="right"))
+            out[b] = order[min(i, len(order) - 1)]
         return out
 
 
@@ -64,16 +109,26 @@ class Generation:
         return self.decode_steps * len(self.prompt_ids) / self.decode_s if self.decode_s else 0.0
 
 
+def check_prompts(prompt_ids: list[list[int]], max_length: int) -> None:
+    """Refuse a batch that would generate nothing (callers run this before loading a model, too)."""
+    if not prompt_ids:
+        raise OrtkvError("no prompt given: nothing to condition on")
+    for b, p in enumerate(prompt_ids):
+        if len(p) == 0:
+            raise OrtkvError(f"prompt {b + 1} of {len(prompt_ids)} is empty (0 tokens): nothing to condition on; "
+                             "give some text")
+    longest = max(len(p) for p in prompt_ids)
+    if longest >= max_length:
+        raise OrtkvError(f"the prompt has {longest} tokens but search.max_length is {max_length}: nothing "
+                         "would be generated; raise max_length or shorten the prompt")
+
+
 def generate(runner, prompt_ids: list[list[int]], search: Search, max_new_tokens: int, eos_id: int, pad_id: int,
              seed: int = 0, on_token=None) -> Generation:
     """Generate for a batch of prompts (of any lengths). ``on_token(row, token_id)`` streams tokens."""
+    check_prompts(prompt_ids, search.max_length)
     lengths = np.array([len(p) for p in prompt_ids], np.int64)
-    if (lengths == 0).any():
-        raise OrtkvError("a prompt is empty: nothing to condition on")
     longest = int(lengths.max())
-    if longest >= search.max_length:
-        raise OrtkvError(f"the prompt has {longest} tokens but search.max_length is {search.max_length}: nothing "
-                         "would be generated; raise max_length or shorten the prompt")
     budget = min(max_new_tokens, search.max_length - longest)
     ids = np.full((len(prompt_ids), longest), pad_id, np.int64)
     for b, p in enumerate(prompt_ids):

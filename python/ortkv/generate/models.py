@@ -15,11 +15,10 @@ import onnx
 
 from .assets import cache_dir, smollm2_gguf
 from .builder import VARIANTS, build
-from .config import GenAIConfig, to_dict
+from .config import MAX_POSITIONS, GenAIConfig, to_dict
 from .weights import load, load_tokenizer
 
 BUILD_TAG = "smollm2-135m-{weights}-v2"  # bump when the graphs change; + "-bsnh" for that layout
-MAX_POSITIONS = 16384  # rotary table rows: the arena test generates at max_length 16384
 
 
 def gguf_path(cfg: GenAIConfig, log=print) -> Path:
@@ -36,20 +35,26 @@ def model_dir(cfg: GenAIConfig) -> Path:
 
 
 def model_path(cfg: GenAIConfig, variant: str, log=print) -> Path:
-    """Path of the variant's model.onnx, building every missing variant on first use."""
+    """Path of the variant's model.onnx, building it (and only it) on first use."""
     if variant not in VARIANTS:
         raise ValueError(variant)
+    target = model_dir(cfg) / variant / "model.onnx"
+    if not target.exists():
+        build_models(cfg, [variant], log)
+    return target
+
+
+def build_models(cfg: GenAIConfig, variants, log=print) -> None:
+    """Build the missing ones of ``variants`` from one read of the GGUF. A run builds only the variant it
+    runs (`--weights q4` used to build all three: 3 x the time and the disk)."""
     root = model_dir(cfg)
-    target = root / variant / "model.onnx"
-    if target.exists():
-        return target
+    missing = [v for v in variants if not (root / v / "model.onnx").exists()]
+    if not missing:
+        return
     src = gguf_path(cfg, log)
     weights, tokenizer = load(src, log=log, fmt=cfg.ortkv.weights)
-    for v in VARIANTS:
-        out = root / v / "model.onnx"
-        if out.exists():
-            continue
-        log(f"ortkv: building the {v} decoder ...")
+    for v in missing:
+        log(f"ortkv: building the {v} decoder ({cfg.ortkv.weights} weights) ...")
         model = build(weights, v, max_positions=MAX_POSITIONS, cache_layout=cfg.ortkv.cache_layout)
         tmp = root / f".{v}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
@@ -61,7 +66,24 @@ def model_path(cfg: GenAIConfig, variant: str, log=print) -> Path:
             write_genai_folder(tmp, cfg, tokenizer)
         shutil.rmtree(root / v, ignore_errors=True)
         os.replace(tmp, root / v)
-    return target
+        log(f"ortkv: cached the {v} decoder in {root / v} ({human_size(tree_size(root / v))}); "
+            f"`ortkv cache list` shows the cache, `ortkv cache rm {root.name}` frees it")
+
+
+def tree_size(path: Path) -> int:
+    """Bytes of the files under path (a file: its size)."""
+    path = Path(path)
+    if path.is_file():
+        return path.stat().st_size
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink())
+
+
+def human_size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
 
 
 def write_genai_folder(folder: Path, cfg: GenAIConfig, tokenizer) -> None:

@@ -33,6 +33,15 @@ def _session_options(cfg: GenAIConfig):
     return so
 
 
+def _check_layers(cfg: GenAIConfig, path, layers: int) -> None:
+    """The config's decoder must describe the model it runs: a layer count that differs would leave caches
+    unbound or feed names the graph does not have (head counts and sizes are checked when caches bind)."""
+    want = cfg.model.decoder.num_hidden_layers
+    if layers != want:
+        raise OrtkvError(f"model.decoder.num_hidden_layers = {want} but {path} has {layers} layers of KV caches; "
+                         "take the decoder's numbers from the model (or remove them from the config)")
+
+
 class OrtkvRunner:
     name = "ortkv"
 
@@ -44,6 +53,7 @@ class OrtkvRunner:
         self.sess = MutableCacheSession(str(path), sess_options=_session_options(cfg),
                                         providers=["CPUExecutionProvider"])
         self.arena_cache = None
+        _check_layers(cfg, path, len(self.sess.caches) // 2)
 
     def start(self, batch: int, max_length: int) -> None:
         cfg, d = self.cfg, self.cfg.model.decoder
@@ -123,6 +133,7 @@ class CopyRunner:
         self.layers, self.pad = cfg.model.decoder.num_hidden_layers, cfg.model.pad_token_id
         self.sess = ort.InferenceSession(str(path), _session_options(cfg), providers=["CPUExecutionProvider"])
         self.out_names = [o.name for o in self.sess.get_outputs()]
+        _check_layers(cfg, path, sum(i.name.startswith("past_key_values.") for i in self.sess.get_inputs()) // 2)
 
     def start(self, batch: int, max_length: int) -> None:
         d = self.cfg.model.decoder

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
+from ..errors import OrtkvError
+
 CONTROL = 3  # llama.cpp token type of control tokens
 
 
@@ -41,12 +43,21 @@ class SmolTokenizer:
     def from_gguf(cls, reader) -> "SmolTokenizer":
         f = reader.fields
 
-        def get(key):
-            return f[key].contents() if key in f else None
+        def get(key, required=True):
+            if key not in f:
+                if required:
+                    raise OrtkvError(f"the GGUF has no '{key}': its tokenizer cannot be read")
+                return None
+            return f[key].contents()
 
-        return cls(get("tokenizer.ggml.tokens"), get("tokenizer.ggml.merges"), get("tokenizer.ggml.token_type"),
-                   int(get("tokenizer.ggml.bos_token_id")), int(get("tokenizer.ggml.eos_token_id")),
-                   get("tokenizer.chat_template"))
+        try:
+            return cls(get("tokenizer.ggml.tokens"), get("tokenizer.ggml.merges"), get("tokenizer.ggml.token_type"),
+                       int(get("tokenizer.ggml.bos_token_id")), int(get("tokenizer.ggml.eos_token_id")),
+                       get("tokenizer.chat_template", required=False))
+        except OrtkvError:
+            raise
+        except Exception as exc:  # tokenizers raises a bare Exception on an inconsistent vocabulary
+            raise OrtkvError(f"the GGUF's tokenizer cannot be built: {exc}") from None
 
     def encode(self, text: str) -> list[int]:
         return self._tk.encode(text, add_special_tokens=False).ids

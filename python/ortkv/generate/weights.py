@@ -7,6 +7,7 @@ which makes rotary embedding rotate ADJACENT pairs: the graphs use RotaryEmbeddi
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -91,25 +92,60 @@ def _reader(path):
 
 
 def read_config(reader) -> LlamaConfig:
+    """The model's shape from the GGUF's metadata, validated (Note [Untrusted GGUF])."""
     f = reader.fields
 
     def get(key):
         if key not in f:
             raise OrtkvError(f"the GGUF has no '{key}': not a llama-architecture model")
-        return f[key].contents()
+        try:
+            return f[key].contents()
+        except Exception as exc:  # a malformed field: gguf raises from numpy / struct
+            raise OrtkvError(f"the GGUF's '{key}' cannot be read ({exc})") from None
+
+    def integer(key, low=1, value=None):
+        value = get(key) if value is None else value
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+            raise OrtkvError(f"the GGUF's '{key}' is {value!r}; expected an integer >= {low}")
+        return int(value)
+
+    def positive(key):
+        value = get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float, np.number)) or not math.isfinite(value) \
+                or value <= 0:
+            raise OrtkvError(f"the GGUF's '{key}' is {value!r}; expected a finite number > 0")
+        return float(value)
 
     arch = get("general.architecture")
     if arch != "llama":
         raise OrtkvError(f"the GGUF's architecture is {arch!r}; ortkv builds llama-architecture models")
-    heads = int(get("llama.attention.head_count"))
-    hidden = int(get("llama.embedding_length"))
-    return LlamaConfig(layers=int(get("llama.block_count")), hidden=hidden, ffn=int(get("llama.feed_forward_length")),
-                       heads=heads, kv_heads=int(get("llama.attention.head_count_kv")), head_size=hidden // heads,
-                       rms_eps=float(get("llama.attention.layer_norm_rms_epsilon")),
-                       rope_theta=float(get("llama.rope.freq_base")),
-                       context_length=int(get("llama.context_length")),
-                       vocab=int(f["llama.vocab_size"].contents()) if "llama.vocab_size" in f else
-                       len(f["tokenizer.ggml.tokens"].data))
+    heads, kv_heads = integer("llama.attention.head_count"), integer("llama.attention.head_count_kv")
+    hidden = integer("llama.embedding_length")
+    if heads % kv_heads:
+        raise OrtkvError(f"the GGUF's head_count {heads} is not a multiple of head_count_kv {kv_heads}")
+    if hidden % heads or (hidden // heads) % 2:
+        raise OrtkvError(f"the GGUF's embedding_length {hidden} does not split into {heads} heads of an even size "
+                         "(rotary embedding rotates pairs)")
+    if "llama.vocab_size" in f:
+        vocab = integer("llama.vocab_size")
+    elif "tokenizer.ggml.tokens" in f:
+        vocab = integer("tokenizer.ggml.tokens", value=len(f["tokenizer.ggml.tokens"].data))
+    else:
+        raise OrtkvError("the GGUF has neither 'llama.vocab_size' nor 'tokenizer.ggml.tokens'")
+    return LlamaConfig(layers=integer("llama.block_count"), hidden=hidden, ffn=integer("llama.feed_forward_length"),
+                       heads=heads, kv_heads=kv_heads, head_size=hidden // heads,
+                       rms_eps=positive("llama.attention.layer_norm_rms_epsilon"),
+                       rope_theta=positive("llama.rope.freq_base"),
+                       context_length=integer("llama.context_length", low=2), vocab=vocab)
+
+
+# Note [Untrusted GGUF]
+# A GGUF is untrusted input: its metadata sizes everything that is built from it. Every count is checked
+# to be a positive integer (zero heads used to divide by zero), the heads to group evenly and split the
+# embedding into an even head size; context_length is only recorded: what is allocated from it is bounded
+# elsewhere (Note [Rotary rows] in builder.py, search.max_length in config.py). Tensors are checked for
+# their shapes against this metadata when read (_tensor_shape), so a truncated or inconsistent file is an
+# OrtkvError naming the tensor, not a reshape error deep in numpy or ONNX.
 
 
 def load(path, layers: int | None = None, log=None, fmt: str = "float32") -> tuple[LlamaWeights, SmolTokenizer]:
@@ -126,28 +162,44 @@ def load(path, layers: int | None = None, log=None, fmt: str = "float32") -> tup
     cfg = LlamaConfig(**{**cfg.__dict__, "layers": n})
     tensors = {t.name: t for t in reader.tensors}
 
-    def deq(name):
+    E, F, Dkv = cfg.hidden, cfg.ffn, cfg.kv_heads * cfg.head_size
+    shapes = {"attn_q": (E, E), "attn_k": (Dkv, E), "attn_v": (Dkv, E), "attn_output": (E, E),
+              "ffn_gate": (F, E), "ffn_up": (F, E), "ffn_down": (E, F)}  # [out, in]
+
+    def _tensor_shape(name, shape):
         if name not in tensors:
             raise OrtkvError(f"the GGUF has no tensor '{name}'")
         t = tensors[name]
-        return np.ascontiguousarray(gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False))
+        got = tuple(int(x) for x in reversed(t.shape))  # ggml lists ne0 (the innermost) first
+        if got != shape:
+            raise OrtkvError(f"the GGUF's tensor '{name}' has shape {list(got)}; its metadata says {list(shape)}")
+        return t
 
-    def matrix(name):
-        t = tensors[name]
+    def deq(name, shape):
+        t = _tensor_shape(name, shape)
+        try:
+            out = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+        except Exception as exc:
+            raise OrtkvError(f"the GGUF's tensor '{name}' cannot be dequantized ({exc})") from None
+        return np.ascontiguousarray(out.reshape(shape))
+
+    def matrix(name, shape):
         if fmt == "q4":
+            t = _tensor_shape(name, shape)
             if t.tensor_type != gguf.GGMLQuantizationType.Q4_1:
                 raise OrtkvError(f"weights 'q4' need Q4_1 tensors; '{name}' is {t.tensor_type.name}")
             k, n = int(t.shape[0]), int(t.shape[1])  # ggml order: ne0 = in (K), ne1 = out (N)
             return q4_from_gguf(t.data, n, k)
-        return np.ascontiguousarray(deq(name).T)
+        return np.ascontiguousarray(deq(name, shape).T)
 
-    w = LlamaWeights(cfg, embed=deq("token_embd.weight"), final_norm=deq("output_norm.weight"), format=fmt)
+    w = LlamaWeights(cfg, embed=deq("token_embd.weight", (cfg.vocab, E)), final_norm=deq("output_norm.weight", (E,)),
+                     format=fmt)
     for i in range(n):
         p = f"blk.{i}."
         w.layers.append({
-            "attn_norm": deq(p + "attn_norm.weight"),
-            "ffn_norm": deq(p + "ffn_norm.weight"),
-            **{k: matrix(p + name + ".weight") for k, name in
+            "attn_norm": deq(p + "attn_norm.weight", (E,)),
+            "ffn_norm": deq(p + "ffn_norm.weight", (E,)),
+            **{k: matrix(p + name + ".weight", shapes[name]) for k, name in
                (("wq", "attn_q"), ("wk", "attn_k"), ("wv", "attn_v"), ("wo", "attn_output"),
                 ("wg", "ffn_gate"), ("wu", "ffn_up"), ("wd", "ffn_down"))},
         })
