@@ -44,6 +44,7 @@ class Storage:
     kind: str  # "numpy", "ortvalue", "dlpack"
     ortvalue: Any = None  # set for OrtValue storage: bound as is
     keepalive: tuple = field(default_factory=tuple)
+    lease: Any = None  # an ortkv.vmm.ArenaLease while bound, when the storage lies in an arena
 
     @property
     def device_key(self) -> tuple[str, int]:
