@@ -56,12 +56,18 @@ def test_refused_reservation_raises_capacity_error():
                 Arena(size, governor=gov)
             except ortkv.CapacityError as e:
                 print(type(e).__name__, e.requested, gov.in_use, "reservation" in str(e) or "rounded" in str(e))
+        from ortkv.vmm import ArenaKVCache, CacheGeometry  # a genai_config max_length of 4e9
+        try:
+            ArenaKVCache(CacheGeometry(layers=30, kv_heads=3, head_size=64, capacity=4_000_000_000, dtype_bytes=4),
+                         dtype="float32")
+        except ortkv.CapacityError as e:
+            print("kv", e.requested == 2 * 30 * 3 * 64 * 4 * 4_000_000_000)
         a = Arena(1 << 20)  # the global arena lock was released: the next arena works
         print("ok", a.commit(1) > 0)
     """, timeout=30)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split("\n")[:3] == [f"CapacityError {2**63} 0 True", f"CapacityError {2**64 - 1} 0 True",
-                                          "ok True"]
+    assert out.stdout.split("\n")[:4] == [f"CapacityError {2**63} 0 True", f"CapacityError {2**64 - 1} 0 True",
+                                          "kv True", "ok True"]
 
 
 def test_reservation_refused_under_ulimit_v_and_for_a_shared_prefix():
@@ -224,7 +230,7 @@ def test_rebind_and_session_close_return_their_leases():
 
 def test_bind_and_run_racing_close_never_crash():
     out = run_py("""
-        import threading, numpy as np, ortkv
+        import threading, time, numpy as np, ortkv
         from conftest import cache_update_model
         from ortkv.vmm import Arena
         a = Arena(1 << 24)
@@ -242,8 +248,11 @@ def test_bind_and_run_racing_close_never_crash():
                 s.run(["updated_cache"], {"values": vals, "position": np.array(0)})
                 s.unbind_cache("cache")
                 runs[0] += 1
+                time.sleep(0.001)  # a window with nothing bound, so that close() can succeed
         t = threading.Thread(target=worker)
         t.start()
+        while runs[0] < 2:  # close while the worker binds and runs
+            time.sleep(0.001)
         while True:
             try:
                 a.close()
@@ -251,7 +260,7 @@ def test_bind_and_run_racing_close_never_crash():
             except BufferError:
                 refusals[0] += 1
         t.join()
-        print("done", a.closed, runs[0] >= 0, s._bindings == {})
+        print("done", a.closed, a._native.closed, s._bindings == {})
     """, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "done True True True"

@@ -233,7 +233,7 @@ Status Arena::Commit(uint64_t nbytes, uint64_t offset, uint64_t* newly) {
 Status Arena::CommitRanges(const std::vector<std::pair<uint64_t, uint64_t>>& ranges, uint64_t* newly) {
   std::lock_guard<std::mutex> lock(Mu());
   *newly = 0;
-  if (closed_) return Status(Code::kInvalidArgument, "Arena.commit: the arena is closed");
+  if (closed_) return Status(Code::kInvalidArgument, "Arena.commit: the arena is closed; create a new Arena");
   if (read_only_)
     return Status(Code::kInvalidArgument, "Arena.commit: a read-only shared prefix cannot commit memory; "
                                           "commit in the owner's arena");
@@ -363,7 +363,7 @@ Status Arena::ReleaseLocked() {
 
 Status Arena::Release() {
   std::lock_guard<std::mutex> lock(Mu());
-  if (closed_) return Status(Code::kInvalidArgument, "Arena.release: the arena is closed");
+  if (closed_) return Status(Code::kInvalidArgument, "Arena.release: the arena is closed; create a new Arena");
   CoreLease lease(true);  // no kernel between its check and its write (Note [Arena lease])
   Status s = Step("synchronize");
   if (s.ok()) s = backend_->Synchronize();
@@ -402,7 +402,8 @@ Status Arena::Close(bool* quarantined) {
 Status Arena::MapSharedPrefix(uint64_t nbytes, std::unique_ptr<Arena>* out) {
   std::lock_guard<std::mutex> lock(Mu());
   if (closed_ || read_only_)
-    return Status(Code::kInvalidArgument, "map_shared_prefix: only an open owner arena can share its prefix");
+    return Status(Code::kInvalidArgument, std::string("map_shared_prefix: only an open owner arena can share its prefix; "
+                                          "this one is ") + (closed_ ? "closed" : "a read-only shared prefix"));
   if (nbytes == 0 || nbytes > reserved_)
     return Status(Code::kInvalidArgument, "map_shared_prefix: nbytes must be in [1, " + std::to_string(reserved_) + "]");
   const uint64_t n = RoundUp(nbytes, granule_);

@@ -209,7 +209,7 @@ class MutableCacheSession:
         if st.device_type == "cuda" and "CUDAExecutionProvider" not in self._session.get_providers():
             raise StorageError(f"cache '{name}': storage is on cuda:{st.device_id} but the session runs on "
                                f"{self._session.get_providers()}; create it with providers=['CUDAExecutionProvider']")
-        from .vmm import lease_storage  # arena memory: close()/release() wait for unbind (Note [Arena exports])
+        from .vmm import lease_storage  # arena memory: its close()/release() refuse until unbind (Note [Arena exports])
 
         st.lease = lease_storage(st, f"cache '{name}' of session #{self._id}")
         try:

@@ -182,9 +182,10 @@ class Arena:
             if self._native.closed and skip_closed:
                 return None  # freed: its addresses may belong to another arena now
             if self.closed:
-                pending = f" (freed once its {len(self._exports)} remaining export(s) are gone)" if self._closing else ""
-                raise ArenaError(f"{what}: the arena 0x{self.base:x} (+{self.reserved_bytes} bytes) is closed{pending}; "
-                                 "create a new Arena")
+                pending = (f" (freed once its {len(self._exports)} remaining export(s) are gone)"
+                           if self._closing else "")
+                raise ArenaError(f"{what}: the arena 0x{self.base:x} (+{self.reserved_bytes} bytes) is closed"
+                                 f"{pending}; create a new Arena")
             token = next(_export_ids)
             self._exports[token] = what
             return token
@@ -227,7 +228,8 @@ class Arena:
 
     def commit_many(self, ranges) -> int:
         """Commit several (offset, nbytes) ranges in ONE transaction (one grant; all or nothing)."""
-        ranges = [(_u64("Arena.commit_many", f"offset of range {i}", o), _u64("Arena.commit_many", f"nbytes of range {i}", n))
+        where = "Arena.commit_many"
+        ranges = [(_u64(where, f"offset of range {i}", o), _u64(where, f"nbytes of range {i}", n))
                   for i, (o, n) in enumerate(ranges)]
         self._check_open("Arena.commit_many")
         return _native(self._native.commit_ranges, ranges)
@@ -279,7 +281,11 @@ class Arena:
         if offset % dtype.itemsize:
             raise StorageError(f"Arena.view: offset {offset} is not aligned to {dtype} ({dtype.itemsize} bytes)")
         token = self._export(f"view {dtype}{list(shape)} at offset {offset}")
-        holder = _ArenaView(self, dtype, shape, offset, nbytes)
+        try:
+            holder = _ArenaView(self, dtype, shape, offset, nbytes)
+        except BaseException:
+            self._unexport(token)
+            raise
         weakref.finalize(holder, self._unexport, token)
         return np.asarray(holder) if self.device == "cpu" else holder
 
