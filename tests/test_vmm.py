@@ -20,6 +20,7 @@ from ortkv import _ortkv
 from ortkv._ortkv import _testing
 from ortkv.vmm import (
     Arena,
+    ArenaBusyError,
     ArenaKVCache,
     CacheGeometry,
     Governor,
@@ -127,6 +128,33 @@ def test_governor_backpressure(device):
         assert snapshot(b, gov, device) == before
         a.release()  # backpressure lifts once memory comes back
         assert b.commit(2 * g) == 2 * g and gov.in_use == 2 * g
+
+
+# --- lifetime (both backends; the host's misuse cases are in test_vmm_lifetime.py) --------------------
+def test_refused_reservation_raises_on_every_backend(device):
+    """Arena::Create used to deadlock on its own lock when the reservation failed: run it in a child."""
+    code = (f"import ortkv; from ortkv.vmm import Arena\ntry:\n    Arena(2**63, {device!r})\n"
+            "except ortkv.CapacityError as e:\n    print('refused', e.requested, 'reservation' in str(e))\n"
+            f"print('next', Arena(1 << 22, {device!r}).reserved_bytes >= 1 << 22)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[:2] == [f"refused {2**63} True", "next True"]
+
+
+def test_close_and_release_refuse_while_a_view_is_alive(device):
+    gov = Governor(1 << 30)
+    a = Arena(1 << 24, device, gov)
+    g = a.granule
+    a.commit(g)
+    view = a.view(np.uint8, (g,))
+    fill(view, 6)
+    for op in ("release", "close"):
+        with pytest.raises(ArenaBusyError, match=rf"Arena.{op}: 1 export\(s\).*view uint8\[{g}\] at offset 0"):
+            getattr(a, op)()
+    assert not a.closed and a.committed_bytes == g and gov.in_use == g and (read(view) == 6).all()
+    del view
+    a.close()
+    assert a.closed and gov.in_use == 0
 
 
 # --- transactions ---------------------------------------------------------------------------------
