@@ -5,6 +5,7 @@ bytes, budget in use and live mappings exactly as they were."""
 from __future__ import annotations
 
 import ctypes
+import gc
 import os
 import subprocess
 import sys
@@ -16,8 +17,10 @@ import pytest
 import ortkv
 from conftest import cache_update_model, cached_session, run_bound
 from ortkv import _ortkv
+from ortkv._ortkv import _testing
 from ortkv.vmm import (
     Arena,
+    ArenaBusyError,
     ArenaKVCache,
     CacheGeometry,
     Governor,
@@ -58,6 +61,13 @@ def read(view, index=Ellipsis) -> np.ndarray:
     import cupy
 
     return cupy.asnumpy(cupy.asarray(view)[index])
+
+
+@pytest.fixture(autouse=True)
+def _collected():
+    """live_mappings() is process-wide: an arena whose close was deferred by a view that an earlier
+    test left in a reference cycle (pytest's ExceptionInfo holds the test's frame) is freed first."""
+    gc.collect()
 
 
 def mappings(device) -> int:
@@ -120,6 +130,33 @@ def test_governor_backpressure(device):
         assert b.commit(2 * g) == 2 * g and gov.in_use == 2 * g
 
 
+# --- lifetime (both backends; the host's misuse cases are in test_vmm_lifetime.py) --------------------
+def test_refused_reservation_raises_on_every_backend(device):
+    """Arena::Create used to deadlock on its own lock when the reservation failed: run it in a child."""
+    code = (f"import ortkv; from ortkv.vmm import Arena\ntry:\n    Arena(2**63, {device!r})\n"
+            "except ortkv.CapacityError as e:\n    print('refused', e.requested, 'reservation' in str(e))\n"
+            f"print('next', Arena(1 << 22, {device!r}).reserved_bytes >= 1 << 22)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[:2] == [f"refused {2**63} True", "next True"]
+
+
+def test_close_and_release_refuse_while_a_view_is_alive(device):
+    gov = Governor(1 << 30)
+    a = Arena(1 << 24, device, gov)
+    g = a.granule
+    a.commit(g)
+    view = a.view(np.uint8, (g,))
+    fill(view, 6)
+    for op in ("release", "close"):
+        with pytest.raises(ArenaBusyError, match=rf"Arena.{op}: 1 export\(s\).*view uint8\[{g}\] at offset 0"):
+            getattr(a, op)()
+    assert not a.closed and a.committed_bytes == g and gov.in_use == g and (read(view) == 6).all()
+    del view
+    a.close()
+    assert a.closed and gov.in_use == 0
+
+
 # --- transactions ---------------------------------------------------------------------------------
 # Every step of a commit of three runs; countdown k fails the step of run k (the grant happens once).
 STEPS = [("grant", 0)] + [(op, k) for op in ("create", "map", "set_access") for k in range(3)]
@@ -135,7 +172,7 @@ def test_failed_commit_rolls_back_exactly(device, op, countdown):
         keep = a.view(np.uint8, (g,), offset=g)
         fill(keep, 42)
         before = snapshot(a, gov, device)
-        a._native.inject_fault(op, countdown)
+        _testing.inject_fault(a._native, op, countdown)
         with pytest.raises(ortkv.OrtkvError, match=rf"injected failure at {op}"):
             a.commit(5 * g)
         assert snapshot(a, gov, device) == before
@@ -149,8 +186,8 @@ def test_failed_unmap_in_rollback_stays_mapped(device):
         g = a.granule
         a.commit(g, offset=g)
         before = snapshot(a, gov, device)
-        a._native.inject_fault("set_access", 1)  # the 2nd run fails after it was mapped ...
-        a._native.inject_fault("unmap", 0)  # ... and undoing it fails too
+        _testing.inject_fault(a._native, "set_access", 1)  # the 2nd run fails after it was mapped ...
+        _testing.inject_fault(a._native, "unmap", 0)  # ... and undoing it fails too
         with pytest.raises(ortkv.OrtkvError, match=r"an unmap failed: that run stays mapped"):
             a.commit(3 * g)
         # The run whose unmap failed is recorded as mapped and billed (never freed); the other was undone.
@@ -164,7 +201,7 @@ def test_failed_unmap_in_release_keeps_block(device):
         g = a.granule
         a.commit(g, offset=0)
         a.commit(g, offset=2 * g)
-        a._native.inject_fault("unmap", 0)  # release walks in reverse: the block at 2g fails
+        _testing.inject_fault(a._native, "unmap", 0)  # release walks in reverse: the block at 2g fails
         with pytest.raises(ortkv.OrtkvError, match=r"injected failure at unmap"):
             a.release()
         assert a.committed_bytes == g and gov.in_use == g and a.is_committed(2 * g, g)
@@ -184,6 +221,7 @@ def test_release_keeps_the_range_and_reuses_addresses(device):
     fill(view, 1.5)
     assert a.base == base and (read(view) == 1.5).all()
     m = mappings(device)
+    del view  # close() refuses while a view is alive (Note [Arena exports])
     a.close()
     assert a.closed and gov.in_use == 0 and mappings(device) == m - 1
 
@@ -193,7 +231,7 @@ def test_teardown_sync_failure_quarantines(device):
     a = Arena(1 << 24, device, gov)
     a.commit(2 * a.granule)
     before = snapshot(a, gov, device)
-    a._native.inject_fault("synchronize", 0)
+    _testing.inject_fault(a._native, "synchronize", 0)
     import ortkv.vmm as vmm_mod
 
     vmm_mod._warned_quarantine = False
@@ -223,11 +261,13 @@ def test_shared_prefix_same_memory_billed_once_refcounted(device):
     assert (read(view) == 5.0).all()
     with pytest.raises(ortkv.OrtkvError, match=r"read-only shared prefix cannot commit"):
         sharer.commit(g)
+    del data  # close() refuses while a view is alive (Note [Arena exports])
     owner.close()  # the sharer keeps its granules alive
     # The host commits one handle for the run of 4 granules (still half mapped: all 4 stay billed);
     # CUDA maps whole handles only, so it made one per granule and the 2 unshared ones came back.
     assert (read(view) == 5.0).all() and gov.in_use == (4 * g if device == "cpu" else 2 * g)
     m, mine = mappings(device), sharer.live_mappings
+    del view
     sharer.close()
     assert gov.in_use == 0 and mappings(device) == m - mine
 
@@ -248,7 +288,7 @@ def test_shared_prefix_set_access_failure_undoes_that_mapping_only(device):
         view = owner.view(np.uint8, (2 * g,))
         fill(view, 9)
         before = snapshot(owner, gov, device)
-        owner._native.inject_fault("set_access", 1)  # the sharer's 2nd mapping
+        _testing.inject_fault(owner._native, "set_access", 1)  # the sharer's 2nd mapping
         with pytest.raises(ortkv.OrtkvError, match=r"map_shared_prefix failed and was undone"):
             owner.map_shared_prefix(2 * g)
         assert snapshot(owner, gov, device) == before and (read(view) == 9).all()
@@ -298,6 +338,7 @@ def test_kernel_refuses_to_write_read_only_prefix():
         np.testing.assert_array_equal(shared, before)
         with pytest.raises(ortkv.ImmutableStorageError):
             ortkv.MutableCacheSession(cache_update_model()).bind_cache("cache", shared)
+        del shared
         sharer.close()
 
 

@@ -109,11 +109,25 @@ PYBIND11_MODULE(_ortkv, m) {
              return newly;
            },
            py::arg("ranges"), "[(offset, nbytes), ...] in one transaction; returns the bytes newly committed.")
-      .def("release", [](Arena& a) { Check(a.Release()); })
+      // release and close wait for kernels in flight (Note [Arena lease]): without the GIL, so that
+      // a Python thread running a session is never blocked behind them.
+      .def("release",
+           [](Arena& a) {
+             ortkv::Status s;
+             {
+               py::gil_scoped_release nogil;
+               s = a.Release();
+             }
+             Check(s);
+           })
       .def("close",
            [](Arena& a) {
              bool quarantined = false;
-             ortkv::Status s = a.Close(&quarantined);
+             ortkv::Status s;
+             {
+               py::gil_scoped_release nogil;
+               s = a.Close(&quarantined);
+             }
              if (quarantined) return std::string(s.message());
              Check(s);
              return std::string();
@@ -125,8 +139,20 @@ PYBIND11_MODULE(_ortkv, m) {
              Check(a.MapSharedPrefix(nbytes, &sharer));
              return sharer;
            },
-           py::arg("nbytes"))
-      .def("inject_fault", &Arena::InjectFault, py::arg("op"), py::arg("countdown") = 0);
+           py::arg("nbytes"));
+
+  // Test hooks, kept out of the public surface: only the test suite imports ortkv._ortkv._testing.
+  py::module_ testing = m.def_submodule("_testing", "ortkv test hooks (not a public API)");
+  testing.def(
+      "inject_fault", [](Arena& a, const std::string& op, int64_t countdown) { a.InjectFault(op, countdown); },
+      py::arg("arena"), py::arg("op"), py::arg("countdown") = 0,
+      "Make the countdown-th next call of op (grant, create, map, set_access, unmap, release, synchronize, "
+      "free) fail once in this arena.");
+  testing.def("lease_acquire", [](bool exclusive) { ortkv_core_lease_acquire(exclusive ? 1 : 0); },
+              py::arg("exclusive") = false, py::call_guard<py::gil_scoped_release>(),
+              "Take the kernels' arena lease, as a kernel does around its check and write.");
+  testing.def("lease_release", [](bool exclusive) { ortkv_core_lease_release(exclusive ? 1 : 0); },
+              py::arg("exclusive") = false);
 
   m.attr("CUDA_BUILD") = static_cast<bool>(ORTKV_WITH_CUDA_BUILD);
 }

@@ -5,6 +5,7 @@
 #include <atomic>
 #include <cstring>
 #include <mutex>
+#include <shared_mutex>
 #include <string>
 #include <vector>
 
@@ -83,3 +84,25 @@ int ortkv_core_find_protected(int32_t device_type, int32_t device_id, uintptr_t 
 uint64_t ortkv_core_protected_count(void) { return registry().count.load(std::memory_order_acquire); }
 
 uintptr_t ortkv_core_instance(void) { return reinterpret_cast<uintptr_t>(&registry()); }
+
+// --- the arena lease (Note [Arena lease] in ortkv/core.h) ------------------------------------------
+namespace {
+std::shared_mutex& Lease() {
+  static std::shared_mutex* m = new std::shared_mutex();  // never destroyed, like the registry
+  return *m;
+}
+}  // namespace
+
+void ortkv_core_lease_acquire(int exclusive) {
+  if (exclusive)
+    Lease().lock();
+  else
+    Lease().lock_shared();
+}
+
+void ortkv_core_lease_release(int exclusive) {
+  if (exclusive)
+    Lease().unlock();
+  else
+    Lease().unlock_shared();
+}

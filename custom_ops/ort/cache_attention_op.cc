@@ -8,6 +8,7 @@
 #include "ops.h"
 #include "ort_util.h"
 #include "ortkv/cache_attention.h"
+#include "ortkv/core.h"
 
 namespace ortkv_ort {
 namespace {
@@ -47,6 +48,7 @@ OrtStatus* Compute(void* op_kernel, OrtKernelContext* ctx) {
                                                                   k.num_heads, k.kv_num_heads, k.scale, k.seq_axis,
                                                                   static_cast<float*>(out_data), &view)));
   if (view.tasks() == 0) return nullptr;
+  ortkv::CoreLease lease;  // the caches are read here: no Arena release/close meanwhile (Note [Arena lease])
   Job job{&view};
   if (view.tasks() == 1) {
     Task(&job, 0);

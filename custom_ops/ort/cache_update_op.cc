@@ -121,6 +121,7 @@ OrtStatus* Compute(void* op_kernel, OrtKernelContext* ctx) {
       << "bind_input/bind_output with the same buffer_ptr), or run the model through ortkv.MutableCacheSession.";
     return ToOrtStatus(Status(Code::kAlias, m.str()));
   }
+  ortkv::CoreLease lease;  // check and write as one, against Arena release/close (Note [Arena lease])
   ORTKV_RETURN_IF_ORT_ERROR(ToOrtStatus(CheckWriteProtection(k, view, device_type, device_id)));
   if (view.bytes_written() == 0) return nullptr;
 

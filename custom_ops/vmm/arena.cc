@@ -33,6 +33,27 @@ uint64_t RoundUp(uint64_t x, uint64_t g) { return (x + g - 1) / g * g; }
 
 std::string Bytes(uint64_t n) { return std::to_string(n) + " bytes"; }
 
+// The backend refused to reserve address space (mmap ENOMEM under ulimit -v, a size beyond the
+// address space, cuMemAddressReserve out of memory or invalid value): a capacity problem with numbers.
+Status ReservationRefused(const std::string& who, uint64_t bytes, uint64_t granule, const Status& why) {
+  std::ostringstream m;
+  m << who << ": the reservation of " << bytes << " bytes of address space was refused (" << why.message()
+    << "). Reserve less (only what the longest sequence needs), or raise the address-space limit (ulimit -v) "
+    << "[requested=" << bytes << " granule=" << granule << "]";
+  return Status(Code::kCapacity, m.str());
+}
+
+// "[offset, offset + nbytes)" without wrapping past 2**64.
+std::string EndOf(uint64_t offset, uint64_t nbytes) {
+  unsigned __int128 end = static_cast<unsigned __int128>(offset) + nbytes;
+  std::string e;
+  do {
+    e.insert(e.begin(), static_cast<char>('0' + static_cast<int>(end % 10)));
+    end /= 10;
+  } while (end != 0);
+  return e;
+}
+
 }  // namespace
 
 // --- Governor ---------------------------------------------------------------------------------
@@ -76,17 +97,36 @@ uint64_t Governor::quarantined() const {
 // --- Arena ------------------------------------------------------------------------------------
 Status Arena::Create(std::shared_ptr<Backend> backend, uint64_t reserve_bytes, std::shared_ptr<Governor> governor,
                      std::unique_ptr<Arena>* out) {
-  std::lock_guard<std::mutex> lock(Mu());
+  if (reserve_bytes == 0) return Status(Code::kInvalidArgument, "Arena: reserve_bytes must be > 0, got 0");
   std::unique_ptr<Arena> a(new Arena(std::move(backend), std::move(governor)));
+  // Nothing to tear down until the reservation exists: a half-built arena must not run Close() from
+  // its destructor (see Note [Arena teardown]).
+  a->closed_ = true;
   ORTKV_RETURN_IF_ERR(a->backend_->Granularity(&a->granule_));
-  if (reserve_bytes == 0) return Status(Code::kInvalidArgument, "Arena: reserve_bytes must be > 0");
+  const std::string who = std::string("Arena(") + a->backend_->name() + ")";
+  if (reserve_bytes > UINT64_MAX - (a->granule_ - 1)) {
+    std::ostringstream m;
+    m << who << ": reserve_bytes " << reserve_bytes << " cannot be rounded up to the " << a->granule_
+      << "-byte granule within 64 bits; reserve less [requested=" << reserve_bytes << " granule=" << a->granule_ << "]";
+    return Status(Code::kCapacity, m.str());
+  }
   a->reserved_ = RoundUp(reserve_bytes, a->granule_);
-  ORTKV_RETURN_IF_ERR(a->backend_->Reserve(a->reserved_, &a->base_));
+  // The backend call needs no lock: it touches no shared state.
+  Status s = a->backend_->Reserve(a->reserved_, &a->base_);
+  if (!s.ok()) return ReservationRefused(who, a->reserved_, a->granule_, s);
+  std::lock_guard<std::mutex> lock(Mu());
+  a->closed_ = false;
   a->SyncProtection();
   *out = std::move(a);
   return Status::Ok();
 }
 
+// Note [Arena teardown]
+// ~~~~~~~~~~~~~~~~~~~~~
+// The destructor closes an arena that is still open, and Close() takes the global lock. So every
+// path that may destroy an Arena while holding that lock (a failed Create or MapSharedPrefix) marks
+// it closed first: the destructor then does nothing, instead of locking the held mutex again (that
+// self-deadlock once made Arena(2**63) hang instead of raising).
 Arena::~Arena() {
   if (!closed_) {
     bool q = false;
@@ -127,6 +167,7 @@ uint64_t Arena::TotalLiveMappings(int device_type) { return g_live_mappings[devi
 
 bool Arena::IsCommitted(uint64_t offset, uint64_t nbytes) const {
   std::lock_guard<std::mutex> lock(Mu());
+  if (offset > reserved_ || nbytes > reserved_ - offset) return false;  // beyond the reservation (no wrap)
   uint64_t cur = offset / granule_ * granule_;
   const uint64_t end = offset + nbytes;
   for (const Mapping& m : maps_) {
@@ -192,7 +233,7 @@ Status Arena::Commit(uint64_t nbytes, uint64_t offset, uint64_t* newly) {
 Status Arena::CommitRanges(const std::vector<std::pair<uint64_t, uint64_t>>& ranges, uint64_t* newly) {
   std::lock_guard<std::mutex> lock(Mu());
   *newly = 0;
-  if (closed_) return Status(Code::kInvalidArgument, "Arena.commit: the arena is closed");
+  if (closed_) return Status(Code::kInvalidArgument, "Arena.commit: the arena is closed; create a new Arena");
   if (read_only_)
     return Status(Code::kInvalidArgument, "Arena.commit: a read-only shared prefix cannot commit memory; "
                                           "commit in the owner's arena");
@@ -202,9 +243,10 @@ Status Arena::CommitRanges(const std::vector<std::pair<uint64_t, uint64_t>>& ran
     if (nbytes == 0) continue;
     if (offset > reserved_ || nbytes > reserved_ - offset) {
       std::ostringstream m;
-      m << "Arena.commit: [" << offset << ", " << offset + nbytes << ") exceeds the " << Bytes(reserved_)
+      const std::string end = EndOf(offset, nbytes);
+      m << "Arena.commit: [" << offset << ", " << end << ") exceeds the " << Bytes(reserved_)
         << " reserved; reserve a larger arena (the reservation costs address space only) "
-        << "[requested=" << offset + nbytes << " capacity=" << reserved_ << "]";
+        << "[requested=" << end << " capacity=" << reserved_ << "]";
       return Status(Code::kCapacity, m.str());
     }
     windows.emplace_back(offset / granule_ * granule_, RoundUp(offset + nbytes, granule_));
@@ -321,7 +363,8 @@ Status Arena::ReleaseLocked() {
 
 Status Arena::Release() {
   std::lock_guard<std::mutex> lock(Mu());
-  if (closed_) return Status(Code::kInvalidArgument, "Arena.release: the arena is closed");
+  if (closed_) return Status(Code::kInvalidArgument, "Arena.release: the arena is closed; create a new Arena");
+  CoreLease lease(true);  // no kernel between its check and its write (Note [Arena lease])
   Status s = Step("synchronize");
   if (s.ok()) s = backend_->Synchronize();
   if (!s.ok()) return Status(s.code(), "Arena.release: device synchronization failed, nothing was unmapped: " + s.message());
@@ -332,6 +375,7 @@ Status Arena::Close(bool* quarantined) {
   std::lock_guard<std::mutex> lock(Mu());
   *quarantined = false;
   if (closed_) return Status::Ok();
+  CoreLease lease(true);  // no kernel between its check and its write (Note [Arena lease])
   Status s = Step("synchronize");
   if (s.ok()) s = backend_->Synchronize();
   if (!s.ok()) {
@@ -358,7 +402,8 @@ Status Arena::Close(bool* quarantined) {
 Status Arena::MapSharedPrefix(uint64_t nbytes, std::unique_ptr<Arena>* out) {
   std::lock_guard<std::mutex> lock(Mu());
   if (closed_ || read_only_)
-    return Status(Code::kInvalidArgument, "map_shared_prefix: only an open owner arena can share its prefix");
+    return Status(Code::kInvalidArgument, std::string("map_shared_prefix: only an open owner arena can share its prefix; "
+                                          "this one is ") + (closed_ ? "closed" : "a read-only shared prefix"));
   if (nbytes == 0 || nbytes > reserved_)
     return Status(Code::kInvalidArgument, "map_shared_prefix: nbytes must be in [1, " + std::to_string(reserved_) + "]");
   const uint64_t n = RoundUp(nbytes, granule_);
@@ -378,7 +423,13 @@ Status Arena::MapSharedPrefix(uint64_t nbytes, std::unique_ptr<Arena>* out) {
   sharer->reserved_ = n;
   sharer->read_only_ = true;
   sharer->faults_.swap(faults_);  // injected faults apply to the whole operation
-  ORTKV_RETURN_IF_ERR(backend_->Reserve(n, &sharer->base_));
+  sharer->closed_ = true;  // until the range exists (Note [Arena teardown]: we hold the lock)
+  Status reserved = backend_->Reserve(n, &sharer->base_);
+  if (!reserved.ok()) {
+    faults_.swap(sharer->faults_);
+    return ReservationRefused("map_shared_prefix", n, granule_, reserved);
+  }
+  sharer->closed_ = false;
   Status s;
   for (const Mapping& m : maps_) {
     if (m.offset >= n) break;

@@ -20,6 +20,12 @@
 // The arena keeps ortkv_core's write-protected ranges in step: a sharer's whole range is READONLY,
 // an owner's uncommitted granules are UNCOMMITTED, so an ortkv kernel refuses to write there before
 // launching (a store into an unmapped or read-only page would kill the process or the context).
+// Release and Close hold the kernels' lease exclusively while they synchronize, unmap and update
+// those ranges, so no kernel sits between its check and its write meanwhile (Note [Arena lease] in
+// ortkv/core.h). A reservation the backend refuses is E_CAPACITY with the numbers, and a failed
+// Create or MapSharedPrefix never closes from its destructor under the held lock (Note [Arena
+// teardown] in arena.cc). Python refuses close/release while views or bindings exist (Note [Arena
+// exports] in python/ortkv/vmm.py).
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -86,6 +92,7 @@ class ORTKV_VMM_API Arena {
   const Backend& backend() const { return *backend_; }
   // Test hook: make the `countdown`-th next call (0 = the next) of `op` fail, once. Several faults
   // may be armed at a time. ops: grant, create, map, set_access, unmap, release, synchronize, free.
+  // Reachable from Python only through the private ortkv._ortkv._testing module.
   void InjectFault(const std::string& op, int64_t countdown);
 
   // Process-wide count of live mappings made by arenas, per backend kind (0 cpu, 1 cuda).

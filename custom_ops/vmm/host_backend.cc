@@ -7,6 +7,7 @@
 
 #include <cerrno>
 #include <cstring>
+#include <iterator>
 #include <map>
 #include <sstream>
 
@@ -24,10 +25,18 @@ Status Errno(const char* what, uint64_t size) {
 }
 
 // Physical memory is ONE memfd per backend (one backend per arena, shared with its sharers): a handle
-// is an offset into it. Create appends to the file, Release punches the range out (the pages go back
-// to the system; the offsets are not reused). One file descriptor per arena, however many commits:
-// a cache that grows a granule at a time must not run the process out of descriptors, and adjacent
-// mappings of adjacent offsets merge into one kernel VMA.
+// is an offset into it. One file descriptor per arena, however many commits: a cache that grows a
+// granule at a time must not run the process out of descriptors, and adjacent mappings of adjacent
+// offsets merge into one kernel VMA.
+//
+// Note [memfd free list]
+// ~~~~~~~~~~~~~~~~~~~~~~
+// Release punches the handle's range out (its pages go back to the system) and files the range in a
+// free list (coalesced with its neighbours); Create takes the first free range that fits before it
+// grows the file, and a free range that reaches the end of the file is cut off (ftruncate). So the
+// file never holds more than the arena's peak of live handles plus fragmentation, however many
+// commit/release cycles run: appending forever would grow it until ftruncate fails. A file range is
+// only reused once its handle was released, i.e. once no arena (owner or sharer) maps it any more.
 class HostBackend final : public Backend {
  public:
   ~HostBackend() override {
@@ -58,15 +67,28 @@ class HostBackend final : public Backend {
       fd_ = memfd_create("ortkv-vmm", MFD_CLOEXEC);
       if (fd_ < 0) return Errno("memfd_create", size);
     }
-    const uint64_t offset = end_;
-    if (ftruncate(fd_, static_cast<off_t>(offset + size)) != 0) return Errno("ftruncate(memfd)", size);
+    auto fit = free_.begin();
+    while (fit != free_.end() && fit->second < size) ++fit;
+    const bool reuse = fit != free_.end();
+    const uint64_t offset = reuse ? fit->first : end_;
+    if (!reuse && ftruncate(fd_, static_cast<off_t>(offset + size)) != 0) return Errno("ftruncate(memfd)", size);
     // Back the pages now, so a commit that succeeds cannot fault later (SIGBUS on a full tmpfs).
     if (fallocate(fd_, 0, static_cast<off_t>(offset), static_cast<off_t>(size)) != 0 && errno != EOPNOTSUPP) {
       Status s = Errno("fallocate(memfd)", size);
-      ftruncate(fd_, static_cast<off_t>(offset));
+      if (reuse) {
+        fallocate(fd_, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, static_cast<off_t>(offset), static_cast<off_t>(size));
+      } else {
+        ftruncate(fd_, static_cast<off_t>(offset));
+      }
       return s;
     }
-    end_ = offset + size;
+    if (reuse) {
+      const uint64_t rest = fit->second - size;
+      free_.erase(fit);
+      if (rest > 0) free_[offset + size] = rest;
+    } else {
+      end_ = offset + size;
+    }
     sizes_[offset] = size;
     *handle = offset;
     return Status::Ok();
@@ -74,10 +96,12 @@ class HostBackend final : public Backend {
   Status Release(uint64_t handle) override {
     auto it = sizes_.find(handle);
     if (it == sizes_.end()) return Status(Code::kRuntime, "host VMM: release of an unknown handle");
+    const uint64_t size = it->second;
     if (fallocate(fd_, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, static_cast<off_t>(handle),
-                  static_cast<off_t>(it->second)) != 0)
-      return Errno("fallocate(PUNCH_HOLE)", it->second);
+                  static_cast<off_t>(size)) != 0)
+      return Errno("fallocate(PUNCH_HOLE)", size);
     sizes_.erase(it);
+    AddFree(handle, size);
     return Status::Ok();
   }
   Status Map(uintptr_t addr, uint64_t size, uint64_t handle, uint64_t offset) override {
@@ -101,9 +125,32 @@ class HostBackend final : public Backend {
   Status Synchronize() override { return Status::Ok(); }
 
  private:
+  // Files [offset, offset + size) as free, merged with adjacent free ranges; a free tail is cut off.
+  void AddFree(uint64_t offset, uint64_t size) {
+    auto next = free_.lower_bound(offset);
+    if (next != free_.end() && offset + size == next->first) {
+      size += next->second;
+      next = free_.erase(next);
+    }
+    if (next != free_.begin()) {
+      auto prev = std::prev(next);
+      if (prev->first + prev->second == offset) {
+        offset = prev->first;
+        size += prev->second;
+        free_.erase(prev);
+      }
+    }
+    if (offset + size == end_ && ftruncate(fd_, static_cast<off_t>(offset)) == 0) {
+      end_ = offset;
+      return;
+    }
+    free_[offset] = size;
+  }
+
   int fd_ = -1;
-  uint64_t end_ = 0;                     // file size: the next handle's offset
+  uint64_t end_ = 0;                     // file size: the next appended handle's offset
   std::map<uint64_t, uint64_t> sizes_;   // live handle (offset) -> size
+  std::map<uint64_t, uint64_t> free_;    // released ranges (offset -> size), coalesced; all below end_
 };
 
 }  // namespace

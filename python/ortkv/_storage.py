@@ -46,6 +46,7 @@ class Storage:
     keepalive: tuple = field(default_factory=tuple)
     # Why the storage is not known writable (shown in the refusal), when ``writable`` is False.
     not_writable_because: str = ""
+    lease: Any = None  # an ortkv.vmm.ArenaLease while bound, when the storage lies in an arena
 
     @property
     def device_key(self) -> tuple[str, int]:

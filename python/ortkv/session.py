@@ -288,7 +288,18 @@ class MutableCacheSession:
         if st.device_type == "cuda" and "CUDAExecutionProvider" not in self._session.get_providers():
             raise StorageError(f"cache '{name}': storage is on cuda:{st.device_id} but the session runs on "
                                f"{self._session.get_providers()}; create it with providers=['CUDAExecutionProvider']")
-        BINDINGS.claim(self._id, name, st)
+        from .vmm import lease_storage  # arena memory: its close()/release() refuse until unbind (Note [Arena exports])
+
+        st.lease = lease_storage(st, f"cache '{name}' of session #{self._id}")
+        try:
+            BINDINGS.claim(self._id, name, st)
+        except BaseException:
+            if st.lease is not None:
+                st.lease.release()
+            raise
+        old = self._bindings.get(name)
+        if old is not None and old.lease is not None:
+            old.lease.release()
         self._bindings[name] = st
         self._owners[name] = storage
 
@@ -306,7 +317,9 @@ class MutableCacheSession:
     def unbind_cache(self, name: str) -> None:
         self._acquire(f"unbind cache '{name}'")
         try:
-            self._bindings.pop(name, None)
+            st = self._bindings.pop(name, None)
+            if st is not None and st.lease is not None:
+                st.lease.release()
             self._owners.pop(name, None)
             BINDINGS.release(self._id, name)
         finally:
@@ -444,6 +457,9 @@ class MutableCacheSession:
             return
         with self._lock:
             BINDINGS.release(self._id)
+            for st in self._bindings.values():
+                if st.lease is not None:
+                    st.lease.release()
             self._bindings.clear()
             self._owners.clear()
             self._closed = True

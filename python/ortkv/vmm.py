@@ -10,22 +10,62 @@
         prefix = arena.map_shared_prefix(nbytes)  # same physical memory, read-only, new address
 
 The C++ core (custom_ops/vmm, Note [Arena transactions]) does the work; this module words the
-errors and computes layouts. Backends: "cpu" (memfd + mmap) and "cuda:N" (cuMem* driver API).
+errors, keeps the books of what is exported (Note [Arena exports]) and computes layouts. Backends:
+"cpu" (memfd + mmap) and "cuda:N" (cuMem* driver API).
+
+Note [Arena exports]
+~~~~~~~~~~~~~~~~~~~~
+An arena's memory must never be unmapped under something that still points at it: a numpy view
+read after close() kills the process, and a stale view or a still-bound session would write into
+the next arena that gets the same addresses. We follow Python's own mmap ("BufferError: cannot
+close exported pointers exist"). An arena counts its exports:
+  * each view: the _ArenaView holder behind the numpy array (numpy keeps it as the ``.base`` of the
+    array and of every array derived from it) or handed to a CUDA consumer; a weakref.finalize on
+    the holder returns the export when the last array using it is gone;
+  * each session binding: MutableCacheSession.bind_cache takes a lease (ArenaLease) for ANY storage
+    inside an arena's range, whatever its kind (numpy, OrtValue, DLPack); unbind_cache, a rebind
+    and close() return it.
+While one is alive, close() and release() raise ArenaBusyError (a BufferError and an OrtkvError)
+naming them and the remedy, and change nothing. Leaving a ``with Arena(...)`` block never raises
+for that reason: the arena turns closed at once (commit, view, bind, release refused) but its range
+stays reserved AND mapped until the last export is gone, and only then is it unmapped and freed
+(by the finalizer of that export). So a view that outlives the block reads the arena's last bytes,
+never unmapped pages and never another arena's memory: its addresses cannot be reused while it
+lives. Taking an export and closing hold the arena's lock, so a bind racing close() either binds
+first (close refuses) or finds the arena closed (bind refuses). Kernels that are running when
+release() or close() unmap are covered by the C++ lease (Note [Arena lease] in ortkv/core.h).
 """
 
 from __future__ import annotations
 
+import itertools
+import operator
+import threading
 import warnings
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
 
 from . import _ortkv
 from ._storage import Storage, numpy_onnx_type
-from .errors import CapacityError, OrtkvError, StorageError, from_native
+from .errors import CacheInputError, CapacityError, OrtkvError, StorageError, from_native
 
-__all__ = ["Arena", "ArenaKVCache", "CacheGeometry", "Governor", "LAYOUTS", "Shareability", "committed_bytes_for",
-           "cuda_available", "evaluate_prefix_shareability", "live_bytes", "live_fragments"]
+__all__ = ["Arena", "ArenaBusyError", "ArenaError", "ArenaKVCache", "ArenaLease", "CacheGeometry", "Governor",
+           "LAYOUTS", "Shareability", "committed_bytes_for", "cuda_available", "evaluate_prefix_shareability",
+           "live_bytes", "live_fragments"]
+
+_U64 = 1 << 64
+
+
+class ArenaError(OrtkvError, ValueError):
+    """A bad argument to an arena (a size, an offset, a device), or an operation on a closed arena.
+    Nothing changed."""
+
+
+class ArenaBusyError(OrtkvError, BufferError):
+    """close() or release() refused: views or session bindings of the arena are alive (Note [Arena
+    exports]). Nothing changed."""
 
 
 def _native(fn, *args):
@@ -34,8 +74,24 @@ def _native(fn, *args):
     except RuntimeError as exc:
         typed = from_native(exc)
         if typed is exc:
-            raise OrtkvError(str(exc)) from None
+            typed = OrtkvError(str(exc))
+        elif isinstance(typed, CacheInputError):  # E_INPUT from the arena: its arguments, not a cache's
+            typed = ArenaError(str(typed))
+    try:
         raise typed from None
+    finally:  # no frame <-> exception cycle: the caller's views must die with its frame, not at the next GC
+        del typed
+
+
+def _u64(where: str, name: str, value) -> int:
+    """``value`` as an int in [0, 2**64), or ArenaError naming it."""
+    try:
+        v = operator.index(value)
+    except TypeError:
+        raise ArenaError(f"{where}: {name} must be an integer, got {type(value).__name__} {value!r}") from None
+    if not 0 <= v < _U64:
+        raise ArenaError(f"{where}: {name} must be in [0, 2**64), got {v}")
+    return v
 
 
 def cuda_available() -> tuple[bool, str]:
@@ -48,7 +104,7 @@ class Governor:
     """A byte budget shared by arenas: a commit needs a grant first; refusal is CapacityError."""
 
     def __init__(self, budget_bytes: int):
-        self._native = _ortkv.Governor(int(budget_bytes))
+        self._native = _ortkv.Governor(_u64("Governor", "budget_bytes", budget_bytes))
 
     @property
     def budget(self) -> int:
@@ -67,22 +123,27 @@ class Governor:
         return f"<Governor budget={self.budget} in_use={self.in_use}>"
 
 
-_warned_quarantine = False
-
-
 class Arena:
-    """A reserved virtual range; granules are committed on demand and the base never changes."""
+    """A reserved virtual range; granules are committed on demand and the base never changes.
+    close() and release() refuse while views or session bindings are alive; leaving a ``with``
+    block defers the free until the last of them is gone (Note [Arena exports])."""
 
     def __init__(self, reserve_bytes: int, device: str = "cpu", governor: Governor | None = None, *, _native=None):
+        self._lock = threading.RLock()  # re-entrant: an export's finalizer may run inside a locked section
+        self._exports: dict[int, str] = {}
+        self._closing = False
         if _native is not None:
             self._native, self.device, self.governor = _native, device, governor
+            _LIVE.add(self)
             return
         kind, index = _parse_device(device)
-        if reserve_bytes <= 0:
-            raise OrtkvError(f"Arena: reserve_bytes must be > 0, got {reserve_bytes}")
-        self._native = _native_arena(int(reserve_bytes), kind, index, governor)
+        reserve_bytes = _u64("Arena", "reserve_bytes", reserve_bytes)
+        if reserve_bytes == 0:
+            raise ArenaError("Arena: reserve_bytes must be > 0, got 0")
+        self._native = _native_arena(reserve_bytes, kind, index, governor)
         self.device = "cpu" if kind == "cpu" else f"cuda:{index}"
         self.governor = governor
+        _LIVE.add(self)
 
     # -- facts ---------------------------------------------------------------------------------
     base = property(lambda self: self._native.base, doc="First address; never changes.")
@@ -93,79 +154,218 @@ class Arena:
                                                                          "(0 for a shared prefix).")
     read_only = property(lambda self: self._native.read_only)
     live_mappings = property(lambda self: self._native.live_mappings)
-    closed = property(lambda self: self._native.closed)
     quarantined = property(lambda self: self._native.quarantined)
 
+    @property
+    def closed(self) -> bool:
+        """True once closed, including a close deferred until the last view is gone (then the range is
+        still mapped: see ``exports``)."""
+        return self._closing or self._native.closed
+
+    @property
+    def exports(self) -> list[str]:
+        """What keeps this arena's memory in use: live views and session bindings."""
+        with self._lock:
+            return list(self._exports.values())
+
     def is_committed(self, offset: int, nbytes: int) -> bool:
+        offset = _u64("Arena.is_committed", "offset", offset)
+        nbytes = _u64("Arena.is_committed", "nbytes", nbytes)
+        if offset + nbytes > self.reserved_bytes:
+            raise ArenaError(f"Arena.is_committed: [{offset}, {offset + nbytes}) exceeds the {self.reserved_bytes} "
+                             "reserved bytes; ask about a range inside the arena")
         return self._native.is_committed(offset, nbytes)
+
+    # -- exports (Note [Arena exports]) ----------------------------------------------------------
+    def _export(self, what: str, *, skip_closed: bool = False) -> int | None:
+        with self._lock:
+            if self._native.closed and skip_closed:
+                return None  # freed: its addresses may belong to another arena now
+            if self.closed:
+                pending = (f" (freed once its {len(self._exports)} remaining export(s) are gone)"
+                           if self._closing else "")
+                raise ArenaError(f"{what}: the arena 0x{self.base:x} (+{self.reserved_bytes} bytes) is closed"
+                                 f"{pending}; create a new Arena")
+            token = next(_export_ids)
+            self._exports[token] = what
+            return token
+
+    def _unexport(self, token: int) -> None:
+        with self._lock:
+            self._exports.pop(token, None)
+            if not (self._closing and not self._exports and not self._native.closed):
+                return
+            try:  # the deferred close of a `with` block: the last export is gone
+                reason = _native(self._native.close)
+            except OrtkvError as exc:
+                warnings.warn(f"ortkv: deferred Arena.close failed: {exc}", RuntimeWarning, stacklevel=2)
+                return
+        if reason:
+            _warn_quarantine(reason)
+
+    def _lease(self, what: str) -> "ArenaLease | None":
+        token = self._export(what, skip_closed=True)
+        return None if token is None else ArenaLease(self, token, what)
+
+    def _refuse_if_exported(self, op: str) -> None:
+        if not self._exports:
+            return
+        shown = list(self._exports.values())
+        more = f" and {len(shown) - 3} more" if len(shown) > 3 else ""
+        raise ArenaBusyError(
+            f"Arena.{op}: {len(shown)} export(s) of the arena 0x{self.base:x} (+{self.reserved_bytes} bytes) are "
+            f"alive: {'; '.join(shown[:3])}{more}. {op}() would leave them pointing at unmapped memory, so nothing "
+            "was done (like mmap's BufferError). Remedy: unbind_cache() or close() those sessions and drop the views "
+            "(del), then retry; or leave a `with Arena(...)` block, which frees the range once the last one is gone.")
 
     # -- operations ----------------------------------------------------------------------------
     def commit(self, nbytes: int, offset: int = 0) -> int:
         """Back every granule overlapping [offset, offset + nbytes); returns the bytes newly committed.
         Atomic: on failure nothing changes (CapacityError when the governor refuses)."""
-        if nbytes < 0 or offset < 0:
-            raise OrtkvError(f"Arena.commit: nbytes ({nbytes}) and offset ({offset}) must be >= 0")
-        return _native(self._native.commit, int(nbytes), int(offset))
+        nbytes, offset = _u64("Arena.commit", "nbytes", nbytes), _u64("Arena.commit", "offset", offset)
+        self._check_open("Arena.commit")
+        return _native(self._native.commit, nbytes, offset)
 
     def commit_many(self, ranges) -> int:
         """Commit several (offset, nbytes) ranges in ONE transaction (one grant; all or nothing)."""
-        ranges = [(int(o), int(n)) for o, n in ranges]
-        if any(o < 0 or n < 0 for o, n in ranges):
-            raise OrtkvError("Arena.commit_many: offsets and sizes must be >= 0")
+        where = "Arena.commit_many"
+        ranges = [(_u64(where, f"offset of range {i}", o), _u64(where, f"nbytes of range {i}", n))
+                  for i, (o, n) in enumerate(ranges)]
+        self._check_open("Arena.commit_many")
         return _native(self._native.commit_ranges, ranges)
 
+    def _check_open(self, what: str) -> None:
+        if self._closing:
+            raise ArenaError(f"{what}: the arena is closed (its range is freed once its {len(self._exports)} "
+                             "remaining export(s) are gone); create a new Arena")
+
     def release(self) -> None:
-        """Unmap everything and return it to the governor; the range stays reserved (same addresses)."""
-        _native(self._native.release)
+        """Unmap everything and return it to the governor; the range stays reserved (same addresses).
+        Refused (ArenaBusyError) while views or session bindings are alive."""
+        with self._lock:
+            self._check_open("Arena.release")
+            self._refuse_if_exported("release")
+            _native(self._native.release)
 
     def close(self) -> None:
-        """Synchronize, unmap, free. If synchronization fails the arena is quarantined (leaked on purpose)."""
-        global _warned_quarantine
-        reason = _native(self._native.close)
-        if reason and not _warned_quarantine:
-            _warned_quarantine = True
-            warnings.warn(f"ortkv: {reason}", RuntimeWarning, stacklevel=2)
+        """Synchronize, unmap, free. Refused (ArenaBusyError) while views or session bindings are alive.
+        If synchronization fails the arena is quarantined (leaked on purpose)."""
+        with self._lock:
+            if self._native.closed:
+                return
+            self._refuse_if_exported("close")
+            reason = _native(self._native.close)
+        if reason:
+            _warn_quarantine(reason)
 
     def map_shared_prefix(self, nbytes: int) -> "Arena":
         """A read-only Arena whose first nbytes are the SAME physical granules at a new base."""
-        return Arena(0, self.device, None, _native=_native(self._native.map_shared_prefix, int(nbytes)))
+        nbytes = _u64("Arena.map_shared_prefix", "nbytes", nbytes)
+        self._check_open("Arena.map_shared_prefix")
+        return Arena(0, self.device, None, _native=_native(self._native.map_shared_prefix, nbytes))
 
     def view(self, dtype, shape, offset: int = 0):
         """A tensor over [offset, offset + size) of this arena: a numpy array on the host (read-only
         for a shared prefix), an object with __cuda_array_interface__ on CUDA. Both can be bound with
-        MutableCacheSession.bind_cache. Only committed bytes may be touched."""
+        MutableCacheSession.bind_cache. Only committed bytes may be touched. The arena cannot be
+        closed or released while the view (or any array made from it) is alive."""
         dtype = np.dtype(dtype)
         shape = tuple(int(s) for s in shape)
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        if offset < 0 or offset + nbytes > self.reserved_bytes:
+        if any(s < 0 for s in shape):
+            raise StorageError(f"Arena.view: shape {list(shape)} has a negative dimension")
+        offset = _u64("Arena.view", "offset", offset)
+        nbytes = int(np.prod(shape, dtype=object)) * dtype.itemsize
+        if offset + nbytes > self.reserved_bytes:
             raise StorageError(f"Arena.view: [{offset}, {offset + nbytes}) is outside the {self.reserved_bytes} "
                                "reserved bytes")
         if offset % dtype.itemsize:
             raise StorageError(f"Arena.view: offset {offset} is not aligned to {dtype} ({dtype.itemsize} bytes)")
-        holder = _ArenaView(self, dtype, shape, offset, nbytes)
+        token = self._export(f"view {dtype}{list(shape)} at offset {offset}")
+        try:
+            holder = _ArenaView(self, dtype, shape, offset, nbytes)
+        except BaseException:
+            self._unexport(token)
+            raise
+        weakref.finalize(holder, self._unexport, token)
         return np.asarray(holder) if self.device == "cpu" else holder
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
-        if not self.closed:
-            self.close()
+        with self._lock:
+            if self._native.closed:
+                return
+            if self._exports:  # deferred: freed by the last export's finalizer (Note [Arena exports])
+                self._closing = True
+                return
+        self.close()
 
     def __repr__(self) -> str:
         kind = "shared prefix (read-only)" if self.read_only else "owner"
-        return (f"<Arena {self.device} {kind} base=0x{self.base:x} reserved={self.reserved_bytes} "
+        state = " closing" if self._closing and not self._native.closed else (" closed" if self.closed else "")
+        return (f"<Arena {self.device} {kind}{state} base=0x{self.base:x} reserved={self.reserved_bytes} "
                 f"committed={self.committed_bytes} granule={self.granule}>")
 
 
+_LIVE: "weakref.WeakSet[Arena]" = weakref.WeakSet()  # for lease_storage's lookup by address
+_export_ids = itertools.count(1)
+
+
+class ArenaLease:
+    """One session binding of arena memory (Note [Arena exports]): the arena refuses close() and
+    release() until release() is called (or the lease is collected)."""
+
+    def __init__(self, arena: Arena, token: int, what: str):
+        self.arena, self.what = arena, what
+        self._finalizer = weakref.finalize(self, arena._unexport, token)
+
+    @property
+    def alive(self) -> bool:
+        return self._finalizer.alive
+
+    def release(self) -> None:
+        self._finalizer()  # runs once
+
+    def __repr__(self) -> str:
+        return f"<ArenaLease {self.what!r} {'held' if self.alive else 'released'}>"
+
+
+def lease_storage(st: Storage, what: str) -> ArenaLease | None:
+    """A lease on the arena whose range holds ``st`` (None when it lies in no live arena), taken by
+    MutableCacheSession.bind_cache. ArenaError when that arena is closed."""
+    for arena in list(_LIVE):
+        kind, index = _parse_device(arena.device)
+        if (kind, index) != (st.device_type, st.device_id) or arena._native.closed:
+            continue
+        base = arena.base
+        if base <= st.ptr < base + arena.reserved_bytes:
+            lease = arena._lease(what)
+            if lease is not None:
+                return lease
+    return None
+
+
+_warned_quarantine = False
+
+
+def _warn_quarantine(reason: str) -> None:
+    global _warned_quarantine
+    if not _warned_quarantine:
+        _warned_quarantine = True
+        warnings.warn(f"ortkv: {reason}", RuntimeWarning, stacklevel=3)
+
+
 def _parse_device(device: str) -> tuple[str, int]:
+    if not isinstance(device, str):
+        raise ArenaError(f"Arena: device must be 'cpu' or 'cuda:N', got {type(device).__name__} {device!r}")
     if device == "cpu":
         return "cpu", 0
     if device == "cuda":
         return "cuda", 0
     if device.startswith("cuda:") and device[5:].isdigit():
         return "cuda", int(device[5:])
-    raise OrtkvError(f"Arena: device must be 'cpu' or 'cuda:N', got {device!r}")
+    raise ArenaError(f"Arena: device must be 'cpu' or 'cuda:N', got {device!r}")
 
 
 def _native_arena(reserve: int, kind: str, index: int, governor: Governor | None):
@@ -361,6 +561,7 @@ class ArenaKVCache:
         return self.arena.committed_bytes
 
     def close(self) -> None:
+        """Close the arena: ArenaBusyError while views handed out (or sessions bound to them) are alive."""
         self.views = []
         self.arena.close()
 
@@ -368,4 +569,5 @@ class ArenaKVCache:
         return self
 
     def __exit__(self, *exc):
-        self.close()
+        self.views = []
+        self.arena.__exit__(*exc)  # deferred while views are alive (Note [Arena exports])

@@ -43,3 +43,37 @@ ORTKV_CORE_API int ortkv_core_find_protected(int32_t device_type, int32_t device
 ORTKV_CORE_API uint64_t ortkv_core_protected_count(void);
 // The address of the registry object: equal in every dependant iff the state exists once.
 ORTKV_CORE_API uintptr_t ortkv_core_instance(void);
+
+// Note [Arena lease]
+// ~~~~~~~~~~~~~~~~~~
+// A protected-range lookup is only a snapshot: without more, an arena's release() or close() could
+// unmap the range between a kernel's check and its store (SIGSEGV on the host, an illegal address
+// on CUDA). So the check and the write form one critical section under a process-wide
+// reader-writer lease: a kernel takes it SHARED around "check protected ranges, then write or
+// launch" (kernels never wait for each other: one uncontended atomic on the hot path), and
+// Arena::Release / Arena::Close take it EXCLUSIVE around "synchronize, unmap, update the
+// protected ranges, free". Hence a kernel either finishes its check and its launch before the
+// unmap starts (and the device synchronization inside Release/Close then waits for a CUDA launch to
+// complete), or it starts after the protected ranges were updated and refuses with E_UNCOMMITTED.
+// The lease is global, not per arena: unmaps are rare next to kernel launches, and a kernel then
+// needs no lookup to find its arena. Lock order: the arena lock, then the lease, then the
+// protected-range registry; a lease holder never takes the arena lock.
+ORTKV_CORE_API void ortkv_core_lease_acquire(int exclusive);
+ORTKV_CORE_API void ortkv_core_lease_release(int exclusive);
+
+#ifdef __cplusplus
+namespace ortkv {
+// RAII form of the lease (Note [Arena lease]): `CoreLease lease;` in a kernel, `CoreLease lease(true);`
+// around an unmap.
+class CoreLease {
+ public:
+  explicit CoreLease(bool exclusive = false) : exclusive_(exclusive) { ortkv_core_lease_acquire(exclusive_ ? 1 : 0); }
+  ~CoreLease() { ortkv_core_lease_release(exclusive_ ? 1 : 0); }
+  CoreLease(const CoreLease&) = delete;
+  CoreLease& operator=(const CoreLease&) = delete;
+
+ private:
+  bool exclusive_;
+};
+}  // namespace ortkv
+#endif
