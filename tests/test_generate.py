@@ -23,8 +23,7 @@ from ortkv.generate.models import write_genai_folder
 from ortkv.generate.reference import load_reference, top1_agreement
 from ortkv.generate.runners import CopyRunner, GenAIRunner, OrtkvRunner, make_runner
 
-# llama.cpp's token ids and greedy continuations for the same GGUF (copied from shared/data, see its
-# made_with field)
+# llama.cpp's token ids and greedy continuations for the same GGUF (see the file's made_with field)
 REFERENCE = Path(__file__).resolve().parent / "data" / "smollm2_llamacpp_reference.json"
 
 

@@ -3,7 +3,7 @@
 // Note [Aliasing CacheUpdate output]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // Contract: `updated_cache` MUST be the storage of `cache`. ORT never guarantees that by itself
-// (shared/facts/ORT.md): a graph output always gets its own buffer unless the caller binds one buffer
+// (docs/DESIGN_FACTS.md): a graph output always gets its own buffer unless the caller binds one buffer
 // to both names through IOBinding. So the kernel is the enforcer: it compares the two data pointers
 // and, when they differ, fails with E_ALIAS before writing anything. It never copies a cache.
 //

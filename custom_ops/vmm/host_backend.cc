@@ -1,4 +1,4 @@
-// Host twin of CUDA VMM (shared/facts/VMM.md): a memfd is the physical handle, an mmap(PROT_NONE)
+// Host twin of CUDA VMM (docs/DESIGN_FACTS.md): a memfd is the physical handle, an mmap(PROT_NONE)
 // reservation the address range, MAP_FIXED | MAP_SHARED maps of the memfd the mappings and mprotect
 // the access. Unmapping maps PROT_NONE anonymous memory back over the range, so it stays reserved.
 #include <fcntl.h>

@@ -13,6 +13,8 @@ from pathlib import Path
 
 from .errors import (
     AliasError,
+    ArenaBusyError,
+    ArenaError,
     BindingConflictError,
     CacheInputError,
     CapacityError,
@@ -50,6 +52,8 @@ def __getattr__(name: str):
 
 __all__ = [
     "AliasError",
+    "ArenaBusyError",
+    "ArenaError",
     "BindingConflictError",
     "CacheInputError",
     "CapacityError",

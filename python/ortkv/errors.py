@@ -88,3 +88,13 @@ def from_native(exc: Exception) -> Exception:
         numbers.setdefault("capacity", numbers["budget"])
         numbers["retry_hint"] = "retry after other caches release memory, or request fewer bytes"
     return CapacityError(message, **numbers)
+
+
+class ArenaError(OrtkvError, ValueError):
+    """A bad argument to an arena (a size, an offset, a device), or an operation on a closed arena.
+    Nothing changed."""
+
+
+class ArenaBusyError(OrtkvError, BufferError):
+    """close() or release() refused: views or session bindings of the arena are alive (Note [Arena
+    exports]). Nothing changed."""

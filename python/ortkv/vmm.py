@@ -49,23 +49,13 @@ import numpy as np
 
 from . import _ortkv
 from ._storage import Storage, numpy_onnx_type
-from .errors import CacheInputError, CapacityError, OrtkvError, StorageError, from_native
+from .errors import ArenaBusyError, ArenaError, CacheInputError, CapacityError, OrtkvError, StorageError, from_native
 
 __all__ = ["Arena", "ArenaBusyError", "ArenaError", "ArenaKVCache", "ArenaLease", "CacheGeometry", "Governor",
            "LAYOUTS", "Shareability", "committed_bytes_for", "cuda_available", "evaluate_prefix_shareability",
            "live_bytes", "live_fragments"]
 
 _U64 = 1 << 64
-
-
-class ArenaError(OrtkvError, ValueError):
-    """A bad argument to an arena (a size, an offset, a device), or an operation on a closed arena.
-    Nothing changed."""
-
-
-class ArenaBusyError(OrtkvError, BufferError):
-    """close() or release() refused: views or session bindings of the arena are alive (Note [Arena
-    exports]). Nothing changed."""
 
 
 def _native(fn, *args):

@@ -1,4 +1,4 @@
-"""Agreement with llama.cpp's greedy continuations (shared/data/smollm2_llamacpp_reference.json).
+"""Agreement with llama.cpp's greedy continuations (tests/data/smollm2_llamacpp_reference.json).
 
 llama.cpp multiplies with the quantized weights while ortkv runs the dequantized float32 ones, so free
 running continuations drift apart after a near tie. The fair figure is teacher-forced top-1 agreement:
