@@ -3,10 +3,13 @@
 ownership checks, so the rules below must hold before a model runs:
 
   alias-index     an output_alias entry names ports the node has
+  alias-contract  an ortkv node's output_alias agrees with its op contract (Note [Op contract]): the
+                  aliases of ortkv ops come from the op, annotated or not
   alias-cycle     alias_of annotations never form a cycle
   alias-target    alias_of names a graph input marked READ_WRITE
   alias-initializer  no alias (node or value annotation) resolves to an initializer
-  alias-readonly  a node's in-place write resolves to a READ_WRITE graph input (or an intermediate)
+  alias-readonly  a node's in-place write (annotated, or by an ortkv op's contract) resolves to a
+                  READ_WRITE graph input (or an intermediate)
   alias-disagree  a node's output_alias and its output's alias_of name the same input, and neither
                   exists without the other on a graph output
   alias-hazard    every other reader of a pre-update name runs before the write (is an ancestor of
@@ -22,6 +25,7 @@ import onnx
 
 from ..errors import GraphCheckError
 from .annotations import MAX_IR_VERSION, MIN_IR_VERSION, Access, read_annotations
+from .op_contract import safe_node_aliases
 
 
 @dataclass(frozen=True)
@@ -99,15 +103,29 @@ def check_aliases(model: onnx.ModelProto) -> list[Finding]:
             if name:
                 producer[name] = (idx, o)
     node_alias_of_output: dict[str, str] = {}  # written output name -> pre-update input name
-    for idx, entries in ann.node_aliases.items():
-        node = graph.node[idx]
+    from_contract: dict[str, str] = {}  # written output name -> the op that makes it an alias (no annotation)
+    for idx, node in enumerate(graph.node):
         label = _node_label(node, idx)
+        entries, problems, malformed = safe_node_aliases(node)
+        if malformed:
+            error("malformed", label, malformed)
+        for p in problems:
+            error("alias-contract", label, p)
+        if is_composite(node, {(f.domain, f.name) for f in model.functions}):
+            continue  # ShapesContext derives a composite node's aliases from its bodies
+        annotated_outs = {e.output_index for e in entries if e.source == "annotation"}
+        annotated_outs |= {e.output_index for e in (ann.node_aliases.get(idx) or [])}
         for e in entries:
-            if e.output_index >= len(node.output) or e.input_index >= len(node.input):
-                error("alias-index", label, f"output_alias '{e}' names output {e.output_index} / input "
-                      f"{e.input_index} but the node has {len(node.output)} outputs and {len(node.input)} inputs")
+            if e.output_index >= len(node.output) or e.input_index >= len(node.input) \
+                    or not node.output[e.output_index] or not node.input[e.input_index]:
+                error("alias-index", label, f"output_alias '{e.output_index}:{e.input_index}:MUST_ALIAS' names "
+                      f"output {e.output_index} / input {e.input_index} but the node has {len(node.output)} "
+                      f"outputs and {len(node.input)} inputs")
                 continue
-            node_alias_of_output[node.output[e.output_index]] = node.input[e.input_index]
+            out = node.output[e.output_index]
+            node_alias_of_output[out] = node.input[e.input_index]
+            if e.source == "contract" and e.output_index not in annotated_outs:
+                from_contract[out] = node.op_type
 
     def root_of(value: str) -> str:
         seen = set()
@@ -120,20 +138,29 @@ def check_aliases(model: onnx.ModelProto) -> list[Finding]:
         idx, _ = producer[out_name]
         label = _node_label(graph.node[idx], idx)
         root = root_of(in_name)
+        how = (f" ({from_contract[out_name]} always writes output '{out_name}' into its input '{in_name}': the op "
+               f"contract, annotated or not)" if out_name in from_contract else "")
+        unsafe = False
         if root in initializers:
+            unsafe = True
             error("alias-initializer", label, f"writes '{out_name}' in place into '{root}', an initializer; "
-                  "initializers are shared read-only model state (the write would persist across runs)")
+                  f"initializers are shared read-only model state (the write would persist across runs){how}. "
+                  f"Remedy: make '{root}' a graph input marked READ_WRITE (ortkv.graph.mark_mutable)")
         elif root in inputs and ann.access.get(root) is not Access.READ_WRITE:
+            unsafe = True
             acc = ann.access.get(root)
             error("alias-readonly", label, f"writes '{out_name}' in place into graph input '{root}', which is "
-                  f"{acc.value if acc else 'not annotated'}; mark it access=READ_WRITE")
+                  f"{acc.value if acc else 'not annotated'}{how}; mark it access=READ_WRITE "
+                  f"(ortkv.graph.mark_mutable)")
         declared = ann.alias_of.get(out_name)
         if declared is not None and declared != root and out_name not in in_cycle:
             error("alias-disagree", label, f"output_alias says '{out_name}' is the storage of '{root}' "
                   f"(through input '{in_name}') but value '{out_name}' says alias_of '{declared}'")
-        if declared is None and out_name in outputs:
+        if declared is None and out_name in outputs and not unsafe:
+            source = f"its op contract ({from_contract[out_name]})" if out_name in from_contract else "output_alias"
             error("alias-disagree", out_name, f"graph output '{out_name}' is written in place by node '{label}' "
-                  f"(output_alias) but carries no alias_of='{root}'; annotate both or neither")
+                  f"({source}) but carries no alias_of='{root}'; annotate both or neither "
+                  f"(ortkv.graph.set_alias_of(model, '{out_name}', '{root}'))")
     local_functions = {(f.domain, f.name) for f in model.functions}
     for value, target in ann.alias_of.items():
         src = producer.get(value)

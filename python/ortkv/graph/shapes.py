@@ -36,9 +36,10 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from ..errors import GraphCheckError
-from .annotations import ALIAS_OF_KEY, Access, _get, output_aliases, read_annotations
+from .annotations import ALIAS_OF_KEY, Access, OutputAlias, _get, read_annotations
 from .checker import Finding, hazard_findings, is_composite, subgraphs
 from .dims import DimTable, ShapeConflict, ValueType, find_root, join_types
+from .op_contract import safe_node_aliases
 from .op_rules import OP_RULES
 from .op_rules import attr as _attr
 
@@ -250,12 +251,13 @@ class ShapesContext:
             label = prefix + (node.name or f"{node.op_type}#{idx}")
             if self._is_composite(node):
                 self._composite_outputs.update(o for o in node.output if o)
-            try:
-                entries = output_aliases(node)
-            except GraphCheckError as exc:
-                self.error("malformed", label, str(exc))
-                entries = []
-            for e in entries:
+            entries, problems, malformed = safe_node_aliases(node)  # Note [Op contract]
+            if malformed:
+                self.error("malformed", label, malformed)
+            for p in problems:
+                self.error("alias-contract", label, p)
+            for na in entries:
+                e = OutputAlias(na.output_index, na.input_index)
                 if e.output_index >= len(node.output) or e.input_index >= len(node.input) \
                         or not node.output[e.output_index] or not node.input[e.input_index]:
                     self.error("alias-index", label,
@@ -267,7 +269,8 @@ class ShapesContext:
                 if self._is_composite(node):
                     composite_claims.setdefault(label, []).append((node, e, out, inp))
                 else:
-                    edges[out] = (inp, f"node '{label}' (output_alias {e})", label)
+                    why = f"output_alias {e}" if na.source == "annotation" else f"{node.op_type}'s contract {e}"
+                    edges[out] = (inp, f"node '{label}' ({why})", label)
             for attr_name, g in subgraphs(node):
                 self._node_edges(g, f"{label}/{attr_name}/", edges, composite_claims)
 
@@ -751,7 +754,7 @@ class ShapesContext:
         for c in body:
             if self._is_composite(c):
                 continue
-            for e in output_aliases(c):
+            for e in safe_node_aliases(c)[0]:
                 if e.output_index < len(c.output) and e.input_index < len(c.input):
                     self._union(c.output[e.output_index], c.input[e.input_index],
                                 f"node '{label}/{c.name}' in function '{f.name}'")
