@@ -43,8 +43,30 @@ def _node_label(node: onnx.NodeProto, index: int) -> str:
     return node.name or f"{node.op_type}#{index}"
 
 
+def internal_finding(exc: BaseException, what: str) -> Finding:
+    """The last line of defence for an untrusted model (Note [Untrusted models] in structure.py): a
+    failure the rules did not foresee becomes one error finding instead of an exception."""
+    text = " ".join(str(exc).split())[:300] or type(exc).__name__
+    return Finding("error", "internal", "model", f"{what} could not analyse this model ({type(exc).__name__}: "
+                   f"{text}); the model is probably malformed (onnx.checker.check_model may say how)")
+
+
 def check_aliases(model: onnx.ModelProto) -> list[Finding]:
-    """Return every finding; the model is not modified."""
+    """Return every finding; the model is not modified. A model without the structure ONNX requires
+    gets only ``malformed`` / ``limit`` findings (structure.py)."""
+    from .structure import is_fatal, structure_findings
+
+    try:
+        findings = structure_findings(model)
+        if is_fatal(findings):
+            return findings
+        return findings + _check_aliases(model)
+    except (RecursionError, ValueError, TypeError, KeyError, IndexError, AttributeError, ZeroDivisionError,
+            OverflowError) as exc:
+        return [internal_finding(exc, "the alias checker")]
+
+
+def _check_aliases(model: onnx.ModelProto) -> list[Finding]:
     graph = model.graph
     findings: list[Finding] = []
 
@@ -68,14 +90,18 @@ def check_aliases(model: onnx.ModelProto) -> list[Finding]:
                                 f"IR version {model.ir_version} > {MAX_IR_VERSION}: onnxruntime 1.31 refuses to load it"))
 
     # alias-cycle: follow alias_of from every value.
+    # Each value has one alias_of, so one walk per unvisited start finds every cycle in linear time.
     in_cycle: set[str] = set()
+    done: set[str] = set()
     for start in ann.alias_of:
-        chain, cur = [start], ann.alias_of[start]
-        while cur in ann.alias_of and cur not in chain:
-            chain.append(cur)
+        path, pos, cur = [], {}, start
+        while cur in ann.alias_of and cur not in done and cur not in pos:
+            pos[cur] = len(path)
+            path.append(cur)
             cur = ann.alias_of[cur]
-        if cur in chain and not in_cycle.intersection(chain):
-            cycle = chain[chain.index(cur):]
+        done.update(path)
+        if cur in pos:
+            cycle = path[pos[cur]:]
             in_cycle.update(cycle)
             k = cycle.index(min(cycle))  # start at the smallest name: one text per cycle
             cycle = cycle[k:] + cycle[:k] + [cycle[k]]
@@ -127,12 +153,18 @@ def check_aliases(model: onnx.ModelProto) -> list[Finding]:
             if e.source == "contract" and e.output_index not in annotated_outs:
                 from_contract[out] = node.op_type
 
+    roots: dict[str, str] = {}  # memo: a chain of n in-place writes costs O(n), not O(n^2)
+
     def root_of(value: str) -> str:
-        seen = set()
-        while value in node_alias_of_output and value not in seen:
+        path, seen = [], set()
+        while value in node_alias_of_output and value not in seen and value not in roots:
             seen.add(value)
+            path.append(value)
             value = node_alias_of_output[value]
-        return value
+        root = roots.get(value, value)
+        for v in path:
+            roots[v] = root
+        return root
 
     for out_name, in_name in node_alias_of_output.items():
         idx, _ = producer[out_name]
@@ -232,18 +264,25 @@ def hazard_findings(nodes: list[onnx.NodeProto], labels: list[str], root, output
         written = {root(o): o for o in node.output if o and root(o) != o}
         if not written:
             continue
-        before, stack = set(), [w]
-        while stack:
-            for name in reads[stack.pop()]:
-                p = made.get(name)
-                if p is not None and p not in before:
-                    before.add(p)
-                    stack.append(p)
+        before = None  # the writer's ancestors, computed only when another reader needs them
+
+        def ancestors(w=w):
+            seen, stack = set(), [w]
+            while stack:
+                for name in reads[stack.pop()]:
+                    p = made.get(name)
+                    if p is not None and p not in seen:
+                        seen.add(p)
+                        stack.append(p)
+            return seen
+
         for pre in sorted(reads[w]):
             out = written.get(root(pre))
             if out is None or pre == out:
                 continue
             for r in readers.get(pre, []):
+                if r != w and before is None:
+                    before = ancestors()
                 if r != w and r not in before:
                     findings.append(Finding(
                         "error", "alias-hazard", labels[r],
