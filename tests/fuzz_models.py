@@ -252,3 +252,80 @@ def function_fanout(levels: int) -> onnx.ModelProto:
                                         [helper.make_opsetid("", 17), helper.make_opsetid("local", 1)]))
     call = helper.make_node(f"f{levels}", ["x"], ["y"], domain="local", name="call")
     return _model([call], [_vi("x", [2])], [_vi("y", [2])], functions=fns)
+
+
+def run_fuzz(seed: int, mutations: int, time_limit: float) -> dict:
+    """Every seed, ``mutations`` proto mutations and as many byte corruptions of it, through
+    ortkv.graph.check, check_aliases and ``ortkv check``; returns what went wrong (JSON-able)."""
+    import contextlib
+    import io
+    import os
+    import tempfile
+    import time
+    import traceback
+
+    from ortkv.errors import GraphCheckError
+    from ortkv.graph import check, check_aliases
+    from ortkv.graph.cli import main as check_main
+
+    rng = np.random.default_rng(seed)
+    summary = {"models": 0, "cli_runs": 0, "raised": [], "internal": [], "slow": [], "cli": [], "rules": {}}
+    tmp = tempfile.mkdtemp()
+
+    def one(model, tag):
+        summary["models"] += 1
+        t = time.monotonic()
+        try:
+            report = check(model, dims={"batch": 1})
+            report.format()
+            for f in report.findings:
+                summary["rules"][f.rule] = summary["rules"].get(f.rule, 0) + 1
+                if f.rule == "internal":
+                    summary["internal"].append(f"{tag}: {f.message}")
+            check_aliases(model)
+        except GraphCheckError:
+            pass
+        except BaseException as exc:  # noqa: BLE001 - the point of the test
+            summary["raised"].append(f"{tag}: {type(exc).__name__}: {exc}\n{traceback.format_exc()[-1500:]}")
+        if time.monotonic() - t > time_limit:
+            summary["slow"].append(f"{tag}: {time.monotonic() - t:.1f} s")
+
+    def cli(data: bytes, tag):
+        summary["cli_runs"] += 1
+        path = os.path.join(tmp, "m.onnx")
+        with open(path, "wb") as fh:
+            fh.write(data)
+        out, err = io.StringIO(), io.StringIO()
+        try:
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                rc = check_main([path])
+        except BaseException as exc:  # noqa: BLE001
+            summary["cli"].append(f"{tag}: raised {type(exc).__name__}: {exc}")
+            return
+        lines = err.getvalue().strip().splitlines()
+        if rc not in (0, 1, 2) or (rc == 2 and len(lines) != 1) or "Traceback" in err.getvalue():
+            summary["cli"].append(f"{tag}: rc {rc}, stderr {err.getvalue()[:300]!r}")
+
+    for name, build in SEEDS.items():
+        base = build()
+        data = base.SerializeToString()
+        for i in range(mutations):
+            m = mutate(base, rng)
+            one(m, f"{name}/mutation{i}")
+            if i % 5 == 0:
+                cli(m.SerializeToString(), f"{name}/mutation{i}")
+            bad = corrupt_bytes(data, rng)
+            try:
+                parsed = onnx.load_from_string(bad)
+            except Exception:  # not protobuf at all: the CLI's one-line refusal
+                if i % 5 == 0:
+                    cli(bad, f"{name}/bytes{i}")
+                continue
+            one(parsed, f"{name}/bytes{i}")
+            if i % 5 == 0:
+                cli(bad, f"{name}/bytes{i}")
+    for tag, m in (("empty", onnx.ModelProto()), ("zero-dims", constant_of_shape([0, 0])),
+                   ("huge-dims", constant_of_shape([2 ** 62, 2 ** 62])), ("chain", update_chain(300)),
+                   ("nested-ifs", nested_ifs(20)), ("fanout", function_fanout(24))):
+        one(m, tag)
+    return summary

@@ -1,5 +1,7 @@
-"""The full model check: the annotation rules (checker.py), alias-aware shape inference (shapes.py)
-and the memory plan (planner.py), as one report. ``ortkv check MODEL`` prints it."""
+"""The full model check: the structure (structure.py), the annotation rules (checker.py), alias-aware
+shape inference (shapes.py) and the memory plan (planner.py), as one report. ``ortkv check MODEL``
+prints it. A malformed model gets its ``malformed`` / ``limit`` findings and nothing else (Note
+[Untrusted models]); an exception nobody foresaw becomes an ``internal`` finding."""
 
 from __future__ import annotations
 

@@ -20,10 +20,13 @@ storage cannot merge it).
 
 Names and constraints only: concrete pointer identity stays a runtime check (MutableCacheSession).
 
-Rules (Finding.rule): alias-index, alias-cycle, alias-disagree, alias-type, alias-rank, alias-dim,
+Edges of ortkv nodes come from their op contract (Note [Op contract] in op_contract.py), annotated or
+not; an annotation that contradicts the contract is ``alias-contract``.
+
+Rules (Finding.rule): alias-index, alias-contract, alias-cycle, alias-disagree, alias-type, alias-rank, alias-dim,
 shape-type, shape-rank, shape-dim, shape (onnx's inference refused a node), op-input (an ortkv or
-contrib op's inputs), capacity, if-branch, loop-carry, function-alias, untyped (warning), no-rule
-(warning).
+contrib op's inputs), capacity, if-branch, loop-carry, function-alias, limit (the node budget,
+Note [Untrusted models] in structure.py), untyped (warning), no-rule (warning).
 """
 
 from __future__ import annotations
