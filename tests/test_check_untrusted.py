@@ -298,3 +298,13 @@ def test_initializer_data_that_lies_about_its_dims():
            inits=[t])
     report = check(m, plan=False)
     assert "internal" not in _rules(report)
+
+
+def test_string_tensors_leave_the_plan_out_with_a_reason():
+    # elem_size raised ValueError out of check() for a string tensor once every dim was concrete
+    m = _m([helper.make_node("Identity", ["x"], ["y"], name="id")], [_v("x", [2], TP.STRING)],
+           [_v("y", [2], TP.STRING)])
+    report = check(m)
+    assert report.errors == [] and report.plan is None
+    assert report.plan_error == ("the memory plan needs a fixed element size for every value; 2 have none "
+                                 "('x' is string [2]; 'y' is string [2])")

@@ -24,6 +24,8 @@ def find_root(parent: dict[str, str], x: str) -> str:
 def elem_name(elem: int | None) -> str:
     if elem is None:
         return "an unknown type"
+    if elem == onnx.TensorProto.STRING:
+        return "string"
     try:
         return onnx.helper.tensor_dtype_to_np_dtype(elem).name if elem != onnx.TensorProto.BFLOAT16 else "bfloat16"
     except (KeyError, TypeError, ValueError):
