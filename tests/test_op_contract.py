@@ -337,3 +337,25 @@ def test_refusals_leave_the_cache_untouched():
     with pytest.raises(Exception, match="exceeds capacity 8"):
         sess.run_with_iobinding(io)
     assert digest(cache) == before
+
+
+@pytest.mark.parametrize("key", sorted(CONTRACTS))
+def test_contract_kernel_field_matches_the_library(key):
+    """``OpContract.kernel`` says where the library registers a kernel: ORT CPU loads a one-node model of
+    every op that has one and refuses every op that has none (the checker warns: no-kernel)."""
+    c = CONTRACTS[key]
+    inputs = [_vi(f"i{k}", None, (p.types or (F,))[0]) for k, p in enumerate(c.inputs)]
+    outputs = [_vi(f"o{k}", None, (p.types or (F,))[0]) for k, p in enumerate(c.outputs)]
+    attrs = {a.name: (a.default if a.default is not None else 2) for a in c.attrs}
+    node = helper.make_node(c.op_type, [i.name for i in inputs], [o.name for o in outputs], domain=c.domain,
+                            name="n", **attrs)
+    model = _model([node], inputs, outputs)
+    try:
+        ort_session(model)
+        loads = True
+    except Exception as exc:
+        loads = False
+        why = str(exc)
+    assert loads == ("CPU" in c.kernel), (key, c.kernel, None if loads else why)
+    warnings = [f for f in check(model, plan=False).findings if f.rule == "no-kernel"]
+    assert bool(warnings) == (not c.kernel), warnings

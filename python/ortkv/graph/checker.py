@@ -15,6 +15,9 @@ ownership checks, so the rules below must hold before a model runs:
   alias-hazard    every other reader of a pre-update name runs before the write (is an ancestor of
                   the writing node), and the pre-update name is not itself a graph output
   ir-version      annotations need IR >= 10; ORT loads IR <= 13
+  malformed, limit  the model lacks the structure ONNX requires, or is above a cap (structure.py,
+                  Note [Untrusted models]); no other rule runs then
+  internal        a failure no rule foresaw, as a finding instead of an exception
 """
 
 from __future__ import annotations

@@ -36,6 +36,10 @@ def attr(node, name, default=None):
 def _contract(ctx, node, label) -> bool:
     """The op contract's port count and attributes (Note [Op contract]); False when the node cannot run."""
     c = CONTRACTS[(node.domain, node.op_type)]
+    if not c.kernel and c.op_type not in ctx._warned_ops:
+        ctx._warned_ops.add(c.op_type)
+        ctx.warning("no-kernel", label, f"{c.op_type} (first at node '{label}') is a design contract: this ortkv "
+                    f"build registers no kernel for it, so ONNX Runtime will not load the model")
     problems = arity_problems(node, c) + attribute_problems(node, c)
     for p in problems:
         ctx.error("op-input", label, f"{c.op_type} node '{label}': {p}")
