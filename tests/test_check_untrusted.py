@@ -308,3 +308,18 @@ def test_string_tensors_leave_the_plan_out_with_a_reason():
     assert report.errors == [] and report.plan is None
     assert report.plan_error == ("the memory plan needs a fixed element size for every value; 2 have none "
                                  "('x' is string [2]; 'y' is string [2])")
+
+
+def test_caps_on_nodes_and_nesting(monkeypatch):
+    # The caps are checked before any rule runs; lowered here so the models stay small.
+    import fuzz_models as fm
+    from ortkv.graph import structure
+
+    monkeypatch.setattr(structure, "MAX_NODES", 100)
+    report = check(fm.update_chain(101), plan=False)
+    assert _rules(report) == ["limit"] and "more than 100 nodes" in report.errors[0].message
+    assert check(fm.update_chain(100), plan=False).errors == []
+    monkeypatch.setattr(structure, "MAX_DEPTH", 3)
+    report = check(fm.nested_ifs(5), plan=False)
+    assert _rules(report) == ["limit"] and "nest deeper than 3 levels" in report.errors[0].message
+    assert check(fm.nested_ifs(3), plan=False).errors == []
