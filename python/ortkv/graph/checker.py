@@ -140,8 +140,6 @@ def _check_aliases(model: onnx.ModelProto) -> list[Finding]:
             error("malformed", label, malformed)
         for p in problems:
             error("alias-contract", label, p)
-        if is_composite(node, {(f.domain, f.name) for f in model.functions}):
-            continue  # ShapesContext derives a composite node's aliases from its bodies
         annotated_outs = {e.output_index for e in entries if e.source == "annotation"}
         annotated_outs |= {e.output_index for e in (ann.node_aliases.get(idx) or [])}
         for e in entries:
