@@ -106,7 +106,7 @@ def m_alias_index():
     node = update()
     declare_output_alias(node, 0, 2)
     node.metadata_props[0].value = "0:5:MUST_ALIAS"
-    return basic(nodes=[node], alias={}), {}
+    return basic(nodes=[node]), {}
 
 
 def m_capacity_initializer():
@@ -293,9 +293,7 @@ def m_paged_accept():
 
 
 def m_paged_table_aliases_pool():
-    m = _paged(table_alias=0)
-    set_alias_of(m, "table_out", "pool")
-    return m, {}
+    return _paged(table_alias=0), {}  # the annotation contradicts PagedCacheUpdate's contract (1:1)
 
 
 def m_paged_capacity():
@@ -379,7 +377,8 @@ CORPUS = {
                                                                           "parameter 'cache'")),
     "read-after-write": (m_read_after_write, "alias-hazard", ("'past'", "node 'update' overwrites")),
     "paged-accept": (m_paged_accept, None, ()),
-    "paged-table-aliases-pool": (m_paged_table_aliases_pool, "alias-type", ("int32", "uint8")),
+    "paged-table-aliases-pool": (m_paged_table_aliases_pool, "alias-contract", ("output_alias '1:0:MUST_ALIAS'",
+                                                                                "storage of input 1 (page_table)")),
     "paged-capacity": (m_paged_capacity, "capacity", ("position 64 + n 1 = 65", "4 pages x 16 tokens")),
     "paged-table-type": (m_paged_table_type, "op-input", ("page table 'table' is float32",)),
     "symbolic-reshape": (m_symbolic_reshape, None, ()),

@@ -1,5 +1,7 @@
-"""The full model check: the annotation rules (checker.py), alias-aware shape inference (shapes.py)
-and the memory plan (planner.py), as one report. ``ortkv check MODEL`` prints it."""
+"""The full model check: the structure (structure.py), the annotation rules (checker.py), alias-aware
+shape inference (shapes.py) and the memory plan (planner.py), as one report. ``ortkv check MODEL``
+prints it. A malformed model gets its ``malformed`` / ``limit`` findings and nothing else (Note
+[Untrusted models]); an exception nobody foresaw becomes an ``internal`` finding."""
 
 from __future__ import annotations
 
@@ -8,9 +10,14 @@ from dataclasses import dataclass
 import onnx
 
 from ..errors import GraphCheckError
-from .checker import Finding, check_aliases
+from .checker import Finding, check_aliases, internal_finding
 from .planner import MemoryPlan, plan_memory
 from .shapes import ShapesContext
+from .structure import is_fatal
+
+# What a model nobody foresaw can still make a rule raise; each becomes an ``internal`` finding.
+_UNFORESEEN = (RecursionError, ValueError, TypeError, KeyError, IndexError, AttributeError, ZeroDivisionError,
+               OverflowError)
 
 
 @dataclass
@@ -60,7 +67,13 @@ def check(model: onnx.ModelProto, dims: dict[str, int] | None = None,
     Returns the findings as data; ``report.raise_for_errors()`` turns errors into GraphCheckError.
     ``assume_aliases``: see ShapesContext (e.g. ``share_buffer_aliases(model)``)."""
     findings = check_aliases(model)
-    ctx = ShapesContext(model, dims, bounds, assume_aliases).infer()
+    ctx = ShapesContext(model, dims, bounds, assume_aliases)
+    if is_fatal(findings):  # Note [Untrusted models]: no rule runs over a model without ONNX's structure
+        return CheckReport(findings, ctx, None, "the model is malformed" if plan else None)
+    try:
+        ctx.infer()
+    except _UNFORESEEN as exc:
+        ctx.findings.append(internal_finding(exc, "shape inference"))
     seen = {(f.rule, f.subject) for f in findings}
     for f in ctx.findings:
         if (f.rule, f.subject) not in seen:
@@ -72,6 +85,8 @@ def check(model: onnx.ModelProto, dims: dict[str, int] | None = None,
             memory = plan_memory(ctx, threads=threads)
         except GraphCheckError as exc:
             why = str(exc)
+        except _UNFORESEEN as exc:
+            why = internal_finding(exc, "the memory planner").message
     elif plan:
         why = "the model has errors"
     return CheckReport(findings, ctx, memory, why)

@@ -3,15 +3,21 @@
 ownership checks, so the rules below must hold before a model runs:
 
   alias-index     an output_alias entry names ports the node has
+  alias-contract  an ortkv node's output_alias agrees with its op contract (Note [Op contract]): the
+                  aliases of ortkv ops come from the op, annotated or not
   alias-cycle     alias_of annotations never form a cycle
   alias-target    alias_of names a graph input marked READ_WRITE
   alias-initializer  no alias (node or value annotation) resolves to an initializer
-  alias-readonly  a node's in-place write resolves to a READ_WRITE graph input (or an intermediate)
+  alias-readonly  a node's in-place write (annotated, or by an ortkv op's contract) resolves to a
+                  READ_WRITE graph input (or an intermediate)
   alias-disagree  a node's output_alias and its output's alias_of name the same input, and neither
                   exists without the other on a graph output
   alias-hazard    every other reader of a pre-update name runs before the write (is an ancestor of
                   the writing node), and the pre-update name is not itself a graph output
   ir-version      annotations need IR >= 10; ORT loads IR <= 13
+  malformed, limit  the model lacks the structure ONNX requires, or is above a cap (structure.py,
+                  Note [Untrusted models]); no other rule runs then
+  internal        a failure no rule foresaw, as a finding instead of an exception
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import onnx
 
 from ..errors import GraphCheckError
 from .annotations import MAX_IR_VERSION, MIN_IR_VERSION, Access, read_annotations
+from .op_contract import safe_node_aliases
 
 
 @dataclass(frozen=True)
@@ -39,8 +46,30 @@ def _node_label(node: onnx.NodeProto, index: int) -> str:
     return node.name or f"{node.op_type}#{index}"
 
 
+def internal_finding(exc: BaseException, what: str) -> Finding:
+    """The last line of defence for an untrusted model (Note [Untrusted models] in structure.py): a
+    failure the rules did not foresee becomes one error finding instead of an exception."""
+    text = " ".join(str(exc).split())[:300] or type(exc).__name__
+    return Finding("error", "internal", "model", f"{what} could not analyse this model ({type(exc).__name__}: "
+                   f"{text}); the model is probably malformed (onnx.checker.check_model may say how)")
+
+
 def check_aliases(model: onnx.ModelProto) -> list[Finding]:
-    """Return every finding; the model is not modified."""
+    """Return every finding; the model is not modified. A model without the structure ONNX requires
+    gets only ``malformed`` / ``limit`` findings (structure.py)."""
+    from .structure import is_fatal, structure_findings
+
+    try:
+        findings = structure_findings(model)
+        if is_fatal(findings):
+            return findings
+        return findings + _check_aliases(model)
+    except (RecursionError, ValueError, TypeError, KeyError, IndexError, AttributeError, ZeroDivisionError,
+            OverflowError) as exc:
+        return [internal_finding(exc, "the alias checker")]
+
+
+def _check_aliases(model: onnx.ModelProto) -> list[Finding]:
     graph = model.graph
     findings: list[Finding] = []
 
@@ -64,14 +93,18 @@ def check_aliases(model: onnx.ModelProto) -> list[Finding]:
                                 f"IR version {model.ir_version} > {MAX_IR_VERSION}: onnxruntime 1.31 refuses to load it"))
 
     # alias-cycle: follow alias_of from every value.
+    # Each value has one alias_of, so one walk per unvisited start finds every cycle in linear time.
     in_cycle: set[str] = set()
+    done: set[str] = set()
     for start in ann.alias_of:
-        chain, cur = [start], ann.alias_of[start]
-        while cur in ann.alias_of and cur not in chain:
-            chain.append(cur)
+        path, pos, cur = [], {}, start
+        while cur in ann.alias_of and cur not in done and cur not in pos:
+            pos[cur] = len(path)
+            path.append(cur)
             cur = ann.alias_of[cur]
-        if cur in chain and not in_cycle.intersection(chain):
-            cycle = chain[chain.index(cur):]
+        done.update(path)
+        if cur in pos:
+            cycle = path[pos[cur]:]
             in_cycle.update(cycle)
             k = cycle.index(min(cycle))  # start at the smallest name: one text per cycle
             cycle = cycle[k:] + cycle[:k] + [cycle[k]]
@@ -99,41 +132,68 @@ def check_aliases(model: onnx.ModelProto) -> list[Finding]:
             if name:
                 producer[name] = (idx, o)
     node_alias_of_output: dict[str, str] = {}  # written output name -> pre-update input name
-    for idx, entries in ann.node_aliases.items():
-        node = graph.node[idx]
+    from_contract: dict[str, str] = {}  # written output name -> the op that makes it an alias (no annotation)
+    for idx, node in enumerate(graph.node):
         label = _node_label(node, idx)
+        entries, problems, malformed = safe_node_aliases(node)
+        if malformed:
+            error("malformed", label, malformed)
+        for p in problems:
+            error("alias-contract", label, p)
+        annotated_outs = {e.output_index for e in entries if e.source == "annotation"}
+        annotated_outs |= {e.output_index for e in (ann.node_aliases.get(idx) or [])}
         for e in entries:
-            if e.output_index >= len(node.output) or e.input_index >= len(node.input):
-                error("alias-index", label, f"output_alias '{e}' names output {e.output_index} / input "
-                      f"{e.input_index} but the node has {len(node.output)} outputs and {len(node.input)} inputs")
+            if e.output_index >= len(node.output) or e.input_index >= len(node.input) \
+                    or not node.output[e.output_index] or not node.input[e.input_index]:
+                error("alias-index", label, f"output_alias '{e.output_index}:{e.input_index}:MUST_ALIAS' names "
+                      f"output {e.output_index} / input {e.input_index} but the node has {len(node.output)} "
+                      f"outputs and {len(node.input)} inputs")
                 continue
-            node_alias_of_output[node.output[e.output_index]] = node.input[e.input_index]
+            out = node.output[e.output_index]
+            node_alias_of_output[out] = node.input[e.input_index]
+            if e.source == "contract" and e.output_index not in annotated_outs:
+                from_contract[out] = node.op_type
+
+    roots: dict[str, str] = {}  # memo: a chain of n in-place writes costs O(n), not O(n^2)
 
     def root_of(value: str) -> str:
-        seen = set()
-        while value in node_alias_of_output and value not in seen:
+        path, seen = [], set()
+        while value in node_alias_of_output and value not in seen and value not in roots:
             seen.add(value)
+            path.append(value)
             value = node_alias_of_output[value]
-        return value
+        root = roots.get(value, value)
+        for v in path:
+            roots[v] = root
+        return root
 
     for out_name, in_name in node_alias_of_output.items():
         idx, _ = producer[out_name]
         label = _node_label(graph.node[idx], idx)
         root = root_of(in_name)
+        how = (f" ({from_contract[out_name]} always writes output '{out_name}' into its input '{in_name}': the op "
+               f"contract, annotated or not)" if out_name in from_contract else "")
+        unsafe = False
         if root in initializers:
+            unsafe = True
             error("alias-initializer", label, f"writes '{out_name}' in place into '{root}', an initializer; "
-                  "initializers are shared read-only model state (the write would persist across runs)")
+                  f"initializers are shared read-only model state (the write would persist across runs){how}. "
+                  f"Remedy: make '{root}' a graph input marked READ_WRITE (ortkv.graph.mark_mutable)")
         elif root in inputs and ann.access.get(root) is not Access.READ_WRITE:
+            unsafe = True
             acc = ann.access.get(root)
             error("alias-readonly", label, f"writes '{out_name}' in place into graph input '{root}', which is "
-                  f"{acc.value if acc else 'not annotated'}; mark it access=READ_WRITE")
+                  f"{acc.value if acc else 'not annotated'}{how}; mark it access=READ_WRITE "
+                  f"(ortkv.graph.mark_mutable)")
         declared = ann.alias_of.get(out_name)
         if declared is not None and declared != root and out_name not in in_cycle:
             error("alias-disagree", label, f"output_alias says '{out_name}' is the storage of '{root}' "
                   f"(through input '{in_name}') but value '{out_name}' says alias_of '{declared}'")
-        if declared is None and out_name in outputs:
+        if declared is None and out_name in outputs and not unsafe:
+            source = f"its op contract ({from_contract[out_name]})" if out_name in from_contract else "output_alias"
             error("alias-disagree", out_name, f"graph output '{out_name}' is written in place by node '{label}' "
-                  f"(output_alias) but carries no alias_of='{root}'; annotate both or neither")
+                  f"({source}) but carries no alias_of='{root}'; annotate both or neither "
+                  f"(ortkv.graph.set_alias_of(model, '{out_name}', '{root}'))")
     local_functions = {(f.domain, f.name) for f in model.functions}
     for value, target in ann.alias_of.items():
         src = producer.get(value)
@@ -205,18 +265,25 @@ def hazard_findings(nodes: list[onnx.NodeProto], labels: list[str], root, output
         written = {root(o): o for o in node.output if o and root(o) != o}
         if not written:
             continue
-        before, stack = set(), [w]
-        while stack:
-            for name in reads[stack.pop()]:
-                p = made.get(name)
-                if p is not None and p not in before:
-                    before.add(p)
-                    stack.append(p)
+        before = None  # the writer's ancestors, computed only when another reader needs them
+
+        def ancestors(w=w):
+            seen, stack = set(), [w]
+            while stack:
+                for name in reads[stack.pop()]:
+                    p = made.get(name)
+                    if p is not None and p not in seen:
+                        seen.add(p)
+                        stack.append(p)
+            return seen
+
         for pre in sorted(reads[w]):
             out = written.get(root(pre))
             if out is None or pre == out:
                 continue
             for r in readers.get(pre, []):
+                if r != w and before is None:
+                    before = ancestors()
                 if r != w and r not in before:
                     findings.append(Finding(
                         "error", "alias-hazard", labels[r],

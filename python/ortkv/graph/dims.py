@@ -24,10 +24,16 @@ def find_root(parent: dict[str, str], x: str) -> str:
 def elem_name(elem: int | None) -> str:
     if elem is None:
         return "an unknown type"
+    if elem == onnx.TensorProto.STRING:
+        return "string"
     try:
         return onnx.helper.tensor_dtype_to_np_dtype(elem).name if elem != onnx.TensorProto.BFLOAT16 else "bfloat16"
     except (KeyError, TypeError, ValueError):
+        pass
+    try:
         return onnx.TensorProto.DataType.Name(elem).lower()
+    except ValueError:  # a number no element type has (an untrusted model)
+        return f"element type {elem} (not an ONNX type)"
 
 
 def elem_size(elem: int) -> float:

@@ -2,7 +2,8 @@
 
 A rule takes (ctx, node, label, input types) and returns the output types; it reports what is wrong
 with the inputs as ``op-input`` findings (the same conditions the kernels refuse at run time, found
-before the model runs) and checks ``position + n <= capacity`` where the numbers are known.
+before the model runs; ports, types, attributes and limits of the ortkv ops come from their op
+contract, Note [Op contract] in op_contract.py) and checks ``position + n <= capacity`` where the numbers are known.
 WORKSPACE gives the bytes an op allocates beside its outputs while it runs (the memory planner).
 
 PagedCacheUpdate / PagedCacheAttention follow the contract in design/ARCHITECTURE.md:
@@ -18,16 +19,31 @@ from __future__ import annotations
 from onnx import TensorProto, helper
 
 from .dims import ShapeConflict, ValueType, elem_name, list_dims
-
-FLOATS = (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16)
+from .op_contract import CONTRACTS, FLOATS, arity_problems, attribute, attribute_problems
 
 
 def attr(node, name, default=None):
-    """The value of attribute ``name`` of ``node``, or ``default``."""
+    """The value of attribute ``name`` of ``node``, or ``default`` (also when the attribute is malformed)."""
     for a in node.attribute:
         if a.name == name:
-            return helper.get_attribute_value(a)
+            try:
+                return helper.get_attribute_value(a)
+            except Exception:  # an attribute of an undefined type in an untrusted model
+                return default
     return default
+
+
+def _contract(ctx, node, label) -> bool:
+    """The op contract's port count and attributes (Note [Op contract]); False when the node cannot run."""
+    c = CONTRACTS[(node.domain, node.op_type)]
+    if not c.kernel and c.op_type not in ctx._warned_ops:
+        ctx._warned_ops.add(c.op_type)
+        ctx.warning("no-kernel", label, f"{c.op_type} (first at node '{label}') is a design contract: this ortkv "
+                    f"build registers no kernel for it, so ONNX Runtime will not load the model")
+    problems = arity_problems(node, c) + attribute_problems(node, c)
+    for p in problems:
+        ctx.error("op-input", label, f"{c.op_type} node '{label}': {p}")
+    return not problems
 
 
 def _pad(ins, n):
@@ -71,6 +87,8 @@ def _position(ctx, label, op, name, t, batch_t, batch_name) -> bool:
 
 def cache_update(ctx, node, label, ins):
     op = "CacheUpdate"
+    if not _contract(ctx, node, label):
+        return [ins[0] if ins else None]
     cache, values, pos = _pad(ins, 3)
     cname, vname, pname = (list(node.input) + ["", "", ""])[:3]
     if cache.rank is not None and cache.rank < 3:
@@ -85,8 +103,9 @@ def cache_update(ctx, node, label, ins):
                   f"'{cname}' is {elem_name(cache.elem)}; the new values must have the cache's element type")
     rank = cache.rank if cache.rank is not None else values.rank
     if rank is None:
+        _position(ctx, label, op, pname, pos, cache, cname)
         return [cache]
-    seq_axis = attr(node, "seq_axis", -2)
+    seq_axis = attribute(node, "seq_axis")
     axis = seq_axis + rank if seq_axis < 0 else seq_axis
     if not 1 <= axis < rank:
         ctx.error("op-input", label, f"{op} node '{label}': seq_axis={seq_axis} resolves to axis {axis} of a "
@@ -102,9 +121,13 @@ def cache_update(ctx, node, label, ins):
             if i != axis:
                 _meet_dim(ctx, label, op, vname, values, i, cname, cache, i,
                           f"only the sequence axis {axis} may differ")
-    _position(ctx, label, op, pname, pos, cache, cname)
-    cache, values = ctx.type_of(cname), ctx.type_of(vname)
+    values = ctx.type_of(vname)
     n = values.shape[axis] if values.shape is not None else None
+    if isinstance(n, int) and n < 1:
+        ctx.error("op-input", label, f"{op} node '{label}': input '{vname}' {list_dims(values.shape)} holds {n} "
+                  f"tokens along the sequence axis {axis}; n must be >= 1")
+    _position(ctx, label, op, pname, pos, cache, cname)
+    cache = ctx.type_of(cname)
     cap = cache.shape[axis] if cache.shape is not None else None
     ctx.check_capacity(label, op, pname, n, cap, f"'{cname}'", "position")
     return [cache]
@@ -114,14 +137,17 @@ def cache_attention(ctx, node, label, ins):
     op = "CacheAttention"
     q, k, v, start = _pad(ins, 4)
     qn, kn, vn, sn = (list(node.input) + [""] * 4)[:4]
-    hq, hkv = attr(node, "num_heads"), attr(node, "kv_num_heads")
-    seq_axis = attr(node, "seq_axis", 1)
-    if hq is None or hkv is None or hkv <= 0 or hq % hkv:
-        ctx.error("op-input", label, f"{op} node '{label}': num_heads={hq} must be a positive multiple of "
-                  f"kv_num_heads={hkv}")
-    if seq_axis not in (1, 2):
-        ctx.error("op-input", label, f"{op} node '{label}': seq_axis={seq_axis}; 1 (BSNH) or 2 (BNSH)")
+    if not _contract(ctx, node, label):
         return [q]
+    contract = CONTRACTS[(node.domain, node.op_type)]
+    hq, hkv = attribute(node, "num_heads"), attribute(node, "kv_num_heads")
+    seq_axis = attribute(node, "seq_axis")
+    max_group = contract.limits["max_group"]
+    if hq % hkv or hq // hkv > max_group:
+        ctx.error("op-input", label, f"{op} node '{label}': num_heads={hq} must be a positive multiple of "
+                  f"kv_num_heads={hkv} with at most {max_group} query heads per KV head (the kernel's limit)")
+        return [q]
+    cache_axis = 1 if seq_axis == 1 else 2  # seq_axis -2 is axis 2 of the rank-4 cache
     if q.rank is not None and q.rank != 3:
         ctx.error("op-input", label, f"{op} node '{label}': query '{qn}' {list_dims(q.shape)} must be "
                   f"[batch, tokens, num_heads * head_size]")
@@ -129,46 +155,46 @@ def cache_attention(ctx, node, label, ins):
     for name, t in ((kn, k), (vn, v)):
         if t.rank is not None and t.rank != 4:
             ctx.error("op-input", label, f"{op} node '{label}': cache '{name}' {list_dims(t.shape)} must have rank 4 "
-                      f"({'[batch, capacity, kv_heads, head_size]' if seq_axis == 1 else '[batch, kv_heads, capacity, head_size]'})")
+                      f"({'[batch, capacity, kv_heads, head_size]' if cache_axis == 1 else '[batch, kv_heads, capacity, head_size]'})")
             return [q]
-    for name, t in ((kn, k), (vn, v)):
-        if t.elem is not None and q.elem is not None and t.elem != q.elem:
-            ctx.error("op-input", label, f"{op} node '{label}': cache '{name}' is {elem_name(t.elem)} but query "
-                      f"'{qn}' is {elem_name(q.elem)}")
-    if q.elem is not None and q.elem != TensorProto.FLOAT:
-        ctx.error("op-input", label, f"{op} node '{label}': query '{qn}' is {elem_name(q.elem)}; the CPU kernel "
-                  f"takes float32")
+    for name, t in ((qn, q), (kn, k), (vn, v)):
+        if t.elem is not None and t.elem != TensorProto.FLOAT:
+            ctx.error("op-input", label, f"{op} node '{label}': {'query' if name == qn else 'cache'} '{name}' is "
+                      f"{elem_name(t.elem)}; the CPU kernel takes float32 query, key and value")
     for i in range(4):
         _meet_dim(ctx, label, op, vn, v, i, kn, k, i, "the key and value caches share one layout")
-    head_axis = 2 if seq_axis == 1 else 1
-    if hkv:
-        _meet_value(ctx, label, op, kn, k, head_axis, hkv, f"kv_num_heads={hkv}")
+    head_axis = 2 if cache_axis == 1 else 1
+    _meet_value(ctx, label, op, kn, k, head_axis, hkv, f"kv_num_heads={hkv}")
     _meet_dim(ctx, label, op, qn, q, 0, kn, k, 0, "batch")
     k = ctx.type_of(kn)
-    if k.shape is not None and isinstance(k.shape[3], int) and hq:
+    if k.shape is not None and isinstance(k.shape[3], int):
         _meet_value(ctx, label, op, qn, q, 2, hq * k.shape[3], f"num_heads={hq} x head_size={k.shape[3]}")
     _position(ctx, label, op, sn, start, q, qn)
     q, k = ctx.type_of(qn), ctx.type_of(kn)
     if q.shape is not None and k.shape is not None:
-        ctx.check_capacity(label, op, sn, q.shape[1], k.shape[seq_axis], f"'{kn}'", "start")
+        ctx.check_capacity(label, op, sn, q.shape[1], k.shape[cache_axis], f"'{kn}'", "start")
     return [q]
 
 
 def cache_attention_workspace(ctx, node, threads: int) -> int:
     """The CPU kernel's scratch: one float per (query head in a group, cache slot), per thread."""
-    k = ctx.type_of(node.input[1])
-    hq, hkv = attr(node, "num_heads", 1), attr(node, "kv_num_heads", 1)
-    seq_axis = attr(node, "seq_axis", 1)
-    if k.shape is None or not isinstance(k.shape[seq_axis], int) or not hkv:
+    if len(node.input) < 2:
         return 0
-    return (hq // hkv) * k.shape[seq_axis] * 4 * threads
+    k = ctx.type_of(node.input[1])
+    hq, hkv = attribute(node, "num_heads") or 1, attribute(node, "kv_num_heads") or 1
+    cache_axis = 1 if attribute(node, "seq_axis") == 1 else 2
+    if k.shape is None or len(k.shape) != 4 or not isinstance(k.shape[cache_axis], int) or hkv < 1:
+        return 0
+    return max(hq // hkv, 0) * k.shape[cache_axis] * 4 * threads
 
 
 def paged_cache_update(ctx, node, label, ins):
     op = "PagedCacheUpdate"
     pool, table, values, pos = _pad(ins, 4)
     pn, tn, vn, sn = (list(node.input) + [""] * 4)[:4]
-    page_size = attr(node, "page_size")
+    if not _contract(ctx, node, label):
+        return [pool, table]
+    page_size = attribute(node, "page_size")
     if table.elem is not None and table.elem not in (TensorProto.INT32, TensorProto.INT64):
         ctx.error("op-input", label, f"{op} node '{label}': page table '{tn}' is {elem_name(table.elem)}; "
                   f"a page table holds int32 (or int64) page indices")
@@ -181,9 +207,6 @@ def paged_cache_update(ctx, node, label, ins):
     if values.elem is not None and values.elem not in FLOATS:
         ctx.error("op-input", label, f"{op} node '{label}': values '{vn}' are {elem_name(values.elem)}; the "
                   f"kernel quantizes float32, float16 or bfloat16 values into the pages")
-    if page_size is None or page_size < 1:
-        ctx.error("op-input", label, f"{op} node '{label}': attribute page_size (tokens per page) must be >= 1, "
-                  f"not {page_size}")
     _meet_dim(ctx, label, op, vn, values, 0, tn, table, 0, "one page-table row per batch row")
     _position(ctx, label, op, sn, pos, table, tn)
     table, values = ctx.type_of(tn), ctx.type_of(vn)
@@ -197,6 +220,7 @@ def paged_cache_update(ctx, node, label, ins):
 
 def paged_cache_attention(ctx, node, label, ins):
     q = _pad(ins, 4)[0]
+    _contract(ctx, node, label)
     return [q]
 
 
@@ -204,31 +228,38 @@ def passthrough(ctx, node, label, ins):
     return [ins[0] if ins else None]
 
 
+def _int_attr(node, name):
+    v = attr(node, name)
+    return v if isinstance(v, int) else None
+
+
 def simplified_layer_norm(ctx, node, label, ins):
-    x = ins[0]
+    x = ins[0] if ins else ValueType()
     outs = [x]
-    if len(node.output) > 1 and x.shape is not None:
-        axis = attr(node, "axis", -1) % len(x.shape)
-        outs.append(ValueType(TensorProto.FLOAT, tuple(x.shape[:axis]) + (1,) * (len(x.shape) - axis)))
+    if len(node.output) > 1 and x.shape:  # rank >= 1
+        axis = (_int_attr(node, "axis") if _int_attr(node, "axis") is not None else -1)
+        if -len(x.shape) <= axis < len(x.shape):
+            axis %= len(x.shape)
+            outs.append(ValueType(TensorProto.FLOAT, tuple(x.shape[:axis]) + (1,) * (len(x.shape) - axis)))
     return outs
 
 
 def matmul_nbits(ctx, node, label, ins):
-    a = ins[0]
-    n = attr(node, "N")
-    k = attr(node, "K")
-    if a.shape is not None and k is not None:
+    a = ins[0] if ins else ValueType()
+    n, k = _int_attr(node, "N"), _int_attr(node, "K")
+    if a.shape and k is not None:
         _meet_value(ctx, label, "MatMulNBits", node.input[0], a, len(a.shape) - 1, k, f"K={k}")
-    return [ValueType(a.elem, None if a.shape is None else tuple(a.shape[:-1]) + (n,))]
+    return [ValueType(a.elem, None if not a.shape else tuple(a.shape[:-1]) + (n,))]
 
 
 def group_query_attention(ctx, node, label, ins):
-    q, past_k = ins[0], _pad(ins, 4)[3]
-    hq, hkv = attr(node, "num_heads"), attr(node, "kv_num_heads")
-    d = past_k.shape[3] if past_k.shape is not None else None
-    out = ValueType(q.elem, None if q.shape is None else (q.shape[0], q.shape[1],
-                                                          hq * d if isinstance(d, int) else None))
-    present = ValueType(q.elem, None if q.shape is None else (q.shape[0], hkv, None, d))
+    q, past_k = _pad(ins, 4)[0], _pad(ins, 4)[3]
+    hq, hkv = _int_attr(node, "num_heads"), _int_attr(node, "kv_num_heads")
+    d = past_k.shape[3] if past_k.shape is not None and len(past_k.shape) == 4 else None
+    q_ok = q.shape is not None and len(q.shape) == 3
+    out = ValueType(q.elem, None if not q_ok else (q.shape[0], q.shape[1],
+                                                   hq * d if isinstance(d, int) and hq is not None else None))
+    present = ValueType(q.elem, None if not q_ok else (q.shape[0], hkv, None, d))
     return [out, present, present]
 
 

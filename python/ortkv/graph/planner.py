@@ -112,7 +112,7 @@ def plan_memory(ctx, threads: int = 1) -> MemoryPlan:
             if n:
                 last_read[n] = i
 
-    missing, classes = [], {}
+    missing, unsized, classes = [], [], {}
     for n in names:
         classes.setdefault(ctx.root(n), []).append(n)
     buffers: list[Buffer] = []
@@ -120,6 +120,11 @@ def plan_memory(ctx, threads: int = 1) -> MemoryPlan:
         t = ctx.type_of(root)
         if t.opaque is not None or not t.concrete() or t.elem is None:
             missing.append((root, t))
+            continue
+        try:
+            nbytes = t.nbytes()
+        except (ValueError, KeyError, TypeError):  # string tensors, or a number no ONNX type has
+            unsized.append((root, t))
             continue
         persistent = any(m in inputs or m in inits for m in members)
         if ctx.access(root) is Access.READ_WRITE:
@@ -137,7 +142,11 @@ def plan_memory(ctx, threads: int = 1) -> MemoryPlan:
             d = end
         else:
             d = max([last_read.get(m, b0) for m in members] + [b0])
-        buffers.append(Buffer(root, members, t.nbytes(), kind, b0, d))
+        buffers.append(Buffer(root, members, nbytes, kind, b0, d))
+    if unsized:
+        shown = "; ".join(f"'{r}' is {t}" for r, t in unsized[:6])
+        raise GraphCheckError(f"the memory plan needs a fixed element size for every value; {len(unsized)} have "
+                              f"none ({shown})", findings=[])
     if missing:
         free = sorted({str(d) for _, t in missing if t.shape for d in t.shape if not isinstance(d, int)})
         shown = "; ".join(f"'{r}' is {t}" for r, t in missing[:6])

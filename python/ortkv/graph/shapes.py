@@ -20,10 +20,13 @@ storage cannot merge it).
 
 Names and constraints only: concrete pointer identity stays a runtime check (MutableCacheSession).
 
-Rules (Finding.rule): alias-index, alias-cycle, alias-disagree, alias-type, alias-rank, alias-dim,
+Edges of ortkv nodes come from their op contract (Note [Op contract] in op_contract.py), annotated or
+not; an annotation that contradicts the contract is ``alias-contract``.
+
+Rules (Finding.rule): alias-index, alias-contract, alias-cycle, alias-disagree, alias-type, alias-rank, alias-dim,
 shape-type, shape-rank, shape-dim, shape (onnx's inference refused a node), op-input (an ortkv or
-contrib op's inputs), capacity, if-branch, loop-carry, function-alias, untyped (warning), no-rule
-(warning).
+contrib op's inputs), capacity, if-branch, loop-carry, function-alias, limit (the node budget,
+Note [Untrusted models] in structure.py), untyped (warning), no-rule (warning).
 """
 
 from __future__ import annotations
@@ -36,9 +39,11 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from ..errors import GraphCheckError
-from .annotations import ALIAS_OF_KEY, Access, _get, output_aliases, read_annotations
+from .annotations import ALIAS_OF_KEY, Access, OutputAlias, _get, read_annotations
 from .checker import Finding, hazard_findings, is_composite, subgraphs
 from .dims import DimTable, ShapeConflict, ValueType, find_root, join_types
+from .op_contract import safe_node_aliases
+from .structure import MAX_INLINED, count_nodes as _count_nodes
 from .op_rules import OP_RULES
 from .op_rules import attr as _attr
 
@@ -87,6 +92,9 @@ class ShapesContext:
         self._composite_outputs: set[str] = set()
         self._inferred = False
         self._depth = 0
+        self._walked = 0  # nodes inferred, inlined function bodies included
+        self._budget = _count_nodes(model) + MAX_INLINED
+        self._stopped = False
 
     # --- findings ---------------------------------------------------------------------------------
     def error(self, rule: str, subject: str, message: str) -> None:
@@ -235,9 +243,11 @@ class ShapesContext:
         for init in graph.initializer:
             t = ValueType(init.data_type, tuple(init.dims))
             self.set_type(init.name, t, f"initializer '{init.name}'")
-            if (init.data_type in (TensorProto.INT64, TensorProto.INT32) and np.prod(init.dims) <= SMALL
+            if (init.data_type in (TensorProto.INT64, TensorProto.INT32) and _small(init.dims)
                     and not any(e.key == "location" for e in init.external_data)):
-                self.values[init.name] = numpy_helper.to_array(init)
+                arr = _to_array(init)
+                if arr is not None:
+                    self.values[init.name] = arr
         for vi in (*graph.input, *graph.value_info, *graph.output):
             if vi.type.WhichOneof("value") is not None:
                 self.set_type(vi.name, ValueType.from_proto(vi.type), f"the declared type of '{vi.name}'")
@@ -250,12 +260,13 @@ class ShapesContext:
             label = prefix + (node.name or f"{node.op_type}#{idx}")
             if self._is_composite(node):
                 self._composite_outputs.update(o for o in node.output if o)
-            try:
-                entries = output_aliases(node)
-            except GraphCheckError as exc:
-                self.error("malformed", label, str(exc))
-                entries = []
-            for e in entries:
+            entries, problems, malformed = safe_node_aliases(node)  # Note [Op contract]
+            if malformed:
+                self.error("malformed", label, malformed)
+            for p in problems:
+                self.error("alias-contract", label, p)
+            for na in entries:
+                e = OutputAlias(na.output_index, na.input_index)
                 if e.output_index >= len(node.output) or e.input_index >= len(node.input) \
                         or not node.output[e.output_index] or not node.input[e.input_index]:
                     self.error("alias-index", label,
@@ -267,7 +278,8 @@ class ShapesContext:
                 if self._is_composite(node):
                     composite_claims.setdefault(label, []).append((node, e, out, inp))
                 else:
-                    edges[out] = (inp, f"node '{label}' (output_alias {e})", label)
+                    why = f"output_alias {e}" if na.source == "annotation" else f"{node.op_type}'s contract {e}"
+                    edges[out] = (inp, f"node '{label}' ({why})", label)
             for attr_name, g in subgraphs(node):
                 self._node_edges(g, f"{label}/{attr_name}/", edges, composite_claims)
 
@@ -302,28 +314,38 @@ class ShapesContext:
             for _node, _e, out, inp in claims:
                 succ.setdefault(out, set()).add(inp)
         cyclic: set[str] = set()
-        state: dict[str, int] = {}
+        state: dict[str, int] = {}  # 1: on the current path, 2: done
 
-        def visit(v: str, stack: list[str]) -> None:
-            state[v] = 1
-            stack.append(v)
-            for t in sorted(succ.get(v, ())):
+        def report(cycle: list[str]) -> None:
+            if not cyclic.intersection(cycle):
+                k = cycle.index(min(cycle))  # start at the smallest name: one text per cycle
+                text = cycle[k:] + cycle[:k] + [cycle[k]]
+                self.error("alias-cycle", text[0], "alias annotations form a cycle: " + " -> ".join(text)
+                           + "; every alias chain must end at the storage owner (a graph input)")
+            cyclic.update(cycle)
+
+        # Depth-first, iteratively (Note [Untrusted models]: a long alias chain is no recursion).
+        for v0 in sorted(succ):
+            if state.get(v0) is not None:
+                continue
+            path, pos = [v0], {v0: 0}
+            stack = [iter(sorted(succ.get(v0, ())))]
+            state[v0] = 1
+            while stack:
+                t = next(stack[-1], None)
+                if t is None:
+                    stack.pop()
+                    done = path.pop()
+                    del pos[done]
+                    state[done] = 2
+                    continue
                 if state.get(t) == 1:
-                    cycle = stack[stack.index(t):]
-                    if not cyclic.intersection(cycle):
-                        k = cycle.index(min(cycle))  # start at the smallest name: one text per cycle
-                        cycle = cycle[k:] + cycle[:k] + [cycle[k]]
-                        self.error("alias-cycle", cycle[0], "alias annotations form a cycle: " + " -> ".join(cycle)
-                                   + "; every alias chain must end at the storage owner (a graph input)")
-                    cyclic.update(cycle)
+                    report(path[pos[t]:])
                 elif state.get(t) is None:
-                    visit(t, stack)
-            stack.pop()
-            state[v] = 2
-
-        for v in sorted(succ):
-            if state.get(v) is None:
-                visit(v, [])
+                    state[t] = 1
+                    pos[t] = len(path)
+                    path.append(t)
+                    stack.append(iter(sorted(succ.get(t, ()))))
 
         def chain_end(v: str) -> str:
             seen = set()
@@ -356,6 +378,14 @@ class ShapesContext:
         defined: set[str] = set()
         for idx, node in enumerate(nodes):
             label = scope.prefix + (node.name or f"{node.op_type}#{idx}")
+            self._walked += 1
+            if self._walked > self._budget:  # calls of local functions are inlined: count every copy
+                if not self._stopped:
+                    self._stopped = True
+                    self.error("limit", label, f"more than {self._budget} nodes to infer ({len(self._functions)} "
+                               f"local function(s) inlined at each call, at most {MAX_INLINED} nodes beyond the "
+                               f"model's own); inference stopped at node '{label}'")
+                return defined
             if top:
                 self.order.append((label, node))
             for o in node.output:
@@ -480,21 +510,37 @@ class ShapesContext:
             return [ValueType(ins[0].elem, _broadcast(self.table, ins[0].shape, tuple(target[0])))]
         return None
 
+    def _small_outputs(self, node: onnx.NodeProto) -> bool:
+        """Every output's shape is known and holds at most SMALL elements: the only nodes folded
+        (Note [Untrusted models] in structure.py: ConstantOfShape of [12000, 12000] is never computed)."""
+        for o in node.output:
+            if not o:
+                continue
+            t = self.type_of(o)
+            if not t.concrete() or not _small(t.shape):
+                return False
+        return True
+
     def _propagate(self, node: onnx.NodeProto, scope: _Scope) -> None:
         """Values of small int tensors (shape arithmetic) and bounds of integer values."""
-        op, ins, outs = node.op_type, list(node.input), list(node.output)
+        op, outs = node.op_type, list(node.output)
         if not outs or not outs[0]:
             return
+        n_in = len(node.input)
+        ins = list(node.input) + [""] * 3  # a malformed node may lack inputs its op reads
         out = outs[0]
         if op == "Constant":
             for a in node.attribute:
-                if a.name == "value":
-                    arr = numpy_helper.to_array(a.t)
-                elif a.name in ("value_int", "value_ints", "value_float", "value_floats"):
+                if a.name == "value" and a.type == onnx.AttributeProto.TENSOR and _small(a.t.dims):
+                    arr = _to_array(a.t)
+                elif a.name in ("value_int", "value_float") and a.type in (onnx.AttributeProto.INT,
+                                                                          onnx.AttributeProto.FLOAT):
+                    arr = np.array(helper.get_attribute_value(a))
+                elif a.name in ("value_ints", "value_floats") and len(a.ints) + len(a.floats) <= SMALL:
                     arr = np.array(helper.get_attribute_value(a))
                 else:
                     continue
-                if arr.size <= SMALL:
+                if arr is not None and arr.size <= SMALL:
                     self.values[out] = arr
             return
         if op == "Shape":
@@ -502,15 +548,17 @@ class ShapesContext:
             if t.shape is not None:
                 dims = list(t.shape)
                 start, end = _attr(node, "start", 0), _attr(node, "end", len(dims))
-                self._set_dims_value(out, dims[slice(start, end)], False)
+                if isinstance(start, int) and isinstance(end, int):
+                    self._set_dims_value(out, dims[slice(start, end)], False)
             return
         if op == "Size":
             t = self.type_of(ins[0])
             if t.concrete():
                 self.values[out] = np.array(int(np.prod(t.shape)), np.int64)
             return
-        if all(i in self.values for i in ins if i) and not subgraphs(node):
-            folded = _fold(node, {i: self.values[i] for i in ins if i}, scope.opsets)
+        real = ins[:n_in]
+        if all(i in self.values for i in real if i) and not subgraphs(node) and self._small_outputs(node):
+            folded = _fold(node, {i: self.values[i] for i in real if i}, scope.opsets)
             if folded is not None:
                 for name, arr in zip(outs, folded):
                     if name and arr is not None and np.asarray(arr).size <= SMALL:
@@ -523,13 +571,13 @@ class ShapesContext:
             idx, entries = self.values[ins[1]], sym[0][0]
             if idx.ndim <= 1 and all(-len(entries) <= int(i) < len(entries) for i in idx.reshape(-1)):
                 self._set_dims_value(out, [entries[int(i)] for i in idx.reshape(-1)], idx.ndim == 0)
-        elif op == "Concat" and all(sym) and _attr(node, "axis", 0) == 0:
-            self._set_dims_value(out, [d for s in sym for d in s[0]], False)
+        elif op == "Concat" and n_in and all(sym[:n_in]) and _attr(node, "axis", 0) == 0:
+            self._set_dims_value(out, [d for s in sym[:n_in] for d in s[0]], False)
         elif op == "Unsqueeze" and sym[0] and sym[0][1]:
             self._set_dims_value(out, sym[0][0], False)
         elif op == "Squeeze" and sym[0] and len(sym[0][0]) == 1:
             self._set_dims_value(out, sym[0][0], True)
-        elif op == "Slice" and sym[0] and all(i in self.values for i in ins[1:3]):
+        elif op == "Slice" and sym[0] and all(i in self.values and self.values[i].size for i in ins[1:3]):
             s, e = int(self.values[ins[1]].reshape(-1)[0]), int(self.values[ins[2]].reshape(-1)[0])
             self._set_dims_value(out, sym[0][0][s:e], False)
         # bounds
@@ -540,9 +588,9 @@ class ShapesContext:
             self.bounds[out] = (b[0][0] + b[1][0], b[0][1] + b[1][1])
         elif op == "Sub" and b[0] and b[1]:
             self.bounds[out] = (b[0][0] - b[1][1], b[0][1] - b[1][0])
-        elif op in ("Min", "Max") and all(b):
+        elif op in ("Min", "Max") and n_in and all(b[:n_in]):
             f = min if op == "Min" else max
-            self.bounds[out] = (f(x[0] for x in b), f(x[1] for x in b))
+            self.bounds[out] = (f(x[0] for x in b[:n_in]), f(x[1] for x in b[:n_in]))
         elif op == "Clip" and b[0]:
             lo, hi = b[0]
             if len(b) > 1 and b[1]:
@@ -587,7 +635,7 @@ class ShapesContext:
         return defined, sub
 
     def _rule_If(self, node, label, scope, ins):
-        then_g, else_g = _attr(node, "then_branch"), _attr(node, "else_branch")
+        then_g, else_g = _graph_attr(node, "then_branch"), _graph_attr(node, "else_branch")
         if then_g is None or else_g is None:
             self.error("shape", label, f"If node '{label}' lacks then_branch or else_branch")
             return set()
@@ -649,7 +697,10 @@ class ShapesContext:
                           f"{kind} node '{label}' (initial value '{init}')")
 
     def _rule_Loop(self, node, label, scope, ins):
-        body = _attr(node, "body")
+        body = _graph_attr(node, "body")
+        if body is None:
+            self.error("shape", label, f"Loop node '{label}' has no body graph")
+            return set()
         carried = list(node.input[2:])
         n = len(carried)
         if len(body.input) != n + 2 or len(body.output) < n + 1:
@@ -658,7 +709,7 @@ class ShapesContext:
             return set()
         self.set_type(body.input[0].name, ValueType(TensorProto.INT64, ()), f"Loop node '{label}'")
         trips = self.values.get(node.input[0]) if node.input and node.input[0] else None
-        trip = int(trips.reshape(-1)[0]) if trips is not None else None
+        trip = int(trips.reshape(-1)[0]) if trips is not None and trips.size else None
         if trip is not None and trip > 0:  # the iteration number is bounded by the trip count
             self.bounds[body.input[0].name] = (0, trip - 1)
         self.set_type(body.input[1].name, ValueType(TensorProto.BOOL, ()), f"Loop node '{label}'")
@@ -676,19 +727,28 @@ class ShapesContext:
         return defined
 
     def _rule_Scan(self, node, label, scope, ins):
-        body = _attr(node, "body")
+        body = _graph_attr(node, "body")
         m = _attr(node, "num_scan_inputs", 0)
+        if body is None or not isinstance(m, int) or not 0 <= m <= len(node.input):
+            self.error("shape", label, f"Scan node '{label}' needs a body graph and 0 <= num_scan_inputs <= "
+                       f"{len(node.input)} (its inputs), not {m}")
+            return set()
         states = list(node.input[:len(node.input) - m])
         scans = list(node.input[len(node.input) - m:])
         n = len(states)
-        in_axes = list(_attr(node, "scan_input_axes", [0] * m))
-        out_axes = list(_attr(node, "scan_output_axes", [0] * (len(body.output) - n)))
+        if len(body.input) != n + m or len(body.output) < n:
+            self.error("shape", label, f"Scan node '{label}': the body has {len(body.input)} inputs and "
+                       f"{len(body.output)} outputs for {n} states and {m} scan inputs (expected {n + m} and >= {n})")
+            return set()
+        in_axes, out_axes = _attr(node, "scan_input_axes", [0] * m), _attr(node, "scan_output_axes", [])
+        in_axes = list(in_axes) if isinstance(in_axes, list) else []
+        out_axes = list(out_axes) if isinstance(out_axes, list) else []
         for j, init in enumerate(states):
             self._pre_carry(label, "Scan", init, body.input[j].name)
         length = None
         for k, name in enumerate(scans):
             t = self.type_of(name)
-            if t.shape is not None and k < len(in_axes) and n + k < len(body.input):
+            if t.shape and k < len(in_axes) and n + k < len(body.input):
                 ax = in_axes[k] % len(t.shape)
                 length = self.table.resolve(t.shape[ax]) if length is None else length
                 self.set_type(body.input[n + k].name, ValueType(t.elem, t.shape[:ax] + t.shape[ax + 1:]),
@@ -751,7 +811,7 @@ class ShapesContext:
         for c in body:
             if self._is_composite(c):
                 continue
-            for e in output_aliases(c):
+            for e in safe_node_aliases(c)[0]:
                 if e.output_index < len(c.output) and e.input_index < len(c.input):
                     self._union(c.output[e.output_index], c.input[e.input_index],
                                 f"node '{label}/{c.name}' in function '{f.name}'")
@@ -810,6 +870,35 @@ class ShapesContext:
 
 
 # --- helpers -------------------------------------------------------------------------------------------
+
+def _graph_attr(node: onnx.NodeProto, name: str):
+    """Attribute ``name`` of ``node`` when it is a graph, else None (a malformed model)."""
+    for a in node.attribute:
+        if a.name == name:
+            return a.g if a.type == onnx.AttributeProto.GRAPH else None
+    return None
+
+
+def _small(dims) -> bool:
+    """A tensor of these dims holds at most SMALL elements (decided from the dims, before any data)."""
+    n = 1
+    for d in dims:
+        if d < 0:
+            return False
+        n *= d
+        if n > SMALL:
+            return False
+    return True
+
+
+def _to_array(t: onnx.TensorProto):
+    """The contents of a small tensor, or None when they do not match its dims (a malformed model)."""
+    try:
+        arr = numpy_helper.to_array(t)
+    except Exception:  # truncated raw_data, a wrong count of values, an unknown data_type
+        return None
+    return arr if arr.size <= SMALL else None
+
 
 def _divide(num: list, den: list):
     """The dim d with prod(num) == d * prod(den) when it can be named (a number or one symbol)."""

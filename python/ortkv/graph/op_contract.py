@@ -1,0 +1,249 @@
+"""The op contract of every ortkv op: ports, element types, attributes (types, defaults, allowed values),
+limits, and which output MUST alias which input. One table, read by the alias checker (checker.py), the
+shape rules (op_rules.py, through ShapesContext) and the memory planner (its workspace).
+
+Note [Op contract]
+~~~~~~~~~~~~~~~~~~
+The alias of an ortkv op comes from the op itself, not from the model's annotations: the kernels
+declare it to ONNX Runtime (GetAliasMap, custom_ops/ort/cache_update_op.cc), and ORT writes through it
+whether or not the model says so. So the checker derives each ortkv node's aliases from
+``OpContract.must_alias``; an ``output_alias`` annotation on an ortkv node may repeat an entry of the
+contract (the builders write it) but never contradict it (rule ``alias-contract``). An unannotated
+CacheUpdate whose cache is an initializer or an input not marked READ_WRITE is therefore an error,
+exactly like an annotated one. Ops of other domains keep getting their aliases from annotations.
+
+What the kernels accept is written here once, and ``tests/test_op_contract.py`` runs the real kernels
+on a grid of attribute values, shapes and types and asserts that the rules and the kernels agree on
+every case (accepted / refused). Where a kernel is more lenient than the contract, the difference is
+named in ``KERNEL_LENIENCY`` (the checker refuses; the kernel would run with a default).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from onnx import AttributeProto, TensorProto
+
+from ..errors import GraphCheckError
+
+DOMAIN = "ortkv"
+FLOATS = (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16)
+INT = AttributeProto.INT
+FLOAT = AttributeProto.FLOAT
+
+
+@dataclass(frozen=True)
+class Port:
+    name: str
+    types: tuple[int, ...] | None  # allowed element types (None: any)
+    shape: str  # what the kernel expects, for messages and the README
+
+
+@dataclass(frozen=True)
+class Attr:
+    name: str
+    kind: int  # AttributeProto.INT or FLOAT
+    required: bool = False
+    default: object = None
+    allowed: tuple | None = None  # the only values the kernel runs with (None: see minimum / the rule)
+    minimum: float | None = None
+    doc: str = ""
+
+
+@dataclass(frozen=True)
+class OpContract:
+    domain: str
+    op_type: str
+    inputs: tuple[Port, ...]
+    outputs: tuple[Port, ...]
+    must_alias: tuple[tuple[int, int], ...]  # (output index, input index): the output IS the input's storage
+    attrs: tuple[Attr, ...]
+    limits: dict = field(default_factory=dict)
+    kernel: str = ""  # where a kernel exists ("" for a design-only contract)
+
+    def attr_spec(self, name: str) -> Attr | None:
+        return next((a for a in self.attrs if a.name == name), None)
+
+
+CONTRACTS: dict[tuple[str, str], OpContract] = {}
+
+
+def _add(c: OpContract) -> None:
+    CONTRACTS[(c.domain, c.op_type)] = c
+
+
+_add(OpContract(
+    DOMAIN, "CacheUpdate",
+    inputs=(Port("cache", FLOATS, "rank >= 3, e.g. BNSH [batch, heads, capacity, head_size]"),
+            Port("values", FLOATS, "the cache's shape except n >= 1 along the sequence axis"),
+            Port("position", (TensorProto.INT64,), "scalar or [batch]")),
+    outputs=(Port("updated_cache", FLOATS, "the cache's shape"),),
+    must_alias=((0, 0),),
+    attrs=(Attr("seq_axis", INT, default=-2,
+                doc="the sequence axis; negative counts from the end; must resolve into [1, rank - 1]"),),
+    kernel="CPU, CUDA",
+))
+_add(OpContract(
+    DOMAIN, "CacheAttention",
+    inputs=(Port("query", (TensorProto.FLOAT,), "[batch, tokens, num_heads * head_size]"),
+            Port("key_cache", (TensorProto.FLOAT,), "rank 4: [batch, capacity, kv_heads, head_size] (seq_axis 1) "
+                 "or [batch, kv_heads, capacity, head_size] (seq_axis 2 / -2)"),
+            Port("value_cache", (TensorProto.FLOAT,), "the key cache's shape"),
+            Port("start", (TensorProto.INT64,), "scalar or [batch]")),
+    outputs=(Port("output", (TensorProto.FLOAT,), "the query's shape"),),
+    must_alias=(),
+    attrs=(Attr("num_heads", INT, required=True, minimum=1, doc="query heads"),
+           Attr("kv_num_heads", INT, required=True, minimum=1, doc="KV heads; num_heads must be a multiple"),
+           Attr("scale", FLOAT, default=0.0, doc="softmax scale; <= 0: 1 / sqrt(head_size)"),
+           Attr("seq_axis", INT, default=1, allowed=(1, 2, -2), doc="1: BSNH caches; 2 or -2: BNSH")),
+    limits={"max_group": 64},  # query heads per KV head (the CPU kernel's per-group accumulators)
+    kernel="CPU",
+))
+_add(OpContract(
+    DOMAIN, "PagedCacheUpdate",
+    inputs=(Port("pool", None, "the page pool (the kernel's per-page formats)"),
+            Port("page_table", (TensorProto.INT32, TensorProto.INT64), "[batch, max_pages]"),
+            Port("values", FLOATS, "[batch, tokens, kv_heads, head_size]"),
+            Port("positions", (TensorProto.INT64,), "scalar or [batch]")),
+    outputs=(Port("updated_pool", None, "the pool"), Port("updated_page_table", None, "the page table")),
+    must_alias=((0, 0), (1, 1)),
+    attrs=(Attr("page_size", INT, required=True, minimum=1, doc="tokens per page"),),
+))
+_add(OpContract(
+    DOMAIN, "PagedCacheAttention",
+    inputs=(Port("query", None, "[batch, tokens, num_heads * head_size]"), Port("pool", None, "the page pool"),
+            Port("page_table", (TensorProto.INT32, TensorProto.INT64), "[batch, max_pages]"),
+            Port("start", (TensorProto.INT64,), "scalar or [batch]")),
+    outputs=(Port("output", None, "the query's shape"),),
+    must_alias=(),
+    attrs=(),
+))
+
+# Where a kernel runs what the contract refuses (documented, tested in tests/test_op_contract.py):
+KERNEL_LENIENCY = {
+    "attribute-type": "an attribute of the wrong type (seq_axis=1.0, scale=1) is read as absent by the "
+                      "kernels, which then run with the default; the checker refuses it",
+}
+
+
+def contract_of(node) -> OpContract | None:
+    return CONTRACTS.get((node.domain, node.op_type))
+
+
+_KIND_NAME = {INT: "int", FLOAT: "float"}
+
+
+def attribute(node, name: str, contract: OpContract | None = None):
+    """The value of ``node``'s attribute ``name`` as the kernel reads it: the contract's default when
+    absent or of the wrong type (what KernelInfoGetAttribute does). Never raises."""
+    contract = contract or contract_of(node)
+    spec = contract.attr_spec(name) if contract else None
+    for a in node.attribute:
+        if a.name != name:
+            continue
+        if spec is None:
+            return None
+        if a.type == spec.kind == INT:
+            return int(a.i)
+        if a.type == spec.kind == FLOAT:
+            return float(a.f)
+        break
+    return spec.default if spec else None
+
+
+def attribute_problems(node, contract: OpContract) -> list[str]:
+    """What is wrong with ``node``'s attributes and ports by the contract (messages without the node)."""
+    problems = []
+    given = {}
+    for a in node.attribute:
+        given.setdefault(a.name, a)
+    for spec in contract.attrs:
+        a = given.get(spec.name)
+        if a is None:
+            if spec.required:
+                problems.append(f"attribute {spec.name} ({_KIND_NAME[spec.kind]}, {spec.doc}) is required")
+            continue
+        if a.type != spec.kind:
+            kind = AttributeProto.AttributeType.Name(a.type) if a.type in AttributeProto.AttributeType.values() \
+                else str(a.type)
+            problems.append(f"attribute {spec.name} is {kind}; it must be {_KIND_NAME[spec.kind]} ({spec.doc}; "
+                            f"the kernel reads a {kind} {spec.name} as absent)")
+            continue
+        value = a.i if spec.kind == INT else a.f
+        if spec.allowed is not None and value not in spec.allowed:
+            problems.append(f"attribute {spec.name}={value}; allowed: {', '.join(map(str, spec.allowed))} "
+                            f"({spec.doc})")
+        elif spec.minimum is not None and value < spec.minimum:
+            problems.append(f"attribute {spec.name}={value} must be >= {spec.minimum:g} ({spec.doc})")
+    return problems
+
+
+def arity_problems(node, contract: OpContract) -> list[str]:
+    """Every port of an ortkv op is required (INPUT_OUTPUT_REQUIRED): exactly that many, none empty."""
+    problems = []
+    for what, names, ports in (("inputs", list(node.input), contract.inputs),
+                               ("outputs", list(node.output), contract.outputs)):
+        want = ", ".join(p.name for p in ports)
+        if len(names) != len(ports):
+            problems.append(f"has {len(names)} {what} but {contract.op_type} takes {len(ports)} ({want})")
+        elif any(not n for n in names):
+            k = next(i for i, n in enumerate(names) if not n)
+            problems.append(f"{what[:-1]} {k} ({ports[k].name}) is empty; every port of {contract.op_type} is "
+                            f"required ({want})")
+    return problems
+
+
+@dataclass(frozen=True)
+class NodeAlias:
+    output_index: int
+    input_index: int
+    source: str  # "contract" or "annotation"
+
+
+def node_aliases(node) -> tuple[list[NodeAlias], list[str]]:
+    """The aliases of one node: its op contract's (ortkv ops) and its ``output_alias`` annotation,
+    and the ways the annotation contradicts the contract (messages). Entries may name ports the node
+    lacks; callers report those (alias-index). Raises GraphCheckError for a malformed annotation."""
+    from .annotations import output_aliases
+
+    contract = contract_of(node)
+    entries: list[NodeAlias] = []
+    problems: list[str] = []
+    declared = output_aliases(node)
+    if contract is None:
+        return [NodeAlias(e.output_index, e.input_index, "annotation") for e in declared], problems
+    want = dict(contract.must_alias)
+    for o, i in contract.must_alias:
+        if o < len(node.output) and node.output[o] and i < len(node.input) and node.input[i]:
+            entries.append(NodeAlias(o, i, "contract"))
+    for e in declared:
+        if want.get(e.output_index) == e.input_index:
+            continue  # repeats the contract
+        if e.output_index >= len(node.output) or e.input_index >= len(node.input):
+            entries.append(NodeAlias(e.output_index, e.input_index, "annotation"))  # callers: alias-index
+            continue
+        if e.output_index in want:
+            problems.append(f"output_alias '{e}' says output {e.output_index} is the storage of input "
+                            f"{e.input_index}, but {contract.op_type}'s kernel makes output {e.output_index} the "
+                            f"storage of input {want[e.output_index]} "
+                            f"({contract.inputs[want[e.output_index]].name}); remove or correct the annotation")
+        else:
+            problems.append(f"output_alias '{e}' says output {e.output_index} is the storage of input "
+                            f"{e.input_index}, but {contract.op_type} writes a new buffer for that output (its "
+                            f"kernel declares no alias there); remove the annotation")
+    return entries, problems
+
+
+def safe_node_aliases(node) -> tuple[list[NodeAlias], list[str], str | None]:
+    """node_aliases, with a malformed annotation returned as a message instead of raised (the
+    contract's entries still hold)."""
+    try:
+        entries, problems = node_aliases(node)
+        return entries, problems, None
+    except GraphCheckError as exc:
+        contract = contract_of(node)
+        entries = []
+        if contract is not None:
+            entries = [NodeAlias(o, i, "contract") for o, i in contract.must_alias
+                       if o < len(node.output) and node.output[o] and i < len(node.input) and node.input[i]]
+        return entries, [], str(exc)
