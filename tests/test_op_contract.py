@@ -306,19 +306,26 @@ def test_parity_grid_covers_both_verdicts():
     assert not verdicts["n-zero"] and not verdicts["seq_axis-1"]
 
 
-@pytest.mark.parametrize("which", ["update-float-seq_axis", "attention-float-seq_axis"])
-def test_known_kernel_leniency_attribute_type(which):
-    """KERNEL_LENIENCY['attribute-type']: the kernels read a wrongly typed attribute as absent and run
-    with the default; the contract refuses it with a message naming the attribute and the type."""
-    assert "attribute-type" in KERNEL_LENIENCY
+@pytest.mark.parametrize("which", ["update-float-seq_axis", "attention-float-seq_axis", "attention-int-scale"])
+def test_wrongly_typed_attribute_refused_by_checker_and_kernel(which):
+    """seq_axis=1.0 (or scale=1) used to be read by the kernels as absent, running with the default;
+    now both the contract and the kernel refuse it, naming the attribute."""
+    assert KERNEL_LENIENCY == {}
     if which.startswith("update"):
         model, feeds, same, bounds = _update_case(attrs={"seq_axis": 1.0})
-    else:
+        attr, kind = "seq_axis", "int"
+    elif which == "attention-float-seq_axis":
         model, feeds, same, bounds = _attention_case(attrs={"num_heads": 4, "kv_num_heads": 2, "seq_axis": 2.0})
+        attr, kind = "seq_axis", "int"
+    else:
+        model, feeds, same, bounds = _attention_case(attrs={"num_heads": 4, "kv_num_heads": 2, "scale": 1})
+        attr, kind = "scale", "float"
     report = check(model, bounds=bounds, plan=False)
     assert [e.rule for e in report.errors] == ["op-input"]
-    assert "attribute seq_axis is FLOAT; it must be int" in report.errors[0].message
-    assert _kernel_verdict(model, feeds, same) is True  # the kernel's leniency, documented
+    assert f"attribute {attr} is" in report.errors[0].message and f"it must be {kind}" in report.errors[0].message
+    assert _kernel_verdict(model, feeds, same) is False
+    with pytest.raises(Exception, match=rf"attribute '{attr}' must be an? {kind}"):
+        ort_session(model)
 
 
 def test_refusals_leave_the_cache_untouched():

@@ -62,14 +62,9 @@ OrtStatus* Create(const OrtCustomOp*, const OrtApi* api, const OrtKernelInfo* in
   ORTKV_RETURN_IF_ORT_ERROR(ReadNodeNames(api, info, 4, 1, &k->names));
   ORTKV_RETURN_IF_ORT_ERROR(api->KernelInfoGetAttribute_int64(info, "num_heads", &k->num_heads));
   ORTKV_RETURN_IF_ORT_ERROR(api->KernelInfoGetAttribute_int64(info, "kv_num_heads", &k->kv_num_heads));
-  if (OrtStatus* s = api->KernelInfoGetAttribute_float(info, "scale", &k->scale)) {
-    api->ReleaseStatus(s);
-    k->scale = 0.0f;
-  }
-  if (OrtStatus* s = api->KernelInfoGetAttribute_int64(info, "seq_axis", &k->seq_axis)) {
-    api->ReleaseStatus(s);
-    k->seq_axis = 1;
-  }
+  // absent: scale 1/sqrt(head_size) (0 here), seq_axis 1 (BSNH)
+  ORTKV_RETURN_IF_ORT_ERROR(OptionalAttribute(api, info, k->names.node, "scale", 0.0f, &k->scale));
+  ORTKV_RETURN_IF_ORT_ERROR(OptionalAttribute(api, info, k->names.node, "seq_axis", int64_t{1}, &k->seq_axis));
   *kernel = k.release();
   return nullptr;
 }

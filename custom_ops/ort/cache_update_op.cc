@@ -153,13 +153,8 @@ OrtStatus* CreateKernel(const OrtCustomOp* op, const OrtApi* api, const OrtKerne
   auto k = std::make_unique<CacheUpdateKernel>();
   k->cuda = cuda;
   ORTKV_RETURN_IF_ORT_ERROR(ReadNodeNames(api, info, 3, 1, &k->names));
-  int64_t axis = -2;
-  OrtStatus* s = api->KernelInfoGetAttribute_int64(info, "seq_axis", &axis);
-  if (s != nullptr) {
-    api->ReleaseStatus(s);  // absent: the default, BNSH
-    axis = -2;
-  }
-  k->seq_axis = axis;
+  // absent: the default, BNSH
+  ORTKV_RETURN_IF_ORT_ERROR(OptionalAttribute(api, info, k->names.node, "seq_axis", int64_t{-2}, &k->seq_axis));
   *kernel = k.release();
   return nullptr;
 }

@@ -76,4 +76,34 @@ void InitCustomOp(OrtCustomOp* op) {
   op->GetEndVersion = [](const OrtCustomOp*) { return INT_MAX; };
 }
 
+namespace {
+template <typename T, typename Get>
+OrtStatus* Optional(const OrtApi* api, const std::string& node, const char* name, const char* type, T fallback,
+                    T* out, Get&& get) {
+  OrtStatus* s = get();
+  if (s == nullptr) return nullptr;
+  const std::string why = api->GetErrorMessage(s);
+  api->ReleaseStatus(s);
+  if (why.find("No attribute with name") != std::string::npos) {
+    *out = fallback;
+    return nullptr;
+  }
+  const std::string m = "[ortkv:E_INPUT] node '" + node + "': attribute '" + name + "' must be " + type +
+                        " (ONNX Runtime: " + why + "); it is not read as absent";
+  return api->CreateStatus(ORT_INVALID_ARGUMENT, m.c_str());
+}
+}  // namespace
+
+OrtStatus* OptionalAttribute(const OrtApi* api, const OrtKernelInfo* info, const std::string& node, const char* name,
+                             int64_t fallback, int64_t* out) {
+  return Optional(api, node, name, "an int", fallback, out,
+                  [&] { return api->KernelInfoGetAttribute_int64(info, name, out); });
+}
+
+OrtStatus* OptionalAttribute(const OrtApi* api, const OrtKernelInfo* info, const std::string& node, const char* name,
+                             float fallback, float* out) {
+  return Optional(api, node, name, "a float", fallback, out,
+                  [&] { return api->KernelInfoGetAttribute_float(info, name, out); });
+}
+
 }  // namespace ortkv_ort

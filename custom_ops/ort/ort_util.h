@@ -49,6 +49,14 @@ struct NodeNames {
 };
 OrtStatus* ReadNodeNames(const OrtApi* api, const OrtKernelInfo* info, size_t inputs, size_t outputs, NodeNames* out);
 
+// An optional attribute: absent -> `fallback`; present with another type (seq_axis=1.0) -> an error
+// naming the node, the attribute and the type it must have. ORT's KernelInfoGetAttribute_* answer both
+// cases with an error status; only "No attribute with name" means absent (anything else refuses).
+OrtStatus* OptionalAttribute(const OrtApi* api, const OrtKernelInfo* info, const std::string& node, const char* name,
+                             int64_t fallback, int64_t* out);
+OrtStatus* OptionalAttribute(const OrtApi* api, const OrtKernelInfo* info, const std::string& node, const char* name,
+                             float fallback, float* out);
+
 // Zeroes `op` and fills what every ortkv op shares: version (>= 18, so GetAliasMap is honoured),
 // required single inputs and outputs, default memory types, opset range [1, INT_MAX]. Each op then
 // sets its name, types, kernel callbacks and shape inference.

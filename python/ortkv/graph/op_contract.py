@@ -15,7 +15,8 @@ exactly like an annotated one. Ops of other domains keep getting their aliases f
 What the kernels accept is written here once, and ``tests/test_op_contract.py`` runs the real kernels
 on a grid of attribute values, shapes and types and asserts that the rules and the kernels agree on
 every case (accepted / refused). Where a kernel is more lenient than the contract, the difference is
-named in ``KERNEL_LENIENCY`` (the checker refuses; the kernel would run with a default).
+named in ``KERNEL_LENIENCY`` (the checker refuses; the kernel would run with a default); it is empty
+now that the kernels refuse a wrongly typed attribute too.
 """
 
 from __future__ import annotations
@@ -120,10 +121,7 @@ _add(OpContract(
 ))
 
 # Where a kernel runs what the contract refuses (documented, tested in tests/test_op_contract.py):
-KERNEL_LENIENCY = {
-    "attribute-type": "an attribute of the wrong type (seq_axis=1.0, scale=1) is read as absent by the "
-                      "kernels, which then run with the default; the checker refuses it",
-}
+KERNEL_LENIENCY: dict[str, str] = {}
 
 
 def contract_of(node) -> OpContract | None:
