@@ -1,0 +1,186 @@
+// Per-page KV formats: what a page of the paged cache holds, byte for byte.
+//
+// Framework-free and usable from host and CUDA device code (functions are ORTKV_HD). The codecs that
+// fill and read these bytes are in codecs.h; the numpy reference with the same layout is
+// python/ortkv/reference/codecs.py.
+//
+// Note [Page formats]
+// ~~~~~~~~~~~~~~~~~~~
+// A page holds [2 (K, V), kv_heads, page_size, head_size] values of one logical element type (float16
+// or bfloat16). Each page picks its own physical format; every format decodes to float32 in registers
+// (the kernel converts to the logical type) with the same page shape. A "row" is the head_size values
+// of one (K or V, head, token).
+//
+//   format     payload bits   scales per row (float16)      quantizer
+//   F16        16             0                             IEEE binary16, round-to-nearest-even
+//   BF16       16             0                             bfloat16, round-to-nearest-even
+//   INT8       8              1: s                          symmetric, q = rint(x / s) in [-127, 127]
+//   FP8_E4M3   8              1: s                          e4m3fn(x / s), RNE, saturating at 448
+//   INT4       4              2: s, m                       asymmetric, q = rint((x - m) / s) in [0, 15]
+//   INT2       2              2: s, m                       asymmetric, q = rint((x - m) / s) in [0, 3]
+//
+// Granularity: every scaled format uses one scale set per (K or V, head, token) row, for K and V alike.
+//   * Direct writes. A decode step writes one token; with per-token scales that token's row is encoded
+//     on its own and no other byte of the page changes, so every format accepts direct writes and no
+//     page has to fill in a wide format and be requantized when full.
+//   * Bytes. Scales per row cost 2 (INT8, FP8) or 4 (INT4, INT2) bytes per head_size values, whatever
+//     the page size. KIVI's per-channel keys cost 4 * head_size bytes per (head, page) instead, i.e.
+//     4 * head_size / page_size bytes per key row: with page_size 16 and head_size 128 that is 32
+//     bytes per row, as much as the INT2 payload itself (it only breaks even at page_size == head_size).
+//   * Error. Per-token scales follow each token's range; what they lose is keys with a few outlier
+//     channels (a per-token scale is set by the outlier and the other channels share few levels).
+//     benchmarks/page_formats.py measures both granularities on keys with outlier channels
+//     (benchmarks/results/page_formats.md): per-channel keys are markedly better at INT2/INT4 on such
+//     keys, so a per-channel-key INT4/INT2 variant (filled in F16, requantized when the page is full:
+//     KIVI's residual window expressed as pages) is the next format to add for page_size >= head_size.
+//     KVQuant's sink tokens need no special format: the pages that hold them simply stay F16/BF16.
+//   * INT8 and FP8 are symmetric (zero decodes to exactly zero, one scale). INT4 and INT2 are
+//     asymmetric (a scale and a minimum), since with 16 or 4 levels a symmetric grid wastes half of
+//     them on a skewed row.
+//
+// Scales are float16: they halve the scale bytes against float32 (INT2 with head_size 128: 4 bytes of
+// scales per 32 bytes of payload instead of 8, i.e. 12.5 % of overhead instead of 25 %), and the
+// codec never loses accuracy to the narrow scale: s is rounded UP to the next float16 (and the INT4/
+// INT2 minimum DOWN), and the quantizer then divides by the stored, rounded value, so the stated error
+// bounds hold with the stored scale. A row whose scale or minimum does not fit float16 (|x| beyond
+// about 8e6 for INT8, 3e7 for FP8, 9.8e5 for INT4; only possible with bfloat16 or float32 inputs) is
+// refused: store that page as BF16.
+//
+// Non-finite inputs: the scaled formats REFUSE a row holding inf or NaN (the row's bytes are left
+// untouched, EncodeRow returns RowResult::kNonFinite); F16 and BF16 store every value as the logical
+// type does (overflow to inf, NaN stays NaN), since they are that type.
+//
+// Packing: the payload of a row is head_size codes in channel order. INT8 codes are two's complement
+// bytes, FP8 codes are e4m3fn bytes. INT4: channel c sits in byte c / 2, in the LOW nibble for even c
+// and the HIGH nibble for odd c. INT2: channel c sits in byte c / 4 at bits 2 * (c % 4) (channel 0 in
+// the two lowest bits). So head_size must be even for INT4 and a multiple of 4 for INT2.
+//
+// Page layout (offsets from the page's first byte; every section starts on a 16-byte boundary so that
+// kernels can use 16-byte vector loads, and the page size is a multiple of 16):
+//
+//   K payload  [kv_heads][page_size][row_bytes]          row_bytes = head_size * bits / 8
+//   V payload  [kv_heads][page_size][row_bytes]
+//   K scales   [kv_heads][page_size][scales_per_row] float16
+//   V scales   [kv_heads][page_size][scales_per_row] float16
+//
+// The padding is at most 4 * 15 bytes per page; for page_size >= 16 and head_size a multiple of 16 it
+// is zero, so bytes per page equal the ideal (payload + scales) exactly (tests/test_codecs.py checks
+// the 5 % goal on a grid of shapes).
+//
+// Physical form for ONNX Runtime (proposal for PagedCacheUpdate / PagedCacheAttention): ORT cannot bind
+// a sequence of differently typed tensors, so the cache is
+//   * one uint8 byte pool per format present, pool_f : [num_slots_f, PageBytes(f, shape)] (each pool's
+//     slots are exactly its format's page size, so any mix of formats wastes no slot bytes: a single
+//     pool with max-sized slots would waste up to 8x for INT2 pages in an F16-sized slot);
+//   * a page directory, int32 [num_pages, 2] = (format, slot index in that format's pool);
+//   * per sequence page tables, int32 [batch, max_pages_per_seq] of page ids (-1 = none), and the
+//     sequence lengths as today.
+// A kernel resolves page id -> (format, slot) -> PageView{pool_f + slot * PageBytes, format, shape} and
+// calls PageView::DecodeRow / EncodeRow (codecs.h) in registers. Requantizing a page into another
+// format is DecodePage into float + EncodePage into a slot of the other pool + one directory write.
+#pragma once
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define ORTKV_HD __host__ __device__ __forceinline__
+#else
+#define ORTKV_HD inline
+#endif
+
+namespace ortkv {
+namespace codecs {
+
+enum class PageFormat : int32_t {
+  kF16 = 0,
+  kBF16 = 1,
+  kInt8 = 2,
+  kFp8E4M3 = 3,
+  kInt4 = 4,
+  kInt2 = 5,
+};
+constexpr int32_t kNumPageFormats = 6;
+constexpr uint64_t kSectionAlign = 16;
+
+ORTKV_HD bool IsValidFormat(int32_t f) { return f >= 0 && f < kNumPageFormats; }
+
+inline const char* FormatName(PageFormat f) {
+  switch (f) {
+    case PageFormat::kF16: return "F16";
+    case PageFormat::kBF16: return "BF16";
+    case PageFormat::kInt8: return "INT8";
+    case PageFormat::kFp8E4M3: return "FP8_E4M3";
+    case PageFormat::kInt4: return "INT4";
+    case PageFormat::kInt2: return "INT2";
+  }
+  return "?";
+}
+
+// Bits of payload per value.
+ORTKV_HD int32_t PayloadBits(PageFormat f) {
+  switch (f) {
+    case PageFormat::kF16:
+    case PageFormat::kBF16: return 16;
+    case PageFormat::kInt8:
+    case PageFormat::kFp8E4M3: return 8;
+    case PageFormat::kInt4: return 4;
+    case PageFormat::kInt2: return 2;
+  }
+  return 0;
+}
+
+// float16 scale values per row: 0 (F16, BF16), 1 (s: INT8, FP8), 2 (s, minimum: INT4, INT2).
+ORTKV_HD int32_t ScalesPerRow(PageFormat f) {
+  switch (f) {
+    case PageFormat::kF16:
+    case PageFormat::kBF16: return 0;
+    case PageFormat::kInt8:
+    case PageFormat::kFp8E4M3: return 1;
+    case PageFormat::kInt4:
+    case PageFormat::kInt2: return 2;
+  }
+  return 0;
+}
+
+// Channels per payload byte must divide head_size: 1 for 8/16-bit formats, 2 for INT4, 4 for INT2.
+ORTKV_HD int32_t HeadSizeMultiple(PageFormat f) {
+  return PayloadBits(f) >= 8 ? 1 : 8 / PayloadBits(f);
+}
+
+struct PageShape {
+  int32_t kv_heads = 0;
+  int32_t page_size = 0;
+  int32_t head_size = 0;
+};
+
+struct PageLayout {
+  uint64_t row_bytes = 0;        // payload bytes of one row
+  uint64_t scale_row_bytes = 0;  // scale bytes of one row (2 per float16 scale)
+  uint64_t k_payload = 0;        // section offsets from the page's first byte
+  uint64_t v_payload = 0;
+  uint64_t k_scales = 0;
+  uint64_t v_scales = 0;
+  uint64_t page_bytes = 0;   // the page's size (a multiple of kSectionAlign)
+  uint64_t ideal_bytes = 0;  // payload + scales, no padding
+};
+
+ORTKV_HD uint64_t AlignUp(uint64_t n, uint64_t a) { return (n + a - 1) / a * a; }
+
+// The layout of a page; the shape must have passed ValidateShape (codecs.h).
+ORTKV_HD PageLayout LayoutOf(PageFormat f, PageShape s) {
+  PageLayout l;
+  const uint64_t rows = static_cast<uint64_t>(s.kv_heads) * static_cast<uint64_t>(s.page_size);
+  l.row_bytes = static_cast<uint64_t>(s.head_size) * PayloadBits(f) / 8;
+  l.scale_row_bytes = 2u * static_cast<uint64_t>(ScalesPerRow(f));
+  const uint64_t payload = rows * l.row_bytes;
+  const uint64_t scales = rows * l.scale_row_bytes;
+  l.k_payload = 0;
+  l.v_payload = AlignUp(payload, kSectionAlign);
+  l.k_scales = l.v_payload + AlignUp(payload, kSectionAlign);
+  l.v_scales = l.k_scales + AlignUp(scales, kSectionAlign);
+  l.page_bytes = l.v_scales + AlignUp(scales, kSectionAlign);
+  l.ideal_bytes = 2 * (payload + scales);
+  return l;
+}
+
+}  // namespace codecs
+}  // namespace ortkv
