@@ -14,7 +14,8 @@ from ortkv.reference import codecs as R
 
 F = R.PageFormat
 ALL = list(F)
-SCALED = [F.INT8, F.FP8_E4M3, F.INT4, F.INT2]
+SCALED = [F.INT8, F.FP8_E4M3, F.INT4, F.INT2, F.INT4_KC, F.INT2_KC]
+KC = [F.INT4_KC, F.INT2_KC]  # keys per channel over the page
 SHAPES = [(1, 16, 64), (2, 16, 128), (3, 8, 64), (1, 4, 8), (2, 3, 12)]  # last two need padding
 
 
@@ -61,9 +62,10 @@ def test_layout_matches_reference(fmt, shape):
     lay = R.layout(fmt, *shape)
     assert T.codec_layout(int(fmt), *shape) == lay.__dict__
     kv, ps, hs = shape
-    bits = {F.F16: 16, F.BF16: 16, F.INT8: 8, F.FP8_E4M3: 8, F.INT4: 4, F.INT2: 2}[fmt]
-    scale_bytes = {F.F16: 0, F.BF16: 0, F.INT8: 2, F.FP8_E4M3: 2, F.INT4: 4, F.INT2: 4}[fmt]
-    assert lay.ideal_bytes == 2 * kv * ps * (hs * bits // 8 + scale_bytes)
+    bits = {F.F16: 16, F.BF16: 16, F.INT8: 8, F.FP8_E4M3: 8, F.INT4: 4, F.INT2: 2, F.INT4_KC: 4, F.INT2_KC: 2}[fmt]
+    scale_bytes = {F.F16: 0, F.BF16: 0, F.INT8: 2, F.FP8_E4M3: 2}.get(fmt, 4)
+    k_scale_bytes = kv * hs * 4 if fmt in KC else kv * ps * scale_bytes
+    assert lay.ideal_bytes == 2 * kv * ps * hs * bits // 8 + kv * ps * scale_bytes + k_scale_bytes
     for off in (lay.k_payload, lay.v_payload, lay.k_scales, lay.v_scales, lay.page_bytes):
         assert off % 16 == 0
     assert lay.page_bytes - lay.ideal_bytes <= 4 * 15
@@ -77,6 +79,8 @@ def test_bytes_per_page_within_5_percent_of_ideal(fmt):
             for hs in (32, 64, 80, 96, 128, 256):
                 lay = R.layout(fmt, kv, ps, hs)
                 assert lay.page_bytes <= 1.05 * lay.ideal_bytes, (kv, ps, hs, lay)
+                if ps >= 16 and hs % 16 == 0:
+                    assert lay.page_bytes == lay.ideal_bytes  # no padding at all (Note [Page formats])
                 checked += 1
     assert checked == 180
 
@@ -150,14 +154,21 @@ def test_round_trip_error_within_analytic_bound(fmt, kind):
     x = data(rng, (2, 4, 32, 64), kind)
     dec = T.codec_decode_page(int(fmt), 4, 32, 64, cpp_encode(fmt, x))
     err = np.abs(dec - x)
-    bound = R.round_trip_bound(fmt, x)
+    bound = R.page_round_trip_bound(fmt, x)
     assert (err <= bound).all(), f"max err/bound {(err / bound).max()}"
     if fmt in (F.F16, F.BF16) and kind not in ("float32", "tiny"):
         if fmt == F.F16:
             assert np.array_equal(dec, x)  # the inputs are float16 values: lossless
         return
     assert (err / bound).max() > 0.4  # the bound is attained (up to sampling), not vacuous
-    if fmt in SCALED:
+    if fmt in KC:  # keys: s/2 per channel; the bound is attained there too
+        assert (err[0] / bound[0]).max() > 0.4
+        cols = np.swapaxes(x[0], -1, -2)
+        scales = R.row_scales(fmt, cols)
+        assert (scales[..., 1].astype(np.float32) <= cols.min(axis=-1)).all()
+        assert (scales[..., 0].astype(np.float64) >= (cols.max(axis=-1) - scales[..., 1]) / R.QMAX[R.row_format(fmt)]
+                * (1 - 2.0**-23)).all()
+    elif fmt in SCALED:
         _, scales = R.encode_rows(fmt, x)
         s = scales[..., 0].astype(np.float64)
         if fmt in (F.INT8, F.FP8_E4M3):
@@ -174,7 +185,7 @@ def test_error_per_format_is_ordered():
     rng = np.random.default_rng(3)
     x = data(rng, (2, 4, 32, 128), "normal")
     rms = {}
-    for fmt in ALL:
+    for fmt in [F.F16, F.BF16, F.INT8, F.FP8_E4M3, F.INT4, F.INT2]:
         dec = T.codec_decode_page(int(fmt), 4, 32, 128, cpp_encode(fmt, x))
         rms[fmt] = float(np.sqrt(np.mean((dec - x) ** 2) / np.mean(x**2)))
     assert rms[F.F16] == 0.0
@@ -198,9 +209,11 @@ def test_constant_rows(fmt):
     page = cpp_encode(fmt, x)
     assert np.array_equal(page, R.encode_page(fmt, x))
     dec = T.codec_decode_page(int(fmt), 1, 6, 64, page)
-    assert (np.abs(dec - x) <= R.round_trip_bound(fmt, x)).all()
+    assert (np.abs(dec - x) <= R.page_round_trip_bound(fmt, x)).all()
     if fmt in (F.F16, F.INT4, F.INT2):  # scale 0, minimum = the constant: exact
         assert np.array_equal(dec, x)
+    if fmt in KC:  # values per row: exact; keys per channel see the 6 different constants
+        assert np.array_equal(dec[1], x[1]) and not np.array_equal(dec[0], x[0])
     assert np.all(dec == dec[..., :1])  # a constant row stays constant
 
 
@@ -224,11 +237,20 @@ def test_non_finite_inputs_refused_by_scaled_formats_page_untouched(fmt, bad):
     msg = str(err)
     assert f"{fmt.name} page: V row [head=1 token=5] holds inf or NaN" in msg and "page unchanged" in msg
     assert "F16/BF16" in msg
-    with pytest.raises(CacheInputError, match=rf"{fmt.name} row \[kv, head, token\] \[1, 1, 5\] holds inf or NaN"):
+    where = r"V row \[head, token\] \[1, 5\]" if fmt in KC else r"row \[kv, head, token\] \[1, 1, 5\]"
+    with pytest.raises(CacheInputError, match=rf"{fmt.name} {where} holds inf or NaN"):
         R.encode_page(fmt, x)
+    if fmt in KC:  # in the keys: named by channel
+        x[1, 1, 5, 17] = 0.0
+        x[0, 1, 2, 17] = bad
+        err = native_error(T.codec_encode_page, int(fmt), x, page)
+        assert np.array_equal(page, before)
+        assert f"{fmt.name} page: K channel [head=1 channel=17] holds inf or NaN" in str(err)
+        with pytest.raises(CacheInputError, match=rf"{fmt.name} K channel \[head, channel\] \[1, 17\] holds"):
+            R.encode_page(fmt, x)
 
 
-@pytest.mark.parametrize("fmt", [F.INT8, F.INT4, F.INT2, F.FP8_E4M3], ids=lambda f: f.name)
+@pytest.mark.parametrize("fmt", SCALED, ids=lambda f: f.name)
 def test_scale_beyond_float16_refused_page_untouched(fmt):
     x = np.zeros((2, 1, 4, 8), np.float32)
     x[0, 0, 2, :2] = (-2.0**25, 2.0**25)  # bfloat16-sized values: the float16 scale cannot hold them
@@ -236,7 +258,8 @@ def test_scale_beyond_float16_refused_page_untouched(fmt):
     before = page.copy()
     err = native_error(T.codec_encode_page, int(fmt), x, page)
     assert np.array_equal(page, before)
-    assert f"{fmt.name} page: K row [head=0 token=2] needs a scale or minimum beyond float16" in str(err)
+    where = "K channel [head=0 channel=0]" if fmt in KC else "K row [head=0 token=2]"
+    assert f"{fmt.name} page: {where} needs a scale or minimum beyond float16" in str(err)
     assert "store the page as BF16" in str(err)
     with pytest.raises(CacheInputError, match="beyond float16"):
         R.encode_page(fmt, x)
@@ -248,6 +271,7 @@ def test_bad_shapes_and_formats_refused():
     assert "head_size must be a multiple of 2; got head_size=7" in str(native_error(T.codec_layout, int(F.INT4), 1, 4, 7))
     assert "head_size must be a multiple of 4; got head_size=6" in str(native_error(T.codec_layout, int(F.INT2), 1, 4, 6))
     assert "page format 9 is not a page format" in str(native_error(T.codec_layout, 9, 1, 4, 8))
+    assert "page format -1 is not a page format" in str(native_error(T.codec_layout, -1, 1, 4, 8))
     assert "must be positive" in str(native_error(T.codec_layout, 0, 0, 4, 8))
     with pytest.raises(CacheInputError, match="multiple of 4; got head_size=6"):
         R.layout(F.INT2, 1, 4, 6)
@@ -295,10 +319,54 @@ def test_direct_row_write_refusals_leave_page_untouched(fmt):
     before = page.copy()
     row = data(rng, (64,), "normal")
     row[3] = np.nan
-    err = native_error(T.codec_encode_row, int(fmt), 2, 16, page, 0, 1, 4, row)
-    assert "K row [head=1 token=4] holds inf or NaN" in str(err)
+    err = native_error(T.codec_encode_row, int(fmt), 2, 16, page, 1, 1, 4, row)
+    assert f"{fmt.name} page: V row [head=1 token=4] holds inf or NaN" in str(err)
     row[3] = 1.0
     err = native_error(T.codec_encode_row, int(fmt), 2, 16, page, 1, 2, 4, row)
     assert "row (kv=1, head=2, token=4) is outside the page [2, 2, 16]; page unchanged" in str(err)
     native_error(T.codec_encode_row, int(fmt), 2, 16, page, 0, 0, 16, row)
     assert np.array_equal(page, before)
+
+
+@pytest.mark.parametrize("fmt", KC, ids=lambda f: f.name)
+def test_keys_per_channel_refuse_a_direct_key_row_write_page_untouched(fmt):
+    rng = np.random.default_rng(8)
+    page = cpp_encode(fmt, data(rng, (2, 2, 16, 64), "outliers"))
+    before = page.copy()
+    err = native_error(T.codec_encode_row, int(fmt), 2, 16, page, 0, 1, 3, data(rng, (64,), "normal"))
+    msg = str(err)
+    assert f"{fmt.name} page: K row [head=1 token=3]: keys are scaled per channel over the page" in msg
+    assert "fill the page as F16/BF16 and encode it whole when full" in msg and "page unchanged" in msg
+    assert np.array_equal(page, before)
+
+
+@pytest.mark.parametrize("fmt", KC, ids=lambda f: f.name)
+def test_requantize_full_f16_page_into_keys_per_channel(fmt):
+    """KIVI's residual window as pages: a page fills in F16 by direct writes, and once full it is decoded
+    and encoded whole into the narrow format; the result equals encoding the values directly."""
+    rng = np.random.default_rng(9)
+    x = data(rng, (2, 2, 16, 64), "outliers")
+    wide = np.zeros(R.layout(F.F16, 2, 16, 64).page_bytes, np.uint8)
+    for t in range(16):
+        for kv in range(2):
+            for h in range(2):
+                T.codec_encode_row(int(F.F16), 2, 16, wide, kv, h, t, x[kv, h, t])
+    full = T.codec_decode_page(int(F.F16), 2, 16, 64, wide)
+    assert np.array_equal(full, x)
+    assert np.array_equal(cpp_encode(fmt, full), R.encode_page(fmt, x))
+
+
+@pytest.mark.parametrize("fmt", KC, ids=lambda f: f.name)
+def test_keys_per_channel_beat_per_token_on_outlier_channels(fmt):
+    """The reason the *_KC formats exist (Note [Page formats]): keys with outlier channels."""
+    rng = np.random.default_rng(10)
+    offset = np.zeros(64)
+    offset[[3, 17, 40, 41]] = (20.0, -20.0, 15.0, -25.0)  # channels large for every token (KIVI, Fig. 2)
+    x = (rng.standard_normal((2, 4, 64, 64)) + offset).astype(np.float16).astype(np.float32)
+    per_token = R.row_format(fmt)
+    rms = {}
+    for f in (fmt, per_token):
+        dec = T.codec_decode_page(int(f), 4, 64, 64, cpp_encode(f, x))
+        rms[f] = [float(np.sqrt(np.mean((dec[kv] - x[kv]) ** 2) / np.mean(x[kv] ** 2))) for kv in range(2)]
+    assert rms[fmt][0] < 0.25 * rms[per_token][0], rms  # keys: per channel at least 4x as accurate
+    assert rms[fmt][1] == rms[per_token][1]  # values: the same quantizer

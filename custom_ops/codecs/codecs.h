@@ -143,27 +143,36 @@ enum class RowResult : int32_t {
   kOk = 0,
   kNonFinite = 1,      // a scaled format was given inf or NaN: nothing written
   kScaleOverflow = 2,  // the row's scale or minimum does not fit float16: nothing written
+  kNeedsFullPage = 3,  // a K row of a KeysPerChannel format: only EncodePage can write keys
 };
+
+// The per-row quantizer a format uses for its rows: the *_KC formats' V rows (and their keys' channels)
+// use INT4 / INT2's asymmetric quantizer.
+ORTKV_HD PageFormat RowFormat(PageFormat f) {
+  return f == PageFormat::kInt4KC ? PageFormat::kInt4 : (f == PageFormat::kInt2KC ? PageFormat::kInt2 : f);
+}
 
 // Largest code magnitude of the symmetric formats, levels - 1 of the asymmetric ones.
 ORTKV_HD float QMax(PageFormat f) {
   switch (f) {
     case PageFormat::kInt8: return 127.0f;
     case PageFormat::kFp8E4M3: return 448.0f;
-    case PageFormat::kInt4: return 15.0f;
-    case PageFormat::kInt2: return 3.0f;
+    case PageFormat::kInt4:
+    case PageFormat::kInt4KC: return 15.0f;
+    case PageFormat::kInt2:
+    case PageFormat::kInt2KC: return 3.0f;
     default: return 0.0f;
   }
 }
 
-// The float16 scales a row would get (scales[0] = s, scales[1] = minimum for INT4/INT2), without
-// writing the row. Returns kOk, kNonFinite or kScaleOverflow.
-ORTKV_HD RowResult RowScales(PageFormat f, const float* x, int32_t head_size, uint16_t* scales) {
+// The float16 scales of n values x[0], x[stride], ... (scales[0] = s, scales[1] = minimum for the
+// asymmetric formats), without writing anything. Returns kOk, kNonFinite or kScaleOverflow.
+ORTKV_HD RowResult RowScales(PageFormat f, const float* x, int32_t n, uint16_t* scales, int64_t stride = 1) {
   const int32_t ns = ScalesPerRow(f);
   if (ns == 0) return RowResult::kOk;
   float lo = x[0], hi = x[0], amax = 0.0f;
-  for (int32_t c = 0; c < head_size; ++c) {
-    const float v = x[c];
+  for (int32_t c = 0; c < n; ++c) {
+    const float v = x[c * stride];
     if (!(v - v == 0.0f)) return RowResult::kNonFinite;  // inf - inf and NaN are NaN
     lo = v < lo ? v : lo;
     hi = v > hi ? v : hi;
@@ -191,6 +200,7 @@ ORTKV_HD RowResult RowScales(PageFormat f, const float* x, int32_t head_size, ui
 // On any result other than kOk nothing is written.
 ORTKV_HD RowResult EncodeRow(PageFormat f, const float* x, int32_t head_size, uint8_t* payload,
                              uint16_t* scales) {
+  f = RowFormat(f);
   uint16_t sc[2] = {0, 0};
   const RowResult r = RowScales(f, x, head_size, sc);
   if (r != RowResult::kOk) return r;
@@ -235,6 +245,8 @@ ORTKV_HD RowResult EncodeRow(PageFormat f, const float* x, int32_t head_size, ui
       }
       break;
     }
+    default:
+      break;
   }
   for (int32_t i = 0; i < ScalesPerRow(f); ++i) scales[i] = sc[i];
   return r;
@@ -242,7 +254,7 @@ ORTKV_HD RowResult EncodeRow(PageFormat f, const float* x, int32_t head_size, ui
 
 ORTKV_HD void DecodeRow(PageFormat f, const uint8_t* payload, const uint16_t* scales, int32_t head_size,
                         float* out) {
-  switch (f) {
+  switch (RowFormat(f)) {
     case PageFormat::kF16:
       for (int32_t c = 0; c < head_size; ++c) {
         uint16_t h;
@@ -279,7 +291,54 @@ ORTKV_HD void DecodeRow(PageFormat f, const uint8_t* payload, const uint16_t* sc
       }
       return;
     }
+    default:
+      return;
   }
+}
+
+// Keys of a *_KC format: a token's row of codes with per-channel (s, m) pairs, channel_scales[2c] = s_c,
+// channel_scales[2c + 1] = m_c.
+ORTKV_HD void DecodeKeyRowPerChannel(PageFormat f, const uint8_t* payload, const uint16_t* channel_scales,
+                                     int32_t head_size, float* out) {
+  const int32_t bits = PayloadBits(f);
+  const uint32_t mask = (1u << bits) - 1u;
+  for (int32_t c = 0; c < head_size; ++c) {
+    const uint32_t q = (payload[(c * bits) / 8] >> ((c * bits) % 8)) & mask;
+    out[c] = static_cast<float>(q) * F16BitsToF32(channel_scales[2 * c]) + F16BitsToF32(channel_scales[2 * c + 1]);
+  }
+}
+
+// Encode the keys of one head of a *_KC page: keys [page_size][head_size] float32 (row stride
+// head_size), channel scales computed over the page's tokens. Returns the first channel's failure
+// (nothing written) or kOk.
+ORTKV_HD RowResult EncodeKeysPerChannel(PageFormat f, const float* keys, int32_t page_size, int32_t head_size,
+                                        uint8_t* payload, uint64_t row_bytes, uint16_t* channel_scales) {
+  for (int32_t c = 0; c < head_size; ++c) {
+    uint16_t sc[2];
+    const RowResult r = RowScales(f, keys + c, page_size, sc, head_size);
+    if (r != RowResult::kOk) return r;
+  }
+  const int32_t bits = PayloadBits(f);
+  const int32_t per_byte = 8 / bits;
+  const float qmax = QMax(f);
+  for (int32_t c = 0; c < head_size; ++c) RowScales(f, keys + c, page_size, channel_scales + 2 * c, head_size);
+  for (int32_t t = 0; t < page_size; ++t) {
+    const float* x = keys + static_cast<int64_t>(t) * head_size;
+    uint8_t* row = payload + t * row_bytes;
+    for (int32_t b = 0; b < head_size / per_byte; ++b) {
+      uint32_t byte = 0;
+      for (int32_t j = 0; j < per_byte; ++j) {
+        const int32_t c = b * per_byte + j;
+        const float s = F16BitsToF32(channel_scales[2 * c]);
+        const float m = F16BitsToF32(channel_scales[2 * c + 1]);
+        float q = s > 0.0f ? rintf((x[c] - m) / s) : 0.0f;
+        q = q > qmax ? qmax : (q < 0.0f ? 0.0f : q);
+        byte |= static_cast<uint32_t>(q) << (bits * j);
+      }
+      row[b] = static_cast<uint8_t>(byte);
+    }
+  }
+  return RowResult::kOk;
 }
 
 // ---- one page ------------------------------------------------------------------------------------
@@ -304,15 +363,26 @@ struct PageView {
   ORTKV_HD uint8_t* PayloadRow(int32_t kv, int32_t head, int32_t token) const {
     return base + (kv ? layout.v_payload : layout.k_payload) + RowIndex(head, token) * layout.row_bytes;
   }
+  // The scales of a row; for the keys of a *_KC format, the head's channel scales [head_size][2].
   ORTKV_HD uint16_t* ScaleRow(int32_t kv, int32_t head, int32_t token) const {
+    if (kv == 0 && KeysPerChannel(format)) {
+      return reinterpret_cast<uint16_t*>(base + layout.k_scales +
+                                         static_cast<uint64_t>(head) * shape.head_size * layout.scale_row_bytes);
+    }
     return reinterpret_cast<uint16_t*>(base + (kv ? layout.v_scales : layout.k_scales) +
                                        RowIndex(head, token) * layout.scale_row_bytes);
   }
   ORTKV_HD void DecodeRow(int32_t kv, int32_t head, int32_t token, float* out) const {
+    if (kv == 0 && KeysPerChannel(format)) {
+      DecodeKeyRowPerChannel(format, PayloadRow(0, head, token), ScaleRow(0, head, token), shape.head_size, out);
+      return;
+    }
     codecs::DecodeRow(format, PayloadRow(kv, head, token), ScaleRow(kv, head, token), shape.head_size, out);
   }
-  // A direct write of one token's row: only that row's payload and scales change (every format).
+  // A direct write of one token's row: only that row's payload and scales change. Every format but the
+  // keys of a *_KC format (kNeedsFullPage: fill the page as F16/BF16 and EncodePage it when full).
   ORTKV_HD RowResult EncodeRow(int32_t kv, int32_t head, int32_t token, const float* in) const {
+    if (kv == 0 && KeysPerChannel(format)) return RowResult::kNeedsFullPage;
     return codecs::EncodeRow(format, in, shape.head_size, PayloadRow(kv, head, token), ScaleRow(kv, head, token));
   }
 };
@@ -322,7 +392,7 @@ inline Status ValidateShape(int32_t format, PageShape s) {
   if (!IsValidFormat(format)) {
     return Status(Code::kInvalidArgument, "page format " + std::to_string(format) +
                                               " is not a page format (0 F16, 1 BF16, 2 INT8, 3 FP8_E4M3, "
-                                              "4 INT4, 5 INT2)");
+                                              "4 INT4, 5 INT2, 6 INT4_KC, 7 INT2_KC)");
   }
   const PageFormat f = static_cast<PageFormat>(format);
   if (s.kv_heads <= 0 || s.page_size <= 0 || s.head_size <= 0) {
@@ -341,9 +411,14 @@ inline Status ValidateShape(int32_t format, PageShape s) {
   return Status::Ok();
 }
 
-inline Status RowError(RowResult r, PageFormat f, int32_t kv, int32_t head, int32_t token) {
-  const std::string where = std::string(kv ? "V" : "K") + " row [head=" + std::to_string(head) +
-                            " token=" + std::to_string(token) + "]";
+// where: "K row [head=1 token=4]" or "K channel [head=1 channel=7]".
+inline Status RowError(RowResult r, PageFormat f, const std::string& where) {
+  if (r == RowResult::kNeedsFullPage) {
+    return Status(Code::kInvalidArgument, std::string(FormatName(f)) + " page: " + where +
+                                              ": keys are scaled per channel over the page, so a key row cannot "
+                                              "be written alone; fill the page as F16/BF16 and encode it whole "
+                                              "when full (EncodePage); page unchanged");
+  }
   if (r == RowResult::kNonFinite) {
     return Status(Code::kInvalidArgument, std::string(FormatName(f)) + " page: " + where +
                                               " holds inf or NaN; the scaled formats refuse non-finite "
@@ -357,24 +432,48 @@ inline Status RowError(RowResult r, PageFormat f, int32_t kv, int32_t head, int3
 
 // Encode a whole page from values [2][kv_heads][page_size][head_size] float32. Every row is checked
 // before any byte is written: on error the page is unchanged. Padding bytes are zeroed.
+inline std::string RowName(int32_t kv, int32_t head, int32_t token) {
+  return std::string(kv ? "V" : "K") + " row [head=" + std::to_string(head) + " token=" + std::to_string(token) + "]";
+}
+
+// Encode a whole page from values [2][kv_heads][page_size][head_size] float32 (also the requantization of
+// a full page: DecodePage of the wide page, then EncodePage into the narrow one). Every row (and, for
+// the keys of a *_KC format, every channel) is checked before any byte is written: on error the page is
+// unchanged. Padding bytes are zeroed.
 inline Status EncodePage(const PageView& page, const float* values) {
   ORTKV_RETURN_IF_ERR(ValidateShape(static_cast<int32_t>(page.format), page.shape));
   const PageShape& s = page.shape;
+  const bool kc = KeysPerChannel(page.format);
+  const auto at = [&](int32_t kv, int32_t h, int32_t t) {
+    return values + ((static_cast<uint64_t>(kv) * s.kv_heads + h) * s.page_size + t) * s.head_size;
+  };
   uint16_t sc[2];
   for (int32_t kv = 0; kv < 2; ++kv)
-    for (int32_t h = 0; h < s.kv_heads; ++h)
-      for (int32_t t = 0; t < s.page_size; ++t) {
-        const float* row = values + ((static_cast<uint64_t>(kv) * s.kv_heads + h) * s.page_size + t) * s.head_size;
-        const RowResult r = RowScales(page.format, row, s.head_size, sc);
-        if (r != RowResult::kOk) return RowError(r, page.format, kv, h, t);
+    for (int32_t h = 0; h < s.kv_heads; ++h) {
+      if (kv == 0 && kc) {
+        for (int32_t c = 0; c < s.head_size; ++c) {
+          const RowResult r = RowScales(page.format, at(0, h, 0) + c, s.page_size, sc, s.head_size);
+          if (r != RowResult::kOk) {
+            return RowError(r, page.format, "K channel [head=" + std::to_string(h) + " channel=" + std::to_string(c) + "]");
+          }
+        }
+        continue;
       }
+      for (int32_t t = 0; t < s.page_size; ++t) {
+        const RowResult r = RowScales(RowFormat(page.format), at(kv, h, t), s.head_size, sc);
+        if (r != RowResult::kOk) return RowError(r, page.format, RowName(kv, h, t));
+      }
+    }
   memset(page.base, 0, page.layout.page_bytes);
   for (int32_t kv = 0; kv < 2; ++kv)
-    for (int32_t h = 0; h < s.kv_heads; ++h)
-      for (int32_t t = 0; t < s.page_size; ++t) {
-        const float* row = values + ((static_cast<uint64_t>(kv) * s.kv_heads + h) * s.page_size + t) * s.head_size;
-        page.EncodeRow(kv, h, t, row);
+    for (int32_t h = 0; h < s.kv_heads; ++h) {
+      if (kv == 0 && kc) {
+        EncodeKeysPerChannel(page.format, at(0, h, 0), s.page_size, s.head_size, page.PayloadRow(0, h, 0),
+                             page.layout.row_bytes, page.ScaleRow(0, h, 0));
+        continue;
       }
+      for (int32_t t = 0; t < s.page_size; ++t) page.EncodeRow(kv, h, t, at(kv, h, t));
+    }
   return Status::Ok();
 }
 
@@ -400,7 +499,7 @@ inline Status EncodeRowInto(const PageView& page, int32_t kv, int32_t head, int3
                                               "]; page unchanged");
   }
   const RowResult r = page.EncodeRow(kv, head, token, row);
-  if (r != RowResult::kOk) return RowError(r, page.format, kv, head, token);
+  if (r != RowResult::kOk) return RowError(r, page.format, RowName(kv, head, token));
   return Status::Ok();
 }
 

@@ -11,32 +11,37 @@
 // (the kernel converts to the logical type) with the same page shape. A "row" is the head_size values
 // of one (K or V, head, token).
 //
-//   format     payload bits   scales per row (float16)      quantizer
-//   F16        16             0                             IEEE binary16, round-to-nearest-even
-//   BF16       16             0                             bfloat16, round-to-nearest-even
-//   INT8       8              1: s                          symmetric, q = rint(x / s) in [-127, 127]
-//   FP8_E4M3   8              1: s                          e4m3fn(x / s), RNE, saturating at 448
-//   INT4       4              2: s, m                       asymmetric, q = rint((x - m) / s) in [0, 15]
-//   INT2       2              2: s, m                       asymmetric, q = rint((x - m) / s) in [0, 3]
+//   format     payload bits   float16 scales                quantizer
+//   F16        16             none                          IEEE binary16, round-to-nearest-even
+//   BF16       16             none                          bfloat16, round-to-nearest-even
+//   INT8       8              s per row                     symmetric, q = rint(x / s) in [-127, 127]
+//   FP8_E4M3   8              s per row                     e4m3fn(x / s), RNE, saturating at 448
+//   INT4       4              (s, m) per row                asymmetric, q = rint((x - m) / s) in [0, 15]
+//   INT2       2              (s, m) per row                asymmetric, q = rint((x - m) / s) in [0, 3]
+//   INT4_KC    4              K: (s, m) per (head, channel) over the page's tokens; V: per row
+//   INT2_KC    2              K: (s, m) per (head, channel) over the page's tokens; V: per row
 //
-// Granularity: every scaled format uses one scale set per (K or V, head, token) row, for K and V alike.
-//   * Direct writes. A decode step writes one token; with per-token scales that token's row is encoded
-//     on its own and no other byte of the page changes, so every format accepts direct writes and no
-//     page has to fill in a wide format and be requantized when full.
-//   * Bytes. Scales per row cost 2 (INT8, FP8) or 4 (INT4, INT2) bytes per head_size values, whatever
-//     the page size. KIVI's per-channel keys cost 4 * head_size bytes per (head, page) instead, i.e.
-//     4 * head_size / page_size bytes per key row: with page_size 16 and head_size 128 that is 32
-//     bytes per row, as much as the INT2 payload itself (it only breaks even at page_size == head_size).
-//   * Error. Per-token scales follow each token's range; what they lose is keys with a few outlier
-//     channels (a per-token scale is set by the outlier and the other channels share few levels).
-//     benchmarks/page_formats.py measures both granularities on keys with outlier channels
-//     (benchmarks/results/page_formats.md): per-channel keys are markedly better at INT2/INT4 on such
-//     keys, so a per-channel-key INT4/INT2 variant (filled in F16, requantized when the page is full:
-//     KIVI's residual window expressed as pages) is the next format to add for page_size >= head_size.
-//     KVQuant's sink tokens need no special format: the pages that hold them simply stay F16/BF16.
-//   * INT8 and FP8 are symmetric (zero decodes to exactly zero, one scale). INT4 and INT2 are
-//     asymmetric (a scale and a minimum), since with 16 or 4 levels a symmetric grid wastes half of
-//     them on a skewed row.
+// Granularity, per format:
+//   * INT8, FP8_E4M3: symmetric, one scale per (K or V, head, token) row. 8 bits leave enough levels
+//     that outlier channels cost little (measured on SmolLM2's keys: 1.1 % / 2.1 % relative RMS), zero
+//     decodes to exactly zero, and a decode step's single token is encoded on its own: direct writes,
+//     no other byte of the page changes.
+//   * INT4, INT2: asymmetric (s, minimum) per row, for K and V: direct writes work and the scale bytes
+//     (4 per row) do not depend on the page size. With 16 or 4 levels a symmetric grid would waste half
+//     of them on a skewed row, hence the minimum.
+//   * INT4_KC, INT2_KC: KIVI's choice. Keys have outlier CHANNELS (large in the same channels for every
+//     token, before and after RoPE), so a per-token scale is set by the outliers and the other channels
+//     share a few levels; per-channel key scales over the page's tokens fix that. Measured on SmolLM2-
+//     135M's cached keys (benchmarks/results/page_formats.md): INT2 keys 64 % relative RMS error per
+//     token vs 15-26 % per channel, INT4 13 % vs 3-5 %. Values stay per token (their error is spread
+//     evenly over channels). The cost: (1) key scale bytes are 4 * head_size per (head, page), i.e.
+//     4 * head_size / page_size per key row, the same as per token at page_size == head_size, more
+//     below (page_size 16, head_size 64: 16 bytes per row vs 4); (2) the K half of a page can only be
+//     encoded whole: PageView::EncodeRow refuses K rows (RowResult::kNeedsFullPage). A page still
+//     being filled therefore stays F16/BF16 and is requantized (EncodePage) when full: KIVI's residual
+//     window, expressed as pages. V rows of a KC page accept direct writes.
+//   * KVQuant's pre-RoPE keys need the model to cache keys before RoPE (a graph change, not a format);
+//     its float sink tokens need no special format: the pages holding them simply stay F16/BF16.
 //
 // Scales are float16: they halve the scale bytes against float32 (INT2 with head_size 128: 4 bytes of
 // scales per 32 bytes of payload instead of 8, i.e. 12.5 % of overhead instead of 25 %), and the
@@ -46,12 +51,12 @@
 // about 8e6 for INT8, 3e7 for FP8, 9.8e5 for INT4; only possible with bfloat16 or float32 inputs) is
 // refused: store that page as BF16.
 //
-// Non-finite inputs: the scaled formats REFUSE a row holding inf or NaN (the row's bytes are left
-// untouched, EncodeRow returns RowResult::kNonFinite); F16 and BF16 store every value as the logical
-// type does (overflow to inf, NaN stays NaN), since they are that type.
+// Non-finite inputs: the scaled formats REFUSE inf and NaN (EncodeRow returns RowResult::kNonFinite and
+// writes nothing; EncodePage checks every row and channel before writing any byte); F16 and BF16 store
+// every value as the logical type does (overflow to inf, NaN stays NaN), since they are that type.
 //
 // Packing: the payload of a row is head_size codes in channel order. INT8 codes are two's complement
-// bytes, FP8 codes are e4m3fn bytes. INT4: channel c sits in byte c / 2, in the LOW nibble for even c
+// bytes, FP8 codes are e4m3fn bytes. INT4 (and INT4_KC): channel c sits in byte c / 2, in the LOW nibble for even c
 // and the HIGH nibble for odd c. INT2: channel c sits in byte c / 4 at bits 2 * (c % 4) (channel 0 in
 // the two lowest bits). So head_size must be even for INT4 and a multiple of 4 for INT2.
 //
@@ -60,7 +65,7 @@
 //
 //   K payload  [kv_heads][page_size][row_bytes]          row_bytes = head_size * bits / 8
 //   V payload  [kv_heads][page_size][row_bytes]
-//   K scales   [kv_heads][page_size][scales_per_row] float16
+//   K scales   [kv_heads][page_size][scales_per_row] float16   ([kv_heads][head_size][2] for *_KC)
 //   V scales   [kv_heads][page_size][scales_per_row] float16
 //
 // The padding is at most 4 * 15 bytes per page; for page_size >= 16 and head_size a multiple of 16 it
@@ -97,8 +102,10 @@ enum class PageFormat : int32_t {
   kFp8E4M3 = 3,
   kInt4 = 4,
   kInt2 = 5,
+  kInt4KC = 6,  // INT4 with keys per channel over the page (KIVI); values per token
+  kInt2KC = 7,  // INT2 with keys per channel over the page (KIVI); values per token
 };
-constexpr int32_t kNumPageFormats = 6;
+constexpr int32_t kNumPageFormats = 8;
 constexpr uint64_t kSectionAlign = 16;
 
 ORTKV_HD bool IsValidFormat(int32_t f) { return f >= 0 && f < kNumPageFormats; }
@@ -111,6 +118,8 @@ inline const char* FormatName(PageFormat f) {
     case PageFormat::kFp8E4M3: return "FP8_E4M3";
     case PageFormat::kInt4: return "INT4";
     case PageFormat::kInt2: return "INT2";
+    case PageFormat::kInt4KC: return "INT4_KC";
+    case PageFormat::kInt2KC: return "INT2_KC";
   }
   return "?";
 }
@@ -122,8 +131,10 @@ ORTKV_HD int32_t PayloadBits(PageFormat f) {
     case PageFormat::kBF16: return 16;
     case PageFormat::kInt8:
     case PageFormat::kFp8E4M3: return 8;
-    case PageFormat::kInt4: return 4;
-    case PageFormat::kInt2: return 2;
+    case PageFormat::kInt4:
+    case PageFormat::kInt4KC: return 4;
+    case PageFormat::kInt2:
+    case PageFormat::kInt2KC: return 2;
   }
   return 0;
 }
@@ -136,10 +147,16 @@ ORTKV_HD int32_t ScalesPerRow(PageFormat f) {
     case PageFormat::kInt8:
     case PageFormat::kFp8E4M3: return 1;
     case PageFormat::kInt4:
-    case PageFormat::kInt2: return 2;
+    case PageFormat::kInt2:
+    case PageFormat::kInt4KC:
+    case PageFormat::kInt2KC: return 2;
   }
   return 0;
 }
+
+// Keys scaled per (head, channel) over the page's tokens instead of per row: the K half of such a page
+// can only be encoded whole (Note [Page formats]).
+ORTKV_HD bool KeysPerChannel(PageFormat f) { return f == PageFormat::kInt4KC || f == PageFormat::kInt2KC; }
 
 // Channels per payload byte must divide head_size: 1 for 8/16-bit formats, 2 for INT4, 4 for INT2.
 ORTKV_HD int32_t HeadSizeMultiple(PageFormat f) {
@@ -154,7 +171,8 @@ struct PageShape {
 
 struct PageLayout {
   uint64_t row_bytes = 0;        // payload bytes of one row
-  uint64_t scale_row_bytes = 0;  // scale bytes of one row (2 per float16 scale)
+  uint64_t scale_row_bytes = 0;  // scale bytes of one row (2 per float16 scale); of one channel for
+                                 // the keys of a KeysPerChannel format
   uint64_t k_payload = 0;        // section offsets from the page's first byte
   uint64_t v_payload = 0;
   uint64_t k_scales = 0;
@@ -172,13 +190,16 @@ ORTKV_HD PageLayout LayoutOf(PageFormat f, PageShape s) {
   l.row_bytes = static_cast<uint64_t>(s.head_size) * PayloadBits(f) / 8;
   l.scale_row_bytes = 2u * static_cast<uint64_t>(ScalesPerRow(f));
   const uint64_t payload = rows * l.row_bytes;
-  const uint64_t scales = rows * l.scale_row_bytes;
+  const uint64_t v_scales = rows * l.scale_row_bytes;
+  const uint64_t k_scales = KeysPerChannel(f)
+                                ? static_cast<uint64_t>(s.kv_heads) * static_cast<uint64_t>(s.head_size) * l.scale_row_bytes
+                                : v_scales;
   l.k_payload = 0;
   l.v_payload = AlignUp(payload, kSectionAlign);
   l.k_scales = l.v_payload + AlignUp(payload, kSectionAlign);
-  l.v_scales = l.k_scales + AlignUp(scales, kSectionAlign);
-  l.page_bytes = l.v_scales + AlignUp(scales, kSectionAlign);
-  l.ideal_bytes = 2 * (payload + scales);
+  l.v_scales = l.k_scales + AlignUp(k_scales, kSectionAlign);
+  l.page_bytes = l.v_scales + AlignUp(v_scales, kSectionAlign);
+  l.ideal_bytes = 2 * payload + k_scales + v_scales;
   return l;
 }
 
