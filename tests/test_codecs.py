@@ -4,6 +4,10 @@ format, edge cases, refusals that leave the page untouched, direct row writes, b
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+from pathlib import Path
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -268,8 +272,9 @@ def test_scale_beyond_float16_refused_page_untouched(fmt):
 
 
 def test_bad_shapes_and_formats_refused():
-    assert "head_size must be a multiple of 2; got head_size=7" in str(native_error(T.codec_layout, int(F.INT4), 1, 4, 7))
-    assert "head_size must be a multiple of 4; got head_size=6" in str(native_error(T.codec_layout, int(F.INT2), 1, 4, 6))
+    msg = str(native_error(T.codec_layout, int(F.INT4), 1, 4, 7))
+    assert "INT4 packs 2 channels per byte, so head_size must be a multiple of 2; got head_size=7" in msg
+    assert "head_size must be a multiple of 4; got head_size=6" in str(native_error(T.codec_layout, int(F.INT2_KC), 1, 4, 6))
     assert "page format 9 is not a page format" in str(native_error(T.codec_layout, 9, 1, 4, 8))
     assert "page format -1 is not a page format" in str(native_error(T.codec_layout, -1, 1, 4, 8))
     assert "must be positive" in str(native_error(T.codec_layout, 0, 0, 4, 8))
@@ -370,3 +375,33 @@ def test_keys_per_channel_beat_per_token_on_outlier_channels(fmt):
         rms[f] = [float(np.sqrt(np.mean((dec[kv] - x[kv]) ** 2) / np.mean(x[kv] ** 2))) for kv in range(2)]
     assert rms[fmt][0] < 0.25 * rms[per_token][0], rms  # keys: per channel at least 4x as accurate
     assert rms[fmt][1] == rms[per_token][1]  # values: the same quantizer
+
+
+KERNEL = r"""
+#include "codecs.h"
+using namespace ortkv::codecs;
+// What a PagedCacheAttention / PagedCacheUpdate kernel does: a PageView per page, rows in registers.
+__global__ void RoundTrip(uint8_t* page, int32_t format, PageShape shape, const float* in, float* out, int* status) {
+  const PageView v = PageView::Make(page, static_cast<PageFormat>(format), shape);
+  const int kv = blockIdx.x, head = blockIdx.y, token = threadIdx.x;
+  float row[256];
+  const float* src = in + ((kv * shape.kv_heads + head) * shape.page_size + token) * shape.head_size;
+  status[(kv * shape.kv_heads + head) * shape.page_size + token] = static_cast<int>(v.EncodeRow(kv, head, token, src));
+  v.DecodeRow(kv, head, token, row);
+  for (int c = 0; c < shape.head_size; ++c) out[(src - in) + c] = row[c];
+}
+"""
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
+def test_codec_headers_compile_as_cuda_device_code(tmp_path):
+    """custom_ops/codecs is framework-free host AND device code (ORTKV_HD): a kernel using PageView
+    compiles with nvcc (and with host warnings as errors)."""
+    root = Path(__file__).resolve().parents[1] / "custom_ops"
+    src = tmp_path / "k.cu"
+    src.write_text(KERNEL)
+    cmd = ["nvcc", "-std=c++17", "-c", str(src), "-o", str(tmp_path / "k.o"), "-arch=sm_80", f"-I{root / 'codecs'}",
+           f"-I{root / 'include'}", "-Werror", "all-warnings", "-Xcompiler", "-Wall,-Wextra"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert (tmp_path / "k.o").stat().st_size > 0

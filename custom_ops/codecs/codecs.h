@@ -454,7 +454,8 @@ inline Status EncodePage(const PageView& page, const float* values) {
         for (int32_t c = 0; c < s.head_size; ++c) {
           const RowResult r = RowScales(page.format, at(0, h, 0) + c, s.page_size, sc, s.head_size);
           if (r != RowResult::kOk) {
-            return RowError(r, page.format, "K channel [head=" + std::to_string(h) + " channel=" + std::to_string(c) + "]");
+            return RowError(r, page.format,
+                            "K channel [head=" + std::to_string(h) + " channel=" + std::to_string(c) + "]");
           }
         }
         continue;
@@ -483,8 +484,10 @@ inline Status DecodePage(const PageView& page, float* out) {
   const PageShape& s = page.shape;
   for (int32_t kv = 0; kv < 2; ++kv)
     for (int32_t h = 0; h < s.kv_heads; ++h)
-      for (int32_t t = 0; t < s.page_size; ++t)
-        page.DecodeRow(kv, h, t, out + ((static_cast<uint64_t>(kv) * s.kv_heads + h) * s.page_size + t) * s.head_size);
+      for (int32_t t = 0; t < s.page_size; ++t) {
+        const uint64_t row = (static_cast<uint64_t>(kv) * s.kv_heads + h) * s.page_size + t;
+        page.DecodeRow(kv, h, t, out + row * s.head_size);
+      }
   return Status::Ok();
 }
 

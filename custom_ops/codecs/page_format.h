@@ -56,9 +56,10 @@
 // every value as the logical type does (overflow to inf, NaN stays NaN), since they are that type.
 //
 // Packing: the payload of a row is head_size codes in channel order. INT8 codes are two's complement
-// bytes, FP8 codes are e4m3fn bytes. INT4 (and INT4_KC): channel c sits in byte c / 2, in the LOW nibble for even c
-// and the HIGH nibble for odd c. INT2: channel c sits in byte c / 4 at bits 2 * (c % 4) (channel 0 in
-// the two lowest bits). So head_size must be even for INT4 and a multiple of 4 for INT2.
+// bytes, FP8 codes are e4m3fn bytes. INT4 and INT4_KC: channel c sits in byte c / 2, in the LOW nibble
+// for even c and the HIGH nibble for odd c. INT2 and INT2_KC: channel c sits in byte c / 4 at bits
+// 2 * (c % 4) (channel 0 in the two lowest bits). So head_size must be even for the INT4 formats and a
+// multiple of 4 for the INT2 formats.
 //
 // Page layout (offsets from the page's first byte; every section starts on a 16-byte boundary so that
 // kernels can use 16-byte vector loads, and the page size is a multiple of 16):
@@ -191,9 +192,8 @@ ORTKV_HD PageLayout LayoutOf(PageFormat f, PageShape s) {
   l.scale_row_bytes = 2u * static_cast<uint64_t>(ScalesPerRow(f));
   const uint64_t payload = rows * l.row_bytes;
   const uint64_t v_scales = rows * l.scale_row_bytes;
-  const uint64_t k_scales = KeysPerChannel(f)
-                                ? static_cast<uint64_t>(s.kv_heads) * static_cast<uint64_t>(s.head_size) * l.scale_row_bytes
-                                : v_scales;
+  const uint64_t channels = static_cast<uint64_t>(s.kv_heads) * static_cast<uint64_t>(s.head_size);
+  const uint64_t k_scales = KeysPerChannel(f) ? channels * l.scale_row_bytes : v_scales;
   l.k_payload = 0;
   l.v_payload = AlignUp(payload, kSectionAlign);
   l.k_scales = l.v_payload + AlignUp(payload, kSectionAlign);
