@@ -40,6 +40,9 @@
 //     encoded whole: PageView::EncodeRow refuses K rows (RowResult::kNeedsFullPage). A page still
 //     being filled therefore stays F16/BF16 and is requantized (EncodePage) when full: KIVI's residual
 //     window, expressed as pages. V rows of a KC page accept direct writes.
+//   * INT2 values per token are coarse (49 % relative RMS on SmolLM2's values, 4 levels for 64
+//     channels); KIVI quantizes values in groups of channels. A grouped-V variant is the next
+//     refinement if INT2 pages are to hold more than old, rarely attended tokens.
 //   * KVQuant's pre-RoPE keys need the model to cache keys before RoPE (a graph change, not a format);
 //     its float sink tokens need no special format: the pages holding them simply stay F16/BF16.
 //
@@ -47,9 +50,9 @@
 // scales per 32 bytes of payload instead of 8, i.e. 12.5 % of overhead instead of 25 %), and the
 // codec never loses accuracy to the narrow scale: s is rounded UP to the next float16 (and the INT4/
 // INT2 minimum DOWN), and the quantizer then divides by the stored, rounded value, so the stated error
-// bounds hold with the stored scale. A row whose scale or minimum does not fit float16 (|x| beyond
-// about 8e6 for INT8, 3e7 for FP8, 9.8e5 for INT4; only possible with bfloat16 or float32 inputs) is
-// refused: store that page as BF16.
+// bounds hold with the stored scale. A row whose scale or minimum does not fit float16 is refused
+// (only possible with bfloat16 or float32 inputs: INT8 |x| > 65504 * 127, FP8 |x| > 65504 * 448,
+// INT4/INT2 minimum < -65504 or max - min > 65504 * 15 or * 3): store that page as BF16.
 //
 // Non-finite inputs: the scaled formats REFUSE inf and NaN (EncodeRow returns RowResult::kNonFinite and
 // writes nothing; EncodePage checks every row and channel before writing any byte); F16 and BF16 store
@@ -75,13 +78,16 @@
 //
 // Physical form for ONNX Runtime (proposal for PagedCacheUpdate / PagedCacheAttention): ORT cannot bind
 // a sequence of differently typed tensors, so the cache is
-//   * one uint8 byte pool per format present, pool_f : [num_slots_f, PageBytes(f, shape)] (each pool's
-//     slots are exactly its format's page size, so any mix of formats wastes no slot bytes: a single
-//     pool with max-sized slots would waste up to 8x for INT2 pages in an F16-sized slot);
+//   * one uint8 byte pool per format present, pool_f : [layers, num_slots_f, LayoutOf(f, shape).page_bytes]
+//     (one graph input per format, READ_WRITE; each pool can sit in its own VMM arena reservation and be
+//     committed as pages are taken, so the split between formats need not be fixed up front; each pool's
+//     slots are exactly its format's page size, so any mix of formats wastes no slot bytes, where a single
+//     pool with max-sized slots wastes most of an F16-sized slot per INT4/INT2 page: see the mixes in
+//     benchmarks/results/page_formats.md);
 //   * a page directory, int32 [num_pages, 2] = (format, slot index in that format's pool);
 //   * per sequence page tables, int32 [batch, max_pages_per_seq] of page ids (-1 = none), and the
 //     sequence lengths as today.
-// A kernel resolves page id -> (format, slot) -> PageView{pool_f + slot * PageBytes, format, shape} and
+// A kernel resolves page id -> (format, slot) -> PageView::Make(pool_f + slot * page_bytes, format, shape) and
 // calls PageView::DecodeRow / EncodeRow (codecs.h) in registers. Requantizing a page into another
 // format is DecodePage into float + EncodePage into a slot of the other pool + one directory write.
 #pragma once
