@@ -1,6 +1,7 @@
 // ortkv._ortkv: the Python face of ortkv_core (the only file that sees pybind11).
 #include <pybind11/pybind11.h>
 
+#include <pybind11/numpy.h>
 #include <pybind11/stl.h>
 
 #include <memory>
@@ -8,6 +9,7 @@
 #include <string>
 
 #include "arena.h"
+#include "codecs.h"
 #include "ortkv/core.h"
 
 namespace py = pybind11;
@@ -153,6 +155,84 @@ PYBIND11_MODULE(_ortkv, m) {
               "Take the kernels' arena lease, as a kernel does around its check and write.");
   testing.def("lease_release", [](bool exclusive) { ortkv_core_lease_release(exclusive ? 1 : 0); },
               py::arg("exclusive") = false);
+
+  // Page codecs (custom_ops/codecs), for the byte-exact comparison with ortkv.reference.codecs.
+  using ortkv::codecs::PageShape;
+  using ortkv::codecs::PageView;
+  testing.def(
+      "codec_layout",
+      [](int32_t format, int32_t kv_heads, int32_t page_size, int32_t head_size) {
+        const PageShape s{kv_heads, page_size, head_size};
+        Check(ortkv::codecs::ValidateShape(format, s));
+        const auto l = ortkv::codecs::LayoutOf(static_cast<ortkv::codecs::PageFormat>(format), s);
+        py::dict d;
+        d["row_bytes"] = l.row_bytes;
+        d["scale_row_bytes"] = l.scale_row_bytes;
+        d["k_payload"] = l.k_payload;
+        d["v_payload"] = l.v_payload;
+        d["k_scales"] = l.k_scales;
+        d["v_scales"] = l.v_scales;
+        d["page_bytes"] = l.page_bytes;
+        d["ideal_bytes"] = l.ideal_bytes;
+        return d;
+      },
+      py::arg("format"), py::arg("kv_heads"), py::arg("page_size"), py::arg("head_size"));
+  testing.def(
+      "codec_encode_page",
+      [](int32_t format, py::array_t<float, py::array::c_style | py::array::forcecast> values,
+         py::array_t<uint8_t, py::array::c_style> page) {
+        if (values.ndim() != 4 || values.shape(0) != 2) throw py::value_error("values must be [2, kv_heads, page_size, head_size]");
+        const PageShape s{static_cast<int32_t>(values.shape(1)), static_cast<int32_t>(values.shape(2)),
+                          static_cast<int32_t>(values.shape(3))};
+        Check(ortkv::codecs::ValidateShape(format, s));
+        const PageView v = PageView::Make(page.mutable_data(), static_cast<ortkv::codecs::PageFormat>(format), s);
+        if (page.ndim() != 1 || static_cast<uint64_t>(page.shape(0)) != v.layout.page_bytes) throw py::value_error("page must be uint8 [page_bytes]");
+        Check(ortkv::codecs::EncodePage(v, values.data()));
+      },
+      py::arg("format"), py::arg("values"), py::arg("page"),
+      "Encode values [2, kv_heads, page_size, head_size] into page (uint8 [page_bytes]) in place.");
+  testing.def(
+      "codec_decode_page",
+      [](int32_t format, int32_t kv_heads, int32_t page_size, int32_t head_size,
+         py::array_t<uint8_t, py::array::c_style> page) {
+        const PageShape s{kv_heads, page_size, head_size};
+        Check(ortkv::codecs::ValidateShape(format, s));
+        const PageView v = PageView::Make(page.mutable_data(), static_cast<ortkv::codecs::PageFormat>(format), s);
+        if (page.ndim() != 1 || static_cast<uint64_t>(page.shape(0)) != v.layout.page_bytes) throw py::value_error("page must be uint8 [page_bytes]");
+        py::array_t<float> out({py::ssize_t{2}, py::ssize_t{kv_heads}, py::ssize_t{page_size}, py::ssize_t{head_size}});
+        Check(ortkv::codecs::DecodePage(v, out.mutable_data()));
+        return out;
+      },
+      py::arg("format"), py::arg("kv_heads"), py::arg("page_size"), py::arg("head_size"), py::arg("page"));
+  testing.def(
+      "codec_encode_row",
+      [](int32_t format, int32_t kv_heads, int32_t page_size, py::array_t<uint8_t, py::array::c_style> page,
+         int32_t kv, int32_t head, int32_t token, py::array_t<float, py::array::c_style | py::array::forcecast> row) {
+        const PageShape s{kv_heads, page_size, static_cast<int32_t>(row.size())};
+        Check(ortkv::codecs::ValidateShape(format, s));
+        const PageView v = PageView::Make(page.mutable_data(), static_cast<ortkv::codecs::PageFormat>(format), s);
+        if (page.ndim() != 1 || static_cast<uint64_t>(page.shape(0)) != v.layout.page_bytes) throw py::value_error("page must be uint8 [page_bytes]");
+        Check(ortkv::codecs::EncodeRowInto(v, kv, head, token, row.data()));
+      },
+      py::arg("format"), py::arg("kv_heads"), py::arg("page_size"), py::arg("page"), py::arg("kv"), py::arg("head"),
+      py::arg("token"), py::arg("row"), "Direct write of one row (head_size = row.size) into page, in place.");
+  testing.def(
+      "codec_scalar",
+      [](const std::string& conv, py::array_t<float, py::array::c_style | py::array::forcecast> x) {
+        py::array_t<float> out(x.size());
+        const float* in = x.data();
+        float* o = out.mutable_data();
+        for (py::ssize_t i = 0; i < x.size(); ++i) {
+          if (conv == "f16") o[i] = ortkv::codecs::F16BitsToF32(ortkv::codecs::F32ToF16Bits(in[i]));
+          else if (conv == "bf16") o[i] = ortkv::codecs::BF16BitsToF32(ortkv::codecs::F32ToBF16Bits(in[i]));
+          else if (conv == "e4m3") o[i] = static_cast<float>(ortkv::codecs::F32ToE4M3(in[i]));
+          else throw py::value_error("conv must be f16, bf16 or e4m3");
+        }
+        return out;
+      },
+      py::arg("conv"), py::arg("x"),
+      "Round-trip each value through float16 / bfloat16, or give its e4m3fn code (saturating), for the "
+      "conversion tests.");
 
   m.attr("CUDA_BUILD") = static_cast<bool>(ORTKV_WITH_CUDA_BUILD);
 }
