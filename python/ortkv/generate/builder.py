@@ -79,10 +79,15 @@ def rope_tables(cfg, rows: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def build(weights: LlamaWeights, variant: str, max_positions: int | None = None,
-          cache_layout: str = "BNSH") -> onnx.ModelProto:
+          cache_layout: str = "BNSH", accuracy_level: int | None = None) -> onnx.ModelProto:
     """cache_layout (ortkv variant): BNSH [B, kv_heads, capacity, D] (each head's keys contiguous: the
     fastest for CacheAttention on CPU) or BSNH [B, capacity, kv_heads, D] (token-major per row: the
-    fewest committed bytes with large granules)."""
+    fewest committed bytes with large granules). accuracy_level (q4 weights): None for the measured choice
+    (Note [Accuracy levels]), or one level (0 or 4) for every MatMulNBits (tests: 0 computes in float32)."""
+    if accuracy_level not in (None, 0, 4):
+        raise ValueError(f"accuracy_level must be None, 0 or 4, not {accuracy_level!r}")
+    level = ACCURACY_LEVEL if accuracy_level is None else accuracy_level
+    level_down = ACCURACY_LEVEL_DOWN if accuracy_level is None else accuracy_level
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}, not {variant!r}")
     if cache_layout not in ("BNSH", "BSNH"):
@@ -149,12 +154,14 @@ def build(weights: LlamaWeights, variant: str, max_positions: int | None = None,
             g.init("shape_e", np.array([0, 0, E], np.int64))
 
     block_sums = {}  # (x, K, block) -> x summed per block, shared by the matrices reading the same x
-    g.init("axis_last", np.array([-1], np.int64))
+    if weights.layers and isinstance(weights.layers[0]["wq"], Q4Weight):
+        g.init("axis_last", np.array([-1], np.int64))
+        g.init("split_qkv", np.array([H * D, Hkv * D, Hkv * D], np.int64))
+        g.init("split_gu", np.array([cfg.ffn, cfg.ffn], np.int64))
+        for k in sorted({E, cfg.ffn}):
+            g.init(f"shape_blocks_{k}", np.array([0, 0, k // 32, 32], np.int64))
 
-    g.init("split_qkv", np.array([H * D, Hkv * D, Hkv * D], np.int64))
-    g.init("split_gu", np.array([cfg.ffn, cfg.ffn], np.int64))
-
-    def matmul(x, name, w, outputs=None, accuracy_level=ACCURACY_LEVEL):
+    def matmul(x, name, w, outputs=None, accuracy_level=None):
         """x @ W: MatMul on float32 [in, out], or MatMulNBits on a Q4Weight in MLAS's fast form: uint8 or no
         zero points, accuracy_level 4 (int8 activations: VNNI / AVX512 where the CPU has them, else
         MLAS's own fallback; Note [Fast 4-bit path] in weights.py)."""
@@ -163,15 +170,16 @@ def build(weights: LlamaWeights, variant: str, max_positions: int | None = None,
             if w.zero_points is not None:
                 names.append(g.init(name + "_zp", w.zero_points))
             y = g.op("MatMulNBits", [x, *names], None if w.mins is not None else outputs, domain="com.microsoft",
-                     K=w.K, N=w.N, bits=w.bits, block_size=w.block_size, accuracy_level=accuracy_level)
+                     K=w.K, N=w.N, bits=w.bits, block_size=w.block_size,
+                     accuracy_level=level if accuracy_level is None else accuracy_level)
             if w.mins is None:
                 return y
             # + blocksum(x) @ M: Q4_1's block minimums (Note [Fast 4-bit path] in weights.py)
             key = (x, w.K, w.block_size)
             if key not in block_sums:
-                shape = g.init(f"shape_blocks_{w.K}_{w.block_size}",
-                               np.array([0, 0, w.K // w.block_size, w.block_size], np.int64))
-                block_sums[key] = g.op("ReduceSum", [g.op("Reshape", [x, shape]), "axis_last"], keepdims=0)
+                assert w.block_size == 32, "the minimums come from Q4_1, blocks of 32"
+                block_sums[key] = g.op("ReduceSum", [g.op("Reshape", [x, f"shape_blocks_{w.K}"]), "axis_last"],
+                                       keepdims=0)
             mins = g.op("MatMul", [block_sums[key], g.init(name + "_mins", np.ascontiguousarray(w.mins.T))])
             return g.op("Add", [y, mins], outputs)
         return g.op("MatMul", [x, g.init(name, w)], outputs)
@@ -250,7 +258,7 @@ def build(weights: LlamaWeights, variant: str, max_positions: int | None = None,
         else:
             gate, up = matmul(h2, p + "wg", lw["wg"]), matmul(h2, p + "wu", lw["wu"])
         act = g.op("Mul", [g.op("Mul", [gate, g.op("Sigmoid", [gate])]), up])
-        x = g.op("Add", [x, matmul(act, p + "wd", lw["wd"], accuracy_level=ACCURACY_LEVEL_DOWN)])
+        x = g.op("Add", [x, matmul(act, p + "wd", lw["wd"], accuracy_level=level_down)])
     xn = g.op("SimplifiedLayerNormalization", [x, "final_norm"], axis=-1, epsilon=cfg.rms_eps)
     if eq is None:
         g.op("MatMul", [xn, "lm_head"], ["logits"])
