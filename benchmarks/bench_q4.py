@@ -4,7 +4,8 @@ model and onnxruntime-genai share-buffer with q4 weights (MatMulNBits / GatherBl
 
 Each run is its own process (`ortkv generate --json` worker); the variants ALTERNATE within a round and the
 figures are medians over the rounds, so that other load on a shared machine spreads over all variants.
-Ratios are against ortkv float32. Also: peak RSS of the run's process and the decoder's files on disk.
+Ratios are against ortkv float32: the ratio of the medians, and the median of the ratios within a
+round (runs next to each other in time). Also: peak RSS of the run's process and the decoder's files on disk.
 
     python benchmarks/bench_q4.py [--rounds 3] [--tokens 256] [--out benchmarks/results/q4_cpu.md]
 """
@@ -55,16 +56,17 @@ def main(argv=None) -> int:
              f"engineers compiling): 1-minute load average {min(load):.1f} to {max(load):.1f} during the runs "
              "on 2 cores, so absolute figures are low and noisy; the ratios (same conditions, alternating) are "
              "the result.", "",
-             "| runner | weights | decode tok/s (median) | runs | vs ortkv float32 | peak RSS | decoder on disk "
-             "| same tokens as ortkv q4 |", "|---|---|---|---|---|---|---|---|"]
+             "| runner | weights | decode tok/s (median) | runs | ratio of medians | median of per-round ratios "
+             "| peak RSS | decoder on disk | same tokens as ortkv q4 |", "|---|---|---|---|---|---|---|---|---|"]
     for v in VARIANTS:
         tps = [x["decode_tok_s"] for x in runs[v]]
         med = statistics.median(tps)
+        per_round = statistics.median(t / b["decode_tok_s"] for t, b in zip(tps, runs[VARIANTS[0]]))
         cfg = apply_overrides(GenAIConfig(), overrides(v[1]))
         size = tree_size(model_dir(cfg) / MODEL_VARIANT[v[0]])
         rss = statistics.median(x["peak_rss"] for x in runs[v])
         same = "yes" if ids[v] == ids[("ortkv", "q4")] else "no"
-        lines.append(f"| {v[0]} | {v[1]} | {med:.1f} | {', '.join(f'{t:.1f}' for t in tps)} | {med / base:.2f}x "
+        lines.append(f"| {v[0]} | {v[1]} | {med:.1f} | {', '.join(f'{t:.1f}' for t in tps)} | {med / base:.2f}x | {per_round:.2f}x "
                      f"| {human_size(rss)} | {human_size(size)} | {same} |")
     lines += ["", f"Reference (issue 12, quiet machine of this kind): llama.cpp, the same Q4_1 GGUF, 2 threads: "
               f"{LLAMA_CPP_TOK_S:.0f} tok/s; ortkv float32 32.6 tok/s and the old q4 path 6.7 tok/s there."]
