@@ -10,6 +10,7 @@
 
 Shared by all three: Gather embedding, SimplifiedLayerNormalization, MatMul projections,
 com.microsoft RotaryEmbedding (interleaved: llama.cpp's Q/K row order), SwiGLU MLP, tied LM head.
+With q4 weights: MatMulNBits (4-bit projections, 8-bit LM head) and GatherBlockQuantized (8-bit embedding).
 """
 
 from __future__ import annotations
@@ -24,10 +25,25 @@ from onnx import helper, numpy_helper
 from ..errors import OrtkvError
 from ..graph import make_cache_attention, make_cache_update, mark_mutable, set_alias_of
 from .config import MAX_POSITIONS
-from .weights import LlamaWeights, Q4Weight
+from .weights import LlamaWeights, Q4Weight, concat_n
 
 VARIANTS = ("ortkv", "genai", "copy")
 IR_VERSION = 10
+ACCURACY_LEVEL = 4  # MatMulNBits: int8 activations (Note [Fast 4-bit path] in weights.py)
+ACCURACY_LEVEL_DOWN = 0  # ffn_down: float activations (Note [Accuracy levels])
+
+# Note [Accuracy levels]
+# accuracy_level 4 quantizes MatMulNBits' activations to int8 per block (the VNNI kernels); 0 keeps them
+# float32 (slower). Teacher-forced top-1 agreement with llama.cpp (224 positions, SmolLM2-135M, float32
+# weights: 216/224 = 96.4 %): every 4-bit matrix at level 4: 211/224 = 94.2 %; every one at 0: 216/224;
+# level 0 for ffn_down only: 215/224 = 96.0 % at most of level 4's speed. ffn_down reads the SwiGLU
+# product, the activation of the widest range (its int8 blocks lose the most). The 8-bit LM head stays at
+# level 4: level 0 has no fast 8-bit kernel (~240 ms a token). A few near ties decide these figures.
+
+# Note [Fused q4 projections]
+# With q4 weights Q, K and V are one MatMulNBits (N = 576 + 192 + 192) and gate / up another (N = 2 x 1536),
+# each followed by a Split: fewer, larger kernels (and one blocksum / minimum term each, Note [Fast 4-bit
+# path]), which matters at one token per step where per-node overhead is a large part of the time.
 OPSETS = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1), helper.make_opsetid("ortkv", 1)]
 
 
@@ -63,10 +79,15 @@ def rope_tables(cfg, rows: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def build(weights: LlamaWeights, variant: str, max_positions: int | None = None,
-          cache_layout: str = "BNSH") -> onnx.ModelProto:
+          cache_layout: str = "BNSH", accuracy_level: int | None = None) -> onnx.ModelProto:
     """cache_layout (ortkv variant): BNSH [B, kv_heads, capacity, D] (each head's keys contiguous: the
     fastest for CacheAttention on CPU) or BSNH [B, capacity, kv_heads, D] (token-major per row: the
-    fewest committed bytes with large granules)."""
+    fewest committed bytes with large granules). accuracy_level (q4 weights): None for the measured choice
+    (Note [Accuracy levels]), or one level (0 or 4) for every MatMulNBits (tests: 0 computes in float32)."""
+    if accuracy_level not in (None, 0, 4):
+        raise ValueError(f"accuracy_level must be None, 0 or 4, not {accuracy_level!r}")
+    level = ACCURACY_LEVEL if accuracy_level is None else accuracy_level
+    level_down = ACCURACY_LEVEL_DOWN if accuracy_level is None else accuracy_level
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}, not {variant!r}")
     if cache_layout not in ("BNSH", "BSNH"):
@@ -85,8 +106,10 @@ def build(weights: LlamaWeights, variant: str, max_positions: int | None = None,
     cos, sin = rope_tables(cfg, rows)
     g.init("rope_cos", cos)
     g.init("rope_sin", sin)
-    g.init("embed", weights.embed)
-    g.init("lm_head", np.ascontiguousarray(weights.embed.T))
+    eq = weights.embed_q
+    if eq is None:
+        g.init("embed", weights.embed)
+        g.init("lm_head", np.ascontiguousarray(weights.embed.T))
     g.init("final_norm", weights.final_norm)
     g.init("shape_kv", np.array([0, 0, Hkv, D], np.int64))
     g.init("zero", np.array(0, np.int64))
@@ -130,27 +153,64 @@ def build(weights: LlamaWeights, variant: str, max_positions: int | None = None,
             g.init("shape_q", np.array([0, 0, H, D], np.int64))
             g.init("shape_e", np.array([0, 0, E], np.int64))
 
-    def matmul(x, name, w):
-        """x @ W: MatMul on float32 [in, out], or MatMulNBits on a Q4Weight."""
-        if isinstance(w, Q4Weight):
-            g.init(name + "_q4", w.packed)
-            g.init(name + "_scales", w.scales)
-            g.init(name + "_zp", w.zero_points)
-            return g.op("MatMulNBits", [x, name + "_q4", name + "_scales", name + "_zp"], domain="com.microsoft",
-                        K=w.K, N=w.N, bits=4, block_size=32)
-        return g.op("MatMul", [x, g.init(name, w)])
+    block_sums = {}  # (x, K, block) -> x summed per block, shared by the matrices reading the same x
+    if weights.layers and isinstance(weights.layers[0]["wq"], Q4Weight):
+        g.init("axis_last", np.array([-1], np.int64))
+        g.init("split_qkv", np.array([H * D, Hkv * D, Hkv * D], np.int64))
+        g.init("split_gu", np.array([cfg.ffn, cfg.ffn], np.int64))
+        for k in sorted({E, cfg.ffn}):
+            g.init(f"shape_blocks_{k}", np.array([0, 0, k // 32, 32], np.int64))
 
-    x = g.op("Gather", ["embed", "input_ids"], axis=0)
+    def matmul(x, name, w, outputs=None, accuracy_level=None):
+        """x @ W: MatMul on float32 [in, out], or MatMulNBits on a Q4Weight in MLAS's fast form: uint8 or no
+        zero points, accuracy_level 4 (int8 activations: VNNI / AVX512 where the CPU has them, else
+        MLAS's own fallback; Note [Fast 4-bit path] in weights.py)."""
+        if isinstance(w, Q4Weight):
+            names = [g.init(name + f"_q{w.bits}", w.packed), g.init(name + "_scales", w.scales)]
+            if w.zero_points is not None:
+                names.append(g.init(name + "_zp", w.zero_points))
+            y = g.op("MatMulNBits", [x, *names], None if w.mins is not None else outputs, domain="com.microsoft",
+                     K=w.K, N=w.N, bits=w.bits, block_size=w.block_size,
+                     accuracy_level=level if accuracy_level is None else accuracy_level)
+            if w.mins is None:
+                return y
+            # + blocksum(x) @ M: Q4_1's block minimums (Note [Fast 4-bit path] in weights.py)
+            key = (x, w.K, w.block_size)
+            if key not in block_sums:
+                assert w.block_size == 32, "the minimums come from Q4_1, blocks of 32"
+                block_sums[key] = g.op("ReduceSum", [g.op("Reshape", [x, f"shape_blocks_{w.K}"]), "axis_last"],
+                                       keepdims=0)
+            mins = g.op("MatMul", [block_sums[key], g.init(name + "_mins", np.ascontiguousarray(w.mins.T))])
+            return g.op("Add", [y, mins], outputs)
+        return g.op("MatMul", [x, g.init(name, w)], outputs)
+
+    if eq is None:
+        x = g.op("Gather", ["embed", "input_ids"], axis=0)
+    else:
+        # Note [Quantized tied embedding]: one 8-bit table [vocab, E / 32, 32] serves the lookup
+        # (GatherBlockQuantized, blocks along its last axis) and the LM head (MatMulNBits: the same bytes
+        # are its B [N = vocab, K blocks, 32]); only the scales are stored twice (the two ops want
+        # [vocab, blocks, 1] and [vocab, blocks]). GatherBlockQuantized gives zeros for an id outside the
+        # vocabulary where Gather fails: ids come from the tokenizer or the sampler.
+        g.init("embed_scales_g", eq.scales[..., None])
+        g.init("shape_e_embed", np.array([0, 0, E], np.int64))
+        rows = g.op("GatherBlockQuantized", ["embed_q8", "input_ids", "embed_scales_g"], domain="com.microsoft",
+                    bits=8, block_size=eq.block_size, gather_axis=0, quantize_axis=2)
+        x = g.op("Reshape", [rows, "shape_e_embed"])
     for i, lw in enumerate(weights.layers):
         p = f"l{i}_"
         for k in ("attn_norm", "ffn_norm"):
             g.init(p + k, lw[k])
         h = g.op("SimplifiedLayerNormalization", [x, p + "attn_norm"], axis=-1, epsilon=cfg.rms_eps)
-        q = g.op("RotaryEmbedding", [matmul(h, p + "wq", lw["wq"]), pos_ids, "rope_cos", "rope_sin"],
+        if isinstance(lw["wq"], Q4Weight):  # Note [Fused q4 projections]
+            q_lin, k_lin, v = g.op("Split", [matmul(h, p + "wqkv", concat_n([lw["wq"], lw["wk"], lw["wv"]])),
+                                             "split_qkv"], [p + "q", p + "k", p + "v"], axis=-1)
+        else:
+            q_lin, k_lin, v = matmul(h, p + "wq", lw["wq"]), matmul(h, p + "wk", lw["wk"]), matmul(h, p + "wv", lw["wv"])
+        q = g.op("RotaryEmbedding", [q_lin, pos_ids, "rope_cos", "rope_sin"],
                  domain="com.microsoft", interleaved=1, num_heads=H)
-        k = g.op("RotaryEmbedding", [matmul(h, p + "wk", lw["wk"]), pos_ids, "rope_cos", "rope_sin"],
+        k = g.op("RotaryEmbedding", [k_lin, pos_ids, "rope_cos", "rope_sin"],
                  domain="com.microsoft", interleaved=1, num_heads=Hkv)
-        v = matmul(h, p + "wv", lw["wv"])
         if variant == "ortkv":
             past_k, past_v, pres_k, pres_v = ortkv_names(i)
             kv_shape = ["batch", Hkv, "capacity", D] if bnsh else ["batch", "capacity", Hkv, D]
@@ -192,11 +252,18 @@ def build(weights: LlamaWeights, variant: str, max_positions: int | None = None,
                     helper.make_tensor_value_info(pres_v, TP.FLOAT, out_shape)]
         x = g.op("Add", [x, matmul(attn, p + "wo", lw["wo"])])
         h2 = g.op("SimplifiedLayerNormalization", [x, p + "ffn_norm"], axis=-1, epsilon=cfg.rms_eps)
-        gate = matmul(h2, p + "wg", lw["wg"])
-        act = g.op("Mul", [g.op("Mul", [gate, g.op("Sigmoid", [gate])]), matmul(h2, p + "wu", lw["wu"])])
-        x = g.op("Add", [x, matmul(act, p + "wd", lw["wd"])])
+        if isinstance(lw["wg"], Q4Weight):
+            gate, up = g.op("Split", [matmul(h2, p + "wgu", concat_n([lw["wg"], lw["wu"]])), "split_gu"],
+                            [p + "gate", p + "up"], axis=-1)
+        else:
+            gate, up = matmul(h2, p + "wg", lw["wg"]), matmul(h2, p + "wu", lw["wu"])
+        act = g.op("Mul", [g.op("Mul", [gate, g.op("Sigmoid", [gate])]), up])
+        x = g.op("Add", [x, matmul(act, p + "wd", lw["wd"], accuracy_level=level_down)])
     xn = g.op("SimplifiedLayerNormalization", [x, "final_norm"], axis=-1, epsilon=cfg.rms_eps)
-    g.op("MatMul", [xn, "lm_head"], ["logits"])
+    if eq is None:
+        g.op("MatMul", [xn, "lm_head"], ["logits"])
+    else:
+        matmul(xn, "embed", eq, ["logits"])  # initializers embed_q8 (shared with the lookup) and embed_scales
     graph = helper.make_graph(g.nodes, f"smollm2_{variant}", inputs, outputs, g.inits)
     model = helper.make_model(graph, opset_imports=OPSETS, ir_version=IR_VERSION, producer_name="ortkv.generate")
     if variant == "ortkv":

@@ -19,6 +19,9 @@ from .config import MAX_POSITIONS, GenAIConfig, to_dict
 from .weights import load, load_tokenizer
 
 BUILD_TAG = "smollm2-135m-{weights}-v2"  # bump when the graphs change; + "-bsnh" for that layout
+# the q4 graphs changed form (Note [Fast 4-bit path] in weights.py): their own tag, so that a cache built
+# by an older ortkv is not reused, and the float32 decoders are not rebuilt
+WEIGHTS_TAG = {"float32": "f32", "q4": "q4mlas"}
 
 
 def gguf_path(cfg: GenAIConfig, log=print) -> Path:
@@ -26,7 +29,7 @@ def gguf_path(cfg: GenAIConfig, log=print) -> Path:
 
 
 def model_dir(cfg: GenAIConfig) -> Path:
-    tag = BUILD_TAG.format(weights="f32" if cfg.ortkv.weights == "float32" else cfg.ortkv.weights)
+    tag = BUILD_TAG.format(weights=WEIGHTS_TAG.get(cfg.ortkv.weights, cfg.ortkv.weights))
     if cfg.ortkv.cache_layout != "BNSH":
         tag += "-" + cfg.ortkv.cache_layout.lower()
     if cfg.ortkv.gguf:

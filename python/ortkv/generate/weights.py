@@ -36,37 +36,103 @@ class LlamaConfig:
         return 2 * self.layers * self.kv_heads * self.head_size * 4
 
 
+# Note [Fast 4-bit path]
+# ORT's CPU MatMulNBits (MLAS) has fast kernels only for some forms of its inputs. Measured on a 2-core
+# AVX512-VNNI machine, one token (M = 1) (benchmarks/results/q4_cpu.md has the table):
+#   576 x 1536, bits 4, block 32:  float zero points ~10 ms (every call dequantizes the whole weight to
+#   float32 first), uint8 zero points ~0.7 ms with accuracy_level 0, ~0.03-0.3 ms with accuracy_level 4
+#   (int8 activations, VNNI dot products); no zero points ~ the same as uint8.
+# Q4_1 stores w = d * q + m per block of 32 with a float minimum m; MatMulNBits' uint8 zero point is an
+# integer z in [0, 15] (w = s * (q - z)), which carries m only when -m / d happens to be an integer.
+# Requantizing the dequantized values to that form (least-squares scale and integer zero point per block)
+# adds an error as large as Q4_1's own (relative RMS ~7.5 %) and dropped teacher-forced top-1 agreement
+# with llama.cpp from 96.4 % to 74.1 %. So Q4_1 is kept EXACTLY, split in two terms:
+#   x @ W = MatMulNBits(x; codes q, scales d, uint8 zero points 0)  +  blocksum(x) @ M
+# where blocksum(x) [.., K / 32] sums x over each block and M [K / 32, N] holds the minimums m: a float
+# MatMul 32 x smaller than the weight (the builder shares blocksum(x) between the matrices that read the
+# same x). The tied embedding / LM head is Q8_0 in the GGUF (w = d * q, q int8): that form IS
+# MatMulNBits' and GatherBlockQuantized's 8-bit symmetric one (uint8 q + 128, default zero point 128), so
+# it is carried exactly too (q8_from_gguf); MatMulNBits bits 8 with accuracy_level 4 is the fastest LM
+# head measured (~1.5 ms against ~16 ms for float32 MatMul and ~3.6 ms at 4 bits).
+BLOCK = 32
+
+
 @dataclass
 class Q4Weight:
-    """A Q4_1 matrix in com.microsoft.MatMulNBits' form (bits 4, block 32): w = (q - zero_point) * scale.
-    Q4_1 stores w = d * q + m per block of 32, so scale = d and zero_point = -m / d."""
+    """A block-quantized matrix in com.microsoft.MatMulNBits' form: w[k, n] = (q - zero_point) * scale
+    (+ mins[n, k // block] when given) per block of ``block_size`` along K. bits 4 (uint8 zero points,
+    packed two per byte) or 8 (symmetric: no zero points, MatMulNBits' default zero point 128)."""
 
-    packed: np.ndarray  # [N, K / 32, 16] uint8: byte i of a block holds element 2i (low) and 2i + 1 (high)
-    scales: np.ndarray  # [N * K / 32] float32
-    zero_points: np.ndarray  # [N * K / 32] float32
+    packed: np.ndarray  # [N, K / block, block * bits / 8] uint8; 4 bits: byte i holds element 2i (low), 2i + 1 (high)
+    scales: np.ndarray  # [N, K / block] float32
+    zero_points: np.ndarray | None  # [N, ceil(K / block / 2)] uint8 (4 bits: block 2j low, 2j + 1 high), or None
     K: int
     N: int
+    bits: int = 4
+    block_size: int = BLOCK
+    mins: np.ndarray | None = None  # [N, K / block] float32: Q4_1's block minimum m, added outside MatMulNBits
 
-    def dequantize(self) -> np.ndarray:  # [K, N], for tests
-        q = np.stack([self.packed & 0x0F, self.packed >> 4], axis=-1).reshape(self.N, self.K)
-        s = np.repeat(self.scales.reshape(self.N, -1), 32, axis=1)
-        z = np.repeat(self.zero_points.reshape(self.N, -1), 32, axis=1)
-        return ((q - z) * s).T.astype(np.float32)
+    def codes(self) -> np.ndarray:  # [N, K / block, block] integer codes
+        if self.bits == 8:
+            return self.packed.astype(np.int32)
+        return np.stack([self.packed & 0x0F, self.packed >> 4], axis=-1).reshape(self.N, -1, self.block_size)
+
+    def zero_point_values(self) -> np.ndarray:  # [N, K / block]
+        kb = self.K // self.block_size
+        if self.zero_points is None:
+            return np.full((self.N, kb), 1 << (self.bits - 1), np.int32)
+        z = np.stack([self.zero_points & 0x0F, self.zero_points >> 4], axis=-1).reshape(self.N, -1)
+        return z[:, :kb].astype(np.int32)
+
+    def dequantize(self) -> np.ndarray:  # [K, N] float32, for tests
+        q = self.codes().astype(np.int32) - self.zero_point_values()[..., None]
+        w = q * self.scales[..., None]
+        if self.mins is not None:
+            w = w + self.mins[..., None]
+        return w.reshape(self.N, self.K).T.astype(np.float32)
+
+
+def concat_n(ws: list[Q4Weight]) -> Q4Weight:
+    """Matrices of the same K side by side along N (one MatMulNBits for several projections)."""
+    a = ws[0]
+    if any((w.K, w.bits, w.block_size, w.zero_points is None, w.mins is None) !=
+           (a.K, a.bits, a.block_size, a.zero_points is None, a.mins is None) for w in ws):
+        raise OrtkvError("concat_n: the matrices differ in K, bits, block size or zero points / minimums")
+    cat = lambda xs: None if xs[0] is None else np.concatenate(xs, axis=0)  # noqa: E731
+    return Q4Weight(cat([w.packed for w in ws]), cat([w.scales for w in ws]), cat([w.zero_points for w in ws]),
+                    a.K, sum(w.N for w in ws), a.bits, a.block_size, cat([w.mins for w in ws]))
 
 
 def q4_from_gguf(raw: np.ndarray, n: int, k: int) -> Q4Weight:
-    """Repack ggml's block_q4_1 {f16 d; f16 m; u8 qs[16]} (qs[j]: element j low, j + 16 high)."""
+    """ggml's block_q4_1 {f16 d; f16 m; u8 qs[16]} (qs[j]: element j low, j + 16 high), exactly: codes
+    and scales d for MatMulNBits with zero points 0, minimums m beside (Note [Fast 4-bit path])."""
     blocks = np.asarray(raw).reshape(n, k // 32, 20)
     d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
     m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
     qs = blocks[..., 4:]
     q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # element order 0..31
-    flat = d == 0  # every element equals m: encode as q = 0, zero point -1, scale m
-    q[flat] = 0
-    scale = np.where(flat, m, d)
-    zp = np.where(flat, -1.0, -m / np.where(flat, 1.0, d))
     packed = (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8)
-    return Q4Weight(packed, scale.ravel().astype(np.float32), zp.ravel().astype(np.float32), k, n)
+    zp = np.zeros((n, (k // 32 + 1) // 2), np.uint8)
+    return Q4Weight(packed, d, zp, k, n, 4, 32, mins=m)
+
+
+def q8_from_gguf(raw: np.ndarray, n: int, k: int) -> Q4Weight:
+    """ggml's block_q8_0 {f16 d; i8 qs[32]} as MatMulNBits / GatherBlockQuantized 8-bit symmetric blocks:
+    w = d * q = d * ((q + 128) - 128), exactly (Note [Fast 4-bit path])."""
+    blocks = np.asarray(raw).reshape(n, k // 32, 34)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    q = blocks[..., 2:].view(np.int8).astype(np.int16) + 128
+    return Q4Weight(np.ascontiguousarray(q.astype(np.uint8)), d, None, k, n, 8, 32)
+
+
+def quantize_q8(w: np.ndarray) -> Q4Weight:
+    """Q8_0's rule (d = max |w| / 127 per block of 32) for an embedding stored in another type."""
+    w = np.asarray(w, np.float32)
+    n, k = w.shape
+    x = w.reshape(n, k // 32, 32)
+    d = np.abs(x).max(-1) / 127
+    q = np.rint(x / np.where(d > 0, d, 1)[..., None]).clip(-127, 127).astype(np.int16) + 128
+    return Q4Weight(q.astype(np.uint8), d.astype(np.float32), None, k, n, 8, 32)
 
 
 @dataclass
@@ -77,6 +143,7 @@ class LlamaWeights:
     # MatMul weights as float32 [in, out], or Q4Weight for weights="q4"
     layers: list[dict] = field(default_factory=list)
     format: str = "float32"
+    embed_q: Q4Weight | None = None  # weights="q4": the tied embedding / LM head, 8-bit blocks
 
 
 def _reader(path):
@@ -149,8 +216,8 @@ def read_config(reader) -> LlamaConfig:
 
 
 def load(path, layers: int | None = None, log=None, fmt: str = "float32") -> tuple[LlamaWeights, SmolTokenizer]:
-    """Read the GGUF: matrices dequantized to float32, or (fmt="q4") kept 4-bit for MatMulNBits;
-    norms and the embedding are float32 either way. ``layers`` limits the blocks read (tests)."""
+    """Read the GGUF: matrices dequantized to float32, or (fmt="q4") kept 4-bit in MatMulNBits' fast form
+    (+ the Q4_1 minimums) with the embedding / LM head as 8-bit blocks (Note [Fast 4-bit path]); norms are float32 either way. ``layers`` limits the blocks read (tests)."""
     if fmt not in ("float32", "q4"):
         raise OrtkvError(f"weights format {fmt!r}: one of 'float32', 'q4'")
     import gguf
@@ -184,7 +251,7 @@ def load(path, layers: int | None = None, log=None, fmt: str = "float32") -> tup
         return np.ascontiguousarray(out.reshape(shape))
 
     def matrix(name, shape):
-        if fmt == "q4":
+        if fmt == "q4":  # kept exactly (Note [Fast 4-bit path])
             t = _tensor_shape(name, shape)
             if t.tensor_type != gguf.GGMLQuantizationType.Q4_1:
                 raise OrtkvError(f"weights 'q4' need Q4_1 tensors; '{name}' is {t.tensor_type.name}")
@@ -192,8 +259,16 @@ def load(path, layers: int | None = None, log=None, fmt: str = "float32") -> tup
             return q4_from_gguf(t.data, n, k)
         return np.ascontiguousarray(deq(name, shape).T)
 
-    w = LlamaWeights(cfg, embed=deq("token_embd.weight", (cfg.vocab, E)), final_norm=deq("output_norm.weight", (E,)),
-                     format=fmt)
+    embed = deq("token_embd.weight", (cfg.vocab, E))
+    embed_q = None
+    if fmt == "q4":
+        if E % 32:
+            raise OrtkvError(f"weights 'q4': embedding_length {E} is not a multiple of 32 (the block size of "
+                             "the 8-bit embedding / LM head); use --weights float32")
+        t = tensors["token_embd.weight"]
+        embed_q = (q8_from_gguf(t.data, cfg.vocab, E) if t.tensor_type == gguf.GGMLQuantizationType.Q8_0
+                   else quantize_q8(embed))
+    w = LlamaWeights(cfg, embed=embed, final_norm=deq("output_norm.weight", (E,)), format=fmt, embed_q=embed_q)
     for i in range(n):
         p = f"blk.{i}."
         w.layers.append({
