@@ -244,6 +244,21 @@ def test_prompt_longer_than_max_length(cfg):
         generate(None, [[1, 2, 3, 4, 5]], c.search, 8, 2, 2)
 
 
+def test_token_id_outside_the_vocabulary_is_refused_before_the_run():
+    """The 4-bit embedding (GatherBlockQuantized) returns a zero row for an out-of-range id instead of
+    failing, so the loop refuses such ids before anything runs (the runner is never called)."""
+    class Runner:
+        cfg = GenAIConfig()
+
+        def start(self, *a):
+            raise AssertionError("the runner must not be reached")
+
+    vocab = Runner.cfg.model.vocab_size
+    for bad in (vocab, -1):
+        with pytest.raises(ortkv.OrtkvError, match=rf"token id {bad} outside the vocabulary \[0, {vocab}\)"):
+            generate(Runner(), [[1, 2], [3, bad]], Runner.cfg.search, 4, 2, 2)
+
+
 def test_model_file_errors(tmp_path):
     with pytest.raises(ortkv.OrtkvError, match=r"does not exist"):
         weights.load(tmp_path / "nope.gguf")

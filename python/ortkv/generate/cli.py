@@ -63,7 +63,7 @@ def run_one(cfg: GenAIConfig, variant: str, prompts: list, stream: bool, log=pri
     chat = cfg.ortkv.chat
     texts = [p if isinstance(p, list) else tok.apply_chat([_msg(p)]) if chat else p for p in prompts]
     prompt_ids = [t if isinstance(t, list) else tok.encode(t) for t in texts]
-    check_prompts(prompt_ids, cfg.search.max_length)
+    check_prompts(prompt_ids, cfg.search.max_length, cfg.model.vocab_size)
     rss0 = rss_bytes()
     runner = make_runner(variant, cfg, log=log)
     try:

@@ -109,14 +109,21 @@ class Generation:
         return self.decode_steps * len(self.prompt_ids) / self.decode_s if self.decode_s else 0.0
 
 
-def check_prompts(prompt_ids: list[list[int]], max_length: int) -> None:
-    """Refuse a batch that would generate nothing (callers run this before loading a model, too)."""
+def check_prompts(prompt_ids: list[list[int]], max_length: int, vocab_size: int | None = None) -> None:
+    """Refuse a batch that would generate nothing, or holds a token id outside the vocabulary (the 4-bit
+    embedding lookup, GatherBlockQuantized, returns a zero row for one instead of failing). Callers run
+    this before loading a model, too."""
     if not prompt_ids:
         raise OrtkvError("no prompt given: nothing to condition on")
     for b, p in enumerate(prompt_ids):
         if len(p) == 0:
             raise OrtkvError(f"prompt {b + 1} of {len(prompt_ids)} is empty (0 tokens): nothing to condition on; "
                              "give some text")
+        if vocab_size is not None:
+            bad = [int(t) for t in p if not 0 <= int(t) < vocab_size]
+            if bad:
+                raise OrtkvError(f"prompt {b + 1} of {len(prompt_ids)} holds token id {bad[0]} outside the "
+                                 f"vocabulary [0, {vocab_size}); the tokenizer and model.vocab_size disagree")
     longest = max(len(p) for p in prompt_ids)
     if longest >= max_length:
         raise OrtkvError(f"the prompt has {longest} tokens but search.max_length is {max_length}: nothing "
@@ -126,7 +133,8 @@ def check_prompts(prompt_ids: list[list[int]], max_length: int) -> None:
 def generate(runner, prompt_ids: list[list[int]], search: Search, max_new_tokens: int, eos_id: int, pad_id: int,
              seed: int = 0, on_token=None) -> Generation:
     """Generate for a batch of prompts (of any lengths). ``on_token(row, token_id)`` streams tokens."""
-    check_prompts(prompt_ids, search.max_length)
+    cfg = getattr(runner, "cfg", None)
+    check_prompts(prompt_ids, search.max_length, cfg.model.vocab_size if cfg is not None else None)
     lengths = np.array([len(p) for p in prompt_ids], np.int64)
     longest = int(lengths.max())
     budget = min(max_new_tokens, search.max_length - longest)
