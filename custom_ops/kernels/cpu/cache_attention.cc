@@ -1,7 +1,7 @@
-// CPU CacheAttention (Note [CacheAttention] in ortkv/cache_attention.h). One task is one (row, KV
-// head, query token) and serves the G = Hq / Hkv query heads that share the KV head: every key and
-// value row is read once per task, not once per query head. Loops over the head dimension are plain
-// contiguous loops the compiler vectorizes.
+// CPU CacheAttention (Note [CacheAttention] and Note [CacheAttention CPU split-K] in
+// ortkv/cache_attention.h): one pass over each unit's keys in L1-sized blocks with an online softmax,
+// all G query heads of a KV-head group per key block, split over key chunks when one sequence must
+// keep every core reading.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -10,6 +10,8 @@
 
 #include "ortkv/cache_attention.h"
 
+#define ORTKV_INLINE inline __attribute__((always_inline))
+
 namespace ortkv {
 namespace {
 
@@ -17,20 +19,32 @@ Status Bad(const std::string& node, const std::string& what) {
   return Status(Code::kInvalidArgument, "CacheAttention node '" + node + "': " + what);
 }
 
-inline float Dot(const float* a, const float* b, int64_t n) {
-  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8)
-    for (int l = 0; l < 8; ++l) acc[l] += a[i + l] * b[i + l];
-  float s = 0;
-  for (; i < n; ++i) s += a[i] * b[i];
-  return s + ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+// Note [CacheAttention vectors]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// The hot loops use GCC vector extensions of 16 floats, not intrinsics: one source that the
+// target_clones of RunTask compile to one zmm register (AVX-512), two ymm (AVX2 + FMA) or four xmm
+// (baseline SSE2), so one build runs everywhere at the width the CPU has. V16u is the unaligned,
+// may_alias view used to load and store rows of the caches, the query and the accumulators. Head
+// sizes 16, 32, 48, 64 (SmolLM2), 80, 96, 128 and 256 take this path; others take plain loops the
+// compiler vectorizes (BlockAny).
+typedef float V16 __attribute__((vector_size(64)));
+typedef float V16u __attribute__((vector_size(64), may_alias, aligned(4)));
+typedef float V8 __attribute__((vector_size(32)));
+typedef float V4 __attribute__((vector_size(16)));
+
+ORTKV_INLINE V16 Load(const float* p) { return *reinterpret_cast<const V16u*>(p); }
+ORTKV_INLINE void Store(float* p, V16 x) { *reinterpret_cast<V16u*>(p) = x; }
+ORTKV_INLINE float Sum(V16 x) {
+  const V8 a = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7) +
+               __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
+  const V4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
 // exp(x) for x <= 0 (scores minus their maximum), as a loop the compiler vectorizes: 2^n * p(r) with
 // n = round(x log2 e), |r| <= 1/2 and a degree-6 polynomial for 2^r (relative error ~2e-7). A scalar
-// std::exp per score cost more than the rest of decode attention at a few thousand tokens.
-inline void ExpNonPositive(float* x, int64_t n) {
+// std::exp per score costs more than the rest of decode attention.
+ORTKV_INLINE void ExpNonPositive(float* x, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
     const float t = std::max(x[i], -87.0f) * 1.44269504088896341f;
     const float fn = std::floor(t + 0.5f);
@@ -49,57 +63,139 @@ inline void ExpNonPositive(float* x, int64_t n) {
   }
 }
 
-// One task (see CacheAttentionCpu), compiled for AVX2+FMA and for the baseline ISA; the loader picks
-// the best the CPU has (GCC target_clones), so one build runs everywhere.
-__attribute__((target_clones("arch=haswell", "default"))) void AttendGroup(const CacheAttentionView& a, int64_t task,
-                                                                            float* scratch) {
-  const int64_t G = a.Hq / a.Hkv, D = a.D;
-  const int64_t t = task % a.T;
-  const int64_t hk = (task / a.T) % a.Hkv;
-  const int64_t b = task / (a.T * a.Hkv);
-  const int64_t L = a.start[b * a.start_stride] + t + 1;  // keys [0, start + t]
-  const float* kbase = a.k + b * a.row_stride + hk * a.head_stride;
-  const float* vbase = a.v + b * a.row_stride + hk * a.head_stride;
-  const float* q = a.q + (b * a.T + t) * a.Hq * D + hk * G * D;  // the group's G query heads
-  float* out = a.out + (b * a.T + t) * a.Hq * D + hk * G * D;
-  // Per query head of the group: its query row and its output accumulator stay in registers while
-  // the key and value rows stream by; the group's 2nd and later heads find those rows in L2.
-  float inv[64];  // G <= 64 (checked when planning)
+// The state of one task: the group's G query heads (pre-multiplied by the scale), and per head the
+// running max m, the running sum l of exp(score - m) and the unnormalized output acc (G x D).
+struct State {
+  const float* qs;
+  float* sc;  // G x kAttnBlockKeys scores of the current block
+  float* acc;
+  float* m;
+  float* l;
+};
+
+// Online-softmax update of head g with the n scores of a block already in sc: rescales what was
+// accumulated when the maximum grows, turns the scores into weights, returns the rescale factor.
+ORTKV_INLINE float Softmax(const State& s, int64_t g, int64_t n) {
+  float* sc = s.sc + g * kAttnBlockKeys;
+  float bmax = sc[0];
+  for (int64_t j = 1; j < n; ++j) bmax = std::max(bmax, sc[j]);
+  const float mnew = std::max(s.m[g], bmax);
+  const float alpha = std::exp(s.m[g] - mnew);  // 0 on the first block (m = -inf)
+  for (int64_t j = 0; j < n; ++j) sc[j] -= mnew;
+  ExpNonPositive(sc, n);
+  float sum = 0;
+  for (int64_t j = 0; j < n; ++j) sum += sc[j];
+  s.l[g] = s.l[g] * alpha + sum;
+  s.m[g] = mnew;
+  return alpha;
+}
+
+// One block of n keys (rows k, v with stride ts) for all G heads, head size DV * 16.
+template <int DV>
+ORTKV_INLINE void BlockVec(const State& s, int64_t G, const float* k, const float* v, int64_t ts, int64_t n) {
+  constexpr int D = DV * 16;
+  for (int64_t g = 0; g < G; ++g) {  // scores: the head's query stays in registers, the block's keys in L1
+    V16 qv[DV];
+    for (int i = 0; i < DV; ++i) qv[i] = Load(s.qs + g * D + 16 * i);
+    float* sc = s.sc + g * kAttnBlockKeys;
+    for (int64_t j = 0; j < n; ++j) {
+      const float* kj = k + j * ts;
+      V16 a = qv[0] * Load(kj);
+      for (int i = 1; i < DV; ++i) a += qv[i] * Load(kj + 16 * i);
+      sc[j] = Sum(a);
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {  // weights, then acc += p_j v_j: the head's accumulator in registers
+    const float alpha = Softmax(s, g, n);
+    const float* p = s.sc + g * kAttnBlockKeys;
+    V16 av[DV];
+    for (int i = 0; i < DV; ++i) av[i] = Load(s.acc + g * D + 16 * i) * alpha;
+    for (int64_t j = 0; j < n; ++j) {
+      const float* vj = v + j * ts;
+      for (int i = 0; i < DV; ++i) av[i] += p[j] * Load(vj + 16 * i);
+    }
+    for (int i = 0; i < DV; ++i) Store(s.acc + g * D + 16 * i, av[i]);
+  }
+}
+
+// Any head size: the same steps with plain loops.
+ORTKV_INLINE void BlockAny(const State& s, int64_t G, int64_t D, const float* k, const float* v, int64_t ts,
+                           int64_t n) {
   for (int64_t g = 0; g < G; ++g) {
-    float* sc = scratch + g * a.C;
-    const float* qg = q + g * D;
-    float mx = -std::numeric_limits<float>::infinity();
-    for (int64_t j = 0; j < L; ++j) {
-      sc[j] = a.scale * Dot(qg, kbase + j * a.tok_stride, D);
-      mx = std::max(mx, sc[j]);
+    const float* qg = s.qs + g * D;
+    float* sc = s.sc + g * kAttnBlockKeys;
+    for (int64_t j = 0; j < n; ++j) {
+      const float* kj = k + j * ts;
+      float lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      int64_t d = 0;
+      for (; d + 8 <= D; d += 8)
+        for (int x = 0; x < 8; ++x) lane[x] += qg[d + x] * kj[d + x];
+      float t = 0;
+      for (; d < D; ++d) t += qg[d] * kj[d];
+      sc[j] = t + ((lane[0] + lane[4]) + (lane[1] + lane[5])) + ((lane[2] + lane[6]) + (lane[3] + lane[7]));
     }
-    for (int64_t j = 0; j < L; ++j) sc[j] -= mx;
-    ExpNonPositive(sc, L);
-    float sum = 0;
-    for (int64_t j = 0; j < L; ++j) sum += sc[j];
-    inv[g] = 1.0f / sum;
   }
-  if (D == 64) {  // the common head size: a fixed-size accumulator the compiler keeps in registers
-    for (int64_t g = 0; g < G; ++g) {
-      const float* sc = scratch + g * a.C;
-      float acc[64] = {};
-      for (int64_t j = 0; j < L; ++j) {
-        const float p = sc[j];
-        const float* vj = vbase + j * a.tok_stride;
-        for (int d = 0; d < 64; ++d) acc[d] += p * vj[d];
-      }
-      for (int d = 0; d < 64; ++d) out[g * D + d] = acc[d] * inv[g];
+  for (int64_t g = 0; g < G; ++g) {
+    const float alpha = Softmax(s, g, n);
+    const float* p = s.sc + g * kAttnBlockKeys;
+    float* ag = s.acc + g * D;
+    for (int64_t d = 0; d < D; ++d) ag[d] *= alpha;
+    for (int64_t j = 0; j < n; ++j) {
+      const float* vj = v + j * ts;
+      for (int64_t d = 0; d < D; ++d) ag[d] += p[j] * vj[d];
     }
-    return;
   }
-  std::fill(out, out + G * D, 0.0f);
-  for (int64_t j = 0; j < L; ++j) {
-    const float* vj = vbase + j * a.tok_stride;
-    for (int64_t g = 0; g < G; ++g) {
-      const float p = scratch[g * a.C + j] * inv[g];
-      float* og = out + g * D;
-      for (int64_t d = 0; d < D; ++d) og[d] += p * vj[d];
-    }
+}
+
+template <int DV>
+ORTKV_INLINE void KeysVec(const State& s, int64_t G, const float* k, const float* v, int64_t ts, int64_t j0,
+                          int64_t j1) {
+  for (int64_t jb = j0; jb < j1; jb += kAttnBlockKeys)
+    BlockVec<DV>(s, G, k + jb * ts, v + jb * ts, ts, std::min(kAttnBlockKeys, j1 - jb));
+}
+
+// One task (see CacheAttentionView): keys [j0, j1) of one unit, compiled for AVX-512, for AVX2 + FMA
+// and for the baseline ISA; the loader picks the best the CPU has (GCC target_clones).
+__attribute__((target_clones("avx512f", "arch=haswell", "default"))) void RunTask(const CacheAttentionView& a,
+                                                                                  int64_t task, float* scratch) {
+  const int64_t G = a.group(), D = a.D, S = a.splits;
+  const int64_t unit = task / S, split = task % S;
+  const int64_t t = unit % a.T;
+  const int64_t hk = (unit / a.T) % a.Hkv;
+  const int64_t b = unit / (a.T * a.Hkv);
+  const int64_t L = a.start[b * a.start_stride] + t + 1;  // keys [0, start + t]
+  const int64_t chunk = (L + S - 1) / S;
+  const int64_t j0 = std::min(L, split * chunk), j1 = std::min(L, j0 + chunk);
+  const float* k = a.k + b * a.row_stride + hk * a.head_stride;
+  const float* v = a.v + b * a.row_stride + hk * a.head_stride;
+  const float* q = a.q + (b * a.T + t) * a.Hq * D + hk * G * D;  // the group's G query heads
+  float* qs = scratch + G * kAttnBlockKeys;
+  // split > 1: acc, m and l are the task's partial (read by CacheAttentionCombine); else scratch
+  float* acc = S > 1 ? a.partial + task * G * (D + 2) : qs + G * D;
+  State s{qs, scratch, acc, acc + G * D, acc + G * D + G};
+  for (int64_t i = 0; i < G * D; ++i) qs[i] = q[i] * a.scale;
+  std::fill(acc, acc + G * D, 0.0f);
+  std::fill(s.m, s.m + G, -std::numeric_limits<float>::infinity());
+  std::fill(s.l, s.l + G, 0.0f);
+  const int64_t ts = a.tok_stride;
+  switch (D) {
+    case 16: KeysVec<1>(s, G, k, v, ts, j0, j1); break;
+    case 32: KeysVec<2>(s, G, k, v, ts, j0, j1); break;
+    case 48: KeysVec<3>(s, G, k, v, ts, j0, j1); break;
+    case 64: KeysVec<4>(s, G, k, v, ts, j0, j1); break;
+    case 80: KeysVec<5>(s, G, k, v, ts, j0, j1); break;
+    case 96: KeysVec<6>(s, G, k, v, ts, j0, j1); break;
+    case 128: KeysVec<8>(s, G, k, v, ts, j0, j1); break;
+    case 256: KeysVec<16>(s, G, k, v, ts, j0, j1); break;
+    default:
+      for (int64_t jb = j0; jb < j1; jb += kAttnBlockKeys)
+        BlockAny(s, G, D, k + jb * ts, v + jb * ts, ts, std::min(kAttnBlockKeys, j1 - jb));
+  }
+  if (S > 1) return;
+  float* out = a.out + (b * a.T + t) * a.Hq * D + hk * G * D;
+  for (int64_t g = 0; g < G; ++g) {
+    const float inv = 1.0f / s.l[g];
+    for (int64_t d = 0; d < D; ++d) out[g * D + d] = acc[g * D + d] * inv;
   }
 }
 
@@ -146,6 +242,7 @@ Status PlanCacheAttention(const std::string& node, const TensorArg& q, const Ten
   }
   const int64_t stride = start.dims.size() == 1 ? 1 : 0;
   const int64_t* s = static_cast<const int64_t*>(start.data);
+  int64_t max_keys = 0;
   for (int64_t b = 0; b < B; ++b) {
     const int64_t p = s[b * stride];
     if (p < 0 || p > C - T) {
@@ -154,6 +251,7 @@ Status PlanCacheAttention(const std::string& node, const TensorArg& q, const Ten
       if (p < 0) return Bad(node, "start " + std::to_string(p) + " for row " + std::to_string(b) + " is negative");
       return Status(Code::kCapacity, m.str());
     }
+    max_keys = std::max(max_keys, p + T);
   }
   view->q = static_cast<const float*>(q.data);
   view->k = static_cast<const float*>(k.data);
@@ -171,11 +269,44 @@ Status PlanCacheAttention(const std::string& node, const TensorArg& q, const Ten
   view->tok_stride = bsnh ? Hkv * D : D;
   view->head_stride = bsnh ? D : C * D;
   view->scale = scale > 0 ? scale : 1.0f / std::sqrt(static_cast<float>(D));
+  // Note [CacheAttention CPU split-K]: split the keys only while units are too few to fill the
+  // threads, and never into chunks shorter than kAttnMinSplitKeys (the longest row decides).
+  const int64_t units = view->units();
+  view->splits = 1;
+  if (units > 0 && units < kAttnTargetTasks)
+    view->splits = std::max<int64_t>(1, std::min((kAttnTargetTasks + units - 1) / units, max_keys / kAttnMinSplitKeys));
+  view->partial = nullptr;
   return Status::Ok();
 }
 
 void CacheAttentionCpu(const CacheAttentionView& a, int64_t begin, int64_t end, float* scratch) {
-  for (int64_t task = begin; task < end; ++task) AttendGroup(a, task, scratch);
+  for (int64_t task = begin; task < end; ++task) RunTask(a, task, scratch);
+}
+
+void CacheAttentionCombine(const CacheAttentionView& a) {
+  const int64_t S = a.splits, G = a.group(), D = a.D, P = G * (D + 2);
+  if (S <= 1) return;
+  for (int64_t unit = 0; unit < a.units(); ++unit) {
+    const int64_t t = unit % a.T, hk = (unit / a.T) % a.Hkv, b = unit / (a.T * a.Hkv);
+    const float* part = a.partial + unit * S * P;  // tasks unit * S ... unit * S + S - 1
+    float* out = a.out + (b * a.T + t) * a.Hq * D + hk * G * D;
+    for (int64_t g = 0; g < G; ++g) {
+      float mx = -std::numeric_limits<float>::infinity();
+      for (int64_t c = 0; c < S; ++c) mx = std::max(mx, part[c * P + G * D + g]);  // chunk 0 is never empty
+      float den = 0;
+      float* og = out + g * D;
+      std::fill(og, og + D, 0.0f);
+      for (int64_t c = 0; c < S; ++c) {
+        const float* pc = part + c * P;
+        const float w = std::exp(pc[G * D + g] - mx);  // 0 for an empty chunk (m = -inf)
+        if (w == 0.0f) continue;
+        den += w * pc[G * D + G + g];
+        for (int64_t d = 0; d < D; ++d) og[d] += w * pc[g * D + d];
+      }
+      const float inv = 1.0f / den;
+      for (int64_t d = 0; d < D; ++d) og[d] *= inv;
+    }
+  }
 }
 
 }  // namespace ortkv
