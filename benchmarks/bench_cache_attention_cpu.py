@@ -4,6 +4,8 @@
               thread and on two threads (halves; numpy drops the GIL while copying), counting bytes
               read + written, and a STREAM-like triad a = b + s * c (counted as STREAM does, 12 bytes per
               float32 element, although numpy makes two passes). The reference is the highest of them.
+              For information, also a read-only figure (np.sum on one and two threads): attention only
+              reads, and on small VMs one core's reads alone get about half of what a copy moves.
   attention : one CacheAttention node through ORT (CPU EP, IOBinding, caches bound in place),
               SmolLM2-135M shapes (9 query heads, 3 KV heads, head size 64, float32, BNSH caches),
               one new token (decode) over L = 2K / 8K / 16K keys, batch 1 and 4. GB/s = bytes of K and
@@ -17,7 +19,7 @@
   library in DIR (e.g. a copy of an older build) and the installed one, each in a fresh process, and
   reports the medians over rounds.
 
-    python benchmarks/bench_cache_attention_cpu.py [--threads 2] [--rounds 3] [--compare OLD_LIB_DIR]
+    python benchmarks/bench_cache_attention_cpu.py [--threads 2,1] [--rounds 3] [--compare OLD_LIB_DIR]
                                                    [--out benchmarks/results/cache_attention_cpu.md]
 """
 
@@ -82,6 +84,11 @@ def bandwidth(passes: int = 9) -> dict:
     res = {"copy_1t": 2 * src.nbytes / t1 / 1e9, "copy_2t": 2 * src.nbytes / t2 / 1e9,
            "triad_1t": 3 * src.nbytes / t3 / 1e9}
     res["reference"] = max(res.values())
+    t4 = _median_time(lambda: src.sum(), passes)
+    pool = concurrent.futures.ThreadPoolExecutor(2)
+    t5 = _median_time(lambda: list(pool.map(lambda s: src[s].sum(), [slice(0, half), slice(half, n)])), passes)
+    pool.shutdown()
+    res["read_1t"], res["read_2t"] = src.nbytes / t4 / 1e9, src.nbytes / t5 / 1e9
     return res
 
 
@@ -145,12 +152,12 @@ def attention(lib: str, threads: int, passes: int = 15) -> dict:
     return res
 
 
-def measure(lib: str, threads: int) -> dict:
-    return {"bandwidth": bandwidth(), "attention": attention(lib, threads)}
+def measure(lib: str, threads: list[int]) -> dict:
+    return {"bandwidth": bandwidth(), "attention": {str(t): attention(lib, t) for t in threads}}
 
 
-def _child(lib: str, threads: int) -> dict:
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", "--lib", lib, "--threads", str(threads)]
+def _child(lib: str, threads: str) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", "--lib", lib, "--threads", threads]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -168,13 +175,13 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--lib", help="the ortkv custom-op library (default: the installed one)")
     p.add_argument("--compare", metavar="DIR", help="also measure DIR/libortkv.so (an older build), alternating")
-    p.add_argument("--threads", type=int, default=2, help="ORT intra-op threads (default 2)")
+    p.add_argument("--threads", default="2,1", help="ORT intra-op thread counts, comma-separated (default 2,1)")
     p.add_argument("--rounds", type=int, default=3, help="fresh processes per library, alternating (default 3)")
     p.add_argument("--out", help="also write the Markdown report to this file")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.child:
-        print(json.dumps(measure(a.lib, a.threads)))
+        print(json.dumps(measure(a.lib, [int(x) for x in a.threads.split(",")])))
         return 0
     import onnxruntime as ort
 
@@ -189,7 +196,7 @@ def main(argv=None) -> int:
             runs[name].append(_child(lib, a.threads))
             print(f"round {r + 1}/{a.rounds} {name}: done", file=sys.stderr)
     allruns = [x for v in runs.values() for x in v]
-    bw = {k: _med(allruns, "bandwidth", k) for k in ("copy_1t", "copy_2t", "triad_1t", "reference")}
+    bw = {k: _med(allruns, "bandwidth", k) for k in ("copy_1t", "copy_2t", "triad_1t", "reference", "read_1t", "read_2t")}
     ref = bw["reference"]
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
     report = [f"# bench_cache_attention_cpu ({platform.node()}, {cpu}, {os.cpu_count()} CPUs, "
@@ -199,31 +206,34 @@ def main(argv=None) -> int:
               f"({' / '.join(libs)}); every figure is the median over rounds of per-round medians. The machine "
               "is shared with other builds, so single figures move by ~10-20 %.", "",
               "## Measured memory bandwidth (numpy, 256 MiB arrays, median over all rounds)", "",
-              "| copy, 1 thread | copy, 2 threads | triad, 1 thread (STREAM count) | reference (highest) |",
-              "|---:|---:|---:|---:|",
-              f"| {bw['copy_1t']:.1f} GB/s | {bw['copy_2t']:.1f} GB/s | {bw['triad_1t']:.1f} GB/s | {ref:.1f} GB/s |",
-              "",
-              f"## CacheAttention decode, {HQ} query heads / {HKV} KV heads x {D}, float32 BNSH, "
-              f"ORT intra-op threads {a.threads}", "",
-              "GB/s = K+V bytes read per call / time per call; % = of the reference bandwidth above. cold: "
-              "rotating over a model's worth of layers (>= 256 MiB of K/V, read from DRAM); hot: one layer "
-              "repeated.", ""]
-    head = "| case | K+V bytes/call | layers (cold) |"
-    sep = "|---|---:|---:|"
-    for name in libs:
-        head += f" {name} cold us | {name} cold GB/s | {name} cold % | {name} hot GB/s |"
-        sep += "---:|---:|---:|---:|"
-    report += [head, sep]
-    first = next(iter(runs.values()))[0]["attention"]
-    for case, info in first.items():
-        row = f"| {case} | {info['bytes']:,} | {info['layers']} |"
+              "| copy, 1 thread | copy, 2 threads | triad, 1 thread (STREAM count) | **reference** (highest) | "
+              "read only (np.sum), 1 thread | read only, 2 threads |",
+              "|---:|---:|---:|---:|---:|---:|",
+              f"| {bw['copy_1t']:.1f} GB/s | {bw['copy_2t']:.1f} GB/s | {bw['triad_1t']:.1f} GB/s | **{ref:.1f} GB/s** | "
+              f"{bw['read_1t']:.1f} GB/s | {bw['read_2t']:.1f} GB/s |", ""]
+    for threads in a.threads.split(","):
+        report += [f"## CacheAttention decode, {HQ} query heads / {HKV} KV heads x {D}, float32 BNSH, "
+                   f"ORT intra-op threads {threads}", "",
+                   "GB/s = K+V bytes read per call / time per call; % = of the reference bandwidth above. cold: "
+                   "rotating over a model's worth of layers (>= 256 MiB of K/V, read from DRAM); hot: one layer "
+                   "repeated.", ""]
+        head = "| case | K+V bytes/call | layers (cold) |"
+        sep = "|---|---:|---:|"
         for name in libs:
-            cold_us = _med(runs[name], "attention", case, "cold_us")
-            cold = _med(runs[name], "attention", case, "cold_gbs")
-            hot = _med(runs[name], "attention", case, "hot_gbs")
-            row += f" {cold_us:.0f} | {cold:.1f} | {100 * cold / ref:.0f} % | {hot:.1f} |"
-        report.append(row)
-    report.append("")
+            head += f" {name} cold us | {name} cold GB/s | {name} cold % | {name} hot GB/s |"
+            sep += "---:|---:|---:|---:|"
+        report += [head, sep]
+        first = next(iter(runs.values()))[0]["attention"][threads]
+        for case, info in first.items():
+            row = f"| {case} | {info['bytes']:,} | {info['layers']} |"
+            for name in libs:
+                cold_us = _med(runs[name], "attention", threads, case, "cold_us")
+                cold = _med(runs[name], "attention", threads, case, "cold_gbs")
+                hot = _med(runs[name], "attention", threads, case, "hot_gbs")
+                row += f" {cold_us:.0f} | {cold:.1f} | {100 * cold / ref:.0f} % | {hot:.1f} |"
+            report.append(row)
+        report.append("")
+    report += [f"load average at the end: {os.getloadavg()[0]:.1f} (1 min) on {os.cpu_count()} CPUs", ""]
     text = "\n".join(report)
     print(text)
     if a.out:
