@@ -41,6 +41,7 @@ import numpy as np
 HQ, HKV, D = 9, 3, 64
 CASES = [(1, 2048), (1, 8192), (1, 16384), (4, 2048), (4, 8192), (4, 16384)]  # (batch, keys)
 COLD_BYTES = 256 << 20
+OLD_DIR = "OLD_DIR"
 
 
 def _median_time(fn, passes: int, min_time: float = 0.05) -> float:
@@ -115,6 +116,9 @@ def attention(lib: str, threads: int, passes: int = 15) -> dict:
     so = ort.SessionOptions()
     so.register_custom_ops_library(lib)
     so.intra_op_num_threads = threads
+    # idle pool threads sleep instead of spinning: on a shared machine a spinning worker takes the
+    # core the calling thread needs (ORT's default spins; this only changes waiting, not the kernel)
+    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     sess = ort.InferenceSession(_model().SerializeToString(), so, providers=["CPUExecutionProvider"])
     rng = np.random.default_rng(0)
     res = {}
@@ -175,6 +179,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--lib", help="the ortkv custom-op library (default: the installed one)")
     p.add_argument("--compare", metavar="DIR", help="also measure DIR/libortkv.so (an older build), alternating")
+    p.add_argument("--compare-label", default="an older build",
+                   help="what the --compare library is, for the report (e.g. 'commit abc123')")
     p.add_argument("--threads", default="2,1", help="ORT intra-op thread counts, comma-separated (default 2,1)")
     p.add_argument("--rounds", type=int, default=3, help="fresh processes per library, alternating (default 3)")
     p.add_argument("--out", help="also write the Markdown report to this file")
@@ -201,10 +207,12 @@ def main(argv=None) -> int:
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
     report = [f"# bench_cache_attention_cpu ({platform.node()}, {cpu}, {os.cpu_count()} CPUs, "
               f"onnxruntime {ort.__version__}, {time.strftime('%Y-%m-%d %H:%M')})", "",
-              f"command: `python {' '.join(sys.argv)}`", "",
+              f"command: `python {' '.join(OLD_DIR if x == a.compare else x for x in sys.argv)}`"
+              + (f" (OLD_DIR held the libortkv.so of {a.compare_label})" if a.compare else ""), "",
               f"{a.rounds} rounds, each library in a fresh process per round, alternating "
               f"({' / '.join(libs)}); every figure is the median over rounds of per-round medians. The machine "
-              "is shared with other builds, so single figures move by ~10-20 %.", "",
+              "is shared with other builds (see the load average at the end), so single figures move by 10-30 %;"
+              " ORT pool threads sleep rather than spin while idle (session.intra_op.allow_spinning 0).", "",
               "## Measured memory bandwidth (numpy, 256 MiB arrays, median over all rounds)", "",
               "| copy, 1 thread | copy, 2 threads | triad, 1 thread (STREAM count) | **reference** (highest) | "
               "read only (np.sum), 1 thread | read only, 2 threads |",

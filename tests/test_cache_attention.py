@@ -126,7 +126,7 @@ def test_group_sizes_split_k(rng, group, seq_axis):
     _run_and_check(rng, 2 * group, 2, 64, 1300, [1234], seq_axis=seq_axis)
 
 
-@pytest.mark.parametrize("D", [8, 16, 20, 48, 64, 128])
+@pytest.mark.parametrize("D", [8, 16, 20, 32, 48, 64, 80, 96, 128, 256])
 @pytest.mark.parametrize("seq_axis", [1, 2])
 def test_head_sizes(rng, D, seq_axis):
     """Vector path (multiples of 16) and plain-loop path (8, 20: a tail under 8), split and unsplit."""
