@@ -31,6 +31,7 @@ import json
 import math
 import os
 import platform
+import shlex
 import statistics
 import subprocess
 import sys
@@ -207,7 +208,7 @@ def main(argv=None) -> int:
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
     report = [f"# bench_cache_attention_cpu ({platform.node()}, {cpu}, {os.cpu_count()} CPUs, "
               f"onnxruntime {ort.__version__}, {time.strftime('%Y-%m-%d %H:%M')})", "",
-              f"command: `python {' '.join(OLD_DIR if x == a.compare else x for x in sys.argv)}`"
+              f"command: `python {shlex.join(OLD_DIR if x == a.compare else x for x in sys.argv)}`"
               + (f" (OLD_DIR held the libortkv.so of {a.compare_label})" if a.compare else ""), "",
               f"{a.rounds} rounds, each library in a fresh process per round, alternating "
               f"({' / '.join(libs)}); every figure is the median over rounds of per-round medians. The machine "
