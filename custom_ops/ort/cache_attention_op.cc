@@ -26,7 +26,7 @@ struct Job {
 void Task(void* user, size_t i) {
   const auto& v = *static_cast<const Job*>(user)->view;
   thread_local std::vector<float> scratch;
-  const size_t need = static_cast<size_t>((v.Hq / v.Hkv) * v.C);
+  const size_t need = static_cast<size_t>(v.scratch_floats());
   if (scratch.size() < need) scratch.resize(need);
   ortkv::CacheAttentionCpu(v, static_cast<int64_t>(i), static_cast<int64_t>(i) + 1, scratch.data());
 }
@@ -48,13 +48,18 @@ OrtStatus* Compute(void* op_kernel, OrtKernelContext* ctx) {
                                                                   k.num_heads, k.kv_num_heads, k.scale, k.seq_axis,
                                                                   static_cast<float*>(out_data), &view)));
   if (view.tasks() == 0) return nullptr;
+  // split-K partials (Note [CacheAttention CPU split-K]): a few KiB, merged below after every task ran
+  std::vector<float> partial(static_cast<size_t>(view.partial_floats()));
+  view.partial = partial.empty() ? nullptr : partial.data();
   ortkv::CoreLease lease;  // the caches are read here: no Arena release/close meanwhile (Note [Arena lease])
   Job job{&view};
   if (view.tasks() == 1) {
     Task(&job, 0);
-    return nullptr;
+  } else {
+    ORTKV_RETURN_IF_ORT_ERROR(g_api->KernelContext_ParallelFor(ctx, Task, static_cast<size_t>(view.tasks()), 0, &job));
   }
-  return g_api->KernelContext_ParallelFor(ctx, Task, static_cast<size_t>(view.tasks()), 0, &job);
+  ortkv::CacheAttentionCombine(view);
+  return nullptr;
 }
 
 OrtStatus* Create(const OrtCustomOp*, const OrtApi* api, const OrtKernelInfo* info, void** kernel) {

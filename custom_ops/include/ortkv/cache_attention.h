@@ -9,6 +9,18 @@
 // row's own valid length is read, so rows of different lengths share one batch and no Slice or
 // Concat of the cache is needed. Query head h reads KV head h / (Hq / Hkv).
 //   out[b, t, h*D:(h+1)*D] = sum_j softmax_j(scale * q . k_j) v_j
+//
+// Note [CacheAttention CPU split-K]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Decode is memory-bound: each key and value row must be read from memory exactly once per call,
+// and every core must be reading. One unit of work is a (row, KV head, query token); it serves all
+// G = Hq / Hkv query heads of the group, so K/V are read once per group, not once per query head.
+// A unit's keys go by in blocks of kBlockKeys (K and V block in L1) with an online softmax (running
+// max m, sum l and unnormalized accumulator per head: one pass, no score array the size of the cache).
+// When there are fewer units than there is parallelism to fill (decode of one sequence: B * Hkv * 1
+// units), each unit's keys are split into `splits` chunks of >= kMinSplitKeys keys (flash-decoding):
+// task (unit, chunk) writes its (m, l, acc) partial, and CacheAttentionCombine merges the chunks of
+// every unit after all tasks ran. With splits == 1 a task normalizes straight into the output.
 #pragma once
 #include <cstdint>
 #include <string>
@@ -17,6 +29,10 @@
 #include "ortkv/status.h"
 
 namespace ortkv {
+
+constexpr int64_t kAttnBlockKeys = 64;    // keys per block: 16 KiB of K + 16 KiB of V at D = 64
+constexpr int64_t kAttnMinSplitKeys = 256;  // a split-K chunk reads at least this many keys
+constexpr int64_t kAttnTargetTasks = 24;    // split until there are this many tasks (divides 2, 3, 4, 6, 8)
 
 struct CacheAttentionView {
   const float* q = nullptr;    // [B, T, Hq * D]
@@ -28,16 +44,26 @@ struct CacheAttentionView {
   int64_t B = 0, T = 0, Hq = 0, Hkv = 0, D = 0, C = 0;
   int64_t row_stride = 0, tok_stride = 0, head_stride = 0;  // elements, in k and v
   float scale = 1.0f;
+  int64_t splits = 1;          // key chunks per unit (Note [CacheAttention CPU split-K])
+  float* partial = nullptr;    // splits > 1: partial_floats() floats, owned by the caller
 
-  int64_t tasks() const { return B * Hkv * T; }  // one task: one (row, kv head, query token)
+  int64_t units() const { return B * Hkv * T; }      // one unit: one (row, kv head, query token)
+  int64_t tasks() const { return units() * splits; }  // one task: one key chunk of a unit
+  int64_t group() const { return Hq / Hkv; }
+  int64_t partial_floats() const { return splits > 1 ? tasks() * group() * (D + 2) : 0; }
+  int64_t scratch_floats() const { return group() * (kAttnBlockKeys + 2 * D + 2); }  // scores, scaled q, acc, m, l
 };
 
-// Validates inputs and fills `view` (user-input errors name the node and the numbers).
+// Validates inputs and fills `view` (user-input errors name the node and the numbers), including
+// the split count; the caller provides view->partial when view->splits > 1.
 Status PlanCacheAttention(const std::string& node, const TensorArg& q, const TensorArg& k, const TensorArg& v,
                           const TensorArg& start, int64_t num_heads, int64_t kv_num_heads, float scale,
                           int64_t seq_axis, float* out, CacheAttentionView* view);
 
-// CPU: tasks [begin, end); `scratch` holds (Hq / Hkv) * C floats.
+// CPU: tasks [begin, end); `scratch` holds view.scratch_floats() floats (per thread).
 void CacheAttentionCpu(const CacheAttentionView& view, int64_t begin, int64_t end, float* scratch);
+
+// CPU, after every task ran: merges the split-K partials into the output (no-op when splits == 1).
+void CacheAttentionCombine(const CacheAttentionView& view);
 
 }  // namespace ortkv

@@ -1,0 +1,255 @@
+"""CPU CacheAttention decode against the machine's measured memory bandwidth, in one script.
+
+  bandwidth : numpy on large arrays (256 MiB, far beyond the last-level cache): np.copyto on one
+              thread and on two threads (halves; numpy drops the GIL while copying), counting bytes
+              read + written, and a STREAM-like triad a = b + s * c (counted as STREAM does, 12 bytes per
+              float32 element, although numpy makes two passes). The reference is the highest of them.
+              For information, also a read-only figure (np.sum on one and two threads): attention only
+              reads, and on small VMs one core's reads alone get about half of what a copy moves.
+  attention : one CacheAttention node through ORT (CPU EP, IOBinding, caches bound in place),
+              SmolLM2-135M shapes (9 query heads, 3 KV heads, head size 64, float32, BNSH caches),
+              one new token (decode) over L = 2K / 8K / 16K keys, batch 1 and 4. GB/s = bytes of K and
+              V read per call (2 * B * Hkv * L * D * 4) / time per call.
+              cold: one cache pair per layer, enough layers for >= 256 MiB of K/V, run one after the
+                    other like a model's layers, so every call reads its K/V from DRAM, not from L3.
+              hot : the same layer over and over (its K/V partly cache-resident where it fits in L3).
+              Each figure is the median of many timed passes after a warm-up.
+
+  The machine may be shared: with --compare DIR the script alternates, round by round, between the
+  library in DIR (e.g. a copy of an older build) and the installed one, each in a fresh process, and
+  reports the medians over rounds.
+
+    python benchmarks/bench_cache_attention_cpu.py [--threads 2,1] [--rounds 3] [--compare OLD_LIB_DIR]
+                                                   [--out benchmarks/results/cache_attention_cpu.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import math
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+HQ, HKV, D = 9, 3, 64
+CASES = [(1, 2048), (1, 8192), (1, 16384), (4, 2048), (4, 8192), (4, 16384)]  # (batch, keys)
+COLD_BYTES = 256 << 20
+OLD_DIR = "OLD_DIR"
+
+
+def _median_time(fn, passes: int, min_time: float = 0.05) -> float:
+    """Median over `passes` of the mean time per call of `fn` in a pass of >= min_time seconds."""
+    fn()
+    fn()
+    reps = 1
+    t0 = time.perf_counter()
+    fn()
+    one = max(time.perf_counter() - t0, 1e-7)
+    reps = max(1, math.ceil(min_time / one))
+    samples = []
+    for _ in range(passes):
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        samples.append((time.perf_counter() - t0) / reps)
+    return statistics.median(samples)
+
+
+def bandwidth(passes: int = 9) -> dict:
+    n = (256 << 20) // 4
+    src = np.ones(n, np.float32)
+    dst = np.zeros(n, np.float32)
+    c = np.full(n, 2.0, np.float32)
+    t1 = _median_time(lambda: np.copyto(dst, src), passes)
+    half = n // 2
+    pool = concurrent.futures.ThreadPoolExecutor(2)
+
+    def copy2():
+        list(pool.map(lambda s: np.copyto(dst[s], src[s]), [slice(0, half), slice(half, n)]))
+
+    t2 = _median_time(copy2, passes)
+    pool.shutdown()
+
+    def triad():
+        np.multiply(c, np.float32(3.0), out=dst)
+        np.add(dst, src, out=dst)
+
+    t3 = _median_time(triad, passes)
+    res = {"copy_1t": 2 * src.nbytes / t1 / 1e9, "copy_2t": 2 * src.nbytes / t2 / 1e9,
+           "triad_1t": 3 * src.nbytes / t3 / 1e9}
+    res["reference"] = max(res.values())
+    t4 = _median_time(lambda: src.sum(), passes)
+    pool = concurrent.futures.ThreadPoolExecutor(2)
+    t5 = _median_time(lambda: list(pool.map(lambda s: src[s].sum(), [slice(0, half), slice(half, n)])), passes)
+    pool.shutdown()
+    res["read_1t"], res["read_2t"] = src.nbytes / t4 / 1e9, src.nbytes / t5 / 1e9
+    return res
+
+
+def _model():
+    from onnx import TensorProto as TP
+    from onnx import helper
+
+    from ortkv.graph import make_cache_attention
+
+    node = make_cache_attention("q", "k", "v", "start", "out", name="attn", num_heads=HQ, kv_num_heads=HKV, seq_axis=2)
+    kv = ["B", "H", "C", "D"]
+    g = helper.make_graph([node], "attn", [helper.make_tensor_value_info("q", TP.FLOAT, ["B", "T", "W"]),
+                                           helper.make_tensor_value_info("k", TP.FLOAT, kv),
+                                           helper.make_tensor_value_info("v", TP.FLOAT, kv),
+                                           helper.make_tensor_value_info("start", TP.INT64, ["B"])],
+                          [helper.make_tensor_value_info("out", TP.FLOAT, ["B", "T", "W"])])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("ortkv", 1)],
+                             ir_version=10)
+
+
+def attention(lib: str, threads: int, passes: int = 15) -> dict:
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.register_custom_ops_library(lib)
+    so.intra_op_num_threads = threads
+    # idle pool threads sleep instead of spinning: on a shared machine a spinning worker takes the
+    # core the calling thread needs (ORT's default spins; this only changes waiting, not the kernel)
+    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    sess = ort.InferenceSession(_model().SerializeToString(), so, providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(0)
+    res = {}
+    for b, keys in CASES:
+        per_layer = 2 * b * HKV * keys * D * 4
+        layers = max(3, math.ceil(COLD_BYTES / per_layer))
+        kvs = []
+        k0 = rng.standard_normal((b, HKV, keys, D), dtype=np.float32)
+        for _ in range(layers):  # distinct buffers (same values): a model's layers
+            kvs.append((k0.copy(), (k0 * 0.5).copy()))
+        start = np.full(b, keys - 1, np.int64)  # the new token is the last of L = keys valid tokens
+        q = ort.OrtValue.ortvalue_from_numpy(rng.standard_normal((b, 1, HQ * D), dtype=np.float32))
+        st = ort.OrtValue.ortvalue_from_numpy(start)
+        out = ort.OrtValue.ortvalue_from_numpy(np.zeros((b, 1, HQ * D), np.float32))
+        ios = []
+        for k, v in kvs:
+            io = sess.io_binding()
+            io.bind_ortvalue_input("q", q)
+            io.bind_ortvalue_input("k", ort.OrtValue.ortvalue_from_numpy(k))
+            io.bind_ortvalue_input("v", ort.OrtValue.ortvalue_from_numpy(v))
+            io.bind_ortvalue_input("start", st)
+            io.bind_ortvalue_output("out", out)
+            ios.append(io)
+        run = sess.run_with_iobinding
+
+        def cold():
+            for io in ios:
+                run(io)
+
+        t_cold = _median_time(cold, passes) / layers
+        t_hot = _median_time(lambda: run(ios[0]), passes)
+        res[f"B{b} L{keys}"] = {"bytes": per_layer, "layers": layers, "cold_us": t_cold * 1e6, "hot_us": t_hot * 1e6,
+                                "cold_gbs": per_layer / t_cold / 1e9, "hot_gbs": per_layer / t_hot / 1e9}
+        del ios, kvs
+    return res
+
+
+def measure(lib: str, threads: list[int]) -> dict:
+    return {"bandwidth": bandwidth(), "attention": {str(t): attention(lib, t) for t in threads}}
+
+
+def _child(lib: str, threads: str) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", "--lib", lib, "--threads", threads]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def _med(results: list[dict], *path) -> float:
+    vals = []
+    for r in results:
+        for p in path:
+            r = r[p]
+        vals.append(r)
+    return statistics.median(vals)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--lib", help="the ortkv custom-op library (default: the installed one)")
+    p.add_argument("--compare", metavar="DIR", help="also measure DIR/libortkv.so (an older build), alternating")
+    p.add_argument("--compare-label", default="an older build",
+                   help="what the --compare library is, for the report (e.g. 'commit abc123')")
+    p.add_argument("--threads", default="2,1", help="ORT intra-op thread counts, comma-separated (default 2,1)")
+    p.add_argument("--rounds", type=int, default=3, help="fresh processes per library, alternating (default 3)")
+    p.add_argument("--out", help="also write the Markdown report to this file")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.child:
+        print(json.dumps(measure(a.lib, [int(x) for x in a.threads.split(",")])))
+        return 0
+    import onnxruntime as ort
+
+    import ortkv
+
+    libs = {"new": a.lib or ortkv.get_library_path()}
+    if a.compare:
+        libs = {"old": os.path.join(a.compare, "libortkv.so"), **libs}
+    runs: dict[str, list] = {k: [] for k in libs}
+    for r in range(a.rounds):
+        for name, lib in libs.items():
+            runs[name].append(_child(lib, a.threads))
+            print(f"round {r + 1}/{a.rounds} {name}: done", file=sys.stderr)
+    allruns = [x for v in runs.values() for x in v]
+    bw = {k: _med(allruns, "bandwidth", k) for k in ("copy_1t", "copy_2t", "triad_1t", "reference", "read_1t", "read_2t")}
+    ref = bw["reference"]
+    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
+    report = [f"# bench_cache_attention_cpu ({platform.node()}, {cpu}, {os.cpu_count()} CPUs, "
+              f"onnxruntime {ort.__version__}, {time.strftime('%Y-%m-%d %H:%M')})", "",
+              f"command: `python {shlex.join(OLD_DIR if x == a.compare else x for x in sys.argv)}`"
+              + (f" (OLD_DIR held the libortkv.so of {a.compare_label})" if a.compare else ""), "",
+              f"{a.rounds} rounds, each library in a fresh process per round, alternating "
+              f"({' / '.join(libs)}); every figure is the median over rounds of per-round medians. The machine "
+              "is shared with other builds (see the load average at the end), so single figures move by 10-30 %;"
+              " ORT pool threads sleep rather than spin while idle (session.intra_op.allow_spinning 0).", "",
+              "## Measured memory bandwidth (numpy, 256 MiB arrays, median over all rounds)", "",
+              "| copy, 1 thread | copy, 2 threads | triad, 1 thread (STREAM count) | **reference** (highest) | "
+              "read only (np.sum), 1 thread | read only, 2 threads |",
+              "|---:|---:|---:|---:|---:|---:|",
+              f"| {bw['copy_1t']:.1f} GB/s | {bw['copy_2t']:.1f} GB/s | {bw['triad_1t']:.1f} GB/s | **{ref:.1f} GB/s** | "
+              f"{bw['read_1t']:.1f} GB/s | {bw['read_2t']:.1f} GB/s |", ""]
+    for threads in a.threads.split(","):
+        report += [f"## CacheAttention decode, {HQ} query heads / {HKV} KV heads x {D}, float32 BNSH, "
+                   f"ORT intra-op threads {threads}", "",
+                   "GB/s = K+V bytes read per call / time per call; % = of the reference bandwidth above. cold: "
+                   "rotating over a model's worth of layers (>= 256 MiB of K/V, read from DRAM); hot: one layer "
+                   "repeated.", ""]
+        head = "| case | K+V bytes/call | layers (cold) |"
+        sep = "|---|---:|---:|"
+        for name in libs:
+            head += f" {name} cold us | {name} cold GB/s | {name} cold % | {name} hot GB/s |"
+            sep += "---:|---:|---:|---:|"
+        report += [head, sep]
+        first = next(iter(runs.values()))[0]["attention"][threads]
+        for case, info in first.items():
+            row = f"| {case} | {info['bytes']:,} | {info['layers']} |"
+            for name in libs:
+                cold_us = _med(runs[name], "attention", threads, case, "cold_us")
+                cold = _med(runs[name], "attention", threads, case, "cold_gbs")
+                hot = _med(runs[name], "attention", threads, case, "hot_gbs")
+                row += f" {cold_us:.0f} | {cold:.1f} | {100 * cold / ref:.0f} % | {hot:.1f} |"
+            report.append(row)
+        report.append("")
+    report += [f"load average at the end: {os.getloadavg()[0]:.1f} (1 min) on {os.cpu_count()} CPUs", ""]
+    text = "\n".join(report)
+    print(text)
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
