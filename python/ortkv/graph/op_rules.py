@@ -176,16 +176,24 @@ def cache_attention(ctx, node, label, ins):
     return [q]
 
 
+# The CPU kernel's sizes (custom_ops/include/ortkv/cache_attention.h): keys go by in blocks of 64 with an
+# online softmax; split-K aims at 24 tasks, so (units x splits) < 24 + units <= 48 when it splits.
+_ATTN_BLOCK_KEYS, _ATTN_MAX_SPLIT_TASKS = 64, 48
+
+
 def cache_attention_workspace(ctx, node, threads: int) -> int:
-    """The CPU kernel's scratch: one float per (query head in a group, cache slot), per thread."""
+    """The CPU kernel's scratch, independent of the cache length: per thread, G x (64 + 2D + 2) floats
+    (a block's scores, the scaled queries, the accumulator, m and l); plus, when one sequence's keys are
+    split across threads, at most 48 x G x (D + 2) floats of partials (an upper bound)."""
     if len(node.input) < 2:
         return 0
     k = ctx.type_of(node.input[1])
     hq, hkv = attribute(node, "num_heads") or 1, attribute(node, "kv_num_heads") or 1
-    cache_axis = 1 if attribute(node, "seq_axis") == 1 else 2
-    if k.shape is None or len(k.shape) != 4 or not isinstance(k.shape[cache_axis], int) or hkv < 1:
+    if k.shape is None or len(k.shape) != 4 or not isinstance(k.shape[3], int) or hkv < 1:
         return 0
-    return max(hq // hkv, 0) * k.shape[cache_axis] * 4 * threads
+    group, head = max(hq // hkv, 0), k.shape[3]
+    per_thread = group * (_ATTN_BLOCK_KEYS + 2 * head + 2) * 4
+    return per_thread * threads + _ATTN_MAX_SPLIT_TASKS * group * (head + 2) * 4
 
 
 def paged_cache_update(ctx, node, label, ins):
