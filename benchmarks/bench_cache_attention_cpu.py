@@ -39,6 +39,8 @@ import time
 
 import numpy as np
 
+from _report import emit  # benchmarks/ is on sys.path when a script runs
+
 HQ, HKV, D = 9, 3, 64
 CASES = [(1, 2048), (1, 8192), (1, 16384), (4, 2048), (4, 8192), (4, 16384)]  # (batch, keys)
 COLD_BYTES = 256 << 20
@@ -243,12 +245,7 @@ def main(argv=None) -> int:
             report.append(row)
         report.append("")
     report += [f"load average at the end: {os.getloadavg()[0]:.1f} (1 min) on {os.cpu_count()} CPUs", ""]
-    text = "\n".join(report)
-    print(text)
-    if a.out:
-        with open(a.out, "w") as f:
-            f.write(text + "\n")
-    return 0
+    return emit("\n".join(report), a.out)
 
 
 if __name__ == "__main__":

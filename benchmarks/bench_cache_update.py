@@ -26,6 +26,8 @@ import ortkv
 from ortkv.demo import DemoConfig, compare
 from ortkv.graph import make_cache_update, mark_mutable, set_alias_of
 
+from _report import emit  # benchmarks/ is on sys.path when a script runs
+
 # (label, batch, heads, capacity, head_size, n)
 CASES = [
     ("decode step B4 H8 D64", 4, 8, 4096, 64, 1),
@@ -188,12 +190,7 @@ def main(argv=None) -> int:
                           f"(copy - ortkv = {(c['peak_rss_growth_decode'] - o['peak_rss_growth_decode']) / 2**20:.1f} MiB,"
                           f" {(c['peak_rss_growth_decode'] - o['peak_rss_growth_decode']) / cfg.kv_bytes(cfg.cap):.2f} x "
                           f"the cache)")
-    text = "\n".join(report)
-    print(text)
-    if a.out:
-        with open(a.out, "w") as f:
-            f.write(text + "\n")
-    return 0
+    return emit("\n".join(report), a.out)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,8 @@ import numpy as np
 
 from ortkv.vmm import LAYOUTS, Arena, CacheGeometry, committed_bytes_for, cuda_available, live_bytes
 
+from _report import emit  # benchmarks/ is on sys.path when a script runs
+
 SMOLLM2 = CacheGeometry(layers=30, kv_heads=3, head_size=64, capacity=8192, batch=1, dtype_bytes=2)
 
 
@@ -126,12 +128,7 @@ def main(argv=None) -> int:
             c2m = committed_bytes_for(layout, SMOLLM2, tokens, 2 << 20)
             lines.append(f"| {layout} | {tokens} | {live:,} | {c4:,} | {c4 / live:.2f} | {c2m:,} | {c2m / live:.2f} |")
     lines.append(f"\nfull capacity: {SMOLLM2.total_bytes:,} bytes")
-    text = "\n".join(lines)
-    print(text)
-    if a.out:
-        with open(a.out, "w") as f:
-            f.write(text + "\n")
-    return 0
+    return emit("\n".join(lines), a.out)
 
 
 if __name__ == "__main__":
