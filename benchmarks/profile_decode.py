@@ -1,0 +1,102 @@
+"""Where one decode step of the ortkv SmolLM2 decoder spends its time on the CPU (issue 12): ORT's own
+profile of N steps, per op type (nodes per step, kernel time per step), and the gap between the step's
+wall time and the sum of its kernels (ORT's per-node framework overhead plus the Python session wrapper).
+
+    python benchmarks/profile_decode.py [--weights float32,q4] [--steps 64] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from ortkv.generate import runners
+from ortkv.generate.cli import apply_overrides
+from ortkv.generate.config import GenAIConfig
+
+from _report import emit  # benchmarks/ is on sys.path when a script runs
+
+PROMPT_IDS = [1, 9690, 2409, 253, 655, 28, 665, 588, 253, 1165, 8325, 653]  # any in-vocabulary ids
+
+
+def profile(weights: str, steps: int, prefix: str) -> dict:
+    cfg = apply_overrides(GenAIConfig(), {"ortkv.weights": weights})
+    plain = runners._session_options
+
+    def profiled(c):
+        so = plain(c)
+        so.enable_profiling = True
+        so.profile_file_prefix = prefix
+        return so
+
+    runners._session_options = profiled
+    try:
+        r = runners.make_runner("ortkv", cfg, log=lambda *a: None)
+    finally:
+        runners._session_options = plain
+    ids = np.array([PROMPT_IDS], np.int64)
+    r.start(1, 2048)
+    logits = r.prefill(ids, np.array([ids.shape[1]], np.int64))
+    walls = []
+    for _ in range(steps):
+        nxt = np.array([int(np.argmax(logits[0]))], np.int64)
+        t = time.perf_counter()
+        logits = r.step(nxt)
+        walls.append(time.perf_counter() - t)
+    trace = json.loads(Path(r.sess.session.end_profiling()).read_text())
+    r.close()
+    runs = [e for e in trace if e.get("cat") == "Session" and e["name"] == "model_run"]
+    kernels = [e for e in trace if e.get("cat") == "Node" and e["name"].endswith("_kernel_time")]
+    # the decode steps are the last `steps` model runs; keep their kernels
+    first = runs[-steps]["ts"]
+    kernels = [e for e in kernels if e["ts"] >= first]
+    per_op = collections.defaultdict(lambda: [0, 0.0])
+    for e in kernels:
+        per_op[e["args"]["op_name"]][0] += 1
+        per_op[e["args"]["op_name"]][1] += e["dur"]
+    providers = collections.Counter(e["args"]["provider"] for e in kernels)
+    run_us = float(np.median([e["dur"] for e in runs[-steps:]]))
+    return {"weights": weights, "steps": steps, "wall_ms": 1e3 * float(np.median(walls)), "run_us": run_us,
+            "kernel_us": sum(v[1] for v in per_op.values()) / steps, "nodes": len(kernels) / steps,
+            "per_op": {k: (v[0] / steps, v[1] / steps) for k, v in per_op.items()}, "providers": dict(providers)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--weights", default="float32,q4")
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--out")
+    a = ap.parse_args()
+    report = [f"# One ortkv decode step, profiled (SmolLM2-135M, batch 1, CPU, {os.cpu_count()} CPUs, "
+              f"{time.strftime('%Y-%m-%d %H:%M')})", "",
+              f"command: `python benchmarks/profile_decode.py --weights {a.weights} --steps {a.steps}`; "
+              "medians / means over the decode steps after a 12-token prefill; times from ORT's profiler "
+              "(enable_profiling), wall from Python around runner.step().", ""]
+    with tempfile.TemporaryDirectory() as tmp:
+        for w in a.weights.split(","):
+            p = profile(w, a.steps, str(Path(tmp) / w))
+            gap = p["run_us"] - p["kernel_us"]
+            report += [f"## weights {w}", "",
+                       f"step wall {p['wall_ms']:.2f} ms (Python + session wrapper + ORT run); ORT model_run "
+                       f"{p['run_us'] / 1e3:.2f} ms; kernels {p['kernel_us'] / 1e3:.2f} ms in {p['nodes']:.0f} "
+                       f"nodes; ORT's overhead between kernels {gap / 1e3:.2f} ms ({100 * gap / p['run_us']:.0f} % "
+                       f"of the run, {gap / max(p['nodes'], 1):.1f} us per node); outside ORT "
+                       f"{p['wall_ms'] - p['run_us'] / 1e3:.2f} ms. Providers: {p['providers']}.", "",
+                       "| op type | nodes per step | kernel us per step | share of kernel time |", "|---|---:|---:|---:|"]
+            for op, (n, us) in sorted(p["per_op"].items(), key=lambda kv: -kv[1][1]):
+                report.append(f"| {op} | {n:.0f} | {us:.0f} | {100 * us / p['kernel_us']:.1f} % |")
+            report.append("")
+    report.append(f"load average at the end: {os.getloadavg()[0]:.1f} (1 min)")
+    return emit("\n".join(report), a.out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
