@@ -280,20 +280,20 @@ ATTENTION_CASES.update({
 })
 
 
-@pytest.mark.parametrize("case", sorted(UPDATE_CASES))
-def test_parity_cache_update(case):
-    model, feeds, same, bounds = _update_case(**UPDATE_CASES[case])
+def _assert_parity(case, model, feeds, same, bounds):
     rule, kernel = _rule_verdict(model, bounds), _kernel_verdict(model, feeds, same)
     assert rule == kernel, (case, "rule accepts" if rule else check(model, bounds=bounds, plan=False).errors,
                             "kernel accepts" if kernel else "kernel refuses")
+
+
+@pytest.mark.parametrize("case", sorted(UPDATE_CASES))
+def test_parity_cache_update(case):
+    _assert_parity(case, *_update_case(**UPDATE_CASES[case]))
 
 
 @pytest.mark.parametrize("case", sorted(ATTENTION_CASES))
 def test_parity_cache_attention(case):
-    model, feeds, same, bounds = _attention_case(**ATTENTION_CASES[case])
-    rule, kernel = _rule_verdict(model, bounds), _kernel_verdict(model, feeds, same)
-    assert rule == kernel, (case, "rule accepts" if rule else check(model, bounds=bounds, plan=False).errors,
-                            "kernel accepts" if kernel else "kernel refuses")
+    _assert_parity(case, *_attention_case(**ATTENTION_CASES[case]))
 
 
 def test_parity_grid_covers_both_verdicts():

@@ -22,8 +22,12 @@ _ORT_TYPE_STRINGS = {"tensor(float)": 1, "tensor(float16)": 10, "tensor(bfloat16
                      "tensor(uint16)": 4, "tensor(int16)": 5, "tensor(bool)": 9}
 
 
-def numpy_onnx_type(dtype: np.dtype) -> int | None:
+def numpy_onnx_type(dtype: np.dtype, declared: int | None = None) -> int | None:
+    """The ONNX element type of a numpy dtype; a uint16 array where bfloat16 is declared holds
+    bfloat16 bits (numpy has no bfloat16 of its own)."""
     dtype = np.dtype(dtype)
+    if declared == BFLOAT16 and dtype == np.uint16:
+        return BFLOAT16
     if dtype.name == "bfloat16":  # ml_dtypes.bfloat16
         return BFLOAT16
     table = {np.float32: 1, np.uint8: 2, np.int8: 3, np.uint16: 4, np.int16: 5, np.int32: 6, np.int64: 7,
@@ -48,6 +52,11 @@ class Storage:
     not_writable_because: str = ""
     lease: Any = None  # an ortkv.vmm.ArenaLease while bound, when the storage lies in an arena
 
+    def release_lease(self) -> None:
+        """Return the arena lease taken at bind (if any): the arena may close again (Note [Arena exports])."""
+        if self.lease is not None:
+            self.lease.release()
+
     @property
     def device_key(self) -> tuple[str, int]:
         return (self.device_type, self.device_id)
@@ -58,9 +67,7 @@ class Storage:
 
 
 def _from_numpy(arr: np.ndarray, declared_type: int | None) -> Storage:
-    onnx_type = numpy_onnx_type(arr.dtype)
-    if declared_type == BFLOAT16 and arr.dtype == np.uint16:
-        onnx_type = BFLOAT16  # bfloat16 bits held in a uint16 array
+    onnx_type = numpy_onnx_type(arr.dtype, declared_type)
     return Storage(ptr=arr.ctypes.data, nbytes=arr.nbytes, device_type="cpu", device_id=0,
                    onnx_type=onnx_type if onnx_type is not None else -1, shape=tuple(arr.shape),
                    writable=bool(arr.flags.writeable), contiguous=bool(arr.flags.c_contiguous), kind="numpy",
@@ -98,7 +105,8 @@ def _from_numpy(arr: np.ndarray, declared_type: int | None) -> Storage:
 # arena view (check_host_pages): it catches memory that numpy believes writable but that is mapped
 # read-only (an array made over a raw pointer), which would otherwise segfault inside the op.
 # The device id comes from OrtValue.__dlpack_device__() (the device name carries no index).
-def _ortvalue_device(value) -> tuple[str, int]:
+def ortvalue_device(value) -> tuple[str, int]:
+    """(device type, device index) of an OrtValue: 'cpu' or 'cuda'."""
     name = value.device_name().lower()
     try:
         dl_type, dl_id = value.__dlpack_device__()
@@ -109,10 +117,9 @@ def _ortvalue_device(value) -> tuple[str, int]:
             f"an OrtValue on '{name}': this onnxruntime cannot tell which device index holds it "
             "(OrtValue.__dlpack_device__ is missing); bind the tensor through DLPack (a torch or cupy tensor) "
             "instead") from None
-    if dl_type in (_DL_CPU, _DL_CUDA_HOST):
-        return "cpu", int(dl_id)
-    if dl_type in (_DL_CUDA, _DL_CUDA_MANAGED):
-        return "cuda", int(dl_id)
+    device_type = _dl_device_type(dl_type)
+    if device_type is not None:
+        return device_type, int(dl_id)
     raise StorageError(f"an OrtValue on '{name}' (DLPack device type {dl_type}) cannot be a cache: cpu or cuda only")
 
 
@@ -143,7 +150,7 @@ def _from_ortvalue(value) -> Storage:
     onnx_type = _ORT_TYPE_STRINGS.get(value.data_type(), -1)
     shape = tuple(value.shape())
     nbytes = int(np.prod(shape, dtype=np.int64)) * ELEM_SIZE.get(onnx_type, 0)
-    device_type, device_id = _ortvalue_device(value)
+    device_type, device_id = ortvalue_device(value)
     ptr = value.data_ptr()
     why = _ortvalue_host_writable(value, ptr, nbytes) if device_type == "cpu" else ""
     return Storage(ptr=ptr, nbytes=nbytes, device_type=device_type, device_id=device_id, onnx_type=onnx_type,
@@ -151,23 +158,24 @@ def _from_ortvalue(value) -> Storage:
                    keepalive=(value,), not_writable_because=why)
 
 
-def ortvalue_device(value) -> tuple[str, int]:
-    """(device type, device index) of an OrtValue: 'cpu' or 'cuda'."""
-    return _ortvalue_device(value)
+def _host_mappings(maps_path: str = "/proc/self/maps") -> list[tuple[int, int, str, str]] | None:
+    """(lo, hi, perms, path) of every mapping of this process; None where the maps file cannot be read."""
+    try:
+        with open(maps_path) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    out = []
+    for line in lines:
+        parts = line.split(None, 5)
+        lo, hi = (int(x, 16) for x in parts[0].split("-"))
+        out.append((lo, hi, parts[1], parts[5].strip() if len(parts) > 5 else ""))
+    return out
 
 
 def _mapping_path(addr: int, maps_path: str = "/proc/self/maps") -> str:
     """The file mapped at host address ``addr`` ('' if anonymous, unknown or unreadable)."""
-    try:
-        with open(maps_path) as f:
-            for line in f:
-                parts = line.split(None, 5)
-                lo, hi = (int(x, 16) for x in parts[0].split("-"))
-                if lo <= addr < hi:
-                    return parts[5].strip() if len(parts) > 5 else ""
-    except OSError:
-        pass
-    return ""
+    return next((path for lo, hi, _, path in _host_mappings(maps_path) or () if lo <= addr < hi), "")
 
 
 def check_host_pages(ptr: int, nbytes: int, tolerate=None, maps_path: str = "/proc/self/maps") -> str:
@@ -177,17 +185,10 @@ def check_host_pages(ptr: int, nbytes: int, tolerate=None, maps_path: str = "/pr
     Linux only: where the maps file cannot be read, '' (the storage's own flag is all we know)."""
     if nbytes <= 0:
         return ""
-    try:
-        with open(maps_path) as f:
-            lines = f.read().splitlines()
-    except OSError:
+    mappings = _host_mappings(maps_path)
+    if mappings is None:
         return ""
-    spans = []
-    for line in lines:
-        parts = line.split(None, 5)
-        lo, hi = (int(x, 16) for x in parts[0].split("-"))
-        if hi > ptr and lo < ptr + nbytes:
-            spans.append((lo, hi, parts[1], parts[5].strip() if len(parts) > 5 else ""))
+    spans = [m for m in mappings if m[1] > ptr and m[0] < ptr + nbytes]
     cursor, end = ptr, ptr + nbytes
     ok = tolerate or (lambda lo, hi: False)
     for lo, hi, perms, path in sorted(spans):
@@ -227,6 +228,18 @@ class _DLManagedTensorVersioned(ctypes.Structure):
 
 _DLPACK_READ_ONLY = 1
 _DL_CPU, _DL_CUDA, _DL_CUDA_HOST, _DL_CUDA_MANAGED = 1, 2, 3, 13
+
+
+def _dl_device_type(dl_type: int) -> str | None:
+    """'cpu' or 'cuda' for a DLPack device type a cache can live on (pinned host memory is host
+    memory, managed memory is CUDA's), else None."""
+    if dl_type in (_DL_CPU, _DL_CUDA_HOST):
+        return "cpu"
+    if dl_type in (_DL_CUDA, _DL_CUDA_MANAGED):
+        return "cuda"
+    return None
+
+
 _DL_TYPES = {(2, 32): 1, (2, 16): 10, (4, 16): 16, (0, 64): 7, (0, 32): 6, (0, 8): 3, (1, 8): 2, (2, 64): 11}
 
 _capsule_get = ctypes.pythonapi.PyCapsule_GetPointer
@@ -273,11 +286,8 @@ def _from_dlpack(obj) -> Storage:
                 contiguous = False
             expected *= shape[i]
     dev = t.device.device_type
-    if dev in (_DL_CPU, _DL_CUDA_HOST):
-        device_type = "cpu"
-    elif dev in (_DL_CUDA, _DL_CUDA_MANAGED):
-        device_type = "cuda"
-    else:
+    device_type = _dl_device_type(dev)
+    if device_type is None:
         raise StorageError(f"DLPack device type {dev} is not supported (cpu or cuda)")
     # The capsule keeps the producer's buffer alive until it is collected (its destructor calls the
     # deleter because we never rename it "used_dltensor").

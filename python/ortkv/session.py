@@ -45,6 +45,7 @@ from .errors import (
 )
 from .graph import Access, check_model, read_annotations
 from .graph.checker import outer_reads
+from .graph.op_contract import safe_node_aliases
 
 
 # --- process-wide registry of live writable bindings -------------------------------------------
@@ -111,13 +112,11 @@ def translate_ort_error(exc: Exception) -> Exception:
 # whether such a cache still has an uncommitted range (one lookup per cache, only for the caches
 # that have such a reader; committing may happen between bind and run, so bind cannot decide).
 # A hit refuses the run before anything executes. Plain ORT sessions get no such guard.
-def _whole_tensor_readers(graph: onnx.GraphProto, annotations, caches) -> dict[str, tuple[str, str]]:
+def _whole_tensor_readers(graph: onnx.GraphProto, caches) -> dict[str, tuple[str, str]]:
     root = {c: c for c in caches}  # value -> the cache whose storage it is
-    for index, node in enumerate(graph.node):
-        pairs = [(e.output_index, e.input_index) for e in annotations.node_aliases.get(index, [])]
-        if node.domain == "ortkv" and node.op_type == "CacheUpdate":
-            pairs.append((0, 0))  # the op's contract (GetAliasMap), annotated or not
-        for out_i, in_i in pairs:
+    for node in graph.node:
+        for e in safe_node_aliases(node)[0]:  # the op's contract (ortkv ops) and its output_alias annotation
+            out_i, in_i = e.output_index, e.input_index
             if in_i < len(node.input) and out_i < len(node.output) and node.input[in_i] in root:
                 root[node.output[out_i]] = root[node.input[in_i]]
     readers: dict[str, tuple[str, str]] = {}
@@ -137,12 +136,20 @@ def _ortvalue_nbytes(value) -> int:
     return int(np.prod(value.shape(), dtype=np.int64)) * ELEM_SIZE.get(value.element_type(), 1)
 
 
-def _registered_uncommitted(lo: int, hi: int) -> bool:
-    """Whether host [lo, hi) is wholly covered by ranges the core knows as reserved, uncommitted."""
+def _find_protected(device_type: str, device_id: int, ptr: int, nbytes: int, kind: str):
+    """(addr, nbytes, label, kind) of the first range of the core's registry of the given kind
+    ("READONLY": a shared prefix, "UNCOMMITTED": reserved arena granules) overlapping the span, or None."""
     from . import _ortkv
 
+    device = _ortkv.DEVICE_CUDA if device_type == "cuda" else _ortkv.DEVICE_CPU
+    mask = 1 << getattr(_ortkv, f"RANGE_{kind}")
+    return _ortkv.find_protected(device, device_id, ptr, nbytes, mask) if nbytes else None
+
+
+def _registered_uncommitted(lo: int, hi: int) -> bool:
+    """Whether host [lo, hi) is wholly covered by ranges the core knows as reserved, uncommitted."""
     while lo < hi:
-        hit = _ortkv.find_protected(_ortkv.DEVICE_CPU, 0, lo, hi - lo, 1 << _ortkv.RANGE_UNCOMMITTED)
+        hit = _find_protected("cpu", 0, lo, hi - lo, "UNCOMMITTED")
         if not hit or hit[0] > lo:
             return False
         lo = hit[0] + hit[1]
@@ -196,7 +203,7 @@ class MutableCacheSession:
         so = sess_options if sess_options is not None else ort.SessionOptions()
         so.register_custom_ops_library(get_library_path())
         self._session = ort.InferenceSession(source, so, providers=providers)
-        self._whole_readers = _whole_tensor_readers(graph, self.annotations, self._caches)
+        self._whole_readers = _whole_tensor_readers(graph, self._caches)
         self._feed_types = {i.name: _ORT_TYPE_STRINGS.get(i.type) for i in self._session.get_inputs()}
         self._id = next(_session_ids)
         self._bindings: dict[str, Storage] = {}
@@ -256,8 +263,8 @@ class MutableCacheSession:
                 f"cache '{name}': {st.not_writable_because}." if st.not_writable_because else
                 f"cache '{name}': the {st.kind} storage is read-only (writeable=False); ortkv writes caches in "
                 "place and never copies them. Pass a writable array (e.g. np.array(x, copy=True)).")
-        hit = self._read_only_range(st)
-        if hit:
+        hit = _find_protected(st.device_type, st.device_id, st.ptr, st.nbytes, "READONLY")
+        if hit:  # a shared prefix mapping; uncommitted arena granules are fine here (commit precedes the run)
             raise ImmutableStorageError(
                 f"cache '{name}': storage at 0x{st.ptr:x} overlaps the write-protected range 0x{hit[0]:x} "
                 f"(+{hit[1]} bytes) '{hit[2]}' (a read-only mapping)")
@@ -294,32 +301,20 @@ class MutableCacheSession:
         try:
             BINDINGS.claim(self._id, name, st)
         except BaseException:
-            if st.lease is not None:
-                st.lease.release()
+            st.release_lease()
             raise
         old = self._bindings.get(name)
-        if old is not None and old.lease is not None:
-            old.lease.release()
+        if old is not None:
+            old.release_lease()
         self._bindings[name] = st
         self._owners[name] = storage
-
-    @staticmethod
-    def _read_only_range(st: Storage):
-        """A READONLY range (a shared prefix mapping) overlapping the storage, if any. Uncommitted
-        arena granules are fine here: a cache grows by commit before the run that needs them."""
-        from . import _ortkv
-
-        device = _ortkv.DEVICE_CUDA if st.device_type == "cuda" else _ortkv.DEVICE_CPU
-        mask = 1 << _ortkv.RANGE_READONLY
-        return _ortkv.find_protected(device, st.device_id, st.ptr, st.nbytes, mask) if st.nbytes else None
-
 
     def unbind_cache(self, name: str) -> None:
         self._acquire(f"unbind cache '{name}'")
         try:
             st = self._bindings.pop(name, None)
-            if st is not None and st.lease is not None:
-                st.lease.release()
+            if st is not None:
+                st.release_lease()
             self._owners.pop(name, None)
             BINDINGS.release(self._id, name)
         finally:
@@ -371,9 +366,7 @@ class MutableCacheSession:
                 io.bind_ortvalue_input(name, value)
             else:
                 arr = np.asarray(value, order="C")  # keeps 0-d scalars 0-d
-                given = numpy_onnx_type(arr.dtype)
-                if declared == BFLOAT16 and arr.dtype == np.uint16:
-                    given = BFLOAT16  # bfloat16 bits held in a uint16 array, as for caches
+                given = numpy_onnx_type(arr.dtype, declared)
                 self._check_feed_type(name, given, declared)
                 self._check_feed_overlap(name, ("cpu", 0), arr.ctypes.data, arr.nbytes)
                 keep.append(arr)
@@ -409,12 +402,9 @@ class MutableCacheSession:
         """Note [Whole-tensor readers of a cache]: refuse the run while such a cache has a hole."""
         if not self._whole_readers:
             return
-        from . import _ortkv
-
         for cache, (node, op_type) in self._whole_readers.items():
             st = self._bindings[cache]
-            device = _ortkv.DEVICE_CUDA if st.device_type == "cuda" else _ortkv.DEVICE_CPU
-            hit = _ortkv.find_protected(device, st.device_id, st.ptr, st.nbytes, 1 << _ortkv.RANGE_UNCOMMITTED)
+            hit = _find_protected(st.device_type, st.device_id, st.ptr, st.nbytes, "UNCOMMITTED")
             if hit:
                 end = st.ptr + st.nbytes
                 lo, hi = max(hit[0], st.ptr), min(hit[0] + hit[1], end)
@@ -458,8 +448,7 @@ class MutableCacheSession:
         with self._lock:
             BINDINGS.release(self._id)
             for st in self._bindings.values():
-                if st.lease is not None:
-                    st.lease.release()
+                st.release_lease()
             self._bindings.clear()
             self._owners.clear()
             self._closed = True

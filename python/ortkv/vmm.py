@@ -283,10 +283,15 @@ class Arena:
         return self
 
     def __exit__(self, *exc):
+        self.close_when_unused()
+
+    def close_when_unused(self) -> None:
+        """Close now, or, while views or session bindings are alive, close to new work at once and free
+        the range when the last of them is gone (never ArenaBusyError; Note [Arena exports])."""
         with self._lock:
             if self._native.closed:
                 return
-            if self._exports:  # deferred: freed by the last export's finalizer (Note [Arena exports])
+            if self._exports:  # deferred: freed by the last export's finalizer
                 self._closing = True
                 return
         self.close()
@@ -559,5 +564,9 @@ class ArenaKVCache:
         return self
 
     def __exit__(self, *exc):
+        self.close_when_unused()
+
+    def close_when_unused(self) -> None:
+        """Arena.close_when_unused: deferred while views are alive, never ArenaBusyError."""
         self.views = []
-        self.arena.__exit__(*exc)  # deferred while views are alive (Note [Arena exports])
+        self.arena.close_when_unused()

@@ -61,7 +61,7 @@ class OrtkvRunner:
             for i in range(self.layers):
                 for name in ortkv_names(i)[:2]:
                     self.sess.unbind_cache(name)
-            self.arena_cache.__exit__(None, None, None)  # frees now, or once stray views are gone
+            self.arena_cache.close_when_unused()  # frees now, or once stray views are gone
             self.arena_cache = None
         geom = CacheGeometry(layers=self.layers, kv_heads=d.num_key_value_heads, head_size=d.head_size,
                              capacity=max_length, batch=batch, dtype_bytes=4)
@@ -110,7 +110,7 @@ class OrtkvRunner:
         if self.arena_cache is not None:
             # Never raises in cleanup: on Ctrl-C the traceback's frames may still hold a view, so the
             # free is deferred until it is gone (Note [Arena exports]), instead of ArenaBusyError.
-            self.arena_cache.__exit__(None, None, None)
+            self.arena_cache.close_when_unused()
             self.arena_cache = None
 
 

@@ -205,15 +205,12 @@ def node_aliases(node) -> tuple[list[NodeAlias], list[str]]:
     from .annotations import output_aliases
 
     contract = contract_of(node)
-    entries: list[NodeAlias] = []
     problems: list[str] = []
     declared = output_aliases(node)
     if contract is None:
         return [NodeAlias(e.output_index, e.input_index, "annotation") for e in declared], problems
     want = dict(contract.must_alias)
-    for o, i in contract.must_alias:
-        if o < len(node.output) and node.output[o] and i < len(node.input) and node.input[i]:
-            entries.append(NodeAlias(o, i, "contract"))
+    entries = _contract_entries(contract, node)
     for e in declared:
         if want.get(e.output_index) == e.input_index:
             continue  # repeats the contract
@@ -240,8 +237,10 @@ def safe_node_aliases(node) -> tuple[list[NodeAlias], list[str], str | None]:
         return entries, problems, None
     except GraphCheckError as exc:
         contract = contract_of(node)
-        entries = []
-        if contract is not None:
-            entries = [NodeAlias(o, i, "contract") for o, i in contract.must_alias
-                       if o < len(node.output) and node.output[o] and i < len(node.input) and node.input[i]]
-        return entries, [], str(exc)
+        return (_contract_entries(contract, node) if contract is not None else []), [], str(exc)
+
+
+def _contract_entries(contract: OpContract, node) -> list[NodeAlias]:
+    """The contract's aliases between ports the node has (an empty name is an absent port)."""
+    return [NodeAlias(o, i, "contract") for o, i in contract.must_alias
+            if o < len(node.output) and node.output[o] and i < len(node.input) and node.input[i]]
