@@ -312,3 +312,267 @@ def test_genai_model_runs_on_cuda(cfg, share):
         gen.generate_next_token()
         out.append(int(gen.get_next_tokens()[0]))
     assert out == [7042, 30, 198, 198, 504, 2988, 314, 42]  # " Paris.\n\nThe answer is:" as on the CPU
+
+
+# --- GPU generation, the parts that run anywhere (issue 10): config, float16 graphs, SBNH arenas, bench ---------
+from ortkv.generate import bench as bench_mod  # noqa: E402
+from ortkv.generate.config import provider_device, set_device  # noqa: E402
+
+
+def _cfg_with(provider_options):
+    c = GenAIConfig()
+    c.model.decoder.session_options = {"log_id": "x", "provider_options": provider_options}
+    return c
+
+
+def test_provider_options_pick_the_device():
+    c = _cfg_with([{"cuda": {"device_id": "1", "enable_cuda_graph": "1"}}]).validate()
+    assert (c.device, c.dtype, c.cache_layout, c.cuda_graph) == ("cuda:1", "float16", "SBNH", True)
+    assert c.cuda_options == {"device_id": "1", "enable_cuda_graph": "1"}
+    c = _cfg_with([{"cuda": {"device_id": 0, "enable_cuda_graph": False}}]).validate()  # numbers/bools written as text
+    assert (c.device, c.cuda_graph, c.cuda_options["device_id"]) == ("cuda:0", False, "0")
+    c = GenAIConfig().validate()
+    assert (c.device, c.dtype, c.cache_layout, c.cuda_graph) == ("cpu", "float32", "BNSH", False)
+    c.ortkv.dtype, c.ortkv.cache_layout = "float16", "BSNH"
+    assert (c.validate().dtype, c.cache_layout) == ("float16", "BSNH")
+
+
+@pytest.mark.parametrize("entries, message", [
+    ([{"dml": {}}], "provider 'dml' is not supported by ortkv"),
+    ([{"cuda": {"device_id": "x"}}], "cuda.device_id = 'x': expected a device index"),
+    ([{"cuda": {}}, {"cuda": {}}], '"cuda" appears twice'),
+    ([{"cuda": {"enable_cuda_graph": "maybe"}}], "enable_cuda_graph = 'maybe'"),
+    ([{"cuda": {"gpu_mem_limt": "1"}}], "cuda.gpu_mem_limt: unknown CUDA provider option"),
+    ([{"cuda": {}, "cpu": {}}], "expected one provider per entry"),
+    ({"cuda": {}}, "expected a list"),
+])
+def test_provider_options_errors(entries, message):
+    with pytest.raises(ortkv.OrtkvError, match="provider_options") as e:
+        _cfg_with(entries).validate()
+    assert message in str(e.value)
+
+
+def test_config_refuses_q4_float16_and_unknown_layouts():
+    c = _cfg_with([{"cuda": {}}])
+    c.ortkv.weights = "q4"
+    with pytest.raises(ortkv.OrtkvError, match="the 4-bit decoders are built in float32 only"):
+        c.validate()
+    c = GenAIConfig()
+    c.ortkv.cache_layout = "SNBH"
+    with pytest.raises(ortkv.OrtkvError, match="ortkv.cache_layout = 'SNBH'"):
+        c.validate()
+    c = GenAIConfig()
+    c.ortkv.dtype = "bfloat16"
+    with pytest.raises(ortkv.OrtkvError, match="ortkv.dtype = 'bfloat16'"):
+        c.validate()
+
+
+def test_device_flags_write_provider_options():
+    from ortkv.generate.cli import build_parser, config_from_args
+
+    cfg, overrides = config_from_args(build_parser().parse_args(["--device", "cuda:2", "--cuda-graph"]))
+    assert cfg.device == "cuda:2" and cfg.cuda_graph and cfg.dtype == "float16"
+    assert overrides["model.decoder.session_options"]["provider_options"] == [
+        {"cuda": {"device_id": "2", "enable_cuda_graph": "1"}}]
+    # a worker given these overrides reads the same device
+    worker = apply_overrides(GenAIConfig(), overrides)
+    assert (worker.device, worker.cuda_graph) == ("cuda:2", True)
+    cfg, _ = config_from_args(build_parser().parse_args(["--device", "cuda", "--no-cuda-graph", "--dtype", "float32"]))
+    assert (cfg.device, cfg.cuda_graph, cfg.dtype) == ("cuda:0", False, "float32")
+    with pytest.raises(ortkv.OrtkvError, match="--cuda-graph needs --device cuda"):
+        config_from_args(build_parser().parse_args(["--cuda-graph"]))
+    with pytest.raises(ortkv.OrtkvError, match="--device 'gpu'"):
+        config_from_args(build_parser().parse_args(["--device", "gpu"]))
+    c = _cfg_with([{"cuda": {"device_id": "3", "gpu_mem_limit": "1000"}}])
+    set_device(c, "cpu")
+    assert provider_device(c) == "cpu" and c.model.decoder.session_options["provider_options"] == []
+
+
+def test_repo_genai_config_is_valid_with_auto_keys():
+    cfg = load_config(Path(__file__).resolve().parent.parent / "genai_config.json")
+    assert (cfg.ortkv.cache_layout, cfg.ortkv.dtype) == ("auto", "auto")
+    assert (cfg.device, cfg.cache_layout, cfg.dtype) == ("cpu", "BNSH", "float32")  # CPU behaviour unchanged
+
+
+@pytest.fixture(scope="session")
+def slice_weights(gguf):
+    w, _ = weights.load(gguf, layers=2)
+    return w
+
+
+def test_float16_graphs_are_float16_with_float32_logits(slice_weights):
+    from onnx import TensorProto as TP
+
+    for variant in builder.VARIANTS:
+        m = builder.build(slice_weights, variant, max_positions=256, dtype="float16", cache_layout="SBNH")
+        floats = {t.name: t.data_type for t in m.graph.initializer if t.data_type in (TP.FLOAT, TP.FLOAT16)}
+        assert floats and set(floats.values()) == {TP.FLOAT16}, variant
+        kv = [i for i in m.graph.input if "past" in i.name]
+        assert len(kv) == 4 and {i.type.tensor_type.elem_type for i in kv} == {TP.FLOAT16}
+        (logits,) = [o for o in m.graph.output if o.name == "logits"]
+        assert logits.type.tensor_type.elem_type == TP.FLOAT
+        last = [n for n in m.graph.node if "logits" in n.output][0]
+        assert last.op_type == "Cast" and last.attribute[0].i == TP.FLOAT
+        if variant == "ortkv":
+            dims = [d.dim_param or d.dim_value for d in kv[0].type.tensor_type.shape.dim]
+            assert dims == ["capacity", "batch", 3, 64]
+            axes = {n.op_type: [a.i for a in n.attribute if a.name == "seq_axis"] for n in m.graph.node
+                    if n.domain == "ortkv"}
+            assert axes == {"CacheUpdate": [0], "CacheAttention": [0]}
+        if variant == "genai":
+            assert sum(n.op_type == "GroupQueryAttention" for n in m.graph.node) == 2
+    m32 = builder.build(slice_weights, "genai", max_positions=256)
+    assert {t.data_type for t in m32.graph.initializer} <= {TP.FLOAT, TP.INT64}
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        builder.build(slice_weights, "genai", max_positions=16, dtype="bfloat16")
+
+
+def test_float16_refuses_q4_weights(gguf):
+    w4, _ = weights.load(gguf, layers=1, fmt="q4")
+    with pytest.raises(ortkv.OrtkvError, match="built in float32 only"):
+        builder.build(w4, "ortkv", max_positions=16, dtype="float16")
+
+
+@pytest.mark.parametrize("variant", ["genai", "copy"])
+def test_float16_graph_computes_the_float32_logits(slice_weights, variant):
+    """The CPU has float16 kernels for GQA / the copy model's ops: the float16 graph agrees with float32 to
+    float16 precision (the ortkv variant's float16 path needs the CUDA CacheAttention: test_generate_cuda)."""
+    import onnxruntime as ort
+
+    ids = np.array([[504, 3575, 282, 4649, 314]])
+    outs = {}
+    for dtype in ("float32", "float16"):
+        m = builder.build(slice_weights, variant, max_positions=64, dtype=dtype)
+        sess = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+        np_t = np.float16 if dtype == "float16" else np.float32
+        feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids), "position_ids": np.arange(5)[None]}
+        for i in range(2):
+            for name in builder.genai_names(i)[:2]:
+                feeds[name] = np.zeros((1, 3, 0, 64), np_t)
+        outs[dtype] = sess.run(["logits"], feeds)[0]
+    assert outs["float16"].dtype == np.float32
+    diff = np.abs(outs["float16"] - outs["float32"]).max()
+    assert 0 < diff < 0.05 * np.abs(outs["float32"]).max(), diff
+    assert (outs["float16"][0].argmax(-1) == outs["float32"][0].argmax(-1)).mean() >= 0.8
+
+
+def test_sbnh_arena_per_tensor_commits_follow_tokens():
+    from ortkv.vmm import ArenaKVCache, CacheGeometry, Governor, committed_bytes_for, live_bytes
+
+    granule = 2 << 20  # the CUDA granule: the layout arithmetic of Note [One arena per tensor]
+    g = CacheGeometry(layers=30, kv_heads=3, head_size=64, capacity=8192, batch=32, dtype_bytes=2)
+    for tokens in (1, 16, 272, 1280):
+        per_tensor = committed_bytes_for("SBNH", CacheGeometry(1, 3, 64, 8192, 32, 2), tokens, granule) // 2
+        assert per_tensor * g.tensors <= 1.1 * live_bytes(g, tokens) + g.tensors * granule
+    assert committed_bytes_for("BSNH", g, 1280, granule) > 1.1 * live_bytes(g, 1280) + granule  # one arena: no
+    small = CacheGeometry(layers=2, kv_heads=3, head_size=64, capacity=4096, batch=4, dtype_bytes=2)
+    with ArenaKVCache(small, "SBNH", "cpu", Governor(1 << 30), np.float16) as kv:
+        assert kv.arena_per_tensor and len(kv.arenas) == 4 and kv.arena is None
+        assert [v.shape for v in kv.views] == [(4096, 4, 3, 64)] * 4
+        assert kv.committed_bytes == 0
+        kv.ensure(100)
+        gran = kv.granule
+        assert kv.live_bytes == 4 * 100 * 4 * 3 * 64 * 2
+        assert kv.live_bytes <= kv.committed_bytes <= 1.1 * kv.live_bytes + 4 * gran
+        kv.views[0][:100] = 1.0  # committed: writable
+        assert kv.committed_tokens * kv.token_bytes >= 100 * kv.token_bytes
+        before = kv.committed_bytes
+        assert kv.ensure(kv.committed_tokens) == 0 and kv.committed_bytes == before
+    with pytest.raises(ortkv.OrtkvError, match="arena_per_tensor needs layout SBNH"):
+        ArenaKVCache(small, "BSNH", "cpu", None, np.float16, arena_per_tensor=True)
+
+
+def test_sbnh_arena_refusal_changes_nothing():
+    from ortkv.vmm import ArenaKVCache, CacheGeometry, Governor
+
+    g = CacheGeometry(layers=1, kv_heads=1, head_size=64, capacity=65536, batch=1, dtype_bytes=2)
+    gov = Governor(1 << 20)
+    with ArenaKVCache(g, "SBNH", "cpu", gov, np.float16) as kv:
+        kv.ensure(10)
+        kv.views[0][:10] = 3.0
+        before, used, tokens = kv.committed_bytes, gov.in_use, kv.committed_tokens
+        with pytest.raises(ortkv.CapacityError, match="governor has .* left; raise ortkv.arena_budget_bytes") as e:
+            kv.ensure(60000)
+        assert e.value.requested > e.value.capacity
+        assert (kv.committed_bytes, gov.in_use, kv.committed_tokens) == (before, used, tokens)
+        assert (kv.views[0][:10] == 3.0).all() and (kv.views[1][:10] == 0).all()
+
+
+def test_last_token_gathers_each_rows_last_logits():
+    import onnxruntime as ort
+
+    from ortkv.generate.runners import LastToken
+
+    logits = np.random.default_rng(0).standard_normal((3, 5, 7)).astype(np.float32)
+    value = ort.OrtValue.ortvalue_from_numpy(logits)
+    got = LastToken(GenAIConfig().validate())(value, np.array([4, 0, 2]))
+    np.testing.assert_array_equal(got, logits[[0, 1, 2], [4, 0, 2]])
+
+
+def test_bound_outputs_must_be_requested_non_cache_outputs(slice_models):
+    import onnxruntime as ort
+
+    cfg, paths = slice_models
+    r = OrtkvRunner(paths["ortkv"], cfg)
+    try:
+        r.start(1, 16)
+        r._ensure(1)
+        out = ort.OrtValue.ortvalue_from_numpy(np.zeros((1, 1, cfg.model.vocab_size), np.float32))
+        feeds = {"input_ids": np.array([[504]]), "positions": np.zeros(1, np.int64)}
+        before = np.array(r.arena_cache.views[0][:, :, :1], copy=True)
+        with pytest.raises(ortkv.OrtkvError, match="bound_outputs: 'present_key.0' is a cache output"):
+            r.sess.run(["logits", "present_key.0"], feeds, bound_outputs={"present_key.0": out})
+        with pytest.raises(ortkv.OrtkvError, match="bound_outputs: 'logits' is not requested"):
+            r.sess.run(["present_key.0"], feeds, bound_outputs={"logits": out})
+        assert (r.arena_cache.views[0][:, :, :1] == before).all()  # the refused runs wrote nothing
+        (got,) = r.sess.run(["logits"], feeds, bound_outputs={"logits": out})
+        assert got is out and np.abs(out.numpy()).max() > 0
+    finally:
+        r.close()
+
+
+def test_bench_cuda_orchestration_with_a_fake_worker(monkeypatch, tmp_path):
+    """The GPU bench's grid, per-process workers, overrides, llama.cpp hook, failure rows and table,
+    with fake workers (nothing runs on a device here)."""
+    calls = []
+
+    def fake_worker(variant, cfg_path, overrides, prompts):
+        calls.append((variant, overrides))
+        if variant == "copy" and len(prompts) == 8:
+            raise ortkv.OrtkvError("the copy worker failed (1):\nout of memory")
+        cfg = apply_overrides(GenAIConfig(), overrides)
+        steps = 3.0 if cfg.cuda_graph else 4.0
+        return {"variant": variant, "prompts": prompts, "prompt_ids": prompts, "texts": [], "new_ids": [[1, 2]] * len(prompts),
+                "decode_tok_s": 1000.0 / steps * len(prompts), "prefill_tok_s": 5000.0, "median_step_ms": steps,
+                "kv_committed_bytes": 3 << 20, "kv_live_bytes": 2 << 20, "kv_bytes": 3 << 20,
+                "peak_device_above_load": 5 << 20, "peak_rss_above_load": 0, "rss_per_step": [], "kv_bytes_per_step": []}
+
+    script = tmp_path / "llama_bench.sh"
+    script.write_text("#!/bin/sh\necho '{\"decode_tok_s\": 100.0, \"prefill_tok_s\": 900.0}'\n")
+    script.chmod(0o755)
+    monkeypatch.setenv(bench_mod.LLAMACPP_ENV, str(script))
+    monkeypatch.setattr(bench_mod, "run_worker", fake_worker)
+    monkeypatch.setattr("ortkv.generate.models.build_models", lambda cfg, variants, log=print: None)
+    assert bench_mod.main(["--device", "cuda:1", "--prompt-tokens", "16", "--max-length", "2048", "--batch", "1", "8",
+                           "--out", str(tmp_path)]) == 0
+    assert [v for v, _ in calls] == ["ortkv", "ortkv", "genai-share", "genai", "copy"] * 2
+    graphs = [o["model.decoder.session_options"]["provider_options"][0]["cuda"] for _, o in calls[:2]]
+    assert graphs == [{"device_id": "1", "enable_cuda_graph": "1"}, {"device_id": "1", "enable_cuda_graph": "0"}]
+    (out,) = list(tmp_path.glob("bench_*"))
+    table = (out / "bench_generate.md").read_text()
+    rows = json.loads((out / "bench_generate.json").read_text())
+    assert rows[0]["runs"]["llama.cpp"] == {"decode_tok_s": 100.0, "prefill_tok_s": 900.0}
+    assert "| 16 | 256 | 2048 | 8 | copy | failed: out of memory |" in table
+    # batch 1: ortkv 333.3 tok/s over the better of genai-share (250) and llama.cpp (100)
+    assert "| 16 | 256 | 2048 | 1 | ortkv | 333.3 | 1.33 | 3.00 | 5000.0 | 3.0 MiB | 2.0 MiB | 1.50 | 5.0 MiB | yes |" in table
+    assert "| 16 | 256 | 2048 | 1 | ortkv-nograph | 250.0 | 1.00 | 4.00 |" in table
+    monkeypatch.setenv(bench_mod.LLAMACPP_ENV, str(tmp_path / "missing"))
+    with pytest.raises(FileNotFoundError):
+        bench_mod.run_llamacpp("m.gguf", 16, 256, 2048, 1)
+    bad = tmp_path / "bad.sh"
+    bad.write_text("#!/bin/sh\necho hello\n")
+    bad.chmod(0o755)
+    monkeypatch.setenv(bench_mod.LLAMACPP_ENV, str(bad))
+    assert "printed no JSON line with decode_tok_s" in bench_mod.run_llamacpp("m.gguf", 16, 256, 2048, 1)["error"]
+    with pytest.raises(SystemExit):
+        bench_mod.main(["--variants", "ortkv-nograph"])

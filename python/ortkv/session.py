@@ -321,16 +321,18 @@ class MutableCacheSession:
             self._lock.release()
 
     # -- running ---------------------------------------------------------------------------------
-    def run(self, output_names=None, feeds=None, run_options=None) -> list:
+    def run(self, output_names=None, feeds=None, run_options=None, bound_outputs=None) -> list:
         """Run once. Caches are bound in place; ``feeds`` hold every other input. Returns the
-        requested outputs in order: numpy arrays, or for an aliased output the bound cache object."""
+        requested outputs in order: numpy arrays, or for an aliased output the bound cache object.
+        ``bound_outputs`` {name: OrtValue}: non-cache outputs written into those (device) OrtValues, which
+        are returned as they are (fixed addresses, as a CUDA graph replay needs; no copy to the host)."""
         self._acquire("run")
         try:
-            return self._run(output_names, dict(feeds or {}), run_options)
+            return self._run(output_names, dict(feeds or {}), run_options, dict(bound_outputs or {}))
         finally:
             self._lock.release()
 
-    def _run(self, output_names, feeds, run_options) -> list:
+    def _run(self, output_names, feeds, run_options, bound_outputs=None) -> list:
         missing = [c for c in self._caches if c not in self._bindings]
         if missing:
             raise OrtkvError(f"cache(s) {missing} are not bound; call bind_cache(name, storage) for each "
@@ -377,8 +379,16 @@ class MutableCacheSession:
         if output_names is None:
             output_names = [o.name for o in self._session.get_outputs()]
         bound_order = list(alias_names)
+        bound_outputs = bound_outputs or {}
+        for name in bound_outputs:
+            if name in alias_names or name not in output_names:
+                raise OrtkvError(f"bound_outputs: '{name}' is {'a cache output' if name in alias_names else 'not requested'}"
+                                 f"; bind only requested non-cache outputs ({[n for n in output_names if n not in alias_names]})")
         for name in output_names:
-            if name not in alias_names:
+            if name in bound_outputs:
+                io.bind_ortvalue_output(name, bound_outputs[name])
+                bound_order.append(name)
+            elif name not in alias_names:
                 io.bind_output(name, "cpu")
                 bound_order.append(name)
         try:
@@ -396,7 +406,8 @@ class MutableCacheSession:
                 raise AliasError(
                     f"output '{out}' came back at 0x{got:x} but its cache '{cache}' is at 0x{st.ptr:x}: the update "
                     "did not happen in place (ORT gave the op a fresh buffer). The cache may be stale.")
-        return [self._owners[alias_names[n]] if n in alias_names else values[n].numpy() for n in output_names]
+        return [self._owners[alias_names[n]] if n in alias_names else bound_outputs[n] if n in bound_outputs
+                else values[n].numpy() for n in output_names]
 
     def _check_committed(self) -> None:
         """Note [Whole-tensor readers of a cache]: refuse the run while such a cache has a hole."""

@@ -395,7 +395,7 @@ class _ArenaView:
 
 
 # --- layouts ------------------------------------------------------------------------------------
-LAYOUTS = ("BNSH", "BSNH", "token-major")
+LAYOUTS = ("BNSH", "BSNH", "SBNH", "token-major")
 
 
 @dataclass(frozen=True)
@@ -427,6 +427,8 @@ class CacheGeometry:
             return (self.batch, self.kv_heads, self.capacity, self.head_size)
         if layout == "BSNH":
             return (self.batch, self.capacity, self.kv_heads, self.head_size)
+        if layout == "SBNH":  # seq_axis 0: token-major per tensor
+            return (self.capacity, self.batch, self.kv_heads, self.head_size)
         raise OrtkvError(f"layout {layout!r} has no per-tensor shape (token-major interleaves all tensors)")
 
 
@@ -440,6 +442,7 @@ def live_fragments(layout: str, g: CacheGeometry, valid_len: int) -> list[tuple[
 
     BNSH        [t][b][h][s][d]: one run per (tensor, row, head) of valid_len * head_size elements
     BSNH        [t][b][s][h][d]: one run per (tensor, row) of valid_len * heads * head_size elements
+    SBNH        [t][s][b][h][d]: one run per tensor of valid_len * batch * heads * head_size elements
     token-major [s][t][b][h][d]: one run of valid_len * (all tensors' bytes per token)
     """
     _check_layout(layout)
@@ -450,6 +453,8 @@ def live_fragments(layout: str, g: CacheGeometry, valid_len: int) -> list[tuple[
     es, d, h, c = g.dtype_bytes, g.head_size, g.kv_heads, g.capacity
     if layout == "token-major":
         return [(0, valid_len * g.tensors * g.batch * h * d * es)]
+    if layout == "SBNH":
+        return [(t * g.tensor_bytes, valid_len * g.batch * h * d * es) for t in range(g.tensors)]
     if layout == "BSNH":
         row = c * h * d * es
         return [(t * g.tensor_bytes + b * row, valid_len * h * d * es) for t in range(g.tensors) for b in range(g.batch)]
@@ -509,26 +514,88 @@ def evaluate_prefix_shareability(layout: str, geometry: CacheGeometry, prefix_le
     return Shareability(True, len(frags), size, smallest, len(frags))
 
 
+# Note [One arena per tensor]
+# Committed bytes follow the tokens only as closely as the granule allows, once per contiguous run of live
+# bytes (live_fragments). In one arena, BNSH has a run per (tensor, row, head) and BSNH per (tensor, row):
+# at 2 MiB CUDA granules SmolLM2 (60 tensors, 3 KV heads) commits 180 granules (360 MiB) before its first
+# token at batch 1, and 60 x 32 at batch 32. SBNH [capacity, batch, kv_heads, head_size] makes each tensor's
+# live bytes ONE prefix; giving each tensor its own arena (arena_per_tensor, the default for SBNH) makes every
+# arena's live bytes one prefix, so committed <= live + one granule per arena, at any batch. ensure() then
+# commits whole granules (never chunk_tokens' rounding, which would add up to chunk_tokens tokens per tensor),
+# so a decode loop commits once per granule of each tensor. The grant is checked against the governor for
+# all arenas before any commits, so a refusal (CapacityError) changes nothing.
+
+
 class ArenaKVCache:
-    """All K and V caches of a model in one arena, each tensor a contiguous BNSH or BSNH view; grows
+    """All K and V caches of a model, each tensor a contiguous BNSH, BSNH or SBNH view: in one arena, or
+    one arena per tensor (``arena_per_tensor``; the default for SBNH, Note [One arena per tensor]); grows
     with ensure(valid_len), which commits the granules the first valid_len tokens need, rounded up to
-    ``chunk_tokens`` so that a decode loop commits once per chunk, in one transaction for all tensors.
-    Views never move."""
+    ``chunk_tokens`` (one arena: so that a decode loop commits once per chunk, in one transaction for all
+    tensors) or to whole granules (one arena per tensor). Views never move."""
 
     def __init__(self, geometry: CacheGeometry, layout: str = "BSNH", device: str = "cpu",
-                 governor: Governor | None = None, dtype=np.float16, chunk_tokens: int = 128):
-        if layout not in ("BNSH", "BSNH"):
-            raise OrtkvError(f"ArenaKVCache layout must be BNSH or BSNH (contiguous per tensor), not {layout!r}")
+                 governor: Governor | None = None, dtype=np.float16, chunk_tokens: int = 128,
+                 arena_per_tensor: bool | None = None):
+        if layout not in ("BNSH", "BSNH", "SBNH"):
+            raise OrtkvError(f"ArenaKVCache layout must be BNSH, BSNH or SBNH (contiguous per tensor), not {layout!r}")
         dtype = np.dtype(dtype)
         if dtype.itemsize != geometry.dtype_bytes:
             raise OrtkvError(f"dtype {dtype} has {dtype.itemsize} bytes but the geometry says {geometry.dtype_bytes}")
         self.geometry, self.layout, self.dtype = geometry, layout, dtype
         self.chunk_tokens = max(1, int(chunk_tokens))
-        self.arena = Arena(geometry.total_bytes, device, governor)
+        self.arena_per_tensor = layout == "SBNH" if arena_per_tensor is None else bool(arena_per_tensor)
+        if self.arena_per_tensor and layout != "SBNH":
+            raise OrtkvError(f"ArenaKVCache: arena_per_tensor needs layout SBNH (one prefix per tensor); {layout} "
+                             "has a run per row, so separate arenas would still commit a granule per row")
         self.valid_len = 0
         self.committed_tokens = 0
         shape = geometry.tensor_shape(layout)
-        self.views = [self.arena.view(dtype, shape, t * geometry.tensor_bytes) for t in range(geometry.tensors)]
+        if self.arena_per_tensor:
+            self.arena = None
+            self.arenas = []
+            try:
+                for _ in range(geometry.tensors):
+                    self.arenas.append(Arena(geometry.tensor_bytes, device, governor))
+                self.views = [a.view(dtype, shape) for a in self.arenas]
+            except BaseException:
+                self.views = []
+                for a in self.arenas:
+                    a.close_when_unused()
+                raise
+        else:
+            self.arena = Arena(geometry.total_bytes, device, governor)
+            self.arenas = [self.arena]
+            self.views = [self.arena.view(dtype, shape, t * geometry.tensor_bytes) for t in range(geometry.tensors)]
+        self.governor = governor
+
+    @property
+    def token_bytes(self) -> int:
+        """Bytes one token (of every row) takes in one tensor."""
+        g = self.geometry
+        return g.batch * g.kv_heads * g.head_size * g.dtype_bytes
+
+    @property
+    def live_bytes(self) -> int:
+        """Bytes of the valid_len tokens of every tensor and row (what committed bytes are measured against)."""
+        return live_bytes(self.geometry, self.valid_len)
+
+    @property
+    def granule(self) -> int:
+        return self.arenas[0].granule
+
+    def _ensure_per_tensor(self, valid_len: int) -> int:
+        g, gran = self.geometry, self.granule
+        target_bytes = min(g.tensor_bytes, -(-valid_len * self.token_bytes // gran) * gran)
+        need = sum(max(0, target_bytes - a.committed_bytes) for a in self.arenas)
+        gov = self.governor
+        if gov is not None and need > gov.budget - gov.in_use:
+            raise CapacityError(f"ArenaKVCache: {valid_len} tokens need {need} more bytes in {len(self.arenas)} arenas "
+                                f"but the governor has {gov.budget - gov.in_use} of its {gov.budget} left; raise "
+                                "ortkv.arena_budget_bytes or shorten max_length / the batch",
+                                requested=need, capacity=gov.budget - gov.in_use)
+        newly = sum(a.commit(target_bytes) for a in self.arenas)
+        self.committed_tokens = min(g.capacity, target_bytes // self.token_bytes)
+        return newly
 
     def key(self, layer: int):
         return self.views[2 * layer]
@@ -546,6 +613,8 @@ class ArenaKVCache:
         self.valid_len = max(self.valid_len, valid_len)
         if valid_len <= self.committed_tokens:
             return 0
+        if self.arena_per_tensor:
+            return self._ensure_per_tensor(valid_len)
         target = min(g.capacity, -(-valid_len // self.chunk_tokens) * self.chunk_tokens)
         newly = self.arena.commit_many(live_fragments(self.layout, g, target))
         self.committed_tokens = target
@@ -553,12 +622,13 @@ class ArenaKVCache:
 
     @property
     def committed_bytes(self) -> int:
-        return self.arena.committed_bytes
+        return sum(a.committed_bytes for a in self.arenas)
 
     def close(self) -> None:
-        """Close the arena: ArenaBusyError while views handed out (or sessions bound to them) are alive."""
+        """Close the arena(s): ArenaBusyError while views handed out (or sessions bound to them) are alive."""
         self.views = []
-        self.arena.close()
+        for a in self.arenas:
+            a.close()
 
     def __enter__(self):
         return self
@@ -569,4 +639,5 @@ class ArenaKVCache:
     def close_when_unused(self) -> None:
         """Arena.close_when_unused: deferred while views are alive, never ArenaBusyError."""
         self.views = []
-        self.arena.close_when_unused()
+        for a in self.arenas:
+            a.close_when_unused()

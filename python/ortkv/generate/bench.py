@@ -4,6 +4,9 @@ ratios are against GenAI share-buffer. Writes results/<stamp>/bench_generate.md,
 
     ortkv bench [--quick] [--prompt-tokens 16 512] [--new-tokens 256 1024] [--max-length 2048 8192]
                 [--batch 1 4] [--variants ortkv genai-share genai copy] [--out results]
+    ortkv bench --device cuda[:N]   float16 on the GPU: prompt 16 / 1024, 256 new tokens, max_length 2048 / 8192,
+                batch 1 / 8 / 32; variants ortkv (CUDA graph), ortkv-nograph, genai-share, genai, copy, and
+                llama.cpp where $ORTKV_LLAMACPP_BENCH names a driver (Note [llama.cpp hook])
 """
 
 from __future__ import annotations
@@ -11,14 +14,57 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import platform
 import sys
 import time
 from pathlib import Path
 
+from ..errors import OrtkvError
 from .cli import run_worker
-from .config import GenAIConfig
+from .config import GenAIConfig, set_device
 from .runners import RUNNERS
+
+CUDA_VARIANTS = ("ortkv", "ortkv-nograph", "genai-share", "genai", "copy")
+CUDA_GRID = {"prompt_tokens": [16, 1024], "new_tokens": [256], "max_length": [2048, 8192], "batch": [1, 8, 32]}
+
+# Note [llama.cpp hook]
+# The GPU bench runs llama.cpp only through a driver named by $ORTKV_LLAMACPP_BENCH (ortkv builds nothing of
+# llama.cpp): an executable called once per cell as
+#     $ORTKV_LLAMACPP_BENCH --model GGUF --batch B --prompt-tokens P --new-tokens N --ctx MAX_LENGTH
+# that prints, as its last stdout line, one JSON object with decode_tok_s and prefill_tok_s (all sequences),
+# and optionally kv_bytes and peak_device_above_load. A wrapper around llama.cpp's llama-batched-bench or a
+# small llama_decode_bench program fits. Its row is labelled llama.cpp; a failure is reported in the table,
+# never silently dropped.
+LLAMACPP_ENV = "ORTKV_LLAMACPP_BENCH"
+
+
+def run_llamacpp(gguf: str, pt: int, nt: int, ml: int, b: int) -> dict:
+    import os
+    import subprocess
+
+    exe = os.environ[LLAMACPP_ENV]
+    cmd = [exe, "--model", gguf, "--batch", str(b), "--prompt-tokens", str(pt), "--new-tokens", str(nt), "--ctx", str(ml)]
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode != 0:
+        return {"error": f"{exe} exited {out.returncode}: {out.stderr.strip()[-300:]}"}
+    try:
+        r = json.loads(out.stdout.strip().splitlines()[-1])
+        float(r["decode_tok_s"]), float(r["prefill_tok_s"])
+    except (IndexError, ValueError, KeyError, TypeError) as exc:
+        return {"error": f"{exe} printed no JSON line with decode_tok_s and prefill_tok_s ({exc!r})"}
+    return r
+
+
+def worker_overrides(device: str, variant: str, ml: int, nt: int) -> tuple[str, dict]:
+    """(runner, overrides) of one bench cell: the CUDA device and, for the ortkv rows, CUDA graph on or off."""
+    overrides = {"search.max_length": ml, "ortkv.max_new_tokens": nt}
+    if device == "cpu":
+        return variant, overrides
+    cfg = GenAIConfig()
+    set_device(cfg, device, cuda_graph=variant == "ortkv")
+    overrides["model.decoder.session_options"] = cfg.model.decoder.session_options
+    return ("ortkv" if variant == "ortkv-nograph" else variant), overrides
 
 TEXT = ("ONNX Runtime runs models exported from many frameworks. A key-value cache stores the keys and values "
         "of every token a language model has seen, so that each new token attends to the past without "
@@ -42,42 +88,74 @@ def _progress(iterable, total):
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="ortkv bench", description=__doc__.split("\n\n")[0])
-    p.add_argument("--prompt-tokens", type=int, nargs="+", default=[16, 512])
-    p.add_argument("--new-tokens", type=int, nargs="+", default=[256, 1024])
-    p.add_argument("--max-length", type=int, nargs="+", default=[2048, 8192])
-    p.add_argument("--batch", type=int, nargs="+", default=[1, 4])
-    p.add_argument("--variants", nargs="+", default=list(RUNNERS), choices=RUNNERS)
+    p.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N (float16, the GPU grid, Note "
+                   "[llama.cpp hook] for the llama.cpp row)")
+    p.add_argument("--prompt-tokens", type=int, nargs="+", help="default: 16 512 (cuda: 16 1024)")
+    p.add_argument("--new-tokens", type=int, nargs="+", help="default: 256 1024 (cuda: 256)")
+    p.add_argument("--max-length", type=int, nargs="+", help="default: 2048 8192")
+    p.add_argument("--batch", type=int, nargs="+", help="default: 1 4 (cuda: 1 8 32)")
+    p.add_argument("--variants", nargs="+", choices=CUDA_VARIANTS,
+                   help=f"default: {' '.join(RUNNERS)} (cuda: {' '.join(CUDA_VARIANTS)}); ortkv-nograph is CUDA only")
     p.add_argument("--quick", action="store_true", help="one small cell (prompt 16, 64 new tokens, max_length 2048, "
                    "batch 1) to check the set-up")
     p.add_argument("--out", default="results")
     a = p.parse_args(argv)
+    cuda = a.device != "cpu"
+    grid = CUDA_GRID if cuda else {"prompt_tokens": [16, 512], "new_tokens": [256, 1024], "max_length": [2048, 8192],
+                                   "batch": [1, 4]}
+    for key, default in grid.items():
+        if getattr(a, key) is None:
+            setattr(a, key, default)
+    if a.variants is None:
+        a.variants = list(CUDA_VARIANTS if cuda else RUNNERS)
+    if not cuda and "ortkv-nograph" in a.variants:
+        p.error("ortkv-nograph (the ortkv decoder without CUDA graph capture) needs --device cuda[:N]")
     if a.quick:
         a.prompt_tokens, a.new_tokens, a.max_length, a.batch = [16], [64], [2048], [1]
-    from .models import build_models, tokenizer_for
+    from .models import build_models, gguf_path, tokenizer_for
 
-    cfg = GenAIConfig().validate()
+    cfg = GenAIConfig()
+    if cuda:
+        set_device(cfg, a.device)
+    cfg.validate()
     tok = tokenizer_for(cfg)
     build_models(cfg, ("ortkv", "genai", "copy"))  # once, before any timing
+    llamacpp = cuda and bool(os.environ.get(LLAMACPP_ENV))
+    variants = list(a.variants) + (["llama.cpp"] if llamacpp else [])
     cells = list(itertools.product(a.prompt_tokens, a.new_tokens, a.max_length, a.batch))
     rows = []
     for (pt, nt, ml, b) in _progress(cells, len(cells)):
         prompts = prompt_ids(tok, pt, b)
-        overrides = {"search.max_length": ml, "ortkv.max_new_tokens": nt}
         cell = {"prompt_tokens": pt, "new_tokens": nt, "max_length": ml, "batch": b, "runs": {}}
         for v in a.variants:
-            r = run_worker(v, None, overrides, prompts)
-            for k in ("texts", "prompt_ids", "prompts"):
-                r.pop(k)
+            runner, overrides = worker_overrides(a.device, v, ml, nt)
+            try:
+                r = run_worker(runner, None, overrides, prompts)
+            except OrtkvError as exc:  # one failing cell is reported in the table, the grid goes on
+                cell["runs"][v] = {"error": str(exc).strip().splitlines()[-1][:300]}
+                print(f"  prompt {pt} new {nt} max_length {ml} batch {b} {v:<13} FAILED: {cell['runs'][v]['error']}",
+                      file=sys.stderr)
+                continue
+            for k in ("texts", "prompt_ids", "prompts") + (("rss_per_step", "kv_bytes_per_step") if cuda else ()):
+                r.pop(k, None)
+            r["variant"] = v
             cell["runs"][v] = r
-            print(f"  prompt {pt} new {nt} max_length {ml} batch {b} {v:<12} decode {r['decode_tok_s']:7.1f} tok/s"
-                  f"  peak RSS above load {r['peak_rss_above_load'] / 2**20:7.1f} MiB", file=sys.stderr)
+            mem = (f"KV committed {r['kv_committed_bytes'] / 2**20:7.1f} MiB for {r['kv_live_bytes'] / 2**20:7.1f} live"
+                   if cuda else f"peak RSS above load {r['peak_rss_above_load'] / 2**20:7.1f} MiB")
+            print(f"  prompt {pt} new {nt} max_length {ml} batch {b} {v:<13} decode {r['decode_tok_s']:8.1f} tok/s  "
+                  f"{mem}", file=sys.stderr)
+        if llamacpp:
+            cell["runs"]["llama.cpp"] = run_llamacpp(str(gguf_path(cfg)), pt, nt, ml, b)
         rows.append(cell)
     out = Path(a.out) / time.strftime("bench_%Y%m%d_%H%M%S")
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench_generate.json").write_text(json.dumps(rows))
-    table = markdown(rows, a.variants)
+    table = markdown_cuda(rows, variants, a.device) if cuda else markdown(rows, a.variants)
     (out / "bench_generate.md").write_text(table + "\n")
-    plot(rows, a.variants, out / "bench_generate.png")
+    if cuda:
+        plot_cuda(rows, variants, out / "bench_generate.png")
+    else:
+        plot(rows, a.variants, out / "bench_generate.png")
     print(table)
     print(f"\nwritten to {out}/")
     return 0
@@ -98,6 +176,75 @@ def markdown(rows, variants) -> str:
                          f"{r['peak_rss_above_load'] / 2**20:.1f} MiB | {r['kv_bytes'] / 2**20:.1f} MiB | "
                          f"{'yes' if r['new_ids'] == b['new_ids'] else 'no'} |")
     return "\n".join(lines)
+
+
+def _cell(r: dict | None, key: str, fmt: str, scale: float = 1.0) -> str:
+    if r is None or "error" in r or r.get(key) is None:
+        return "-"
+    return format(r[key] / scale, fmt)
+
+
+def markdown_cuda(rows, variants, device: str) -> str:
+    """The GPU table: decode / prefill tokens/s (all sequences) with the ratio to the better of GenAI
+    share-buffer and llama.cpp, ms per step, KV committed vs live, peak device memory above the loaded
+    model, and whether the greedy tokens equal GenAI share-buffer's."""
+    lines = [f"# ortkv bench --device {device} ({platform.node()}, {time.strftime('%Y-%m-%d %H:%M')}), float16", "",
+             "ratio: decode tok/s over the better of genai-share and llama.cpp in the cell; committed/live: KV bytes "
+             "resident over the bytes the tokens fill (genai-share preallocates max_length); same: greedy tokens "
+             "equal to genai-share's", "",
+             "| prompt | new | max_length | batch | variant | decode tok/s | ratio | ms/step (median) | prefill tok/s | "
+             "KV committed | KV live | committed/live | peak device above load | same |",
+             "|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for c in rows:
+        runs = c["runs"]
+        best = max([runs[v]["decode_tok_s"] for v in ("genai-share", "llama.cpp")
+                    if v in runs and "error" not in runs[v]] or [0.0])
+        base = runs.get("genai-share", {})
+        for v in variants:
+            r = runs.get(v)
+            head = f"| {c['prompt_tokens']} | {c['new_tokens']} | {c['max_length']} | {c['batch']} | {v} | "
+            if r is None or "error" in r:
+                lines.append(head + f"failed: {(r or {}).get('error', 'not run')} |" + " |" * 8)
+                continue
+            ratio = f"{r['decode_tok_s'] / best:.2f}" if best else "-"
+            live, committed = r.get("kv_live_bytes"), r.get("kv_committed_bytes", r.get("kv_bytes"))
+            frac = f"{committed / live:.2f}" if live and committed is not None else "-"
+            same = ("yes" if r.get("new_ids") == base.get("new_ids") else "no") if "new_ids" in r and "new_ids" in base else "-"
+            lines.append(head + f"{r['decode_tok_s']:.1f} | {ratio} | {_cell(r, 'median_step_ms', '.2f')} | "
+                         f"{r['prefill_tok_s']:.1f} | {_cell(r, 'kv_committed_bytes', '.1f', 2**20)} MiB | "
+                         f"{_cell(r, 'kv_live_bytes', '.1f', 2**20)} MiB | {frac} | "
+                         f"{_cell(r, 'peak_device_above_load', '.1f', 2**20)} MiB | {same} |")
+    return "\n".join(lines)
+
+
+def plot_cuda(rows, variants, path: Path) -> None:
+    """Decode tokens/s per cell and variant (left), KV committed per cell (right); skipped without matplotlib
+    (the GPU machine may lack it: draw it elsewhere from bench_generate.json with plot_cuda)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot (draw it later: python -c \"import json, pathlib; from "
+              "ortkv.generate.bench import plot_cuda; d = pathlib.Path('DIR'); rows = json.loads((d / "
+              "'bench_generate.json').read_text()); plot_cuda(rows, list(rows[0]['runs']), d / 'bench_generate.png')\")",
+              file=sys.stderr)
+        return
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(15, 5))
+    labels = [f"p{c['prompt_tokens']}\nL{c['max_length']}\nb{c['batch']}" for c in rows]
+    width = 0.8 / max(1, len(variants))
+    for i, v in enumerate(variants):
+        xs = [k + i * width for k in range(len(rows))]
+        ax1.bar(xs, [c["runs"].get(v, {}).get("decode_tok_s", 0) or 0 for c in rows], width, label=v)
+        ax2.bar(xs, [(c["runs"].get(v, {}).get("kv_committed_bytes") or 0) / 2**20 for c in rows], width, label=v)
+    for ax, ylabel in ((ax1, "decode tokens/s (all sequences)"), (ax2, "KV committed (MiB)")):
+        ax.set_xticks([k + 0.4 - width / 2 for k in range(len(rows))], labels, fontsize=6)
+        ax.set_ylabel(ylabel)
+        ax.legend(fontsize=7)
+    ax1.set_yscale("log")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def plot(rows, variants, path: Path) -> None:

@@ -55,13 +55,31 @@ def ortkv_names(i: int) -> tuple[str, str, str, str]:
     return f"past_key.{i}", f"past_value.{i}", f"present_key.{i}", f"present_value.{i}"
 
 
+# Note [Float16 models]
+# dtype float16 builds the same three graphs with every float tensor in float16: weights (the GGUF dequantized
+# to float32, then rounded once to float16), rotary tables, norms, activations and K/V caches. Each op then
+# has a float16 CUDA kernel in onnxruntime-gpu 1.31 (MatMul, Gather, SimplifiedLayerNormalization with a
+# float16 scale, com.microsoft RotaryEmbedding and GroupQueryAttention, Softmax / Where / Tile / Concat of
+# the copy model, ortkv CacheUpdate / CacheAttention); in float32 GroupQueryAttention has NO CUDA kernel and
+# ORT silently places it on the CPU (23 tok/s on the H200). The logits stay a float32 output (a Cast after
+# the LM head): the sampler, the GenAI comparison and the tests read float32, and only [batch, vocab] of
+# them come back per decode step (192 KiB at batch 1), so the Cast costs nothing that matters. The 4-bit
+# path (MatMulNBits) stays float32-only here: config refuses weights q4 with dtype float16.
+FLOAT_TYPES = {"float32": (np.float32, TP.FLOAT), "float16": (np.float16, TP.FLOAT16)}
+CACHE_LAYOUTS = ("BNSH", "BSNH", "SBNH")
+
+
 class _Graph:
-    def __init__(self):
+    def __init__(self, float_dtype=np.float32):
         self.nodes, self.inits = [], []
         self._n = 0
+        self.float_dtype = np.dtype(float_dtype)
 
     def init(self, name: str, array) -> str:
-        self.inits.append(numpy_helper.from_array(np.asarray(array), name))
+        array = np.asarray(array)
+        if array.dtype == np.float32 and self.float_dtype != np.float32:
+            array = array.astype(self.float_dtype)
+        self.inits.append(numpy_helper.from_array(array, name))
         return name
 
     def op(self, op_type: str, inputs, outputs=None, domain: str = "", name: str | None = None, **attrs):
@@ -79,23 +97,32 @@ def rope_tables(cfg, rows: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def build(weights: LlamaWeights, variant: str, max_positions: int | None = None,
-          cache_layout: str = "BNSH", accuracy_level: int | None = None) -> onnx.ModelProto:
+          cache_layout: str = "BNSH", accuracy_level: int | None = None, dtype: str = "float32") -> onnx.ModelProto:
     """cache_layout (ortkv variant): BNSH [B, kv_heads, capacity, D] (each head's keys contiguous: the
-    fastest for CacheAttention on CPU) or BSNH [B, capacity, kv_heads, D] (token-major per row: the
-    fewest committed bytes with large granules). accuracy_level (q4 weights): None for the measured choice
-    (Note [Accuracy levels]), or one level (0 or 4) for every MatMulNBits (tests: 0 computes in float32)."""
+    fastest for CacheAttention on CPU), BSNH [B, capacity, kv_heads, D] (token-major per row) or SBNH
+    [capacity, B, kv_heads, D] (seq_axis 0: token-major per tensor, one contiguous prefix whatever the batch,
+    the fewest committed bytes with 2 MiB granules; needs kernels that take seq_axis 0). accuracy_level (q4
+    weights): None for the measured choice (Note [Accuracy levels]), or one level (0 or 4) for every
+    MatMulNBits (tests: 0 computes in float32). dtype: float32 or float16 (Note [Float16 models])."""
     if accuracy_level not in (None, 0, 4):
         raise ValueError(f"accuracy_level must be None, 0 or 4, not {accuracy_level!r}")
     level = ACCURACY_LEVEL if accuracy_level is None else accuracy_level
     level_down = ACCURACY_LEVEL_DOWN if accuracy_level is None else accuracy_level
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}, not {variant!r}")
-    if cache_layout not in ("BNSH", "BSNH"):
-        raise ValueError(f"cache_layout must be BNSH or BSNH, not {cache_layout!r}")
+    if cache_layout not in CACHE_LAYOUTS:
+        raise ValueError(f"cache_layout must be one of {CACHE_LAYOUTS}, not {cache_layout!r}")
+    if dtype not in FLOAT_TYPES:
+        raise ValueError(f"dtype must be one of {tuple(FLOAT_TYPES)}, not {dtype!r}")
+    np_float, FT = FLOAT_TYPES[dtype]
+    if dtype != "float32" and (weights.embed_q is not None or
+                               (weights.layers and isinstance(weights.layers[0]["wq"], Q4Weight))):
+        raise OrtkvError("the 4-bit decoders are built in float32 only: load the GGUF with fmt='float32' for a "
+                         "float16 model (Note [Float16 models])")
     bnsh = cache_layout == "BNSH"
     cfg = weights.config
     H, Hkv, D, E = cfg.heads, cfg.kv_heads, cfg.head_size, cfg.hidden
-    g = _Graph()
+    g = _Graph(np_float)
     # Note [Rotary rows]: the table covers the positions a generation can reach (max_positions, the cap
     # on search.max_length), not the GGUF's context_length: that number comes from the file, and 2**26
     # of it would be a 16 GiB table.
@@ -117,7 +144,7 @@ def build(weights: LlamaWeights, variant: str, max_positions: int | None = None,
     g.init("axis1", np.array([1], np.int64))
 
     inputs = [helper.make_tensor_value_info("input_ids", TP.INT64, ["batch", "seq"])]
-    outputs = [helper.make_tensor_value_info("logits", TP.FLOAT, ["batch", "seq", cfg.vocab])]
+    outputs = [helper.make_tensor_value_info("logits", TP.FLOAT, ["batch", "seq", cfg.vocab])]  # float32 always
     if variant == "ortkv":
         inputs.append(helper.make_tensor_value_info("positions", TP.INT64, ["batch"]))
         # position_ids [B, T] = positions[:, None] + arange(T)
@@ -134,7 +161,7 @@ def build(weights: LlamaWeights, variant: str, max_positions: int | None = None,
             total = g.op("Gather", [g.op("Shape", ["attention_mask"]), "one"], axis=0)
             g.op("Cast", [total], ["total_seq_len"], to=TP.INT32)
         else:  # copy: additive mask [B, 1, 1, T, P+T] from padding and causality
-            g.init("neg_inf", np.array(-np.inf, np.float32))
+            g.init("neg_inf", np.array(-np.inf, np.float32))  # float16 models: cast by g.init
             g.init("zero_f", np.array(0, np.float32))
             total = g.op("Gather", [g.op("Shape", ["attention_mask"]), "one"], axis=0)
             seq = g.op("Gather", [g.op("Shape", ["input_ids"]), "one"], axis=0)
@@ -213,12 +240,15 @@ def build(weights: LlamaWeights, variant: str, max_positions: int | None = None,
                  domain="com.microsoft", interleaved=1, num_heads=Hkv)
         if variant == "ortkv":
             past_k, past_v, pres_k, pres_v = ortkv_names(i)
-            kv_shape = ["batch", Hkv, "capacity", D] if bnsh else ["batch", "capacity", Hkv, D]
-            axis = 2 if bnsh else 1
+            kv_shape = {"BNSH": ["batch", Hkv, "capacity", D], "BSNH": ["batch", "capacity", Hkv, D],
+                        "SBNH": ["capacity", "batch", Hkv, D]}[cache_layout]
+            axis = {"BNSH": 2, "BSNH": 1, "SBNH": 0}[cache_layout]
 
             def new_tokens(t):  # [B, T, Hkv*D] -> the cache's layout (only the new tokens move)
-                t = g.op("Reshape", [t, "shape_kv"])
-                return g.op("Transpose", [t], perm=[0, 2, 1, 3]) if bnsh else t
+                t = g.op("Reshape", [t, "shape_kv"])  # BSNH [B, T, Hkv, D]
+                if cache_layout == "BSNH":
+                    return t
+                return g.op("Transpose", [t], perm=[0, 2, 1, 3] if bnsh else [1, 0, 2, 3])
 
             g.nodes.append(make_cache_update(past_k, new_tokens(k), "positions", pres_k, name=f"update_k_{i}",
                                              seq_axis=axis))
@@ -245,11 +275,11 @@ def build(weights: LlamaWeights, variant: str, max_positions: int | None = None,
                 ctx = g.op("Reshape", [g.op("MatMul", [probs, pres_v]), "shape_bhtd"])  # [B, H, T, D]
                 ctx = g.op("Reshape", [g.op("Transpose", [ctx], perm=[0, 2, 1, 3]), "shape_e"])
                 attn = ctx
-        inputs += [helper.make_tensor_value_info(past_k, TP.FLOAT, kv_shape),
-                   helper.make_tensor_value_info(past_v, TP.FLOAT, kv_shape)]
+        inputs += [helper.make_tensor_value_info(past_k, FT, kv_shape),
+                   helper.make_tensor_value_info(past_v, FT, kv_shape)]
         out_shape = kv_shape if variant == "ortkv" else ["batch", Hkv, "total_seq", D]
-        outputs += [helper.make_tensor_value_info(pres_k, TP.FLOAT, out_shape),
-                    helper.make_tensor_value_info(pres_v, TP.FLOAT, out_shape)]
+        outputs += [helper.make_tensor_value_info(pres_k, FT, out_shape),
+                    helper.make_tensor_value_info(pres_v, FT, out_shape)]
         x = g.op("Add", [x, matmul(attn, p + "wo", lw["wo"])])
         h2 = g.op("SimplifiedLayerNormalization", [x, p + "ffn_norm"], axis=-1, epsilon=cfg.rms_eps)
         if isinstance(lw["wg"], Q4Weight):
@@ -260,11 +290,14 @@ def build(weights: LlamaWeights, variant: str, max_positions: int | None = None,
         act = g.op("Mul", [g.op("Mul", [gate, g.op("Sigmoid", [gate])]), up])
         x = g.op("Add", [x, matmul(act, p + "wd", lw["wd"], accuracy_level=level_down)])
     xn = g.op("SimplifiedLayerNormalization", [x, "final_norm"], axis=-1, epsilon=cfg.rms_eps)
-    if eq is None:
+    if eq is None and dtype != "float32":
+        g.op("Cast", [g.op("MatMul", [xn, "lm_head"], ["logits_" + dtype])], ["logits"], to=TP.FLOAT)
+    elif eq is None:
         g.op("MatMul", [xn, "lm_head"], ["logits"])
     else:
         matmul(xn, "embed", eq, ["logits"])  # initializers embed_q8 (shared with the lookup) and embed_scales
-    graph = helper.make_graph(g.nodes, f"smollm2_{variant}", inputs, outputs, g.inits)
+    name = f"smollm2_{variant}" if dtype == "float32" else f"smollm2_{variant}_{dtype}"
+    graph = helper.make_graph(g.nodes, name, inputs, outputs, g.inits)
     model = helper.make_model(graph, opset_imports=OPSETS, ir_version=IR_VERSION, producer_name="ortkv.generate")
     if variant == "ortkv":
         for i in range(cfg.layers):

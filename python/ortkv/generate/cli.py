@@ -11,7 +11,7 @@ from pathlib import Path
 
 from .._memory import peak_rss_bytes, rss_bytes
 from ..errors import OrtkvError
-from .config import GenAIConfig, load_config
+from .config import GenAIConfig, load_config, set_device
 from .runners import RUNNERS
 
 DEFAULT_PROMPT = "The capital of France is"
@@ -91,7 +91,10 @@ def run_one(cfg: GenAIConfig, variant: str, prompts: list, stream: bool, log=pri
             "texts": [tok.decode(ids) for ids in g.new_ids], "prefill_tok_s": g.prefill_tokens_per_s,
             "decode_tok_s": g.decode_tokens_per_s, "kv_bytes": g.kv_bytes,
             "peak_rss_above_load": g.peak_rss_above_load, "model_rss": rss_load - rss0, "peak_rss": peak_rss_bytes(),
-            "weights": cfg.ortkv.weights, "cache": cfg.ortkv.cache,
+            "weights": cfg.ortkv.weights, "cache": cfg.ortkv.cache, "device": cfg.device, "dtype": cfg.dtype,
+            "cache_layout": cfg.cache_layout, "cuda_graph": variant == "ortkv" and cfg.device != "cpu" and cfg.cuda_graph,
+            "kv_committed_bytes": g.kv_bytes, "kv_live_bytes": g.kv_live_bytes, "median_step_ms": g.median_step_ms,
+            "peak_device_above_load": g.peak_device_above_load,
             "search": {"do_sample": s.do_sample, "temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p,
                        "max_length": s.max_length, "max_new_tokens": cfg.ortkv.max_new_tokens,
                        "seed": cfg.ortkv.seed},
@@ -105,6 +108,12 @@ def _msg(text):
 
 
 def summary(r: dict) -> str:
+    if r.get("device", "cpu") != "cpu":
+        graph = " (CUDA graph)" if r.get("cuda_graph") else ""
+        return (f"[{r['variant']} {r['device']} {r['dtype']}] prefill {r['prefill_tok_s']:.1f} tok/s | decode "
+                f"{r['decode_tok_s']:.1f} tok/s, {r['median_step_ms']:.2f} ms/step{graph} | KV committed "
+                f"{_mib(r['kv_committed_bytes'])} for {_mib(r['kv_live_bytes'])} live | peak device memory above "
+                f"load {_mib(r['peak_device_above_load'])}")
     return (f"[{r['variant']}] prefill {r['prefill_tok_s']:.1f} tok/s | decode {r['decode_tok_s']:.1f} tok/s | "
             f"KV resident {_mib(r['kv_bytes'])} | peak RSS above load {_mib(r['peak_rss_above_load'])} | "
             f"peak RSS {_mib(r['peak_rss'])}")
@@ -172,8 +181,9 @@ def build_parser() -> argparse.ArgumentParser:
                "(about 650 MB per float32 decoder): "
                "`ortkv cache list` shows them, `ortkv cache rm` removes them. --json prints one "
                "JSON object per run (keys: variant, prompts, prompt_ids, new_ids, texts, prefill_tok_s, "
-               "decode_tok_s, kv_bytes, peak_rss_above_load, model_rss, peak_rss, weights, cache, search, "
-               "kv_bytes_per_step, rss_per_step).")
+               "decode_tok_s, kv_bytes, peak_rss_above_load, model_rss, peak_rss, weights, cache, device, dtype, "
+               "cache_layout, cuda_graph, kv_committed_bytes, kv_live_bytes, median_step_ms, peak_device_above_load, "
+               "search, kv_bytes_per_step, rss_per_step).")
     p.add_argument("--prompt", action="append", metavar="TEXT",
                    help=f"a prompt (repeat for a batch); default: {DEFAULT_PROMPT!r}")
     p.add_argument("--config", metavar="PATH",
@@ -203,6 +213,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weights", choices=["float32", "q4"], help="float32 (dequantized) or q4 (Q4_1 kept 4-bit "
                    "through com.microsoft.MatMulNBits); every variant uses the same "
                    f"({cfg_default('ortkv.weights', o.weights)})")
+    p.add_argument("--device", metavar="DEV", help="cpu, cuda or cuda:N: written into the config's "
+                   "model.decoder.session_options.provider_options (onnxruntime-genai's form); every variant runs there "
+                   "(default: the config's provider_options, built in: cpu)")
+    p.add_argument("--dtype", choices=["auto", "float32", "float16"], help="element type of the models and caches; "
+                   f"auto: float32 on the CPU, float16 on CUDA ({cfg_default('ortkv.dtype', o.dtype)})")
+    p.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None,
+                   help="CUDA only: capture the ortkv decode step as a CUDA graph and replay it (enable_cuda_graph in "
+                        "the CUDA provider options; default: the config's, built in: off)")
     p.add_argument("--json", action="store_true", help="print one JSON object per run instead of text and a "
                    "summary; messages go to stderr (default: off)")
     p.add_argument("--compare", action="store_true", help="also run GenAI share-buffer, GenAI and the copy "
@@ -215,7 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 FLAG_KEYS = {"max_new_tokens": "ortkv.max_new_tokens", "max_length": "search.max_length",
              "do_sample": "search.do_sample", "temperature": "search.temperature", "top_k": "search.top_k",
-             "top_p": "search.top_p", "seed": "ortkv.seed", "weights": "ortkv.weights"}
+             "top_p": "search.top_p", "seed": "ortkv.seed", "weights": "ortkv.weights", "dtype": "ortkv.dtype"}
 
 
 def config_from_args(a) -> tuple[GenAIConfig, dict]:
@@ -226,7 +244,12 @@ def config_from_args(a) -> tuple[GenAIConfig, dict]:
     for flag, key in FLAG_KEYS.items():
         if getattr(a, flag) is not None:
             overrides[key] = getattr(a, flag)
-    return apply_overrides(resolve_config(a.config), overrides), overrides
+    cfg = apply_overrides(resolve_config(a.config), overrides)
+    if a.device is not None or a.cuda_graph is not None:  # Note [Provider options] in config.py
+        set_device(cfg, a.device if a.device is not None else cfg.device, a.cuda_graph)
+        overrides["model.decoder.session_options"] = json.loads(json.dumps(cfg.model.decoder.session_options))
+        cfg = apply_overrides(cfg, {})
+    return cfg, overrides
 
 
 def main(argv=None) -> int:

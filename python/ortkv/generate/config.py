@@ -81,7 +81,10 @@ class Ortkv:
     gguf: str = ""  # an explicit GGUF path instead of the download
     weights: str = "float32"  # "float32" (dequantized) or "q4" (Q4_1 kept 4-bit, com.microsoft.MatMulNBits)
     cache: str = "arena"  # "arena": KV bytes follow the tokens (ortkv.vmm); "dense": max_length preallocated
-    cache_layout: str = "BNSH"  # ortkv decoder caches: "BNSH" (fastest attention on CPU) or "BSNH"
+    # ortkv decoder caches: "auto" (BNSH on the CPU, SBNH on CUDA), "BNSH" (fastest attention on CPU),
+    # "BSNH" or "SBNH" (token-major, one arena per tensor: Note [Committed bytes on CUDA] in runners.py)
+    cache_layout: str = "auto"
+    dtype: str = "auto"  # model and cache element type: "auto" (float32 on the CPU, float16 on CUDA), or either
     arena_budget_bytes: int = 8 << 30
     max_new_tokens: int = 128
     seed: int = 0
@@ -147,9 +150,131 @@ class GenAIConfig:
             raise OrtkvError(f"ortkv.cache = {o.cache!r}: one of 'arena', 'dense'")
         if o.weights not in ("float32", "q4"):
             raise OrtkvError(f"ortkv.weights = {o.weights!r}: one of 'float32', 'q4'")
-        if o.cache_layout not in ("BNSH", "BSNH"):
-            raise OrtkvError(f"ortkv.cache_layout = {o.cache_layout!r}: one of 'BNSH', 'BSNH'")
+        if o.cache_layout not in CACHE_LAYOUTS:
+            raise OrtkvError(f"ortkv.cache_layout = {o.cache_layout!r}: one of {', '.join(map(repr, CACHE_LAYOUTS))}")
+        if o.dtype not in DTYPES:
+            raise OrtkvError(f"ortkv.dtype = {o.dtype!r}: one of {', '.join(map(repr, DTYPES))}")
+        device = provider_device(self)  # checks model.decoder.session_options.provider_options
+        if o.weights == "q4" and self.dtype == "float16":
+            raise OrtkvError(f"ortkv.weights = 'q4' with ortkv.dtype float16 ({'auto on ' + device if o.dtype == 'auto' else 'set'}): "
+                             "the 4-bit decoders are built in float32 only; use weights 'float32' (float16 models "
+                             "dequantize the GGUF) or dtype 'float32'")
         return self
+
+    # -- what "auto" means on the configured device ----------------------------------------------
+    @property
+    def device(self) -> str:
+        """"cpu" or "cuda:N", from model.decoder.session_options.provider_options (GenAI's form)."""
+        return provider_device(self)
+
+    @property
+    def dtype(self) -> str:
+        """The element type of the built models and caches: float32 on the CPU, float16 on CUDA unless set."""
+        if self.ortkv.dtype != "auto":
+            return self.ortkv.dtype
+        return "float32" if self.device == "cpu" else "float16"
+
+    @property
+    def cache_layout(self) -> str:
+        """BNSH on the CPU, SBNH on CUDA (Note [Committed bytes on CUDA] in runners.py) unless set."""
+        if self.ortkv.cache_layout != "auto":
+            return self.ortkv.cache_layout
+        return "BNSH" if self.device == "cpu" else "SBNH"
+
+    @property
+    def cuda_options(self) -> dict:
+        """The "cuda" entry of provider_options as ONNX Runtime's CUDA provider options (string values)."""
+        for entry in self.model.decoder.session_options.get("provider_options", []):
+            if "cuda" in entry:
+                return {k: _option_text(v) for k, v in entry["cuda"].items()}
+        return {}
+
+    @property
+    def cuda_graph(self) -> bool:
+        """enable_cuda_graph in the CUDA provider options (ortkv runner: Note [CUDA graph decode] in runners.py)."""
+        return self.cuda_options.get("enable_cuda_graph", "0") in ("1", "true", "True")
+
+
+CACHE_LAYOUTS = ("auto", "BNSH", "BSNH", "SBNH")
+DTYPES = ("auto", "float32", "float16")
+PROVIDERS = ("cuda", "cpu")
+
+
+def _option_text(value) -> str:
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    return str(value)
+
+
+# Note [Provider options]
+# The device comes from onnxruntime-genai's own form, so one genai_config.json drives both ortkv and
+# onnxruntime-genai: model.decoder.session_options.provider_options is a list of one-key objects,
+# [{"cuda": {"device_id": "0", "enable_cuda_graph": "1"}}] for the GPU, [] (or [{"cpu": {}}]) for the CPU.
+# Values are strings in GenAI's schema; numbers and booleans are accepted and written as "0"/"1"/digits.
+# `ortkv generate --device cuda:N` writes that entry; --cuda-graph/--no-cuda-graph its enable_cuda_graph.
+# Only "cuda" and "cpu" are known: another provider (dml, rocm, ...) is refused by name, never ignored.
+CUDA_OPTION_KEYS = ("device_id", "enable_cuda_graph", "gpu_mem_limit", "arena_extend_strategy",
+                    "cudnn_conv_algo_search", "do_copy_in_default_stream", "tunable_op_enable",
+                    "tunable_op_tuning_enable", "use_tf32", "prefer_nhwc", "enable_skip_layer_norm_strict_mode")
+
+
+def provider_device(cfg: "GenAIConfig") -> str:
+    so = cfg.model.decoder.session_options
+    where = "model.decoder.session_options.provider_options"
+    entries = so.get("provider_options", [])
+    if not isinstance(entries, list):
+        raise OrtkvError(f"{where}: expected a list like [{{\"cuda\": {{\"device_id\": \"0\"}}}}], got {entries!r}")
+    device = "cpu"
+    for i, entry in enumerate(entries):
+        if not isinstance(entry, dict) or len(entry) != 1:
+            raise OrtkvError(f"{where}[{i}]: expected one provider per entry, like {{\"cuda\": {{}}}}, got {entry!r}")
+        (name, opts), = entry.items()
+        if name not in PROVIDERS:
+            raise OrtkvError(f"{where}[{i}]: provider {name!r} is not supported by ortkv (one of {list(PROVIDERS)}); "
+                             "use \"cuda\" for the GPU or remove the entry for the CPU")
+        if not isinstance(opts, dict):
+            raise OrtkvError(f"{where}[{i}].{name}: expected an object of options, got {opts!r}")
+        if name == "cpu":
+            continue
+        if device != "cpu":
+            raise OrtkvError(f"{where}: \"cuda\" appears twice; keep one entry")
+        for key, value in opts.items():
+            if key not in CUDA_OPTION_KEYS:
+                raise OrtkvError(f"{where}[{i}].cuda.{key}: unknown CUDA provider option; known: {list(CUDA_OPTION_KEYS)}")
+            if not isinstance(value, (str, int, bool)) or isinstance(value, float):
+                raise OrtkvError(f"{where}[{i}].cuda.{key}: expected a string (as in onnxruntime-genai), got {value!r}")
+        dev = _option_text(opts.get("device_id", "0"))
+        if not dev.isdigit():
+            raise OrtkvError(f"{where}[{i}].cuda.device_id = {dev!r}: expected a device index like \"0\"")
+        graph = _option_text(opts.get("enable_cuda_graph", "0"))
+        if graph not in ("0", "1", "true", "false", "True", "False"):
+            raise OrtkvError(f"{where}[{i}].cuda.enable_cuda_graph = {graph!r}: expected \"0\" or \"1\"")
+        device = f"cuda:{int(dev)}"
+    return device
+
+
+def set_device(cfg: "GenAIConfig", device: str, cuda_graph: bool | None = None) -> None:
+    """Write ``--device`` (cpu, cuda, cuda:N) and ``--cuda-graph`` into the provider options (Note [Provider
+    options]); other CUDA options already in the config are kept."""
+    so = cfg.model.decoder.session_options
+    entries = [e for e in so.get("provider_options", []) if isinstance(e, dict)]
+    old = next((e["cuda"] for e in entries if "cuda" in e and isinstance(e["cuda"], dict)), {})
+    rest = [e for e in entries if "cuda" not in e and "cpu" not in e]
+    if device == "cpu":
+        if cuda_graph:
+            raise OrtkvError("--cuda-graph needs --device cuda[:N] (a CUDA graph is captured on the GPU only)")
+        so["provider_options"] = rest
+        return
+    if device == "cuda":
+        index = int(_option_text(old.get("device_id", "0"))) if _option_text(old.get("device_id", "0")).isdigit() else 0
+    elif device.startswith("cuda:") and device[5:].isdigit():
+        index = int(device[5:])
+    else:
+        raise OrtkvError(f"--device {device!r}: expected cpu, cuda or cuda:N")
+    opts = {**old, "device_id": str(index)}
+    if cuda_graph is not None:
+        opts["enable_cuda_graph"] = "1" if cuda_graph else "0"
+    so["provider_options"] = rest + [{"cuda": opts}]
 
 
 # Note [Untrusted config]

@@ -96,6 +96,9 @@ class Generation:
     decode_s: float = 0.0
     decode_steps: int = 0
     kv_bytes: int = 0
+    kv_live_bytes: int = 0  # bytes the tokens fill (kv_bytes is what is resident: committed, preallocated)
+    step_s: list[float] = field(default_factory=list)  # each decode step's runner.step time
+    peak_device_above_load: int | None = None  # CUDA: peak device memory in use above the loaded model
     kv_bytes_per_step: list[int] = field(default_factory=list)
     rss_per_step: list[int] = field(default_factory=list)
     peak_rss_above_load: int | None = None
@@ -103,6 +106,10 @@ class Generation:
     @property
     def prefill_tokens_per_s(self) -> float:
         return sum(len(p) for p in self.prompt_ids) / self.prefill_s if self.prefill_s else 0.0
+
+    @property
+    def median_step_ms(self) -> float:
+        return float(np.median(self.step_s)) * 1e3 if self.step_s else 0.0
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -145,10 +152,17 @@ def generate(runner, prompt_ids: list[list[int]], search: Search, max_new_tokens
     g = Generation(prompt_ids=[list(p) for p in prompt_ids], new_ids=[[] for _ in prompt_ids])
     reset = reset_peak()
     start_rss = rss_bytes()  # model loaded, no generation state yet: peaks are measured above this
+    device_memory = None
+    if cfg is not None and getattr(cfg, "device", "cpu") != "cpu":
+        from .runners import DeviceMemory
+
+        device_memory = DeviceMemory(cfg)  # baseline: the model loaded, no caches yet
     runner.start(len(prompt_ids), search.max_length)
     t0 = time.perf_counter()
     logits = runner.prefill(ids, lengths)
     g.prefill_s = time.perf_counter() - t0
+    if device_memory is not None:
+        device_memory.sample()
     done = np.zeros(len(prompt_ids), bool)
     t0 = time.perf_counter()
     for step in range(budget):
@@ -165,10 +179,17 @@ def generate(runner, prompt_ids: list[list[int]], search: Search, max_new_tokens
         g.rss_per_step.append(rss_bytes())
         if done.all() or step == budget - 1:
             break
+        t_step = time.perf_counter()
         logits = runner.step(np.where(done, pad_id, nxt))
+        g.step_s.append(time.perf_counter() - t_step)
         g.decode_steps += 1
+        if device_memory is not None:
+            device_memory.sample()
     g.decode_s = time.perf_counter() - t0
     g.kv_bytes = runner.kv_bytes()
+    g.kv_live_bytes = runner.kv_live_bytes() if hasattr(runner, "kv_live_bytes") else g.kv_bytes
+    if device_memory is not None:
+        g.peak_device_above_load = device_memory.peak_above_baseline
     if reset:
         g.peak_rss_above_load = peak_rss_bytes() - start_rss
     return g

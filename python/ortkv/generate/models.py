@@ -18,7 +18,8 @@ from .builder import VARIANTS, build
 from .config import MAX_POSITIONS, GenAIConfig, to_dict
 from .weights import load, load_tokenizer
 
-BUILD_TAG = "smollm2-135m-{weights}-v2"  # bump when the graphs change; + "-bsnh" for that layout
+BUILD_TAG = "smollm2-135m-{weights}-v2"  # bump when the graphs change; + "-bsnh" / "-sbnh" for those layouts;
+# {weights}: f32, q4mlas, or f16 (float16 models of the dequantized GGUF, Note [Float16 models] in builder.py)
 # the q4 graphs changed form (Note [Fast 4-bit path] in weights.py): their own tag, so that a cache built
 # by an older ortkv is not reused, and the float32 decoders are not rebuilt
 WEIGHTS_TAG = {"float32": "f32", "q4": "q4mlas"}
@@ -29,9 +30,10 @@ def gguf_path(cfg: GenAIConfig, log=print) -> Path:
 
 
 def model_dir(cfg: GenAIConfig) -> Path:
-    tag = BUILD_TAG.format(weights=WEIGHTS_TAG.get(cfg.ortkv.weights, cfg.ortkv.weights))
-    if cfg.ortkv.cache_layout != "BNSH":
-        tag += "-" + cfg.ortkv.cache_layout.lower()
+    weights = "f16" if cfg.dtype == "float16" else WEIGHTS_TAG.get(cfg.ortkv.weights, cfg.ortkv.weights)
+    tag = BUILD_TAG.format(weights=weights)
+    if cfg.cache_layout != "BNSH":
+        tag += "-" + cfg.cache_layout.lower()
     if cfg.ortkv.gguf:
         tag += "-" + Path(cfg.ortkv.gguf).stem
     return cache_dir() / "models" / tag
@@ -58,7 +60,7 @@ def build_models(cfg: GenAIConfig, variants, log=print) -> None:
     weights, tokenizer = load(src, log=log, fmt=cfg.ortkv.weights)
     for v in missing:
         log(f"ortkv: building the {v} decoder ({cfg.ortkv.weights} weights) ...")
-        model = build(weights, v, max_positions=MAX_POSITIONS, cache_layout=cfg.ortkv.cache_layout)
+        model = build(weights, v, max_positions=MAX_POSITIONS, cache_layout=cfg.cache_layout, dtype=cfg.dtype)
         tmp = root / f".{v}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -93,6 +95,7 @@ def write_genai_folder(folder: Path, cfg: GenAIConfig, tokenizer) -> None:
     """genai_config.json (onnxruntime-genai's schema only) and tokenizer files beside the model."""
     data = to_dict(cfg)
     data.pop("ortkv")
+    data["model"]["decoder"]["session_options"]["provider_options"] = []  # runners set the device
     (folder / "genai_config.json").write_text(json.dumps(data, indent=2) + "\n")
     tokenizer.backend.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps({

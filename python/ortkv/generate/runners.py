@@ -4,7 +4,12 @@
     runner.start(batch, max_length)      # allocates the generation state (caches, generator)
     runner.prefill(ids [B, T] right-padded, lengths [B]) -> logits of each row's last prompt token [B, V]
     runner.step(next_ids [B]) -> logits [B, V]
-    runner.kv_bytes() -> KV cache bytes resident now
+    runner.kv_bytes() -> KV cache bytes resident now (committed, for an arena)
+    runner.kv_live_bytes() -> KV cache bytes the tokens so far fill
+
+On CUDA (cfg.device "cuda:N", Note [Provider options] in config.py) every runner keeps its caches on the
+GPU: ortkv's in CUDA arenas (Note [Committed bytes on CUDA]), the copy model's as device OrtValues fed back
+through IOBinding, onnxruntime-genai's in its own CUDA buffers; only the last token's logits come back.
 
 * OrtkvRunner : MutableCacheSession; caches are arena views (bytes follow the tokens) or dense arrays.
 * CopyRunner  : plain InferenceSession; present = Concat(past, new) is fed back as the next past.
@@ -19,9 +24,11 @@ import json
 import numpy as np
 
 from ..errors import OrtkvError
-from ..vmm import ArenaKVCache, CacheGeometry, Governor
+from ..vmm import ArenaKVCache, CacheGeometry, Governor, live_bytes
 from .builder import genai_names, ortkv_names
 from .config import GenAIConfig
+
+NP_FLOAT = {"float32": np.float32, "float16": np.float16}
 
 
 def _session_options(cfg: GenAIConfig):
@@ -33,6 +40,135 @@ def _session_options(cfg: GenAIConfig):
     return so
 
 
+def providers_for(cfg: GenAIConfig, cuda_graph: bool = False) -> list:
+    """ONNX Runtime providers for cfg.device: the CPU, or CUDA with the config's CUDA options (strings, as
+    onnxruntime-genai writes them) and enable_cuda_graph only where asked (the ortkv runner), then the CPU
+    for shape computations."""
+    if cfg.device == "cpu":
+        return ["CPUExecutionProvider"]
+    import onnxruntime as ort
+
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        raise OrtkvError(f"{cfg.device} asked for (provider_options / --device) but onnxruntime "
+                         f"{ort.__version__} has no CUDAExecutionProvider ({ort.get_available_providers()}); "
+                         "pip uninstall -y onnxruntime && pip install onnxruntime-gpu")
+    opts = dict(cfg.cuda_options)
+    opts["device_id"] = cfg.device.split(":")[1]
+    opts["enable_cuda_graph"] = "1" if cuda_graph else "0"
+    return [("CUDAExecutionProvider", opts), "CPUExecutionProvider"]
+
+
+def _device_id(cfg: GenAIConfig) -> int:
+    return int(cfg.device.split(":")[1])
+
+
+def _last_token_model():
+    """[B, T, V] logits + [B] row index -> [B, V]: the rows' last tokens, gathered where the logits are."""
+    import onnx
+    from onnx import TensorProto as TP
+    from onnx import helper
+
+    nodes = [helper.make_node("Shape", ["logits"], ["shape"]),
+             helper.make_node("Gather", ["shape", "i0"], ["b"], axis=0),
+             helper.make_node("Gather", ["shape", "i1"], ["t"], axis=0),
+             helper.make_node("Gather", ["shape", "i2"], ["v"], axis=0),
+             helper.make_node("Concat", ["minus1", "v"], ["flat_shape"], axis=0),
+             helper.make_node("Reshape", ["logits", "flat_shape"], ["flat"]),
+             helper.make_node("Range", ["zero", "b", "one"], ["rows"]),
+             helper.make_node("Mul", ["rows", "t"], ["row_start"]),
+             helper.make_node("Add", ["row_start", "index"], ["flat_index"]),
+             helper.make_node("Gather", ["flat", "flat_index"], ["last"], axis=0)]
+    inits = [helper.make_tensor("i0", TP.INT64, [], [0]), helper.make_tensor("i1", TP.INT64, [], [1]),
+             helper.make_tensor("i2", TP.INT64, [1], [2]), helper.make_tensor("minus1", TP.INT64, [1], [-1]),
+             helper.make_tensor("zero", TP.INT64, [], [0]), helper.make_tensor("one", TP.INT64, [], [1])]
+    graph = helper.make_graph(nodes, "last_token", [helper.make_tensor_value_info("logits", TP.FLOAT, ["B", "T", "V"]),
+                                                    helper.make_tensor_value_info("index", TP.INT64, ["B"])],
+                              [helper.make_tensor_value_info("last", TP.FLOAT, ["B", "V"])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10)
+
+
+class LastToken:
+    """Gathers each row's last-token logits on the device, so that only [B, V] floats cross to the host
+    after a prefill (its full logits are [B, T, V]: 6.4 GB at batch 32 x 1024 tokens)."""
+
+    def __init__(self, cfg: GenAIConfig):
+        import onnxruntime as ort
+
+        so = ort.SessionOptions()
+        so.log_severity_level = 3
+        self.sess = ort.InferenceSession(_last_token_model().SerializeToString(), so, providers=providers_for(cfg))
+
+    def __call__(self, logits_value, index: np.ndarray) -> np.ndarray:
+        io = self.sess.io_binding()
+        io.bind_ortvalue_input("logits", logits_value)
+        io.bind_cpu_input("index", np.ascontiguousarray(index, np.int64))
+        io.bind_output("last", "cpu")
+        self.sess.run_with_iobinding(io)
+        return io.get_outputs()[0].numpy()
+
+
+def _cuda_library():
+    """ctypes handle of the CUDA runtime (or None): for cudaMemGetInfo; torch and pynvml are not needed."""
+    import ctypes
+    import ctypes.util
+    import glob
+    import os
+    import sys
+
+    names = ["libcudart.so", "libcudart.so.13", "libcudart.so.12"]
+    for base in sys.path:  # the nvidia-cuda-runtime wheels onnxruntime-gpu installs
+        names += sorted(glob.glob(os.path.join(base, "nvidia", "cu*", "lib", "libcudart.so*")))
+        names += sorted(glob.glob(os.path.join(base, "nvidia", "cuda_runtime", "lib", "libcudart.so*")))
+    found = ctypes.util.find_library("cudart")
+    if found:
+        names.append(found)
+    for name in names:
+        try:
+            return ctypes.CDLL(name)
+        except OSError:
+            continue
+    return None
+
+
+def device_memory_used(device: int) -> int | None:
+    """Bytes in use on the device now (total - free, cudaMemGetInfo; every process's), or None if unknown."""
+    import ctypes
+
+    lib = _cuda_library()
+    if lib is None:
+        return None
+    if lib.cudaSetDevice(ctypes.c_int(device)) != 0:
+        return None
+    free, total = ctypes.c_size_t(), ctypes.c_size_t()
+    if lib.cudaMemGetInfo(ctypes.byref(free), ctypes.byref(total)) != 0:
+        return None
+    return total.value - free.value
+
+
+class DeviceMemory:
+    """Peak of device_memory_used over the samples taken (prefill and every step), above a baseline."""
+
+    def __init__(self, cfg: GenAIConfig):
+        self.device = None if cfg.device == "cpu" else _device_id(cfg)
+        self.baseline = self.peak = None
+        self.reset()
+
+    def reset(self) -> None:
+        if self.device is not None:
+            self.baseline = device_memory_used(self.device)
+            self.peak = self.baseline
+
+    def sample(self) -> None:
+        if self.device is not None and self.peak is not None:
+            used = device_memory_used(self.device)
+            if used is not None:
+                self.peak = max(self.peak, used)
+
+    @property
+    def peak_above_baseline(self) -> int | None:
+        return None if self.peak is None or self.baseline is None else self.peak - self.baseline
+
+
 def _check_layers(cfg: GenAIConfig, path, layers: int) -> None:
     """The config's decoder must describe the model it runs: a layer count that differs would leave caches
     unbound or feed names the graph does not have (head counts and sizes are checked when caches bind)."""
@@ -42,6 +178,32 @@ def _check_layers(cfg: GenAIConfig, path, layers: int) -> None:
                          "take the decoder's numbers from the model (or remove them from the config)")
 
 
+# Note [Committed bytes on CUDA]
+# A CUDA arena commits 2 MiB granules. With BNSH or BSNH in one arena, every (tensor, row[, head]) is its own
+# run of live bytes, each rounded up to a granule: SmolLM2 at batch 32 would commit 60 x 32 granules (3.75 GiB)
+# for its first token. On CUDA the ortkv runner therefore uses SBNH [capacity, batch, kv_heads, head_size]
+# (seq_axis 0; cache_layout "auto") with one arena per tensor (Note [One arena per tensor] in vmm.py): every
+# arena's live bytes are one prefix, so committed KV <= live KV + one granule per arena (60 arenas). At
+# max_length 8192, batch 32, 1024 + 256 tokens that is 900 MiB live, at most 120 MiB more committed.
+# (BNSH/BSNH still run on CUDA when set explicitly; ArenaKVCache reports what they commit.)
+
+# Note [CUDA graph decode]
+# With enable_cuda_graph ("1" in the CUDA provider options, --cuda-graph) ORT captures a run as a CUDA graph
+# and replays it: no kernel launches from the host, but every input and output must sit at the address it
+# had at capture and every op must read what changes (positions) from device memory. The runner keeps
+#   * the caches: arena views, bound once per generation (their pointers never change: the arena's point);
+#   * input_ids [B, 1], positions [B] and logits [B, 1, V]: device OrtValues allocated at start(), written
+#     in place with OrtValue.update_inplace before each step (a host-to-device copy, outside the graph);
+# and runs the prefill (another shape) with run option gpu_graph_id = -1, which ORT never captures. Decode
+# runs carry a graph id of their own per generation (new caches are new pointers, so a new graph): ORT runs
+# it normally twice (its allocations settle), captures it on the third run and replays it from then on.
+# Inside a step nothing allocates and nothing waits on the host but ORT's end-of-run stream synchronize and
+# the copy of the [B, V] logits. Arena commits (a granule, now and then) happen before the step, on the host;
+# they map memory at addresses the graph already holds. A model or kernel that reads a position on the host
+# cannot be captured: ORT refuses the session (a Memcpy node), reported with the remedy --no-cuda-graph.
+_graph_ids = iter(range(1, 1 << 30))
+
+
 class OrtkvRunner:
     name = "ortkv"
 
@@ -49,63 +211,123 @@ class OrtkvRunner:
         from ..session import MutableCacheSession
 
         self.cfg = cfg
+        self.device = cfg.device
+        self.dtype = NP_FLOAT[cfg.dtype]
+        self.cuda_graph = self.device != "cpu" and cfg.cuda_graph
         self.layers = cfg.model.decoder.num_hidden_layers
-        self.sess = MutableCacheSession(str(path), sess_options=_session_options(cfg),
-                                        providers=["CPUExecutionProvider"])
+        try:
+            self.sess = MutableCacheSession(str(path), sess_options=_session_options(cfg),
+                                            providers=providers_for(cfg, cuda_graph=self.cuda_graph))
+        except OrtkvError:
+            raise
+        except Exception as exc:  # ORT's own errors (e.g. a node it cannot capture in a CUDA graph)
+            if self.cuda_graph:
+                raise OrtkvError(f"onnxruntime cannot run the ortkv decoder as a CUDA graph on {self.device}: "
+                                 f"{str(exc).splitlines()[0][:400]}; every node must run on CUDA reading device "
+                                 "memory (CacheUpdate / CacheAttention with device positions). Run with "
+                                 "--no-cuda-graph (enable_cuda_graph \"0\")") from None
+            raise
         self.arena_cache = None
+        self._io = None
+        self.last_token = LastToken(cfg) if self.device != "cpu" else None
         _check_layers(cfg, path, len(self.sess.caches) // 2)
 
     def start(self, batch: int, max_length: int) -> None:
         cfg, d = self.cfg, self.cfg.model.decoder
-        if self.arena_cache is not None:  # a new generation: give the previous caches back
+        if self.arena_cache is not None or self._io is not None:  # a new generation: give the previous caches back
             for i in range(self.layers):
                 for name in ortkv_names(i)[:2]:
                     self.sess.unbind_cache(name)
+        if self.arena_cache is not None:
             self.arena_cache.close_when_unused()  # frees now, or once stray views are gone
             self.arena_cache = None
+        self._io = None
+        layout = cfg.cache_layout
         geom = CacheGeometry(layers=self.layers, kv_heads=d.num_key_value_heads, head_size=d.head_size,
-                             capacity=max_length, batch=batch, dtype_bytes=4)
+                             capacity=max_length, batch=batch, dtype_bytes=np.dtype(self.dtype).itemsize)
+        self.geometry = geom
+        arena_device = "cpu" if self.device == "cpu" else self.device
         if cfg.ortkv.cache == "arena":
-            self.arena_cache = ArenaKVCache(geom, cfg.ortkv.cache_layout, "cpu", Governor(cfg.ortkv.arena_budget_bytes),
-                                            np.float32)
+            self.arena_cache = ArenaKVCache(geom, layout, arena_device, Governor(cfg.ortkv.arena_budget_bytes),
+                                            self.dtype)
             views = self.arena_cache.views
-        else:  # dense: the whole max_length, resident up front (what a preallocated buffer costs)
-            shape = geom.tensor_shape(cfg.ortkv.cache_layout)
-            views = [np.zeros(shape, np.float32) for _ in range(geom.tensors)]
+        elif self.device == "cpu":  # dense: the whole max_length, resident up front (a preallocated buffer's cost)
+            shape = geom.tensor_shape(layout)
+            views = [np.zeros(shape, self.dtype) for _ in range(geom.tensors)]
             for v in views:
                 v.fill(0)
+        else:
+            raise OrtkvError(f"ortkv.cache = 'dense' runs on the CPU only; on {self.device} the caches come from the "
+                             "CUDA arena (ortkv.cache 'arena')")
         self._dense_bytes = sum(v.nbytes for v in views) if self.arena_cache is None else 0
         for i in range(self.layers):
             past_k, past_v, _, _ = ortkv_names(i)
             self.sess.bind_cache(past_k, views[2 * i])
             self.sess.bind_cache(past_v, views[2 * i + 1])
         self.lengths = np.zeros(batch, np.int64)
+        if self.device != "cpu":  # Note [CUDA graph decode]: fixed device buffers for the decode step
+            import onnxruntime as ort
+
+            dev = _device_id(cfg)
+            new = lambda shape, t: ort.OrtValue.ortvalue_from_shape_and_type(shape, t, "cuda", dev)  # noqa: E731
+            self._io = {"input_ids": new([batch, 1], np.int64), "positions": new([batch], np.int64),
+                        "logits": new([batch, 1, cfg.model.vocab_size], np.float32)}
+            self._decode_ro = ort.RunOptions()
+            self._prefill_ro = ort.RunOptions()
+            if self.cuda_graph:
+                self._decode_ro.add_run_config_entry("gpu_graph_id", str(next(_graph_ids)))
+                self._prefill_ro.add_run_config_entry("gpu_graph_id", "-1")
 
     def _ensure(self, tokens: int) -> None:
         if self.arena_cache is not None:
             self.arena_cache.ensure(tokens)
 
     def logits_all(self, ids: np.ndarray) -> np.ndarray:
-        """Run right-padded prompts from position 0; logits of every position [B, T, V]."""
+        """Run right-padded prompts from position 0; logits of every position [B, T, V] (CPU)."""
+        if self.device != "cpu":
+            raise OrtkvError("logits_all copies [B, T, V] logits to the host: CPU runs only; on CUDA use prefill")
         self._ensure(ids.shape[1])
         (logits,) = self.sess.run(["logits"], {"input_ids": ids, "positions": np.zeros(len(ids), np.int64)})
         return logits
 
     def prefill(self, ids: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-        logits = self.logits_all(ids)
+        if self.device == "cpu":
+            logits = self.logits_all(ids)
+            self.lengths = lengths.astype(np.int64).copy()
+            return logits[np.arange(len(ids)), lengths - 1]
+        import onnxruntime as ort
+
+        self._ensure(ids.shape[1])
+        out = ort.OrtValue.ortvalue_from_shape_and_type([ids.shape[0], ids.shape[1], self.cfg.model.vocab_size],
+                                                        np.float32, "cuda", _device_id(self.cfg))
+        self.sess.run(["logits"], {"input_ids": np.ascontiguousarray(ids, np.int64),
+                                   "positions": np.zeros(len(ids), np.int64)},
+                      run_options=self._prefill_ro, bound_outputs={"logits": out})
         self.lengths = lengths.astype(np.int64).copy()
-        return logits[np.arange(len(ids)), lengths - 1]
+        return self.last_token(out, lengths - 1)
 
     def step(self, next_ids: np.ndarray) -> np.ndarray:
         self._ensure(int(self.lengths.max()) + 1)
-        (logits,) = self.sess.run(["logits"], {"input_ids": next_ids.reshape(-1, 1), "positions": self.lengths})
+        if self.device == "cpu":
+            (logits,) = self.sess.run(["logits"], {"input_ids": next_ids.reshape(-1, 1), "positions": self.lengths})
+            self.lengths += 1
+            return logits[:, -1]
+        io = self._io
+        io["input_ids"].update_inplace(np.ascontiguousarray(next_ids.reshape(-1, 1), np.int64))
+        io["positions"].update_inplace(self.lengths)
+        self.sess.run(["logits"], {"input_ids": io["input_ids"], "positions": io["positions"]},
+                      run_options=self._decode_ro, bound_outputs={"logits": io["logits"]})
         self.lengths += 1
-        return logits[:, -1]
+        return io["logits"].numpy()[:, -1]
 
     def kv_bytes(self) -> int:
         return self.arena_cache.committed_bytes if self.arena_cache is not None else self._dense_bytes
 
+    def kv_live_bytes(self) -> int:
+        return live_bytes(self.geometry, int(self.lengths.max())) if hasattr(self, "geometry") else 0
+
     def close(self) -> None:
+        self._io = None
         self.sess.close()
         if self.arena_cache is not None:
             # Never raises in cleanup: on Ctrl-C the traceback's frames may still hold a view, so the
@@ -133,24 +355,50 @@ class CopyRunner:
         import onnxruntime as ort
 
         self.cfg = cfg
+        self.device = cfg.device
+        self.dtype = NP_FLOAT[cfg.dtype]
         self.layers, self.pad = cfg.model.decoder.num_hidden_layers, cfg.model.pad_token_id
-        self.sess = ort.InferenceSession(str(path), _session_options(cfg), providers=["CPUExecutionProvider"])
+        self.sess = ort.InferenceSession(str(path), _session_options(cfg), providers=providers_for(cfg))
         self.out_names = [o.name for o in self.sess.get_outputs()]
+        self.last_token = LastToken(cfg) if self.device != "cpu" else None
         _check_layers(cfg, path, sum(i.name.startswith("past_key_values.") for i in self.sess.get_inputs()) // 2)
 
     def start(self, batch: int, max_length: int) -> None:
         d = self.cfg.model.decoder
-        empty = np.zeros((batch, d.num_key_value_heads, 0, d.head_size), np.float32)
+        empty = np.zeros((batch, d.num_key_value_heads, 0, d.head_size), self.dtype)
         self.past = {n: empty for i in range(self.layers) for n in genai_names(i)[:2]}
         self.mask = None
         self.lengths = None
 
     def _run(self, feeds):
+        if self.device != "cpu":
+            return self._run_device(feeds)
         results = dict(zip(self.out_names, self.sess.run(None, {**feeds, **self.past})))
         for i in range(self.layers):
             pk, pv, ok, ov = genai_names(i)
             self.past[pk], self.past[pv] = results[ok], results[ov]
         return results["logits"][:, -1]
+
+    def _run_device(self, feeds):
+        """CUDA: the presents stay on the device (ORT allocates them: that IS the copy model's second cache)
+        and come back as the next run's past through IOBinding; only the last token's logits reach the host."""
+        io = self.sess.io_binding()
+        for name, value in {**feeds, **self.past}.items():
+            if isinstance(value, np.ndarray):
+                io.bind_cpu_input(name, np.ascontiguousarray(value))
+            else:
+                io.bind_ortvalue_input(name, value)
+        dev = int(self.device.split(":")[1])
+        for name in self.out_names:
+            io.bind_output(name, "cuda", dev)
+        self.sess.run_with_iobinding(io)
+        results = dict(zip(self.out_names, io.get_outputs()))
+        for i in range(self.layers):
+            pk, pv, ok, ov = genai_names(i)
+            self.past[pk], self.past[pv] = results[ok], results[ov]
+        logits = results["logits"]
+        B, T = logits.shape()[:2]
+        return self.last_token(logits, np.full(B, T - 1, np.int64))
 
     def prefill(self, ids, lengths):
         ids, self.mask, pos = _left_pad(ids, lengths, self.pad)
@@ -164,25 +412,45 @@ class CopyRunner:
         return self._run({"input_ids": next_ids.reshape(-1, 1), "attention_mask": self.mask, "position_ids": pos})
 
     def kv_bytes(self) -> int:
-        return sum(v.nbytes for v in self.past.values())
+        item = np.dtype(self.dtype).itemsize
+        return sum(int(np.prod(v.shape() if callable(v.shape) else v.shape)) * item for v in self.past.values())
+
+    def kv_live_bytes(self) -> int:
+        return self.kv_bytes()
 
     def close(self) -> None:
         self.sess = None
         self.past = {}
 
 
+# Note [GenAI on CUDA]
+# The GenAI baselines run onnxruntime-genai's own CUDA path (its "cuda" provider with the config's device_id
+# and options) on the same float16 weights as ortkv. enable_cuda_graph is not passed on: onnxruntime-genai
+# captures graphs only with its static-shape buffers and max_batch_size settings, a different feature than
+# the ortkv runner's (Note [CUDA graph decode]); the issue's GenAI figures are without it.
 class GenAIRunner:
     def __init__(self, path, cfg: GenAIConfig, share: bool):
         import onnxruntime_genai as og
 
         self.name = "genai-share" if share else "genai"
+        self.cfg = cfg
         self.share, self.pad = share, cfg.model.pad_token_id
         self.greedy = not cfg.search.do_sample
         d = cfg.model.decoder
-        self._per_token = 2 * d.num_hidden_layers * d.num_key_value_heads * d.head_size * 4
+        item = np.dtype(NP_FLOAT[cfg.dtype]).itemsize
+        self._per_token = 2 * d.num_hidden_layers * d.num_key_value_heads * d.head_size * item
         config = og.Config(str(path.parent))
         config.overlay(json.dumps({"search": {"past_present_share_buffer": share, "num_beams": 1,
                                               "do_sample": False}}))
+        # onnxruntime-genai's own provider handling on the same weights: its CUDA path for cuda:N (device_id
+        # and the config's CUDA options, except enable_cuda_graph: Note [GenAI on CUDA]), the CPU otherwise
+        config.clear_providers()
+        if cfg.device != "cpu":
+            config.append_provider("cuda")
+            for key, value in cfg.cuda_options.items():
+                if key != "enable_cuda_graph":
+                    config.set_provider_option("cuda", key, value)
+            config.set_provider_option("cuda", "device_id", cfg.device.split(":")[1])
         self.model = og.Model(config)
         self.gen = None
 
@@ -223,6 +491,9 @@ class GenAIRunner:
     def kv_bytes(self) -> int:
         held = self.max_length if self.share else self.tokens
         return self.batch * held * self._per_token
+
+    def kv_live_bytes(self) -> int:
+        return self.batch * self.tokens * self._per_token
 
     def close(self) -> None:
         self.gen = None
