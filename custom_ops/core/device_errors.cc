@@ -28,16 +28,24 @@ Labels& labels() {
   return *l;
 }
 
-std::atomic<ortkv_device_error*> g_word{nullptr};
+constexpr int kMaxPairs = 1024;
+std::atomic<ortkv_device_error*> g_words[kMaxPairs];
+std::atomic<int> g_count{0};
+std::mutex g_add_mu;
 
 }  // namespace
 
-void ortkv_core_set_device_error(ortkv_device_error* host) {
-  ortkv_device_error* expected = nullptr;
-  g_word.compare_exchange_strong(expected, host);
+void ortkv_core_add_device_error(ortkv_device_error* host) {
+  std::lock_guard<std::mutex> lock(g_add_mu);
+  const int n = g_count.load(std::memory_order_relaxed);
+  if (n >= kMaxPairs) return;
+  g_words[n].store(host, std::memory_order_release);
+  g_count.store(n + 1, std::memory_order_release);
 }
 
-ortkv_device_error* ortkv_core_device_error(void) { return g_word.load(std::memory_order_acquire); }
+ortkv_device_error* ortkv_core_device_error(void) {
+  return g_count.load(std::memory_order_acquire) > 0 ? g_words[0].load(std::memory_order_acquire) : nullptr;
+}
 
 int32_t ortkv_core_register_label(const char* op, const char* node, const char* tensor) {
   Labels& l = labels();
@@ -49,10 +57,27 @@ int32_t ortkv_core_register_label(const char* op, const char* node, const char* 
   return static_cast<int32_t>(l.all.size() - 1);
 }
 
+namespace {
+int TakeFrom(ortkv_device_error* words, char* msg, size_t cap);
+}
+
 int ortkv_core_take_device_error(char* msg, size_t cap) {
-  ortkv_device_error* w = g_word.load(std::memory_order_acquire);
-  if (w == nullptr) return 0;
-  const int32_t code = *reinterpret_cast<volatile int32_t*>(&w->code);
+  const int n = g_count.load(std::memory_order_acquire);
+  for (int i = 0; i < n; ++i) {
+    const int code = TakeFrom(g_words[i].load(std::memory_order_acquire), msg, cap);
+    if (code != ORTKV_DERR_NONE) return code;
+  }
+  return ORTKV_DERR_NONE;
+}
+
+namespace {
+int TakeFrom(ortkv_device_error* words, char* msg, size_t cap) {
+  ortkv_device_error* w = words;  // CacheUpdate's word first, then CacheAttention's
+  int32_t code = *reinterpret_cast<volatile int32_t*>(&w->code);
+  if (code == ORTKV_DERR_NONE) {
+    w = words + 1;
+    code = *reinterpret_cast<volatile int32_t*>(&w->code);
+  }
   if (code == ORTKV_DERR_NONE) return 0;
   std::atomic_thread_fence(std::memory_order_acquire);
   const ortkv_device_error e = *w;
@@ -104,11 +129,11 @@ int ortkv_core_take_device_error(char* msg, size_t cap) {
     std::memcpy(msg, text.data(), n);
     msg[n] = '\0';
   }
-  // clear: the numbers, then the code, then the claim (a block that fails now may claim it again)
-  std::memset(reinterpret_cast<char*>(w) + 2 * sizeof(int32_t), 0, sizeof(*w) - 2 * sizeof(int32_t));
+  // clear both words: the codes first, then the numbers
+  for (int i = 0; i < 2; ++i) *reinterpret_cast<volatile int32_t*>(&words[i].code) = 0;
   std::atomic_thread_fence(std::memory_order_seq_cst);
-  *reinterpret_cast<volatile int32_t*>(&w->code) = 0;
-  std::atomic_thread_fence(std::memory_order_seq_cst);
-  *reinterpret_cast<volatile int32_t*>(&w->claim) = 0;
+  for (int i = 0; i < 2; ++i)
+    std::memset(reinterpret_cast<char*>(words + i) + 2 * sizeof(int32_t), 0, sizeof(*words) - 2 * sizeof(int32_t));
   return code;
 }
+}  // namespace

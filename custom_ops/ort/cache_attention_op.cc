@@ -91,9 +91,9 @@ OrtStatus* ComputeCuda(void* op_kernel, OrtKernelContext* ctx) {
       CachedSmCount(device_id), &view)));
   if (view.units() == 0) return nullptr;
   view.label = k.label;
-  view.error_word = ortkv::CudaErrorWord();
   void* stream = nullptr;
   ORTKV_RETURN_IF_ORT_ERROR(g_api->KernelContext_GetGPUComputeStream(ctx, &stream));
+  view.error_word = ortkv::CudaErrorWord(stream);
   DeviceScratch scratch;
   if (view.splits > 1) {
     ORTKV_RETURN_IF_ORT_ERROR(scratch.Alloc(ctx, device_id, view.workspace_bytes()));

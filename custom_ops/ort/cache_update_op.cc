@@ -177,7 +177,7 @@ OrtStatus* Compute(void* op_kernel, OrtKernelContext* ctx) {
     if (view.bytes_written() == 0) return nullptr;
     void* stream = nullptr;
     ORTKV_RETURN_IF_ORT_ERROR(g_api->KernelContext_GetGPUComputeStream(ctx, &stream));
-    return ToOrtStatus(ortkv::CacheUpdateCuda(view, ranges, ortkv::CudaErrorWord(), k.label, stream));
+    return ToOrtStatus(ortkv::CacheUpdateCuda(view, ranges, ortkv::CudaErrorWord(stream), k.label, stream));
 #else
     return ToOrtStatus(Status(Code::kRuntime, "CacheUpdate: this build of ortkv has no CUDA kernels"));
 #endif

@@ -123,9 +123,10 @@ Status PlanCacheAttentionCuda(const std::string& node, const TensorArg& q, const
 Status CacheAttentionCuda(const CacheAttentionCudaView& view, void* stream);
 // The number of SMs of a CUDA device (0 if the query fails).
 int CudaSmCount(int device);
-// The device pointer of the process-wide error word (Note [CUDA deferred errors] in ortkv/core.h),
-// allocated and registered with the core at the first call; null if the allocation failed.
-void* CudaErrorWord();
+// The device pointer of the process-wide error words ([0] CacheUpdate, [1] CacheAttention) (Note [CUDA deferred errors] in ortkv/core.h),
+// mapped in the context of `stream` (a cudaStream_t; Note [CUDA error word lifetime] in
+// kernels/cuda/device.cu); null if that failed (the kernels then report nothing but still refuse).
+void* CudaErrorWord(void* stream);
 #endif
 
 }  // namespace ortkv

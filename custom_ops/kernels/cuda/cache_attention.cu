@@ -81,9 +81,20 @@ struct Args {
   int tpk;  // threads per key row: a power of two >= D / 8, <= 32
 };
 
-__device__ void ReportStart(const Args& a, int code, int64_t row, int64_t start) {
+// Block 0's thread 0: the first row with a bad start, if any (Note [CUDA deferred errors]: one
+// reporter per launch, into the CacheAttention word).
+__device__ void ReportStart(const Args& a) {
   if (a.err == nullptr) return;
-  if (atomicCAS(&a.err->claim, 0, 1) != 0) return;
+  int64_t row = 0, start = 0;
+  int code = 0;
+  for (; row < a.B; ++row) {
+    start = a.start[row * a.start_stride];
+    if (start < 0 || start > a.C - a.T) {
+      code = start < 0 ? ORTKV_DERR_NEGATIVE : ORTKV_DERR_CAPACITY;
+      break;
+    }
+  }
+  if (code == 0) return;
   a.err->label = a.label;
   a.err->row = static_cast<int32_t>(row);
   a.err->position = start;
@@ -115,13 +126,10 @@ __global__ void __launch_bounds__(kThreads) AttentionKernel(const Args a) {
   const int D = static_cast<int>(a.D);
 
   // start on the device, clamped (Note [CacheAttention CUDA]); one block per row reports it
+  if (blockIdx.x == 0 && threadIdx.x == 0) ReportStart(a);
   int64_t st = a.start[b * a.start_stride];
   const int64_t hi = a.C - a.T;
-  if (st < 0 || st > hi) {
-    if (threadIdx.x == 0 && split == 0 && hb == 0 && t == 0 && hk == 0)
-      ReportStart(a, st < 0 ? ORTKV_DERR_NEGATIVE : ORTKV_DERR_CAPACITY, b, st);
-    st = st < 0 ? 0 : hi;
-  }
+  if (st < 0 || st > hi) st = st < 0 ? 0 : hi;
   const int64_t L = st + t + 1;  // keys [0, L)
   int64_t chunk = (L + S - 1) / S;
   if (chunk < kAttnCudaMinChunk) chunk = kAttnCudaMinChunk;
@@ -344,7 +352,7 @@ Status CacheAttentionCuda(const CacheAttentionCudaView& v, void* stream_ptr) {
   a.splits = v.splits;
   a.head_blocks = (G + gm - 1) / gm;
   a.partial = v.partial;
-  a.err = static_cast<ortkv_device_error*>(v.error_word);
+  a.err = v.error_word ? static_cast<ortkv_device_error*>(v.error_word) + 1 : nullptr;  // [1]: CacheAttention
   a.label = v.label;
   int tpk = 1;
   while (tpk * kEPT < v.D) tpk *= 2;

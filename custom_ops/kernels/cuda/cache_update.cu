@@ -60,12 +60,11 @@ __device__ __forceinline__ int HitRange(const LaunchArgs& a, uint64_t first, uin
 
 // Block 0's thread 0, only when the block found a bad row: the first bad row, in row order.
 __device__ void Report(const LaunchArgs& a) {
-  if (a.err == nullptr) return;
+  if (a.err == nullptr) return;  // word [0]: CacheUpdate (Note [CUDA deferred errors])
   for (int64_t r = 0; r < a.rows; ++r) {
     const int64_t p = a.positions[r * a.position_stride];
     const int c = CheckPosition(a, p);
     if (c == 0) continue;
-    if (atomicCAS(&a.err->claim, 0, 1) != 0) return;
     a.err->label = a.label;
     a.err->row = static_cast<int32_t>(r);
     a.err->position = p;
@@ -82,7 +81,6 @@ __device__ void Report(const LaunchArgs& a) {
     Span(a, pair, p, &first, &last);
     const int hit = HitRange(a, first, last);
     if (hit == 0) continue;
-    if (atomicCAS(&a.err->claim, 0, 1) != 0) return;
     a.err->label = a.label;
     a.err->row = static_cast<int32_t>(r);
     a.err->position = p;
