@@ -183,15 +183,18 @@ __global__ void __launch_bounds__(kThreads) AttentionKernel(const Args a) {
         vr[u] = LoadRow<T, VEC>(vbase + j * a.tok_stride, d0, D);
       }
     }
+    // scores of the kUnroll keys for every head (the shuffles need the whole warp: keys past j1 score 0
+    // and are masked below), then one online-softmax step per head for the kUnroll keys together: one
+    // rescale of (l, acc) and kUnroll + 1 exponentials per head, not 2 per key
+    float sc[GM][kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      float kf[kEPT], vf[kEPT];
+      float kf[kEPT];
       if (ok[u]) {
         ToFloats<T>(kr[u], kf);
-        ToFloats<T>(vr[u], vf);
       } else {
 #pragma unroll
-        for (int i = 0; i < kEPT; ++i) kf[i] = vf[i] = 0.0f;
+        for (int i = 0; i < kEPT; ++i) kf[i] = 0.0f;
       }
 #pragma unroll
       for (int g = 0; g < GM; ++g) {
@@ -199,15 +202,35 @@ __global__ void __launch_bounds__(kThreads) AttentionKernel(const Args a) {
 #pragma unroll
         for (int i = 0; i < kEPT; ++i) s = fmaf(qf[g][i], kf[i], s);
         for (int off = tpk >> 1; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
-        if (ok[u]) {
-          const float mn = fmaxf(m[g], s);
-          const float corr = __expf(m[g] - mn);  // 0 on the first key (m = -inf, mn finite)
-          const float p = __expf(s - mn);
-          l[g] = l[g] * corr + p;
+        sc[g][u] = ok[u] ? s : -INFINITY;
+      }
+    }
+    if (!ok[0]) continue;  // no key of this group in this iteration (ok[u] implies ok[0])
 #pragma unroll
-          for (int i = 0; i < kEPT; ++i) acc[g][i] = fmaf(p, vf[i], acc[g][i] * corr);
-          m[g] = mn;
-        }
+    for (int g = 0; g < GM; ++g) {
+      float mb = sc[g][0];
+#pragma unroll
+      for (int u = 1; u < kUnroll; ++u) mb = fmaxf(mb, sc[g][u]);
+      const float mn = fmaxf(m[g], mb);
+      const float corr = __expf(m[g] - mn);  // 0 on the first keys (m = -inf, mn finite)
+      l[g] *= corr;
+#pragma unroll
+      for (int i = 0; i < kEPT; ++i) acc[g][i] *= corr;
+      m[g] = mn;
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) sc[g][u] = __expf(sc[g][u] - mn);  // 0 for a masked key
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      if (!ok[u]) break;
+      float vf[kEPT];
+      ToFloats<T>(vr[u], vf);
+#pragma unroll
+      for (int g = 0; g < GM; ++g) {
+        const float p = sc[g][u];
+        l[g] += p;
+#pragma unroll
+        for (int i = 0; i < kEPT; ++i) acc[g][i] = fmaf(p, vf[i], acc[g][i]);
       }
     }
   }
