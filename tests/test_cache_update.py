@@ -123,9 +123,11 @@ def test_rank_and_axis_refused(rng):
     cache = _rand(rng, (2, 8), np.float32)
     _expect_error(cached_session(1, 2, 1, False), cache, _rand(rng, (2, 1), np.float32), 0, 1,
                   "has rank 2", "needs rank >= 3")
-    cache = _rand(rng, (4, 2, 8), np.float32)
-    _expect_error(cached_session(1, 3, 0, False), cache, _rand(rng, (1, 2, 8), np.float32), 0, 1,
-                  "seq_axis=0 resolves to axis 0", "axis 0 is the batch")
+    cache = _rand(rng, (4, 2, 8), np.float32)  # seq_axis 0 is SBNH: the values must keep axis 1 (batch 2)
+    _expect_error(cached_session(1, 3, 0, False), cache, _rand(rng, (1, 3, 8), np.float32), 0, 1,
+                  "dim 1 is 3, expected 2")
+    _expect_error(cached_session(1, 3, -3, False), cache, _rand(rng, (1, 2, 8), np.float32), 0, 1,
+                  "seq_axis=-3 resolves to axis 0", "axis 0 is the batch")
 
 
 def test_unbound_output_refused_not_copied(rng):

@@ -58,6 +58,15 @@ PYBIND11_MODULE(_ortkv, m) {
       py::arg("device_type"), py::arg("device_id"), py::arg("addr"), py::arg("nbytes"), py::arg("kind_mask") = 0,
       "(addr, nbytes, label, kind) of the first protected range overlapping the span, or None.");
   m.def("protected_count", []() { return ortkv_core_protected_count(); });
+  m.def(
+      "cuda_take_error",
+      []() -> py::object {
+        char msg[1024];
+        if (ortkv_core_take_device_error(msg, sizeof(msg)) == ORTKV_DERR_NONE) return py::none();
+        return py::str(msg);
+      },
+      "The error a CUDA kernel found on the device since the last call (\"[ortkv:E_...] ...\"), cleared; or "
+      "None. Note [CUDA deferred errors].");
   m.def("core_instance", []() { return ortkv_core_instance(); },
         "Address of the process-global registry (one per process).");
   m.attr("DEVICE_CPU") = static_cast<int>(ORTKV_DEVICE_CPU);

@@ -48,8 +48,10 @@ Status Bad(const std::string& node, const std::string& what) {
 
 }  // namespace
 
-Status PlanCacheUpdate(const std::string& node, const TensorArg& cache, const TensorArg& values,
-                       const TensorArg& position, int64_t seq_axis, CacheUpdateView* view) {
+namespace {
+
+Status Plan(const std::string& node, const TensorArg& cache, const TensorArg& values, const TensorArg& position,
+            int64_t seq_axis, bool read_positions, CacheUpdateView* view) {
   const int64_t rank = static_cast<int64_t>(cache.dims.size());
   std::ostringstream m;
   if (rank < 3) {
@@ -75,13 +77,16 @@ Status PlanCacheUpdate(const std::string& node, const TensorArg& cache, const Te
       << "' is " << ElemTypeName(cache.elem_type) << "; the new values must have the cache's element type";
     return Bad(node, m.str());
   }
+  // seq_axis 0 (exactly; -rank is not accepted) is SBNH, the batch then on axis 1 (Note [CacheUpdate SBNH])
+  const bool token_major = seq_axis == 0;
   const int64_t axis = seq_axis < 0 ? seq_axis + rank : seq_axis;
-  if (axis < 1 || axis >= rank) {
+  if (!token_major && (axis < 1 || axis >= rank)) {
     m << "attribute seq_axis=" << seq_axis << " resolves to axis " << axis << " of the rank-" << rank
-      << " '" << cache.name << "'; the sequence axis must be in [1, " << rank - 1
+      << " '" << cache.name << "'; the sequence axis must be 0 (SBNH: [capacity, batch, ...]) or in [1, " << rank - 1
       << "] (axis 0 is the batch): -2 for BNSH, 1 for BSNH";
     return Bad(node, m.str());
   }
+  const int64_t batch_axis = token_major ? 1 : 0;
   if (values.dims.size() != cache.dims.size()) {
     m << "input '" << values.name << "' has shape " << Shape(values.dims) << " (rank " << values.dims.size()
       << ") but '" << cache.name << "' has shape " << Shape(cache.dims) << " (rank " << rank
@@ -107,12 +112,12 @@ Status PlanCacheUpdate(const std::string& node, const TensorArg& cache, const Te
     m << "input '" << position.name << "' is " << ElemTypeName(position.elem_type) << "; position must be int64";
     return Bad(node, m.str());
   }
-  const int64_t rows = cache.dims[0];
+  const int64_t rows = cache.dims[batch_axis];
   int64_t stride = 0;
   if (position.dims.size() == 1) {
     if (position.dims[0] != rows) {
       m << "input '" << position.name << "' has " << position.dims[0] << " entries but '" << cache.name
-        << "' has batch size " << rows << " (axis 0 of shape " << Shape(cache.dims)
+        << "' has batch size " << rows << " (axis " << batch_axis << " of shape " << Shape(cache.dims)
         << "); pass a scalar for every row or one position per row";
       return Bad(node, m.str());
     }
@@ -123,7 +128,7 @@ Status PlanCacheUpdate(const std::string& node, const TensorArg& cache, const Te
     return Bad(node, m.str());
   }
   const int64_t* pos = static_cast<const int64_t*>(position.data);
-  for (int64_t r = 0; r < rows; ++r) {
+  for (int64_t r = 0; read_positions && r < rows; ++r) {
     const int64_t p = pos[r * stride];
     if (p < 0) {
       m << "position " << p << " for row " << r << " of '" << cache.name << "' is negative; positions start at 0";
@@ -143,7 +148,7 @@ Status PlanCacheUpdate(const std::string& node, const TensorArg& cache, const Te
 
   int64_t outer = 1, token = 1;
   for (int64_t i = 1; i < axis; ++i) outer *= cache.dims[i];
-  for (int64_t i = axis + 1; i < rank; ++i) token *= cache.dims[i];
+  for (int64_t i = token_major ? 2 : axis + 1; i < rank; ++i) token *= cache.dims[i];
   view->cache = const_cast<void*>(cache.data);
   view->values = values.data;
   view->positions = pos;
@@ -153,6 +158,7 @@ Status PlanCacheUpdate(const std::string& node, const TensorArg& cache, const Te
   view->capacity = capacity;
   view->n = n;
   view->token_bytes = token * static_cast<int64_t>(esize);
+  view->token_major = token_major;
 
   // Note [CacheUpdate values must not overlap the cache]
   // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -177,8 +183,26 @@ Status PlanCacheUpdate(const std::string& node, const TensorArg& cache, const Te
   return Status::Ok();
 }
 
+}  // namespace
+
+Status PlanCacheUpdate(const std::string& node, const TensorArg& cache, const TensorArg& values,
+                       const TensorArg& position, int64_t seq_axis, CacheUpdateView* view) {
+  return Plan(node, cache, values, position, seq_axis, true, view);
+}
+
+Status PlanCacheUpdateDevice(const std::string& node, const TensorArg& cache, const TensorArg& values,
+                             const TensorArg& position, int64_t seq_axis, CacheUpdateView* view) {
+  return Plan(node, cache, values, position, seq_axis, false, view);
+}
+
 void CacheUpdatePairSpan(const CacheUpdateView& v, int64_t pair, uintptr_t* first, uintptr_t* last) {
   const uintptr_t base = reinterpret_cast<uintptr_t>(v.cache);
+  if (v.token_major) {  // Note [CacheUpdate SBNH]: one token of one row
+    const int64_t r = pair % v.rows, t = pair / v.rows;
+    *first = base + static_cast<uintptr_t>(((v.position(r) + t) * v.rows + r) * v.token_bytes);
+    *last = *first + static_cast<uintptr_t>(v.token_bytes);
+    return;
+  }
   *first = base + static_cast<uintptr_t>((pair * v.capacity + v.position(pair / v.outer)) * v.token_bytes);
   *last = *first + static_cast<uintptr_t>(v.n * v.token_bytes);
 }

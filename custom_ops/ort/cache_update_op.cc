@@ -26,9 +26,11 @@
 // write into ranges registered as write-protected in ortkv_core (read-only shared prefixes), and
 // `values` that share bytes with `cache` (Note [CacheUpdate values must not overlap the cache]).
 //
-// CUDA: the same op is registered for CUDAExecutionProvider; `position` is a CPU input
-// (OrtMemTypeCPUInput) so the kernel validates positions on the host before launching on the compute
-// stream ORT gives the op; nothing is launched unless every check passed.
+// CUDA: the same op is registered for CUDAExecutionProvider; every input, `position` included, is in
+// device memory (OrtMemTypeDefault) so that a decode step can be captured as a CUDA graph. The host
+// checks what needs no data (shapes, types, the alias pointers, overlap of values and cache) and
+// returns those errors at once; the kernel checks the positions and the protected ranges on the
+// device before any store and reports through Note [CUDA deferred errors] (ortkv/core.h).
 #include <algorithm>
 #include <memory>
 #include <cstring>
@@ -40,6 +42,7 @@
 #include "ort_util.h"
 #include "ortkv/cache_update.h"
 #include "ortkv/core.h"
+#include "cuda_util.h"
 
 namespace ortkv_ort {
 namespace {
@@ -53,7 +56,47 @@ struct CacheUpdateKernel {
   NodeNames names;
   int64_t seq_axis = -2;
   bool cuda = false;
+  int32_t label = -1;  // Note [CUDA deferred errors]
 };
+
+// The protected ranges (write-protected or uncommitted) that overlap the whole cache on its device,
+// for the CUDA kernel to check each row's span against on the device (the positions are not on the
+// host). Under a captured CUDA graph the ranges in force at capture time stay in the graph.
+Status CollectDeviceRanges(const CacheUpdateKernel& k, const CacheUpdateView& v, int device_id,
+                           ortkv::DeviceRangeCheck* out) {
+  out->count = 0;
+  if (ortkv_core_protected_count() == 0) return Status::Ok();
+  const uintptr_t lo = reinterpret_cast<uintptr_t>(v.cache);
+  const uintptr_t hi = lo + static_cast<uintptr_t>(v.rows * v.outer * v.capacity * v.token_bytes);
+  // the registry answers the first overlapping range in its own order, so search the windows left
+  // of and right of every hit as well
+  std::vector<std::pair<uintptr_t, uintptr_t>> windows{{lo, hi}};
+  while (!windows.empty()) {
+    const auto w = windows.back();
+    windows.pop_back();
+    if (w.first >= w.second) continue;
+    uintptr_t hit = 0;
+    uint64_t hit_len = 0;
+    const int kind =
+        ortkv_core_find_protected(ORTKV_DEVICE_CUDA, device_id, w.first, w.second - w.first, 0, &hit, &hit_len, nullptr, 0);
+    if (kind == 0) continue;
+    if (out->count == ortkv::kMaxDeviceRanges) {
+      std::ostringstream m;
+      m << "CacheUpdate node '" << k.names.node << "': more than " << ortkv::kMaxDeviceRanges
+        << " write-protected or uncommitted ranges overlap the cache '" << k.names.inputs[0]
+        << "' on cuda:" << device_id << "; the CUDA kernel checks at most " << ortkv::kMaxDeviceRanges
+        << ". Nothing was written. Remedy: commit the arena further, or merge the read-only prefixes";
+      return Status(Code::kInvalidArgument, m.str());
+    }
+    out->lo[out->count] = hit;
+    out->hi[out->count] = hit + hit_len;
+    out->kind[out->count] = kind;
+    ++out->count;
+    windows.push_back({w.first, std::max(w.first, std::min<uintptr_t>(w.second, hit))});
+    windows.push_back({std::max(w.first, std::min<uintptr_t>(w.second, hit + hit_len)), w.second});
+  }
+  return Status::Ok();
+}
 
 Status CheckWriteProtection(const CacheUpdateKernel& k, const CacheUpdateView& v, int device_type,
                             int device_id) {
@@ -68,7 +111,7 @@ Status CheckWriteProtection(const CacheUpdateKernel& k, const CacheUpdateView& v
                                                sizeof(label));
     if (kind != 0) {
       std::ostringstream m;
-      m << "CacheUpdate node '" << k.names.node << "': row " << pair / v.outer << " of '" << k.names.inputs[0]
+      m << "CacheUpdate node '" << k.names.node << "': row " << v.pair_row(pair) << " of '" << k.names.inputs[0]
         << "' would write [" << Hex(reinterpret_cast<void*>(first)) << ", " << Hex(reinterpret_cast<void*>(last))
         << ") which overlaps the " << (kind == ORTKV_RANGE_UNCOMMITTED ? "uncommitted" : "write-protected")
         << " range [" << Hex(reinterpret_cast<void*>(hit)) << ", +" << hit_len << " bytes) '" << label
@@ -104,8 +147,13 @@ OrtStatus* Compute(void* op_kernel, OrtKernelContext* ctx) {
   ORTKV_RETURN_IF_ORT_ERROR(ReadTensor(in[1], k.names.inputs[1], &values, nullptr, nullptr));
   ORTKV_RETURN_IF_ORT_ERROR(ReadTensor(in[2], k.names.inputs[2], &position, nullptr, nullptr));
 
+#if defined(ORTKV_WITH_CUDA)
+  if (k.cuda) ORTKV_RETURN_IF_ORT_ERROR(TakeDeviceError());  // a previous launch's report (Note [CUDA deferred errors])
+#endif
   CacheUpdateView view;
-  ORTKV_RETURN_IF_ORT_ERROR(ToOrtStatus(ortkv::PlanCacheUpdate(k.names.node, cache, values, position, k.seq_axis, &view)));
+  ORTKV_RETURN_IF_ORT_ERROR(ToOrtStatus(
+      k.cuda ? ortkv::PlanCacheUpdateDevice(k.names.node, cache, values, position, k.seq_axis, &view)
+             : ortkv::PlanCacheUpdate(k.names.node, cache, values, position, k.seq_axis, &view)));
 
   OrtValue* out = nullptr;
   ORTKV_RETURN_IF_ORT_ERROR(g_api->KernelContext_GetOutput(ctx, 0, cache.dims.data(), cache.dims.size(), &out));
@@ -122,18 +170,20 @@ OrtStatus* Compute(void* op_kernel, OrtKernelContext* ctx) {
     return ToOrtStatus(Status(Code::kAlias, m.str()));
   }
   ortkv::CoreLease lease;  // check and write as one, against Arena release/close (Note [Arena lease])
-  ORTKV_RETURN_IF_ORT_ERROR(ToOrtStatus(CheckWriteProtection(k, view, device_type, device_id)));
-  if (view.bytes_written() == 0) return nullptr;
-
   if (k.cuda) {
 #if defined(ORTKV_WITH_CUDA)
+    ortkv::DeviceRangeCheck ranges;
+    ORTKV_RETURN_IF_ORT_ERROR(ToOrtStatus(CollectDeviceRanges(k, view, device_id, &ranges)));
+    if (view.bytes_written() == 0) return nullptr;
     void* stream = nullptr;
     ORTKV_RETURN_IF_ORT_ERROR(g_api->KernelContext_GetGPUComputeStream(ctx, &stream));
-    return ToOrtStatus(ortkv::CacheUpdateCuda(view, stream));
+    return ToOrtStatus(ortkv::CacheUpdateCuda(view, ranges, ortkv::CudaErrorWord(stream), k.label, stream));
 #else
     return ToOrtStatus(Status(Code::kRuntime, "CacheUpdate: this build of ortkv has no CUDA kernels"));
 #endif
   }
+  ORTKV_RETURN_IF_ORT_ERROR(ToOrtStatus(CheckWriteProtection(k, view, device_type, device_id)));
+  if (view.bytes_written() == 0) return nullptr;
   // Small updates (one decode step) are cheaper than a thread-pool dispatch; split big ones.
   constexpr int64_t kParallelBytes = 1 << 20;
   constexpr int64_t kChunkBytes = 256 << 10;
@@ -141,7 +191,7 @@ OrtStatus* Compute(void* op_kernel, OrtKernelContext* ctx) {
     ortkv::CacheUpdateCpu(view, 0, view.pairs());
     return nullptr;
   }
-  const int64_t pair_bytes = view.n * view.token_bytes;
+  const int64_t pair_bytes = view.bytes_written() / view.pairs();
   ParallelCopy job{&view, std::max<int64_t>(1, kChunkBytes / std::max<int64_t>(1, pair_bytes))};
   const size_t tasks = static_cast<size_t>((view.pairs() + job.chunk - 1) / job.chunk);
   return g_api->KernelContext_ParallelFor(ctx, ParallelCopyFn, tasks, 0, &job);
@@ -155,6 +205,7 @@ OrtStatus* CreateKernel(const OrtCustomOp* op, const OrtApi* api, const OrtKerne
   ORTKV_RETURN_IF_ORT_ERROR(ReadNodeNames(api, info, 3, 1, &k->names));
   // absent: the default, BNSH
   ORTKV_RETURN_IF_ORT_ERROR(OptionalAttribute(api, info, k->names.node, "seq_axis", int64_t{-2}, &k->seq_axis));
+  if (cuda) k->label = ortkv_core_register_label("CacheUpdate", k->names.node.c_str(), k->names.inputs[0].c_str());
   *kernel = k.release();
   return nullptr;
 }
@@ -191,8 +242,8 @@ OrtCustomOp MakeOp(bool cuda) {
   };
   op.GetOutputTypeCount = [](const OrtCustomOp*) -> size_t { return 1; };
   op.GetOutputType = [](const OrtCustomOp*, size_t) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED; };
-  op.GetInputMemoryType = cuda ? [](const OrtCustomOp*, size_t i) { return i == 2 ? OrtMemTypeCPUInput : OrtMemTypeDefault; }
-                               : [](const OrtCustomOp*, size_t) { return OrtMemTypeDefault; };
+  // every input in the op's device memory, `position` too (graph capture; Note [CUDA deferred errors])
+  op.GetInputMemoryType = [](const OrtCustomOp*, size_t) { return OrtMemTypeDefault; };
   op.CreateKernelV2 = cuda ? [](const OrtCustomOp* o, const OrtApi* a, const OrtKernelInfo* i, void** k) {
     return CreateKernel(o, a, i, k, true);
   }

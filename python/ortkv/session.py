@@ -398,6 +398,7 @@ class MutableCacheSession:
             if translated is exc:
                 raise
             raise translated from None
+        take_cuda_error()
         values = dict(zip(bound_order, io.get_outputs()))
         for out, cache in alias_names.items():
             st = self._bindings[cache]
@@ -474,3 +475,16 @@ class MutableCacheSession:
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"caches={self._caches}, bound={sorted(self._bindings)}"
         return f"<MutableCacheSession #{self._id} {state}>"
+
+
+def take_cuda_error() -> None:
+    """Raise the error an ortkv CUDA kernel found on the device during the last run (a bad position or
+    start, a write into a protected range; Note [CUDA deferred errors] in custom_ops/include/ortkv/core.h),
+    as the same typed error the CPU kernels raise. ORT synchronizes the stream at the end of a run, so
+    after a run the report is final. No-op when there is none or the build has no CUDA kernels."""
+    from . import _ortkv
+
+    msg = _ortkv.cuda_take_error()
+    if msg is not None:
+        exc = translate_ort_error(RuntimeError(msg))
+        raise exc if isinstance(exc, OrtkvError) else RuntimeError(msg)

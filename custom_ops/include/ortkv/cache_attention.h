@@ -66,4 +66,67 @@ void CacheAttentionCpu(const CacheAttentionView& view, int64_t begin, int64_t en
 // CPU, after every task ran: merges the split-K partials into the output (no-op when splits == 1).
 void CacheAttentionCombine(const CacheAttentionView& view);
 
+// Note [CacheAttention CUDA]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~
+// One thread block serves one (row, KV head, query token) unit, a chunk of its keys (split) and up to
+// kAttnCudaHeads of the group's query heads: K and V are read once for all of them. Inside the block,
+// each key row is read by D / 8 threads (8 elements each: one 16-byte load for float16 / bfloat16,
+// two for float32), so a warp reads 32 / (D / 8) keys at once; each such key group keeps its own
+// online softmax (m, l, acc) in registers over the keys it sees (4 keys in flight per group), and the
+// key groups are merged through shared memory at the end. Accumulation is float32.
+// Decode (T = 1) of few rows would give a handful of blocks, so the keys are split (flash-decoding)
+// into `splits` chunks chosen from the CAPACITY (start lives on the device, and a captured graph must
+// not depend on it): enough blocks for ~4 per SM, each chunk >= kAttnCudaMinChunk keys of the row's
+// actual length (later chunks of a short row are empty and exit at once). Each (unit, head, chunk)
+// writes (acc[D], m, l) to a float32 workspace from ORT's allocator for the op's device (stream-ordered,
+// no cudaMalloc in a step), and CacheAttentionCombineKernel merges the chunks. With splits == 1 the
+// block writes the output directly. Prefill uses the same kernel (one unit per query token).
+// `start` is read on the device and clamped to [0, capacity - T], so a bad start never reads outside
+// the cache; the bad value is reported through Note [CUDA deferred errors].
+constexpr int kAttnCudaHeads = 8;          // query heads per block (a larger group takes several blocks)
+constexpr int64_t kAttnCudaMinChunk = 256;  // a split reads at least this many keys
+constexpr int64_t kAttnCudaMaxSplits = 512;
+constexpr int64_t kAttnCudaMaxHeadSize = 256;
+
+struct CacheAttentionCudaView {
+  const void* q = nullptr;      // [B, T, Hq * D]
+  const void* k = nullptr;      // cache, see strides
+  const void* v = nullptr;
+  void* out = nullptr;          // [B, T, Hq * D], the query's type
+  const int64_t* start = nullptr;  // DEVICE memory: start[b * start_stride]
+  int64_t start_stride = 0;
+  int32_t elem_type = 0;        // kFloat32, kFloat16, kBFloat16
+  int64_t B = 0, T = 0, Hq = 0, Hkv = 0, D = 0, C = 0;
+  int64_t row_stride = 0, tok_stride = 0, head_stride = 0;  // elements
+  float scale = 1.0f;
+  int64_t splits = 1;
+  bool vec = false;             // 16-byte loads are aligned (D * size and every stride * size % 16 == 0)
+  float* partial = nullptr;     // splits > 1: workspace_bytes() of device memory
+  int32_t label = -1;           // Note [CUDA deferred errors]
+  void* error_word = nullptr;   // device pointer of the ortkv_device_error word (may be null)
+
+  int64_t units() const { return B * Hkv * T; }
+  int64_t group() const { return Hq / Hkv; }
+  size_t workspace_bytes() const {
+    return splits > 1 ? static_cast<size_t>(units() * group() * splits * (D + 2)) * sizeof(float) : 0;
+  }
+};
+
+// Validates shapes, types and attributes (nothing that needs `start`'s values: it is on the device)
+// and fills `view` including the split count for a device with `sm_count` SMs.
+Status PlanCacheAttentionCuda(const std::string& node, const TensorArg& q, const TensorArg& k, const TensorArg& v,
+                              const TensorArg& start, int64_t num_heads, int64_t kv_num_heads, float scale,
+                              int64_t seq_axis, void* out, int sm_count, CacheAttentionCudaView* view);
+
+#if defined(ORTKV_WITH_CUDA)
+// Launches the attention (and the combine when splits > 1) on `stream` (a cudaStream_t).
+Status CacheAttentionCuda(const CacheAttentionCudaView& view, void* stream);
+// The number of SMs of a CUDA device (0 if the query fails).
+int CudaSmCount(int device);
+// The device pointer of the process-wide error words ([0] CacheUpdate, [1] CacheAttention) (Note [CUDA deferred errors] in ortkv/core.h),
+// mapped in the context of `stream` (a cudaStream_t; Note [CUDA error word lifetime] in
+// kernels/cuda/device.cu); null if that failed (the kernels then report nothing but still refuse).
+void* CudaErrorWord(void* stream);
+#endif
+
 }  // namespace ortkv

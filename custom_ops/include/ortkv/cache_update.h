@@ -18,6 +18,16 @@
 //
 // so the update is rows * outer contiguous copies, and nothing outside [position, position + n) of
 // any row is touched.
+//
+// Note [CacheUpdate SBNH]
+// ~~~~~~~~~~~~~~~~~~~~~~~
+// seq_axis 0 is the token-major layout SBNH [capacity, batch, ...token]: the batch is axis 1 and
+// token t of row r lies at ((t * batch) + r) * token_bytes. A prefix of tokens [0, P) of the cache
+// is then one contiguous byte range that holds every row's first P tokens, so memory committed by
+// token count (an arena growing with the longest row) follows the tokens at any batch size, where a
+// batch-major layout needs each row's own prefix committed. The update is rows * n copies of one
+// token each (`token_major`): dst = cache + ((position[r] + t) * rows + r) * token_bytes,
+// src = values + (t * rows + r) * token_bytes.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -52,9 +62,12 @@ struct CacheUpdateView {
   int64_t capacity = 0;               // cache dim at the sequence axis
   int64_t n = 0;                      // values dim at the sequence axis (>= 1)
   int64_t token_bytes = 0;            // product of dims after the sequence axis * element size
+  bool token_major = false;           // SBNH (seq_axis 0): one copy per (token, row), Note [CacheUpdate SBNH]
 
   int64_t position(int64_t r) const { return positions[r * position_stride]; }
-  int64_t pairs() const { return rows * outer; }
+  // copies: (row, outer) pairs, or (token, row) pairs when token_major
+  int64_t pairs() const { return token_major ? rows * n : rows * outer; }
+  int64_t pair_row(int64_t pair) const { return token_major ? pair % rows : pair / outer; }
   int64_t bytes_written() const { return rows * outer * n * token_bytes; }
 };
 
@@ -63,16 +76,33 @@ struct CacheUpdateView {
 Status PlanCacheUpdate(const std::string& node, const TensorArg& cache, const TensorArg& values,
                        const TensorArg& position, int64_t seq_axis, CacheUpdateView* view);
 
+// The same checks without reading `position`'s values (they are in device memory for the CUDA
+// kernel, which checks them on the device: Note [CUDA deferred errors] in ortkv/core.h).
+Status PlanCacheUpdateDevice(const std::string& node, const TensorArg& cache, const TensorArg& values,
+                             const TensorArg& position, int64_t seq_axis, CacheUpdateView* view);
+
 // [first, last): the bytes that the update writes for one (row, outer) pair (see the Note).
 void CacheUpdatePairSpan(const CacheUpdateView& view, int64_t pair, uintptr_t* first, uintptr_t* last);
 
 // CPU: copies pairs [begin, end) (see the Note). Callers split the range across threads.
 void CacheUpdateCpu(const CacheUpdateView& view, int64_t begin_pair, int64_t end_pair);
 
+// Ranges the CUDA kernel must not write (write-protected or uncommitted, Note [Arena lease]),
+// found on the host for the whole cache and checked on the device against each row's span.
+constexpr int kMaxDeviceRanges = 8;
+struct DeviceRangeCheck {
+  int count = 0;
+  uint64_t lo[kMaxDeviceRanges] = {}, hi[kMaxDeviceRanges] = {};
+  int32_t kind[kMaxDeviceRanges] = {};  // ORTKV_RANGE_*
+};
+
 #if defined(ORTKV_WITH_CUDA)
-// CUDA: one launch per 256 rows on `stream` (a cudaStream_t); positions are read on the host and
-// travel as kernel parameters. Returns E_RUNTIME with the CUDA error string on a launch failure.
-Status CacheUpdateCuda(const CacheUpdateView& view, void* stream);
+// CUDA: one launch on `stream` (a cudaStream_t); `view.positions` is DEVICE memory. Every block
+// first checks every row (position >= 0, position + n <= capacity, no span in `ranges`) and writes
+// nothing if any is bad; block 0 reports the first bad row into `error_word` (device pointer of the
+// ortkv_device_error, may be null) with `label`. Returns E_RUNTIME on a launch failure.
+Status CacheUpdateCuda(const CacheUpdateView& view, const DeviceRangeCheck& ranges, void* error_word, int32_t label,
+                       void* stream);
 #endif
 
 }  // namespace ortkv

@@ -77,3 +77,57 @@ class CoreLease {
 };
 }  // namespace ortkv
 #endif
+
+// Note [CUDA deferred errors]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// The CUDA kernels of CacheUpdate and CacheAttention read `position` / `start` from device memory so
+// that a decode step can be captured as a CUDA graph: no host copy, no host sync, no allocation
+// inside the step. The checks that need those values (position >= 0, position + n <= capacity, the
+// write-protected and uncommitted ranges) therefore run on the device, in every block BEFORE any
+// store: a block that finds any bad row writes nothing (CacheUpdate) or clamps (CacheAttention
+// never reads outside [0, capacity)). The report cannot be a return status (the kernel finishes after
+// Compute returned, or in a later graph replay), so it goes into ONE process-wide error word in
+// mapped, portable page-locked host memory, allocated by the op library at its first CUDA
+// launch (Note [CUDA error word lifetime] in kernels/cuda/device.cu) and registered here: two words, [0] for CacheUpdate and [1] for CacheAttention. One thread
+// per launch reports (block 0's thread 0, which scans the rows for the first bad one): it writes the
+// numbers, fences (__threadfence_system) and then sets `code`. The device never reads the word: reads
+// of mapped host memory may be served from a stale device-side copy after the host cleared it (seen
+// on the H200: only the first report of a process arrived when the kernel skipped a set word), and
+// atomics on it are not supported over PCIe. So a later report of the same op overwrites an earlier
+// one not taken yet (e.g. the value cache's update after the key cache's, same row); the host takes
+// the CacheUpdate word first (a refused write is the cause; CacheAttention's clamp of the same row is
+// its consequence) and clears both. The host turns it into the usual
+// error message (the same text and tag as the CPU check, plus where it was found) in two places:
+//   * the next Compute of any ortkv CUDA op (an ORT-only application sees the error on its next run),
+//   * ortkv.MutableCacheSession after every run (ORT synchronizes the stream at the end of a run, so
+//     the word is final there): the run that failed raises.
+// Cost: one host read of pinned memory per Compute and per session run; no synchronization. What it
+// does not give: the failing run itself does not fail when run through a bare InferenceSession (use
+// ortkv.cuda_take_error() after the run, or MutableCacheSession). Only the first error is kept until
+// it is taken; sessions running concurrently on other streams share the word (best effort: two
+// reports at the same instant may mix their numbers).
+enum { ORTKV_DERR_NONE = 0, ORTKV_DERR_NEGATIVE = 1, ORTKV_DERR_CAPACITY = 2, ORTKV_DERR_READONLY = 3,
+       ORTKV_DERR_UNCOMMITTED = 4 };
+typedef struct ortkv_device_error {
+  int32_t claim;      // reserved (0)
+  int32_t code;       // ORTKV_DERR_*, written last (after a system fence); 0 while nothing is reported
+  int32_t label;      // ortkv_core_register_label id: op, node and tensor names
+  int32_t row;        // the batch row
+  int64_t position;   // the row's position / start
+  int64_t n;          // tokens written / query tokens
+  int64_t capacity;   // the cache's capacity
+  uint64_t hit_addr;  // READONLY / UNCOMMITTED: first address of the protected range hit
+  uint64_t first;     // READONLY / UNCOMMITTED: the write's first address
+  uint64_t last;      // ... and one past its last
+} ortkv_device_error;
+// Adds a pair of error words ([0] CacheUpdate, [1] CacheAttention; one pair per CUDA context); `host`
+// must stay valid for the process lifetime. At most 1024 pairs.
+ORTKV_CORE_API void ortkv_core_add_device_error(ortkv_device_error* host);
+// The first pair added, or NULL when none was (no CUDA launch yet).
+ORTKV_CORE_API ortkv_device_error* ortkv_core_device_error(void);
+// op: "CacheUpdate" / "CacheAttention"; node: the node name; tensor: the cache input's name. Returns
+// an id for ortkv_device_error.label (equal strings give equal ids).
+ORTKV_CORE_API int32_t ortkv_core_register_label(const char* op, const char* node, const char* tensor);
+// If an error was reported: formats "[ortkv:E_...] message" into msg (at most cap - 1 characters and a
+// zero), clears the word and returns its ORTKV_DERR_* code; else returns 0.
+ORTKV_CORE_API int ortkv_core_take_device_error(char* msg, size_t cap);

@@ -267,15 +267,16 @@ __attribute__((target_clones("avx512f", "arch=haswell", "default"))) void RunTas
 
 }  // namespace
 
-Status PlanCacheAttention(const std::string& node, const TensorArg& q, const TensorArg& k, const TensorArg& v,
-                          const TensorArg& start, int64_t num_heads, int64_t kv_num_heads, float scale,
-                          int64_t seq_axis, float* out, CacheAttentionView* view) {
+namespace {
+
+// The shape facts both kernels need, after the checks that do not read `start`.
+struct Shapes {
+  int64_t B, T, Hkv, D, C, row_stride, tok_stride, head_stride, start_stride;
+};
+
+Status CheckShapes(const std::string& node, const TensorArg& q, const TensorArg& k, const TensorArg& v,
+                   const TensorArg& start, int64_t num_heads, int64_t kv_num_heads, int64_t seq_axis, Shapes* sh) {
   std::ostringstream m;
-  if (q.elem_type != kFloat32 || k.elem_type != kFloat32 || v.elem_type != kFloat32) {
-    m << "query, key and value must be float32 (got " << ElemTypeName(q.elem_type) << ", "
-      << ElemTypeName(k.elem_type) << ", " << ElemTypeName(v.elem_type) << ")";
-    return Bad(node, m.str());
-  }
   if (q.dims.size() != 3 || k.dims.size() != 4 || v.dims != k.dims) {
     m << "expected query [B, T, Hq*D] and equal key/value caches of rank 4; got '" << q.name << "' rank "
       << q.dims.size() << ", '" << k.name << "' rank " << k.dims.size() << ", '" << v.name << "' rank " << v.dims.size()
@@ -287,26 +288,58 @@ Status PlanCacheAttention(const std::string& node, const TensorArg& q, const Ten
       << " (at most 64 query heads per KV head)";
     return Bad(node, m.str());
   }
-  const bool bsnh = seq_axis == 1;
-  if (!bsnh && seq_axis != 2 && seq_axis != -2) {
-    m << "seq_axis " << seq_axis << " must be 1 (BSNH) or 2 / -2 (BNSH)";
+  // Note [CacheAttention SBNH]: seq_axis 0 is [capacity, batch, kv_heads, head_size], token-major.
+  const bool bsnh = seq_axis == 1, sbnh = seq_axis == 0;
+  if (!bsnh && !sbnh && seq_axis != 2 && seq_axis != -2) {
+    m << "seq_axis " << seq_axis << " must be 1 (BSNH), 2 / -2 (BNSH) or 0 (SBNH)";
     return Bad(node, m.str());
   }
   const int64_t B = q.dims[0], T = q.dims[1];
-  const int64_t C = bsnh ? k.dims[1] : k.dims[2];
-  const int64_t Hkv = bsnh ? k.dims[2] : k.dims[1];
+  const int64_t kB = sbnh ? k.dims[1] : k.dims[0];
+  const int64_t C = bsnh ? k.dims[1] : sbnh ? k.dims[0] : k.dims[2];
+  const int64_t Hkv = bsnh || sbnh ? k.dims[2] : k.dims[1];
   const int64_t D = k.dims[3];
-  if (k.dims[0] != B || Hkv != kv_num_heads || q.dims[2] != num_heads * D) {
+  if (kB != B || Hkv != kv_num_heads || q.dims[2] != num_heads * D) {
     m << "'" << q.name << "' is [" << B << ", " << T << ", " << q.dims[2] << "] but the cache '" << k.name
-      << "' holds batch " << k.dims[0] << ", " << Hkv << " KV heads of size " << D << "; expected batch " << B
+      << "' holds batch " << kB << ", " << Hkv << " KV heads of size " << D << "; expected batch " << B
       << ", kv_num_heads " << kv_num_heads << " and a query width of num_heads * D = " << num_heads * D;
     return Bad(node, m.str());
+  }
+  if (T > C) {
+    m << "'" << q.name << "' holds " << T << " query tokens but the cache '" << k.name << "' has capacity " << C
+      << "; a block of new tokens must fit in the cache";
+    return Status(Code::kCapacity, "CacheAttention node '" + node + "': " + m.str());
   }
   if (start.elem_type != kInt64 || start.dims.size() > 1 || (start.dims.size() == 1 && start.dims[0] != B)) {
     m << "'" << start.name << "' must be an int64 scalar or a vector of " << B << " start positions";
     return Bad(node, m.str());
   }
-  const int64_t stride = start.dims.size() == 1 ? 1 : 0;
+  sh->B = B;
+  sh->T = T;
+  sh->Hkv = Hkv;
+  sh->D = D;
+  sh->C = C;
+  sh->start_stride = start.dims.size() == 1 ? 1 : 0;
+  sh->row_stride = sbnh ? Hkv * D : C * Hkv * D;
+  sh->tok_stride = bsnh ? Hkv * D : sbnh ? B * Hkv * D : D;
+  sh->head_stride = bsnh || sbnh ? D : C * D;
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status PlanCacheAttention(const std::string& node, const TensorArg& q, const TensorArg& k, const TensorArg& v,
+                          const TensorArg& start, int64_t num_heads, int64_t kv_num_heads, float scale,
+                          int64_t seq_axis, float* out, CacheAttentionView* view) {
+  std::ostringstream m;
+  if (q.elem_type != kFloat32 || k.elem_type != kFloat32 || v.elem_type != kFloat32) {
+    m << "query, key and value must be float32 on the CPU (got " << ElemTypeName(q.elem_type) << ", "
+      << ElemTypeName(k.elem_type) << ", " << ElemTypeName(v.elem_type) << ")";
+    return Bad(node, m.str());
+  }
+  Shapes sh;
+  ORTKV_RETURN_IF_ERR(CheckShapes(node, q, k, v, start, num_heads, kv_num_heads, seq_axis, &sh));
+  const int64_t B = sh.B, T = sh.T, C = sh.C, D = sh.D, stride = sh.start_stride;
   const int64_t* s = static_cast<const int64_t*>(start.data);
   int64_t max_keys = 0;
   for (int64_t b = 0; b < B; ++b) {
@@ -328,12 +361,12 @@ Status PlanCacheAttention(const std::string& node, const TensorArg& q, const Ten
   view->B = B;
   view->T = T;
   view->Hq = num_heads;
-  view->Hkv = Hkv;
+  view->Hkv = sh.Hkv;
   view->D = D;
   view->C = C;
-  view->row_stride = C * Hkv * D;
-  view->tok_stride = bsnh ? Hkv * D : D;
-  view->head_stride = bsnh ? D : C * D;
+  view->row_stride = sh.row_stride;
+  view->tok_stride = sh.tok_stride;
+  view->head_stride = sh.head_stride;
   view->scale = scale > 0 ? scale : 1.0f / std::sqrt(static_cast<float>(D));
   // Note [CacheAttention CPU split-K]: split the keys only while units are too few to fill the
   // threads, and never into chunks shorter than kAttnMinSplitKeys (the longest row decides).
@@ -341,6 +374,58 @@ Status PlanCacheAttention(const std::string& node, const TensorArg& q, const Ten
   view->splits = 1;
   if (units > 0 && units < kAttnTargetTasks)
     view->splits = std::max<int64_t>(1, std::min((kAttnTargetTasks + units - 1) / units, max_keys / kAttnMinSplitKeys));
+  view->partial = nullptr;
+  return Status::Ok();
+}
+
+Status PlanCacheAttentionCuda(const std::string& node, const TensorArg& q, const TensorArg& k, const TensorArg& v,
+                              const TensorArg& start, int64_t num_heads, int64_t kv_num_heads, float scale,
+                              int64_t seq_axis, void* out, int sm_count, CacheAttentionCudaView* view) {
+  std::ostringstream m;
+  const size_t es = ElemSize(q.elem_type);
+  if (es == 0 || k.elem_type != q.elem_type || v.elem_type != q.elem_type) {
+    m << "query, key and value must share one of float32, float16, bfloat16 (got " << ElemTypeName(q.elem_type)
+      << ", " << ElemTypeName(k.elem_type) << ", " << ElemTypeName(v.elem_type) << ")";
+    return Bad(node, m.str());
+  }
+  Shapes sh;
+  ORTKV_RETURN_IF_ERR(CheckShapes(node, q, k, v, start, num_heads, kv_num_heads, seq_axis, &sh));
+  if (sh.D > kAttnCudaMaxHeadSize) {
+    m << "head size " << sh.D << " of '" << k.name << "' is larger than the CUDA kernel's " << kAttnCudaMaxHeadSize
+      << "; run this node on the CPU provider (float32) or use heads of at most " << kAttnCudaMaxHeadSize;
+    return Bad(node, m.str());
+  }
+  view->q = q.data;
+  view->k = k.data;
+  view->v = v.data;
+  view->out = out;
+  view->start = static_cast<const int64_t*>(start.data);
+  view->start_stride = sh.start_stride;
+  view->elem_type = q.elem_type;
+  view->B = sh.B;
+  view->T = sh.T;
+  view->Hq = num_heads;
+  view->Hkv = sh.Hkv;
+  view->D = sh.D;
+  view->C = sh.C;
+  view->row_stride = sh.row_stride;
+  view->tok_stride = sh.tok_stride;
+  view->head_stride = sh.head_stride;
+  view->scale = scale > 0 ? scale : 1.0f / std::sqrt(static_cast<float>(sh.D));
+  const uintptr_t align = reinterpret_cast<uintptr_t>(q.data) | reinterpret_cast<uintptr_t>(k.data) |
+                          reinterpret_cast<uintptr_t>(v.data) | static_cast<uintptr_t>(sh.D * es) |
+                          static_cast<uintptr_t>(sh.tok_stride * es) | static_cast<uintptr_t>(sh.head_stride * es) |
+                          static_cast<uintptr_t>(sh.row_stride * es);
+  view->vec = align % 16 == 0;
+  // Note [CacheAttention CUDA]: split along the keys until there are ~4 blocks per SM, from the capacity.
+  const int64_t head_blocks = (view->group() + kAttnCudaHeads - 1) / kAttnCudaHeads;
+  const int64_t blocks = view->units() * head_blocks;
+  const int64_t target = 4 * static_cast<int64_t>(std::max(sm_count, 1));
+  view->splits = 1;
+  if (blocks > 0 && blocks < target) {
+    const int64_t by_keys = std::max<int64_t>(1, sh.C / kAttnCudaMinChunk);
+    view->splits = std::min<int64_t>({(target + blocks - 1) / blocks, by_keys, kAttnCudaMaxSplits});
+  }
   view->partial = nullptr;
   return Status::Ok();
 }

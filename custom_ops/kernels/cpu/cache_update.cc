@@ -9,6 +9,14 @@ void CacheUpdateCpu(const CacheUpdateView& v, int64_t begin_pair, int64_t end_pa
   const size_t run = static_cast<size_t>(v.n * v.token_bytes);
   auto* cache = static_cast<unsigned char*>(v.cache);
   const auto* values = static_cast<const unsigned char*>(v.values);
+  if (v.token_major) {  // Note [CacheUpdate SBNH]: pair = (token t, row r)
+    for (int64_t pair = begin_pair; pair < end_pair; ++pair) {
+      const int64_t r = pair % v.rows, t = pair / v.rows;
+      std::memcpy(cache + ((v.position(r) + t) * v.rows + r) * v.token_bytes, values + pair * v.token_bytes,
+                  static_cast<size_t>(v.token_bytes));
+    }
+    return;
+  }
   for (int64_t pair = begin_pair; pair < end_pair; ++pair) {
     const int64_t r = pair / v.outer;
     unsigned char* dst = cache + (pair * v.capacity + v.position(r)) * v.token_bytes;

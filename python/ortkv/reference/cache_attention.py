@@ -9,7 +9,9 @@ def cache_attention_ref(q, k_cache, v_cache, start, num_heads: int, kv_num_heads
                         seq_axis: int = 1) -> np.ndarray:
     B, T, width = q.shape
     D = width // num_heads
-    if seq_axis != 1:  # BNSH -> BSNH
+    if seq_axis == 0:  # SBNH -> BSNH
+        k_cache, v_cache = k_cache.transpose(1, 0, 2, 3), v_cache.transpose(1, 0, 2, 3)
+    elif seq_axis != 1:  # BNSH -> BSNH
         k_cache, v_cache = k_cache.transpose(0, 2, 1, 3), v_cache.transpose(0, 2, 1, 3)
     start = np.broadcast_to(np.asarray(start, np.int64), (B,))
     scale = 1.0 / np.sqrt(D) if not scale else scale

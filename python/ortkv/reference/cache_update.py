@@ -9,6 +9,11 @@ def cache_update_ref(cache: np.ndarray, values: np.ndarray, position, seq_axis: 
     """Return a copy of ``cache`` with ``values`` written at ``position`` along ``seq_axis``
     (a scalar for every row of axis 0, or one position per row). Raises ValueError where the op
     refuses its inputs."""
+    if seq_axis == 0:  # SBNH [capacity, batch, ...]: the same update with the batch moved first
+        if cache.ndim < 3 or values.ndim != cache.ndim:
+            raise ValueError(f"rank {cache.ndim} / seq_axis 0")
+        return np.swapaxes(cache_update_ref(np.swapaxes(cache, 0, 1), np.swapaxes(values, 0, 1), position, 1),
+                           0, 1).copy()
     rank = cache.ndim
     axis = seq_axis + rank if seq_axis < 0 else seq_axis
     if rank < 3 or not 1 <= axis < rank:

@@ -1,0 +1,139 @@
+// The process-wide CUDA error word and the labels it names (Note [CUDA deferred errors] in
+// ortkv/core.h). The op library allocates the word (it links the CUDA runtime; the core does not).
+#include <algorithm>
+#include <atomic>
+#include <cstdio>
+#include <cstring>
+#include <mutex>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "ortkv/core.h"
+#include "ortkv/status.h"
+
+namespace {
+
+struct Label {
+  std::string op, node, tensor;
+};
+
+struct Labels {
+  std::mutex mu;
+  std::vector<Label> all;
+};
+
+Labels& labels() {
+  static Labels* l = new Labels();  // never destroyed: kernels may run during teardown
+  return *l;
+}
+
+constexpr int kMaxPairs = 1024;
+std::atomic<ortkv_device_error*> g_words[kMaxPairs];
+std::atomic<int> g_count{0};
+std::mutex g_add_mu;
+
+}  // namespace
+
+void ortkv_core_add_device_error(ortkv_device_error* host) {
+  std::lock_guard<std::mutex> lock(g_add_mu);
+  const int n = g_count.load(std::memory_order_relaxed);
+  if (n >= kMaxPairs) return;
+  g_words[n].store(host, std::memory_order_release);
+  g_count.store(n + 1, std::memory_order_release);
+}
+
+ortkv_device_error* ortkv_core_device_error(void) {
+  return g_count.load(std::memory_order_acquire) > 0 ? g_words[0].load(std::memory_order_acquire) : nullptr;
+}
+
+int32_t ortkv_core_register_label(const char* op, const char* node, const char* tensor) {
+  Labels& l = labels();
+  std::lock_guard<std::mutex> lock(l.mu);
+  for (size_t i = 0; i < l.all.size(); ++i) {
+    if (l.all[i].op == op && l.all[i].node == node && l.all[i].tensor == tensor) return static_cast<int32_t>(i);
+  }
+  l.all.push_back(Label{op, node, tensor});
+  return static_cast<int32_t>(l.all.size() - 1);
+}
+
+namespace {
+int TakeFrom(ortkv_device_error* words, char* msg, size_t cap);
+}
+
+int ortkv_core_take_device_error(char* msg, size_t cap) {
+  const int n = g_count.load(std::memory_order_acquire);
+  for (int i = 0; i < n; ++i) {
+    const int code = TakeFrom(g_words[i].load(std::memory_order_acquire), msg, cap);
+    if (code != ORTKV_DERR_NONE) return code;
+  }
+  return ORTKV_DERR_NONE;
+}
+
+namespace {
+int TakeFrom(ortkv_device_error* words, char* msg, size_t cap) {
+  ortkv_device_error* w = words;  // CacheUpdate's word first, then CacheAttention's
+  int32_t code = *reinterpret_cast<volatile int32_t*>(&w->code);
+  if (code == ORTKV_DERR_NONE) {
+    w = words + 1;
+    code = *reinterpret_cast<volatile int32_t*>(&w->code);
+  }
+  if (code == ORTKV_DERR_NONE) return 0;
+  std::atomic_thread_fence(std::memory_order_acquire);
+  const ortkv_device_error e = *w;
+  Label label{"an ortkv op", "?", "the cache"};
+  {
+    Labels& l = labels();
+    std::lock_guard<std::mutex> lock(l.mu);
+    if (e.label >= 0 && static_cast<size_t>(e.label) < l.all.size()) label = l.all[e.label];
+  }
+  std::ostringstream m;
+  const bool update = label.op == "CacheUpdate";
+  const char* what = update ? "position" : "start";
+  const char* tail = update ? " Nothing was written" : " The output of that run is not valid (reads were clamped to the cache)";
+  ortkv::Code c = ortkv::Code::kInvalidArgument;
+  m << label.op << " node '" << label.node << "': ";
+  switch (code) {
+    case ORTKV_DERR_NEGATIVE:
+      m << what << " " << e.position << " for row " << e.row << " of '" << label.tensor
+        << "' is negative; positions start at 0." << tail;
+      break;
+    case ORTKV_DERR_CAPACITY: {
+      c = ortkv::Code::kCapacity;
+      const uint64_t end = static_cast<uint64_t>(e.position) + static_cast<uint64_t>(e.n);
+      m << "row " << e.row << ": " << what << " " << e.position << " + n " << e.n << " = " << end
+        << " exceeds capacity " << e.capacity << " of '" << label.tensor << "'." << tail
+        << ". Remedy: evict or start a new sequence, or allocate a cache with capacity >= " << end;
+      break;
+    }
+    default: {
+      const bool ro = code == ORTKV_DERR_READONLY;
+      c = ro ? ortkv::Code::kReadOnly : ortkv::Code::kUncommitted;
+      char lab[128] = {0};
+      uintptr_t hit = 0;
+      uint64_t hit_len = 0;
+      ortkv_core_find_protected(ORTKV_DEVICE_CUDA, 0, static_cast<uintptr_t>(e.hit_addr), 1, 0, &hit, &hit_len, lab,
+                                sizeof(lab));
+      m << "row " << e.row << " of '" << label.tensor << "' would write [0x" << std::hex << e.first << ", 0x" << e.last
+        << ") which overlaps the " << (ro ? "write-protected" : "uncommitted") << " range [0x" << e.hit_addr << std::dec
+        << ", +" << hit_len << " bytes) '" << lab << "'." << tail << ". Remedy: "
+        << (ro ? "bind the owner's writable storage, or fork the sequence into its own pages."
+               : "commit the arena up to the last token before the run (Arena.commit).");
+      break;
+    }
+  }
+  m << " (found on the device by the CUDA kernel and reported after the run; Note [CUDA deferred errors])";
+  const std::string text = ortkv::Status(c, m.str()).Tagged();
+  if (msg != nullptr && cap > 0) {
+    const size_t n = std::min(cap - 1, text.size());
+    std::memcpy(msg, text.data(), n);
+    msg[n] = '\0';
+  }
+  // clear both words: the codes first, then the numbers
+  for (int i = 0; i < 2; ++i) *reinterpret_cast<volatile int32_t*>(&words[i].code) = 0;
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  for (int i = 0; i < 2; ++i)
+    std::memset(reinterpret_cast<char*>(words + i) + 2 * sizeof(int32_t), 0, sizeof(*words) - 2 * sizeof(int32_t));
+  return code;
+}
+}  // namespace
