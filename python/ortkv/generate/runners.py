@@ -199,7 +199,11 @@ def _check_layers(cfg: GenAIConfig, path, layers: int) -> None:
 # it normally twice (its allocations settle), captures it on the third run and replays it from then on.
 # Inside a step nothing allocates and nothing waits on the host but ORT's end-of-run stream synchronize and
 # the copy of the [B, V] logits. Arena commits (a granule, now and then) happen before the step, on the host;
-# they map memory at addresses the graph already holds. A model or kernel that reads a position on the host
+# they map memory at addresses the graph already holds, but the CUDA CacheUpdate checks each row's write
+# against the uncommitted ranges passed at capture (Note [CUDA deferred errors]), so a captured graph would
+# refuse tokens past the commit of its capture (seen on the H200 at batch 32: a row crossed a 2 MiB granule
+# at position 170). Each commit therefore moves decode to a fresh graph id: one capture per commit
+# (ArenaKVCache commits in chunks of 128 tokens), not per step. A model or kernel that reads a position on the host
 # cannot be captured: ORT refuses the session (a Memcpy node), reported with the remedy --no-cuda-graph.
 _graph_ids = iter(range(1, 1 << 30))
 
@@ -279,8 +283,13 @@ class OrtkvRunner:
                 self._prefill_ro.add_run_config_entry("gpu_graph_id", "-1")
 
     def _ensure(self, tokens: int) -> None:
-        if self.arena_cache is not None:
-            self.arena_cache.ensure(tokens)
+        if self.arena_cache is not None and self.arena_cache.ensure(tokens) and self.cuda_graph:
+            # Note [CUDA graph decode]: a captured CacheUpdate keeps the committed ranges of its capture;
+            # the arena just grew, so the next decode step runs under a new graph id (captured afresh)
+            import onnxruntime as ort
+
+            self._decode_ro = ort.RunOptions()
+            self._decode_ro.add_run_config_entry("gpu_graph_id", str(next(_graph_ids)))
 
     def logits_all(self, ids: np.ndarray) -> np.ndarray:
         """Run right-padded prompts from position 0; logits of every position [B, T, V] (CPU)."""
