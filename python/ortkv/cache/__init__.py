@@ -5,6 +5,7 @@ continuous-batching scheduler (docs/cache.md; Notes [Page metadata], [Admission]
 
 from ..errors import CacheProtocolError, CapacityError, SequenceBusyError, SequenceRemovedError
 from .pages import PageCache, PageCopy, PageInfo, Placement, Refusal
+from .scheduler import Event, Row, Scheduler, Step
 from .prefix import PrefixIndex, chain_hashes
 from .store import MemoryPageStore, PageStore
 
@@ -20,6 +21,10 @@ __all__ = [
     "PrefixIndex",
     "Refusal",
     "SequenceBusyError",
+    "Row",
+    "Scheduler",
     "SequenceRemovedError",
+    "Event",
+    "Step",
     "chain_hashes",
 ]

@@ -580,6 +580,11 @@ class PageCache:
 
     # -- queries -----------------------------------------------------------------------------------
     @property
+    def free_slots(self) -> int:
+        """Sequences that can still be created (max_sequences minus live ones)."""
+        return len(self._free_slots)
+
+    @property
     def sequences(self) -> list:
         return list(self._seqs)
 
