@@ -398,7 +398,7 @@ class PageCache:
             self._removed.add(seq_id)
             return
         p0 = 0 if p0 is None else int(p0)
-        end = s.length if p1 is None else int(p1)
+        end = max(s.length, p0) if p1 is None else int(p1)
         if p0 < 0 or end < p0:
             raise CacheProtocolError(f"remove({seq_id}, {p0}, {p1}): need 0 <= p0 <= p1")
         if p0 >= s.length:
