@@ -168,7 +168,9 @@ class Placement:
 
     def key_mask(self) -> np.ndarray:
         """bool [batch, max_pages_per_seq * page_size]: cell c of row b holds a valid key after the
-        step (c < length)."""
+        step (c < length). The dense masks are O(batch x cells); the paged ops need only
+        ``page_table`` and ``start`` (the same information in O(batch)), so a runner of the paged ops
+        never builds them: they are for other attention kernels, and for tests."""
         cells = np.arange(self.page_table.shape[1] * self.page_size)
         return cells[None, :] < self.lengths[:, None]
 
@@ -178,9 +180,9 @@ class Placement:
         row's valid length)."""
         cells = np.arange(self.page_table.shape[1] * self.page_size)
         t = np.arange(self.max_tokens)
-        last = self.start[:, None] + t[None, :]                      # [batch, T]
-        live = t[None, :] < self.new_tokens[:, None]
-        return (cells[None, None, :] <= last[:, :, None]) & live[:, :, None]
+        # one pass over the cells: c < limit, limit = start + t + 1 for live queries, 0 for padding
+        limit = np.where(t[None, :] < self.new_tokens[:, None], self.start[:, None] + t[None, :] + 1, 0)
+        return cells[None, None, :] < limit[:, :, None]
 
     def runs(self) -> list[tuple[np.ndarray, int]]:
         """Rows grouped by token count: each (rows, T) is one run of the paged ops as specified today
@@ -548,7 +550,8 @@ class PageCache:
                     s.tokens.extend(ids.tolist())
             if s.tokens is not None and end // ps > len(s.keys):
                 prev = s.keys[-1] if s.keys else b""
-                new_keys = chain_hashes(s.tokens, ps, self.model_key, prev, len(s.keys))
+                first = len(s.keys)        # hash only the pages that filled: O(new tokens)
+                new_keys = chain_hashes(s.tokens[first * ps:(end // ps) * ps], ps, self.model_key, prev)
                 for k, key in enumerate(new_keys, start=len(s.keys)):
                     pid = s.pages[k]
                     page = self._pages[pid]
