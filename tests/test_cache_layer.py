@@ -155,6 +155,14 @@ def test_admit_places_variable_counts_across_pages():
     check_invariants(cache, store)
 
 
+def test_fresh_id_skips_live_and_removed_ids():
+    cache, store = make()
+    cache.new_sequence(0)
+    cache.new_sequence(2)
+    cache.remove(2)
+    assert [cache.fresh_id() for _ in range(3)] == [1, 3, 4]
+
+
 def test_page_table_buffer_is_reused_across_steps():
     cache, store = make()
     cache.new_sequence(1)
@@ -535,9 +543,8 @@ def make_forward(sched, store):
         for row in step.rows:
             if row.wants_token:
                 h = read_back(sched.cache, store, row.seq)
-                req = sched._requests[row.request]
-                if req.n > 1 and not req.forked:
-                    out[row.seq] = [_next_token(h + [i]) for i in range(req.n)]
+                if row.draws > 1:
+                    out[row.seq] = [_next_token(h + [i]) for i in range(row.draws)]
                 else:
                     out[row.seq] = _next_token(h)
         return out
@@ -635,3 +642,23 @@ def test_scheduler_eos_length_and_errors():
     small.submit(list(range(12)), 2)
     with pytest.raises(CapacityError, match="does not fit in the page store even with nothing else running"):
         small.schedule()
+
+
+def test_docs_cache_md_examples_run():
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parent.parent / "docs" / "cache.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    assert len(blocks) == 2
+    prompt = list(range(40))
+    ns = {"prompt_ids": prompt}
+    ns["forward"] = lambda step: make_forward(ns["sched"], ns["store"])(step)
+    exec(blocks[0], ns)
+    cache, store = ns["cache"], ns["store"]
+    run_step(store, ns["p"])                          # the run the block's comment stands for
+    assert ns["reused"] == 0 and cache.length(1) == 40 and read_back(cache, store, 1) == prompt
+    exec(blocks[1], ns)
+    rid = ns["rid"]
+    assert ns["sched"].result(rid) == reference(prompt, 64, n=4, eos=2)
+    assert ns["sched"].reused_tokens == 32            # the prompt's first two pages were cached by block 1

@@ -218,6 +218,7 @@ class PageCache:
         self._step_table = np.full((self.max_sequences, self.max_pages), -1, np.int32)
         self.prefix = PrefixIndex()
         self._pending: Placement | None = None
+        self._next_id = 0
         self.copies_requested = 0     # copy-on-write page copies handed out in placements
         self.rows_copied = 0          # their rows
 
@@ -293,6 +294,13 @@ class PageCache:
         return got, None
 
     # -- sequences ---------------------------------------------------------------------------------
+    def fresh_id(self) -> int:
+        """An int id no sequence has used (live or removed); ids may be any hashable otherwise."""
+        while self._next_id in self._seqs or self._next_id in self._removed:
+            self._next_id += 1
+        self._next_id += 1
+        return self._next_id - 1
+
     def new_sequence(self, seq_id, prompt: Sequence[int] | np.ndarray | None = None) -> int:
         """Create an empty sequence; with ``prompt`` and prefix caching on, take the cached full pages
         of its longest cached prefix (at most all but the prompt's last token: that one must run to

@@ -59,11 +59,13 @@ class _Request:
 @dataclass(frozen=True)
 class Row:
     """One row of a step: the sequence, its request and sample, and whether the step ends its
-    history (then the caller samples from this row's last logits)."""
+    history (then the caller samples ``draws`` tokens from this row's last logits: n at the end of
+    the prefill of a request with n samples, else 1)."""
     seq: int
     request: int
     sample: int
     wants_token: bool
+    draws: int = 1
 
 
 @dataclass
@@ -96,7 +98,6 @@ class Scheduler:
         self.waiting: list[int] = []      # request ids, head first
         self.running: list[int] = []      # request ids in the order they started
         self._next_req = 0
-        self._next_seq = 0
         self._step: Step | None = None
         self.preemptions = 0
         self.prefill_tokens = 0           # tokens fed that were not decode tokens
@@ -134,8 +135,7 @@ class Scheduler:
 
     # -- internals ---------------------------------------------------------------------------------
     def _seq_id(self) -> int:
-        self._next_seq += 1
-        return self._next_seq
+        return self.cache.fresh_id()
 
     def _live(self, req: _Request) -> list:
         return [s for s in req.samples if s.finished is None]
@@ -169,7 +169,7 @@ class Scheduler:
                 todo = len(s.history) - have
                 k = min(todo, budget)
                 entries.append((s.seq, np.asarray(s.history[have:have + k], np.int64)))
-                rows.append(Row(s.seq, req.id, i, k == todo))
+                rows.append(Row(s.seq, req.id, i, k == todo, req.n if req.n > 1 and not req.forked else 1))
                 if not (todo == 1 and s.generated):
                     prefill += k
                 budget -= k
