@@ -98,3 +98,17 @@ class ArenaError(OrtkvError, ValueError):
 class ArenaBusyError(OrtkvError, BufferError):
     """close() or release() refused: views or session bindings of the arena are alive (Note [Arena
     exports]). Nothing changed."""
+
+
+class CacheProtocolError(OrtkvError, ValueError):
+    """A call to ``ortkv.cache`` out of protocol (an unknown sequence, a bad range, a duplicate id).
+    Raised before anything changed: page metadata, page tables and the page store are untouched."""
+
+
+class SequenceRemovedError(CacheProtocolError):
+    """A sequence removed from an ``ortkv.cache.PageCache`` was used again (ids are never reused)."""
+
+
+class SequenceBusyError(CacheProtocolError):
+    """A sequence stepped twice in one step, or a call made while an admitted step is still running
+    (finish it with ``done()`` or ``cancel()`` first)."""
