@@ -179,37 +179,126 @@ ORTKV_INLINE void BlockAny(const State& s, int64_t G, int64_t D, const float* k,
 }
 
 // ---- decoding a run of rows of one page -------------------------------------------------------------
-// Rows [r, r + n) of (kv, head) of one page into out [n][D]. F16, BF16 and INT8 have loops the
-// compiler vectorizes (the same floats as PageView::DecodeRow: the conversions are exact, INT8 is one
-// multiply); the other formats decode row by row through PageView::DecodeRow.
-typedef _Float16 F16a __attribute__((may_alias));
-typedef int8_t I8a __attribute__((may_alias));
+// Rows [r, r + n) of (kv, head) of one page into out [n][D]: the floats PageView::DecodeRow gives, 16
+// channels at a time in vector registers (DecodeRow's scalar conversions and per-channel bit
+// arithmetic do not vectorize; head sizes that are not a multiple of 16 use it row by row).
+// float16 and e4m3 are converted on bits (exact: normal numbers rebias the exponent, subnormals are
+// m * 2^-24 / m * 2^-9, inf/NaN as DecodeRow), so nothing depends on F16C or denormals-are-zero.
+typedef uint32_t V16w __attribute__((vector_size(64)));
+typedef uint16_t V16h __attribute__((vector_size(32), may_alias, aligned(2)));
+typedef uint8_t V16b __attribute__((vector_size(16), may_alias, aligned(1)));
+typedef int8_t V16s __attribute__((vector_size(16), may_alias, aligned(1)));
+typedef int16_t V16hs __attribute__((vector_size(32)));
+
+// 8-bit -> 32-bit lanes through 16-bit lanes: GCC 12 scalarizes the direct conversion (16 moves and
+// inserts), the two steps are one vpmovzxbw / vpmovsxbw and one widening move each.
+ORTKV_INLINE V16w Widen(V16b b) { return __builtin_convertvector(__builtin_convertvector(b, V16h), V16w); }
+ORTKV_INLINE V16i Widen(V16s b) { return __builtin_convertvector(__builtin_convertvector(b, V16hs), V16i); }
+
+ORTKV_INLINE V16 AsFloat(V16w x) { return reinterpret_cast<const V16&>(x); }
+ORTKV_INLINE V16 ToFloat(V16w x) { return __builtin_convertvector(reinterpret_cast<const V16i&>(x), V16); }
+
+ORTKV_INLINE V16 Half16(const uint16_t* p) {
+  const V16w x = __builtin_convertvector(*reinterpret_cast<const V16h*>(p), V16w);
+  const V16w em = x & 0x7FFFu, sign = (x & 0x8000u) << 16;
+  const V16 sub = ToFloat(em) * (1.0f / 16777216.0f);
+  V16w r = em >= 0x7C00u ? ((em << 13) | 0x7F800000u) : ((em << 13) + (112u << 23));
+  r = em < 0x400u ? reinterpret_cast<const V16w&>(sub) : r;
+  return AsFloat(r | sign);
+}
+
+ORTKV_INLINE V16 E4M3x16(const uint8_t* p) {
+  const V16w x = Widen(*reinterpret_cast<const V16b*>(p));
+  const V16w em = x & 0x7Fu, sign = (x & 0x80u) << 24;
+  const V16 sub = ToFloat(em) * (1.0f / 512.0f);
+  V16w r = em < 8u ? reinterpret_cast<const V16w&>(sub) : ((em << 20) + (120u << 23));
+  r |= sign;
+  r = em == 0x7Fu ? V16w{} + 0x7FC00000u : r;
+  return AsFloat(r);
+}
+
+// 16 codes of BITS (4 or 2) bits from 16 * BITS / 8 bytes: channel c in byte c * BITS / 8 at bit
+// BITS * (c % (8 / BITS)) (Note [Page formats], packing).
+template <int BITS>
+ORTKV_INLINE V16 Codes16(const uint8_t* p) {
+  V16b b = {};
+  memcpy(&b, p, 16 * BITS / 8);
+  V16b d;
+  V16w sh;
+  if constexpr (BITS == 4) {
+    d = __builtin_shufflevector(b, b, 0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    sh = V16w{0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4};
+  } else {
+    d = __builtin_shufflevector(b, b, 0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    sh = V16w{0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6};
+  }
+  return ToFloat((Widen(d) >> sh) & ((1u << BITS) - 1u));
+}
+
+template <int BITS>
+ORTKV_INLINE void PackedRows(const uint8_t* payload, uint64_t rb, const uint16_t* sc, int64_t ns, bool per_channel,
+                             int64_t n, int64_t D, float* out) {
+  if (per_channel) {  // *_KC keys: q * s_c + m_c with the head's channel scales [D][2]
+    for (int64_t c0 = 0; c0 < D; c0 += 16) {
+      V16 s, m;
+      for (int k = 0; k < 16; ++k) {
+        s[k] = codecs::F16BitsToF32(sc[2 * (c0 + k)]);
+        m[k] = codecs::F16BitsToF32(sc[2 * (c0 + k) + 1]);
+      }
+      for (int64_t i = 0; i < n; ++i) Store(out + i * D + c0, Codes16<BITS>(payload + i * rb + c0 * BITS / 8) * s + m);
+    }
+    return;
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    const float s = codecs::F16BitsToF32(sc[i * ns]), m = codecs::F16BitsToF32(sc[i * ns + 1]);
+    for (int64_t c0 = 0; c0 < D; c0 += 16) Store(out + i * D + c0, Codes16<BITS>(payload + i * rb + c0 * BITS / 8) * s + m);
+  }
+}
 
 ORTKV_INLINE void DecodeRun(const PageView& pg, int kv, int32_t head, int32_t r, int64_t n, int64_t D, float* out) {
+  if (D % 16 != 0) {
+    for (int64_t i = 0; i < n; ++i) pg.DecodeRow(kv, head, r + static_cast<int32_t>(i), out + i * D);
+    return;
+  }
   const uint8_t* payload = pg.PayloadRow(kv, head, r);
+  const uint64_t rb = pg.layout.row_bytes;
+  const uint16_t* sc = pg.ScaleRow(kv, head, r);
+  const int64_t ns = codecs::ScalesPerRow(pg.format);
   switch (pg.format) {
     case PageFormat::kF16: {
-      const F16a* h = reinterpret_cast<const F16a*>(payload);
-      for (int64_t i = 0; i < n * D; ++i) out[i] = static_cast<float>(h[i]);
+      const uint16_t* h = reinterpret_cast<const uint16_t*>(payload);
+      for (int64_t i = 0; i < n * D; i += 16) Store(out + i, Half16(h + i));
       return;
     }
     case PageFormat::kBF16: {
       const uint16_t* h = reinterpret_cast<const uint16_t*>(payload);
-      uint32_t* o = reinterpret_cast<uint32_t*>(out);
-      for (int64_t i = 0; i < n * D; ++i) o[i] = static_cast<uint32_t>(h[i]) << 16;
+      for (int64_t i = 0; i < n * D; i += 16)
+        Store(out + i, AsFloat(__builtin_convertvector(*reinterpret_cast<const V16h*>(h + i), V16w) << 16));
       return;
     }
-    case PageFormat::kInt8: {
-      const uint16_t* sc = pg.ScaleRow(kv, head, r);
-      const I8a* q = reinterpret_cast<const I8a*>(payload);
+    case PageFormat::kInt8:
       for (int64_t i = 0; i < n; ++i) {
         const float s = codecs::F16BitsToF32(sc[i]);
-        for (int64_t c = 0; c < D; ++c) out[i * D + c] = static_cast<float>(q[i * D + c]) * s;
+        for (int64_t c0 = 0; c0 < D; c0 += 16) {
+          const V16s q = *reinterpret_cast<const V16s*>(payload + i * rb + c0);
+          Store(out + i * D + c0, __builtin_convertvector(Widen(q), V16) * s);
+        }
       }
       return;
-    }
-    default:
-      for (int64_t i = 0; i < n; ++i) pg.DecodeRow(kv, head, r + static_cast<int32_t>(i), out + i * D);
+    case PageFormat::kFp8E4M3:
+      for (int64_t i = 0; i < n; ++i) {
+        const float s = codecs::F16BitsToF32(sc[i]);
+        for (int64_t c0 = 0; c0 < D; c0 += 16) Store(out + i * D + c0, E4M3x16(payload + i * rb + c0) * s);
+      }
+      return;
+    case PageFormat::kInt4:
+    case PageFormat::kInt4KC:
+      PackedRows<4>(payload, rb, sc, ns, kv == 0 && pg.format == PageFormat::kInt4KC, n, D, out);
+      return;
+    case PageFormat::kInt2:
+    case PageFormat::kInt2KC:
+      PackedRows<2>(payload, rb, sc, ns, kv == 0 && pg.format == PageFormat::kInt2KC, n, D, out);
+      return;
   }
 }
 
