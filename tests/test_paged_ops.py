@@ -515,3 +515,79 @@ def test_requantized_page_is_read_by_attention(rng):
     want = paged_cache_attention_ref(q, pool, d2, table, [20], num_heads=2 * H, kv_num_heads=H, layer=0,
                                      num_layers=NL, page_size=PS)
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+
+
+# ---- a decoder layer through ortkv.MutableCacheSession -----------------------------------------------------------
+def test_update_then_attention_through_mutable_cache_session(rng):
+    """PagedCacheUpdate then PagedCacheAttention over the updated pool in one model, the pool bound once as
+    a cache (READ_WRITE input aliased by pool_out) through MutableCacheSession: the session's alias checks
+    accept the uint8 pool; three decode steps of two rows equal the oracles, and the pool is written in place."""
+    import ortkv
+    from ortkv.graph import check, mark_mutable, set_alias_of
+
+    NL, H, G, PS, D = 2, 2, 2, 4, 16
+    vi = helper.make_tensor_value_info
+    paged = dict(layer=1, num_layers=NL, kv_num_heads=H, page_size=PS)
+    upd = helper.make_node("PagedCacheUpdate", ["pool", "directory", "page_table", "key", "value", "position"],
+                           ["pool_out"], name="upd", domain="ortkv", **paged)
+    att = helper.make_node("PagedCacheAttention", ["query", "pool_out", "directory", "page_table", "position"],
+                           ["out"], name="attn", domain="ortkv", num_heads=H * G, **paged)
+    g = helper.make_graph([upd, att], "layer",
+                          [vi("pool", TP.UINT8, ["P"]), vi("directory", TP.INT64, ["N", 2]),
+                           vi("page_table", TP.INT32, ["B", "M"]), vi("key", TP.FLOAT, ["B", 1, H * D]),
+                           vi("value", TP.FLOAT, ["B", 1, H * D]), vi("query", TP.FLOAT, ["B", 1, H * G * D]),
+                           vi("position", TP.INT64, ["B"])],
+                          [vi("pool_out", TP.UINT8, ["P"]), vi("out", TP.FLOAT, ["B", 1, H * G * D])])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("ortkv", 1)],
+                              ir_version=10)
+    mark_mutable(model, "pool")
+    set_alias_of(model, "pool_out", "pool")
+    report = check(model, plan=False)
+    assert report.errors == [], report.errors
+    assert not [f for f in report.findings if f.rule == "no-kernel"]
+    fmts = [PageFormat.F16, PageFormat.INT8, PageFormat.INT4, PageFormat.BF16, PageFormat.FP8_E4M3, PageFormat.INT2]
+    pool, directory = build_pool(rng, fmts, num_layers=NL, kv_heads=H, page_size=PS, head_size=D)
+    table = table_for([[3, 0, 2], [5, 1, 4]], 3)
+    position = np.array([2, 5])
+    with ortkv.MutableCacheSession(model) as sess:
+        sess.bind_cache("pool", pool)
+        for _ in range(3):
+            key, value = _rand(rng, (2, 1, H * D), "float32"), _rand(rng, (2, 1, H * D), "float32")
+            q = _rand(rng, (2, 1, H * G * D), "float32")
+            want_pool = paged_cache_update_ref(pool, directory, table, key, value, position, **paged)
+            want = paged_cache_attention_ref(q, want_pool, directory, table, position, num_heads=H * G,
+                                             kv_num_heads=H, layer=1, num_layers=NL, page_size=PS)
+            (out,) = sess.run(["out"], {"directory": directory, "page_table": table, "key": key, "value": value,
+                                        "query": q, "position": position})
+            np.testing.assert_array_equal(pool, want_pool)  # written in place, byte for byte
+            np.testing.assert_allclose(out, want, rtol=2e-5, atol=2e-5)
+            position = position + 1
+
+
+def _checked(layer=0, num_layers=2, key_type=TP.FLOAT, table_type=TP.INT32, mutable=True, pos_shape=("B",)):
+    from ortkv.graph import check, mark_mutable, set_alias_of
+
+    vi = helper.make_tensor_value_info
+    node = helper.make_node("PagedCacheUpdate", ["pool", "directory", "page_table", "key", "value", "position"],
+                            ["pool_out"], name="upd", domain="ortkv", layer=layer, num_layers=num_layers,
+                            kv_num_heads=2, page_size=4)
+    g = helper.make_graph([node], "g", [vi("pool", TP.UINT8, ["P"]), vi("directory", TP.INT64, ["N", 2]),
+                                        vi("page_table", table_type, ["B", 3]), vi("key", key_type, ["B", 1, 32]),
+                                        vi("value", key_type, ["B", 1, 32]), vi("position", TP.INT64, list(pos_shape))],
+                          [vi("pool_out", TP.UINT8, ["P"])])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("ortkv", 1)],
+                          ir_version=10)
+    if mutable:
+        mark_mutable(m, "pool")
+    set_alias_of(m, "pool_out", "pool")
+    return "\n".join(str(f) for f in check(m, plan=False).errors)
+
+
+def test_checker_describes_paged_cache_update():
+    """The checker applies the op contract: the pool must be a READ_WRITE input (the output IS its storage),
+    layer < num_layers, float keys/values, an int32 page table."""
+    assert _checked() == ""
+    assert "pool" in _checked(mutable=False) and "READ_WRITE" in _checked(mutable=False)
+    assert "attribute layer=2 must be in [0, num_layers=2)" in _checked(layer=2)
+    assert "'key' is float64" in _checked(key_type=TP.DOUBLE)
+    assert "'page_table' is int64" in _checked(table_type=TP.INT64)
