@@ -37,10 +37,11 @@
 // KV head, query token) serving the group's G query heads, keys in blocks with an online softmax,
 // split-K when units are too few for the threads. A block never crosses a page: a task walks its key
 // range page by page and, inside a page, in runs of at most kAttnBlockKeys rows; each run's K and V
-// rows are decoded by the page's own format (PageView::DecodeRow, or a vectorized twin giving the same
-// floats for F16 / BF16 / INT8) into a per-thread buffer of kAttnBlockKeys x head_size floats per K
-// and V (32 KiB at head_size 64: L1/L2), and the dense block kernel runs over that buffer. Nothing the
-// size of the cache is ever materialized; rows past a sequence's valid length are never read.
+// rows are decoded by the page's own format (PageView::DecodeRow's arithmetic, 16 channels per vector
+// when head_size is a multiple of 16) into a per-thread buffer of kAttnBlockKeys x head_size floats per
+// K and V (2 x 16 KiB at head_size 64: L1/L2), and the dense block kernel runs over that buffer. Nothing
+// the size of the cache is ever materialized; rows past a sequence's valid length are never read.
+// The query and the output have the logical type (float32, float16 or bfloat16); arithmetic is float32.
 #pragma once
 #include <cstdint>
 #include <string>
@@ -85,8 +86,9 @@ struct PagedPool {
   int32_t PageId(int64_t b, int64_t t) const { return page_table[b * max_pages + t / shape.page_size]; }
 };
 
-// Checks page `id` for use by row b (its slot inside the pool, a valid format for the head size);
-// `what` names the op node; `table` the page table's name. Status kInvalidArgument on failure.
+// Checks page page_index of row b's page table: present (not -1), inside the directory, a format the
+// head size allows, its slot 16-byte aligned and inside the pool. `node` prefixes the message (the op
+// and node name). Status kInvalidArgument on failure.
 Status CheckPage(const std::string& node, const PagedPool& p, const std::string& pool_name,
                  const std::string& dir_name, const std::string& table_name, int64_t b, int64_t page_index,
                  int64_t needed_tokens);
@@ -125,7 +127,6 @@ struct PagedAttentionView {
   float scale = 1.0f;
   int64_t splits = 1;
   float* partial = nullptr;  // splits > 1: partial_floats() floats, owned by the caller
-  float* out_f32 = nullptr;  // splits > 1 and elem_type != float32: B*T*Hq*D floats, owned by the caller
 
   int64_t units() const { return B * Hkv * T; }
   int64_t tasks() const { return units() * splits; }
