@@ -275,17 +275,17 @@ def m_read_after_write():
                  [vi("present"), vi("total", [], F)]), {}
 
 
-def _paged(table_alias=1, table_t=I32, pos=None, page_size=16):
-    node = helper.make_node("PagedCacheUpdate", ["pool", "table", "new", "pos"], ["pool_out", "table_out"],
-                            domain="ortkv", name="paged", page_size=page_size)
-    declare_output_alias(node, 0, 0)
-    declare_output_alias(node, 1, table_alias)
-    inputs = [vi("pool", [16, 1024], U8), vi("table", [1, 4], table_t), vi("new", [1, 1, 2, 4])]
+def _paged(alias_input=0, table_t=I32, pos=None, page_size=16):
+    node = helper.make_node("PagedCacheUpdate", ["pool", "directory", "table", "key", "value", "pos"], ["pool_out"],
+                            domain="ortkv", name="paged", layer=0, num_layers=2, kv_num_heads=2, page_size=page_size)
+    declare_output_alias(node, 0, alias_input)
+    inputs = [vi("pool", [65536], U8), vi("directory", [8, 2], I64), vi("table", [1, 4], table_t),
+              vi("key", [1, 1, 8]), vi("value", [1, 1, 8])]
     inits = [init("pos", pos)] if pos is not None else []
     if pos is None:
         inputs.append(vi("pos", [1], I64))
-    return model([node], inputs, [vi("pool_out", [16, 1024], U8), vi("table_out", [1, 4], table_t)], inits=inits,
-                 mutable=("pool", "table"), alias={"pool_out": "pool", "table_out": "table"})
+    return model([node], inputs, [vi("pool_out", [65536], U8)], inits=inits, mutable=("pool",),
+                 alias={"pool_out": "pool"})
 
 
 def m_paged_accept():
@@ -293,7 +293,7 @@ def m_paged_accept():
 
 
 def m_paged_table_aliases_pool():
-    return _paged(table_alias=0), {}  # the annotation contradicts PagedCacheUpdate's contract (1:1)
+    return _paged(alias_input=1), {}  # the annotation contradicts PagedCacheUpdate's contract (0:0)
 
 
 def m_paged_capacity():
@@ -377,10 +377,10 @@ CORPUS = {
                                                                           "parameter 'cache'")),
     "read-after-write": (m_read_after_write, "alias-hazard", ("'past'", "node 'update' overwrites")),
     "paged-accept": (m_paged_accept, None, ()),
-    "paged-table-aliases-pool": (m_paged_table_aliases_pool, "alias-contract", ("output_alias '1:0:MUST_ALIAS'",
-                                                                                "storage of input 1 (page_table)")),
+    "paged-table-aliases-pool": (m_paged_table_aliases_pool, "alias-contract", ("output_alias '0:1:MUST_ALIAS'",
+                                                                                "storage of input 0 (pool)")),
     "paged-capacity": (m_paged_capacity, "capacity", ("position 64 + n 1 = 65", "4 pages x 16 tokens")),
-    "paged-table-type": (m_paged_table_type, "op-input", ("page table 'table' is float32",)),
+    "paged-table-type": (m_paged_table_type, "op-input", ("'table' is float32 [1, 4]; it must be [batch, max_pages] int32",)),
     "symbolic-reshape": (m_symbolic_reshape, None, ()),
     "declared-type-conflict": (m_declared_type_conflict, "shape-type", ("int64", "float32")),
     "onnx-rejects": (m_onnx_rejects, "shape", ("MatMul",)),
@@ -445,7 +445,7 @@ def test_if_loop_scan_function_keep_the_root():
 
 def test_paged_classes():
     ctx = shapes(m_paged_accept)
-    assert ctx.root("pool_out") == "pool" and ctx.root("table_out") == "table"
+    assert ctx.root("pool_out") == "pool" and ctx.root("table") == "table"
 
 
 def test_symbolic_reshape_types():

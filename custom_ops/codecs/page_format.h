@@ -76,20 +76,22 @@
 // is zero, so bytes per page equal the ideal (payload + scales) exactly (tests/test_codecs.py checks
 // the 5 % goal on a grid of shapes).
 //
-// Physical form for ONNX Runtime (proposal for PagedCacheUpdate / PagedCacheAttention): ORT cannot bind
-// a sequence of differently typed tensors, so the cache is
-//   * one uint8 byte pool per format present, pool_f : [layers, num_slots_f, LayoutOf(f, shape).page_bytes]
-//     (one graph input per format, READ_WRITE; each pool can sit in its own VMM arena reservation and be
-//     committed as pages are taken, so the split between formats need not be fixed up front; each pool's
-//     slots are exactly its format's page size, so any mix of formats wastes no slot bytes, where a single
-//     pool with max-sized slots wastes most of an F16-sized slot per INT4/INT2 page: see the mixes in
-//     benchmarks/results/page_formats.md);
-//   * a page directory, int32 [num_pages, 2] = (format, slot index in that format's pool);
+// Physical form for ONNX Runtime (what PagedCacheUpdate / PagedCacheAttention take; Note [Paged cache
+// physical form] in ortkv/paged.h): ORT cannot bind a sequence of differently typed tensors, so the
+// cache is
+//   * ONE uint8 pool [pool_bytes] holding every page slot (in ortkv.paged a view of a VMM arena: each
+//     format has its own slab at a fixed offset of the reservation, committed granule by granule as
+//     slots are taken, so no format's share is fixed up front and a slot is exactly its format's size:
+//     any mix wastes no slot bytes);
+//   * a page directory, int64 [num_pages, 2] = (format, byte offset of the page's slot in the pool);
+//     a page id covers page_size tokens of EVERY layer: its slot holds num_layers pages of this codec
+//     back to back, layer l at offset + l * LayoutOf(format, shape).page_bytes;
 //   * per sequence page tables, int32 [batch, max_pages_per_seq] of page ids (-1 = none), and the
-//     sequence lengths as today.
-// A kernel resolves page id -> (format, slot) -> PageView::Make(pool_f + slot * page_bytes, format, shape) and
-// calls PageView::DecodeRow / EncodeRow (codecs.h) in registers. Requantizing a page into another
-// format is DecodePage into float + EncodePage into a slot of the other pool + one directory write.
+//     sequence positions as today.
+// A kernel resolves page id -> (format, offset) -> PageView::Make(pool + offset + layer * page_bytes,
+// format, shape) and calls PageView::DecodeRow / EncodeRow in registers. Requantizing a page into another
+// format is DecodePage + EncodePage of each layer into a free slot of the other format's slab and one
+// directory write (paged_requantize).
 #pragma once
 #include <cstdint>
 

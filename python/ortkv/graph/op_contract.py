@@ -100,24 +100,37 @@ _add(OpContract(
     limits={"max_group": 64},  # query heads per KV head (the CPU kernel's per-group accumulators)
     kernel="CPU",
 ))
+# The paged ops (Note [Paged cache physical form] in custom_ops/include/ortkv/paged.h): one uint8 pool of
+# page slots, a directory (format, byte offset) per page id and a page table per sequence; the directory
+# and the page table are host-managed and only read by the ops.
+_PAGED_ATTRS = (Attr("layer", INT, required=True, minimum=0, doc="this node's layer; < num_layers"),
+                Attr("num_layers", INT, required=True, minimum=1, doc="layers per page slot"),
+                Attr("kv_num_heads", INT, required=True, minimum=1, doc="KV heads of a page"),
+                Attr("page_size", INT, required=True, minimum=1, doc="tokens per page"))
+_PAGED_PORTS = (Port("pool", (TensorProto.UINT8,), "[pool_bytes]: every page's bytes"),
+                Port("directory", (TensorProto.INT64,), "[num_pages, 2] = (format, byte offset of the slot)"),
+                Port("page_table", (TensorProto.INT32,), "[batch, max_pages] of page ids, -1 = none"))
 _add(OpContract(
     DOMAIN, "PagedCacheUpdate",
-    inputs=(Port("pool", None, "the page pool (the kernel's per-page formats)"),
-            Port("page_table", (TensorProto.INT32, TensorProto.INT64), "[batch, max_pages]"),
-            Port("values", FLOATS, "[batch, tokens, kv_heads, head_size]"),
-            Port("positions", (TensorProto.INT64,), "scalar or [batch]")),
-    outputs=(Port("updated_pool", None, "the pool"), Port("updated_page_table", None, "the page table")),
-    must_alias=((0, 0), (1, 1)),
-    attrs=(Attr("page_size", INT, required=True, minimum=1, doc="tokens per page"),),
+    inputs=_PAGED_PORTS + (Port("key", FLOATS, "[batch, tokens, kv_heads * head_size]"),
+                           Port("value", FLOATS, "the key's shape and type"),
+                           Port("position", (TensorProto.INT64,), "scalar or [batch]")),
+    outputs=(Port("updated_pool", (TensorProto.UINT8,), "the pool"),),
+    must_alias=((0, 0),),
+    attrs=_PAGED_ATTRS,
+    kernel="CPU",
 ))
 _add(OpContract(
     DOMAIN, "PagedCacheAttention",
-    inputs=(Port("query", None, "[batch, tokens, num_heads * head_size]"), Port("pool", None, "the page pool"),
-            Port("page_table", (TensorProto.INT32, TensorProto.INT64), "[batch, max_pages]"),
-            Port("start", (TensorProto.INT64,), "scalar or [batch]")),
-    outputs=(Port("output", None, "the query's shape"),),
+    inputs=(Port("query", FLOATS, "[batch, tokens, num_heads * head_size]"),) + _PAGED_PORTS +
+           (Port("start", (TensorProto.INT64,), "scalar or [batch]"),),
+    outputs=(Port("output", FLOATS, "the query's shape and type"),),
     must_alias=(),
-    attrs=(),
+    attrs=(Attr("num_heads", INT, required=True, minimum=1, doc="query heads"),) + _PAGED_ATTRS[:2] +
+          (Attr("kv_num_heads", INT, required=True, minimum=1, doc="KV heads; num_heads must be a multiple"),
+           _PAGED_ATTRS[3], Attr("scale", FLOAT, default=0.0, doc="softmax scale; <= 0: 1 / sqrt(head_size)")),
+    limits={"max_group": 64},
+    kernel="CPU",
 ))
 
 # Where a kernel runs what the contract refuses (documented, tested in tests/test_op_contract.py):

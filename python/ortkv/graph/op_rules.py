@@ -6,12 +6,12 @@ before the model runs; ports, types, attributes and limits of the ortkv ops come
 contract, Note [Op contract] in op_contract.py) and checks ``position + n <= capacity`` where the numbers are known.
 WORKSPACE gives the bytes an op allocates beside its outputs while it runs (the memory planner).
 
-PagedCacheUpdate / PagedCacheAttention follow the contract in design/ARCHITECTURE.md:
-  PagedCacheUpdate(pool, page_table, values, positions) -> (updated_pool, updated_page_table),
-      both MUST alias; page_table int32/int64 [batch, max_pages]; values [batch, T, kv_heads, head_size];
-      positions int64 [batch] or scalar; attribute page_size (tokens per page): a row holds at most
-      max_pages * page_size tokens. The pool's layout is the kernel's (per-page formats), passed through.
-  PagedCacheAttention(query, pool, page_table, start) -> output shaped like query.
+PagedCacheUpdate / PagedCacheAttention (Note [Paged cache physical form] in custom_ops/include/ortkv/paged.h):
+  PagedCacheUpdate(pool, directory, page_table, key, value, position) -> updated_pool (MUST alias the pool);
+      pool uint8 [pool_bytes]; directory int64 [num_pages, 2]; page_table int32 [batch, max_pages];
+      key/value [batch, T, kv_heads * head_size]; a row holds at most max_pages * page_size tokens.
+  PagedCacheAttention(query, pool, directory, page_table, start) -> output shaped and typed like query.
+  What only the run-time values decide (page ids present, each page's format and slot) the kernels check.
 """
 
 from __future__ import annotations
@@ -196,40 +196,114 @@ def cache_attention_workspace(ctx, node, threads: int) -> int:
     return per_thread * threads + _ATTN_MAX_SPLIT_TASKS * group * (head + 2) * 4
 
 
+def _paged_common(ctx, node, label, op, pool, directory, table, pn, dn, tn) -> bool:
+    """Ports and attributes shared by both paged ops; False when the node cannot run."""
+    ok = True
+    layer, layers = attribute(node, "layer"), attribute(node, "num_layers")
+    if isinstance(layer, int) and isinstance(layers, int) and layer >= layers:
+        ctx.error("op-input", label, f"{op} node '{label}': attribute layer={layer} must be in [0, num_layers="
+                  f"{layers})")
+        ok = False
+    for name, t, elem, rank, what in ((pn, pool, TensorProto.UINT8, 1, "[pool_bytes] uint8: the page pool's bytes"),
+                                      (dn, directory, TensorProto.INT64, 2, "[num_pages, 2] int64 = (format, offset)"),
+                                      (tn, table, TensorProto.INT32, 2, "[batch, max_pages] int32 page ids")):
+        if (t.elem is not None and t.elem != elem) or (t.rank is not None and t.rank != rank):
+            ctx.error("op-input", label, f"{op} node '{label}': '{name}' is {elem_name(t.elem)} "
+                      f"{list_dims(t.shape)}; it must be {what}")
+            ok = False
+    _meet_value(ctx, label, op, dn, directory, 1, 2, "(format, byte offset) per page")
+    return ok
+
+
 def paged_cache_update(ctx, node, label, ins):
     op = "PagedCacheUpdate"
-    pool, table, values, pos = _pad(ins, 4)
-    pn, tn, vn, sn = (list(node.input) + [""] * 4)[:4]
+    pool, directory, table, key, value, pos = _pad(ins, 6)
+    pn, dn, tn, kn, vn, sn = (list(node.input) + [""] * 6)[:6]
     if not _contract(ctx, node, label):
-        return [pool, table]
+        return [pool]
+    if not _paged_common(ctx, label=label, node=node, op=op, pool=pool, directory=directory, table=table, pn=pn,
+                         dn=dn, tn=tn):
+        return [pool]
+    for name, t in ((kn, key), (vn, value)):
+        if t.rank is not None and t.rank != 3:
+            ctx.error("op-input", label, f"{op} node '{label}': '{name}' {list_dims(t.shape)} must be "
+                      f"[batch, tokens, kv_heads * head_size]")
+            return [pool]
+        if t.elem is not None and t.elem not in FLOATS:
+            ctx.error("op-input", label, f"{op} node '{label}': '{name}' is {elem_name(t.elem)}; the kernel "
+                      f"quantizes float32, float16 or bfloat16 keys and values into the pages")
+    if key.elem is not None and value.elem is not None and key.elem != value.elem:
+        ctx.error("op-input", label, f"{op} node '{label}': key '{kn}' is {elem_name(key.elem)} but value '{vn}' is "
+                  f"{elem_name(value.elem)}; they must have one type")
+    for i in range(3):
+        _meet_dim(ctx, label, op, vn, value, i, kn, key, i, "key and value have one shape")
+    _meet_dim(ctx, label, op, kn, key, 0, tn, table, 0, "one page-table row per batch row")
+    hkv = attribute(node, "kv_num_heads")
+    key = ctx.type_of(kn)
+    if key.shape is not None and isinstance(key.shape[2], int) and isinstance(hkv, int) and key.shape[2] % hkv:
+        ctx.error("op-input", label, f"{op} node '{label}': '{kn}' width {key.shape[2]} must be kv_num_heads "
+                  f"({hkv}) * head_size")
+    _position(ctx, label, op, sn, pos, key, kn)
+    table, key = ctx.type_of(tn), ctx.type_of(kn)
     page_size = attribute(node, "page_size")
-    if table.elem is not None and table.elem not in (TensorProto.INT32, TensorProto.INT64):
-        ctx.error("op-input", label, f"{op} node '{label}': page table '{tn}' is {elem_name(table.elem)}; "
-                  f"a page table holds int32 (or int64) page indices")
-    if table.rank is not None and table.rank != 2:
-        ctx.error("op-input", label, f"{op} node '{label}': page table '{tn}' {list_dims(table.shape)} must be "
-                  f"[batch, max_pages]")
-    if values.rank is not None and values.rank != 4:
-        ctx.error("op-input", label, f"{op} node '{label}': values '{vn}' {list_dims(values.shape)} must be "
-                  f"[batch, tokens, kv_heads, head_size]")
-    if values.elem is not None and values.elem not in FLOATS:
-        ctx.error("op-input", label, f"{op} node '{label}': values '{vn}' are {elem_name(values.elem)}; the "
-                  f"kernel quantizes float32, float16 or bfloat16 values into the pages")
-    _meet_dim(ctx, label, op, vn, values, 0, tn, table, 0, "one page-table row per batch row")
-    _position(ctx, label, op, sn, pos, table, tn)
-    table, values = ctx.type_of(tn), ctx.type_of(vn)
-    if table.shape is not None and values.shape is not None and page_size:
+    if table.shape is not None and key.shape is not None and page_size:
         max_pages = table.shape[1]
         cap = max_pages * page_size if isinstance(max_pages, int) else None
-        ctx.check_capacity(label, op, sn, values.shape[1], cap, f"page table '{tn}' ({max_pages} pages x {page_size} tokens)",
+        ctx.check_capacity(label, op, sn, key.shape[1], cap, f"page table '{tn}' ({max_pages} pages x {page_size} tokens)",
                            "position")
-    return [pool, table]
+    return [ctx.type_of(pn)]
 
 
 def paged_cache_attention(ctx, node, label, ins):
-    q = _pad(ins, 4)[0]
-    _contract(ctx, node, label)
+    op = "PagedCacheAttention"
+    q, pool, directory, table, start = _pad(ins, 5)
+    qn, pn, dn, tn, sn = (list(node.input) + [""] * 5)[:5]
+    if not _contract(ctx, node, label):
+        return [q]
+    if not _paged_common(ctx, label=label, node=node, op=op, pool=pool, directory=directory, table=table, pn=pn,
+                         dn=dn, tn=tn):
+        return [q]
+    contract = CONTRACTS[(node.domain, node.op_type)]
+    hq, hkv = attribute(node, "num_heads"), attribute(node, "kv_num_heads")
+    max_group = contract.limits["max_group"]
+    if hq % hkv or hq // hkv > max_group:
+        ctx.error("op-input", label, f"{op} node '{label}': num_heads={hq} must be a positive multiple of "
+                  f"kv_num_heads={hkv} with at most {max_group} query heads per KV head (the kernel's limit)")
+        return [q]
+    if q.rank is not None and q.rank != 3:
+        ctx.error("op-input", label, f"{op} node '{label}': query '{qn}' {list_dims(q.shape)} must be "
+                  f"[batch, tokens, num_heads * head_size]")
+        return [q]
+    if q.elem is not None and q.elem not in FLOATS:
+        ctx.error("op-input", label, f"{op} node '{label}': query '{qn}' is {elem_name(q.elem)}; the kernel takes "
+                  f"float32, float16 or bfloat16")
+    if q.shape is not None and isinstance(q.shape[2], int) and q.shape[2] % hq:
+        ctx.error("op-input", label, f"{op} node '{label}': query '{qn}' width {q.shape[2]} must be num_heads "
+                  f"({hq}) * head_size")
+    _meet_dim(ctx, label, op, qn, q, 0, tn, table, 0, "one page-table row per batch row")
+    _position(ctx, label, op, sn, start, q, qn)
+    q, table = ctx.type_of(qn), ctx.type_of(tn)
+    page_size = attribute(node, "page_size")
+    if q.shape is not None and table.shape is not None and page_size:
+        max_pages = table.shape[1]
+        cap = max_pages * page_size if isinstance(max_pages, int) else None
+        ctx.check_capacity(label, op, sn, q.shape[1], cap, f"page table '{tn}' ({max_pages} pages x {page_size} tokens)",
+                           "start")
     return [q]
+
+
+def paged_cache_attention_workspace(ctx, node, threads: int) -> int:
+    """The CPU kernel's scratch (custom_ops/include/ortkv/paged.h): CacheAttention's per-thread scratch plus
+    one decoded block of 64 keys and 64 values (2 x 64 x D floats) per thread, and the same split-K partials."""
+    if not node.input:
+        return 0
+    q = ctx.type_of(node.input[0])
+    hq, hkv = attribute(node, "num_heads") or 1, attribute(node, "kv_num_heads") or 1
+    if q.shape is None or len(q.shape) != 3 or not isinstance(q.shape[2], int) or hkv < 1 or hq < 1:
+        return 0
+    group, head = max(hq // hkv, 0), q.shape[2] // hq
+    per_thread = (group * (_ATTN_BLOCK_KEYS + 2 * head + 2) + 2 * _ATTN_BLOCK_KEYS * head) * 4
+    return per_thread * threads + _ATTN_MAX_SPLIT_TASKS * group * (head + 2) * 4
 
 
 def passthrough(ctx, node, label, ins):
@@ -285,4 +359,5 @@ OP_RULES = {
 
 WORKSPACE = {
     ("ortkv", "CacheAttention"): cache_attention_workspace,
+    ("ortkv", "PagedCacheAttention"): paged_cache_attention_workspace,
 }
