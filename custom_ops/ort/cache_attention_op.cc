@@ -144,10 +144,14 @@ OrtCustomOp MakeOp(bool cuda) {
     op.KernelComputeV2 = ComputeCuda;
 #endif
   } else {
+    // Note [CacheAttention CPU types]: float32 only, but declared as any type and refused by the kernel
+    // with a named error. Declared FLOAT, a float16 node would pass ORT's schema check (the CUDA
+    // registration of the same op takes float16) and ORT's InsertCastTransformer would then wrap it in
+    // Casts on the CPU: a silent float32 copy of both caches on every run.
     op.GetInputType = [](const OrtCustomOp*, size_t i) {
-      return i == 3 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+      return i == 3 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64 : ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
     };
-    op.GetOutputType = [](const OrtCustomOp*, size_t) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; };
+    op.GetOutputType = [](const OrtCustomOp*, size_t) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED; };
     op.CreateKernelV2 = [](const OrtCustomOp* o, const OrtApi* a, const OrtKernelInfo* i, void** k) {
       return Create(o, a, i, k, false);
     };

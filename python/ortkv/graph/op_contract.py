@@ -81,14 +81,17 @@ _add(OpContract(
     outputs=(Port("updated_cache", FLOATS, "the cache's shape"),),
     must_alias=((0, 0),),
     attrs=(Attr("seq_axis", INT, default=-2,
-                doc="the sequence axis; negative counts from the end; must resolve into [1, rank - 1]"),),
+                doc="the sequence axis; negative counts from the end; must resolve into [1, rank - 1], or be 0: "
+                    "SBNH [capacity, batch, ...], token-major (the batch is then axis 1)"),),
     kernel="CPU, CUDA",
 ))
 _add(OpContract(
     DOMAIN, "CacheAttention",
-    inputs=(Port("query", (TensorProto.FLOAT,), "[batch, tokens, num_heads * head_size]"),
-            Port("key_cache", (TensorProto.FLOAT,), "rank 4: [batch, capacity, kv_heads, head_size] (seq_axis 1) "
-                 "or [batch, kv_heads, capacity, head_size] (seq_axis 2 / -2)"),
+    inputs=(Port("query", (TensorProto.FLOAT,), "[batch, tokens, num_heads * head_size]; float32 (the CPU "
+                 "kernel; the CUDA kernel also takes float16 and bfloat16, not described here yet)"),
+            Port("key_cache", (TensorProto.FLOAT,), "rank 4: [batch, capacity, kv_heads, head_size] (seq_axis 1), "
+                 "[batch, kv_heads, capacity, head_size] (seq_axis 2 / -2) or [capacity, batch, kv_heads, "
+                 "head_size] (seq_axis 0, SBNH)"),
             Port("value_cache", (TensorProto.FLOAT,), "the key cache's shape"),
             Port("start", (TensorProto.INT64,), "scalar or [batch]")),
     outputs=(Port("output", (TensorProto.FLOAT,), "the query's shape"),),
@@ -96,9 +99,9 @@ _add(OpContract(
     attrs=(Attr("num_heads", INT, required=True, minimum=1, doc="query heads"),
            Attr("kv_num_heads", INT, required=True, minimum=1, doc="KV heads; num_heads must be a multiple"),
            Attr("scale", FLOAT, default=0.0, doc="softmax scale; <= 0: 1 / sqrt(head_size)"),
-           Attr("seq_axis", INT, default=1, allowed=(1, 2, -2), doc="1: BSNH caches; 2 or -2: BNSH")),
+           Attr("seq_axis", INT, default=1, allowed=(1, 2, -2, 0), doc="1: BSNH caches; 2 or -2: BNSH; 0: SBNH")),
     limits={"max_group": 64},  # query heads per KV head (the CPU kernel's per-group accumulators)
-    kernel="CPU",
+    kernel="CPU, CUDA",
 ))
 # The paged ops (Note [Paged cache physical form] in custom_ops/include/ortkv/paged.h): one uint8 pool of
 # page slots, a directory (format, byte offset) per page id and a page table per sequence; the directory

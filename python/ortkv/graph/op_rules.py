@@ -71,7 +71,7 @@ def _meet_value(ctx, label, op, name, t, i, value, why) -> None:
                   f"{ctx.table.resolve(t.shape[i])}, expected {value} ({why})")
 
 
-def _position(ctx, label, op, name, t, batch_t, batch_name) -> bool:
+def _position(ctx, label, op, name, t, batch_t, batch_name, batch_axis: int = 0) -> bool:
     if t.elem is not None and t.elem != TensorProto.INT64:
         ctx.error("op-input", label, f"{op} node '{label}': input '{name}' is {elem_name(t.elem)}; "
                   f"positions must be int64")
@@ -81,7 +81,7 @@ def _position(ctx, label, op, name, t, batch_t, batch_name) -> bool:
                   f"it must be a scalar or one entry per batch row")
         return False
     if t.rank == 1:
-        _meet_dim(ctx, label, op, name, t, 0, batch_name, batch_t, 0, "one position per batch row")
+        _meet_dim(ctx, label, op, name, t, 0, batch_name, batch_t, batch_axis, "one position per batch row")
     return True
 
 
@@ -102,14 +102,16 @@ def cache_update(ctx, node, label, ins):
         ctx.error("op-input", label, f"{op} node '{label}': input '{vname}' is {elem_name(values.elem)} but "
                   f"'{cname}' is {elem_name(cache.elem)}; the new values must have the cache's element type")
     rank = cache.rank if cache.rank is not None else values.rank
-    if rank is None:
-        _position(ctx, label, op, pname, pos, cache, cname)
-        return [cache]
     seq_axis = attribute(node, "seq_axis")
+    batch_axis = 1 if seq_axis == 0 else 0  # seq_axis 0: SBNH [capacity, batch, ...] (Note [CacheUpdate SBNH])
+    if rank is None:
+        _position(ctx, label, op, pname, pos, cache, cname, batch_axis)
+        return [cache]
     axis = seq_axis + rank if seq_axis < 0 else seq_axis
-    if not 1 <= axis < rank:
+    if not 1 <= axis < rank and seq_axis != 0:
         ctx.error("op-input", label, f"{op} node '{label}': seq_axis={seq_axis} resolves to axis {axis} of a "
-                  f"rank-{rank} cache; the sequence axis must be in [1, {rank - 1}] (-2 for BNSH, 1 for BSNH)")
+                  f"rank-{rank} cache; the sequence axis must be 0 (SBNH) or in [1, {rank - 1}] (-2 for BNSH, "
+                  f"1 for BSNH)")
         return [cache]
     if cache.rank is not None and values.rank is not None:
         if values.rank != cache.rank:
@@ -126,11 +128,15 @@ def cache_update(ctx, node, label, ins):
     if isinstance(n, int) and n < 1:
         ctx.error("op-input", label, f"{op} node '{label}': input '{vname}' {list_dims(values.shape)} holds {n} "
                   f"tokens along the sequence axis {axis}; n must be >= 1")
-    _position(ctx, label, op, pname, pos, cache, cname)
+    _position(ctx, label, op, pname, pos, cache, cname, batch_axis)
     cache = ctx.type_of(cname)
     cap = cache.shape[axis] if cache.shape is not None else None
     ctx.check_capacity(label, op, pname, n, cap, f"'{cname}'", "position")
     return [cache]
+
+
+LAYOUT_DOC = {1: "[batch, capacity, kv_heads, head_size]", 2: "[batch, kv_heads, capacity, head_size]",
+              0: "[capacity, batch, kv_heads, head_size]"}
 
 
 def cache_attention(ctx, node, label, ins):
@@ -147,7 +153,9 @@ def cache_attention(ctx, node, label, ins):
         ctx.error("op-input", label, f"{op} node '{label}': num_heads={hq} must be a positive multiple of "
                   f"kv_num_heads={hkv} with at most {max_group} query heads per KV head (the kernel's limit)")
         return [q]
-    cache_axis = 1 if seq_axis == 1 else 2  # seq_axis -2 is axis 2 of the rank-4 cache
+    # seq_axis -2 is axis 2 of the rank-4 cache; 0 is SBNH [capacity, batch, kv_heads, head_size]
+    cache_axis = {1: 1, 0: 0}.get(seq_axis, 2)
+    batch_axis = 1 if seq_axis == 0 else 0
     if q.rank is not None and q.rank != 3:
         ctx.error("op-input", label, f"{op} node '{label}': query '{qn}' {list_dims(q.shape)} must be "
                   f"[batch, tokens, num_heads * head_size]")
@@ -155,17 +163,17 @@ def cache_attention(ctx, node, label, ins):
     for name, t in ((kn, k), (vn, v)):
         if t.rank is not None and t.rank != 4:
             ctx.error("op-input", label, f"{op} node '{label}': cache '{name}' {list_dims(t.shape)} must have rank 4 "
-                      f"({'[batch, capacity, kv_heads, head_size]' if cache_axis == 1 else '[batch, kv_heads, capacity, head_size]'})")
+                      f"({LAYOUT_DOC[cache_axis]})")
             return [q]
-    for name, t in ((qn, q), (kn, k), (vn, v)):
+    for name, t in ((qn, q), (kn, k), (vn, v)):  # the rules follow the CPU kernel (float16 / bfloat16: CUDA only)
         if t.elem is not None and t.elem != TensorProto.FLOAT:
             ctx.error("op-input", label, f"{op} node '{label}': {'query' if name == qn else 'cache'} '{name}' is "
                       f"{elem_name(t.elem)}; the CPU kernel takes float32 query, key and value")
     for i in range(4):
         _meet_dim(ctx, label, op, vn, v, i, kn, k, i, "the key and value caches share one layout")
-    head_axis = 2 if cache_axis == 1 else 1
+    head_axis = 1 if cache_axis == 2 else 2
     _meet_value(ctx, label, op, kn, k, head_axis, hkv, f"kv_num_heads={hkv}")
-    _meet_dim(ctx, label, op, qn, q, 0, kn, k, 0, "batch")
+    _meet_dim(ctx, label, op, qn, q, 0, kn, k, batch_axis, "batch")
     k = ctx.type_of(kn)
     if k.shape is not None and isinstance(k.shape[3], int):
         _meet_value(ctx, label, op, qn, q, 2, hq * k.shape[3], f"num_heads={hq} x head_size={k.shape[3]}")
