@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import _ortkv
-from .errors import CapacityError, OrtkvError
+from .errors import CapacityError, OrtkvError, from_native
 from .reference.codecs import KEYS_PER_CHANNEL, PageFormat, check_shape, layout
 from .vmm import Arena, Governor
 
@@ -94,8 +94,12 @@ def _native_requantize(pool_array, src_offset, src_format, dst_offset, dst_forma
     if fn is None:
         raise OrtkvError("PagePool.requantize: this build of ortkv has no _ortkv.paged_requantize (the paged "
                          "cache kernels are not in it); rebuild ortkv from a tree that has them")
-    fn(pool_array, src_offset, src_format, dst_offset, dst_format, num_layers, kv_heads, page_size, head_size,
-       logical)
+    try:
+        fn(pool_array, src_offset, src_format, dst_offset, dst_format, num_layers, kv_heads, page_size, head_size,
+           logical)
+    except (RuntimeError, ValueError) as exc:
+        typed = from_native(exc)
+        raise (typed if typed is not exc else OrtkvError(str(exc))) from None
 
 
 @dataclass
@@ -252,7 +256,7 @@ class PagePool:
         dst_offset = self.slabs[dst[0]].slot_offset(dst[1])
         try:
             _native_requantize(self.pool, self.offset_of(page), int(src_fmt), dst_offset, int(fmt), self.num_layers,
-                               self.kv_heads, self.page_size, self.head_size, _ONNX_LOGICAL[self.logical])
+                               self.kv_heads, self.page_size, self.head_size, self.logical)
         except BaseException:
             heapq.heappush(self.slabs[dst[0]].free, dst[1])
             raise
