@@ -11,6 +11,7 @@
 #include "arena.h"
 #include "codecs.h"
 #include "ortkv/core.h"
+#include "ortkv/paged.h"
 
 namespace py = pybind11;
 using ortkv::vmm::Arena;
@@ -142,6 +143,39 @@ PYBIND11_MODULE(_ortkv, m) {
              return sharer;
            },
            py::arg("nbytes"));
+
+  m.def(
+      "paged_requantize",
+      [](py::array pool, uint64_t src_offset, int32_t src_format, uint64_t dst_offset, int32_t dst_format,
+         int32_t num_layers, int32_t kv_heads, int32_t page_size, int32_t head_size, const std::string& logical) {
+        // the pool is written in place: refuse anything pybind11 would convert into a copy
+        if (!py::isinstance<py::array_t<uint8_t>>(pool) || pool.ndim() != 1 ||
+            !(pool.flags() & py::array::c_style) || !pool.writeable()) {
+          throw py::value_error("[ortkv:E_INPUT] paged_requantize: pool must be a writable, contiguous uint8 array "
+                                "[pool_bytes] (the page pool's bytes, changed in place); got dtype " +
+                                std::string(py::str(pool.dtype())) + " of rank " + std::to_string(pool.ndim()));
+        }
+        int32_t type = 0;
+        if (logical == "float32") type = ortkv::kFloat32;
+        else if (logical == "float16") type = ortkv::kFloat16;
+        else if (logical == "bfloat16") type = ortkv::kBFloat16;
+        else throw py::value_error("[ortkv:E_INPUT] paged_requantize: logical must be 'float32', 'float16' or "
+                                   "'bfloat16', got '" + logical + "'");
+        uint8_t* base = static_cast<uint8_t*>(pool.mutable_data());
+        const uint64_t nbytes = static_cast<uint64_t>(pool.shape(0));
+        ortkv::Status s;
+        {
+          py::gil_scoped_release nogil;
+          s = ortkv::PagedRequantize(base, nbytes, src_offset, src_format, dst_offset, dst_format, num_layers,
+                                     ortkv::codecs::PageShape{kv_heads, page_size, head_size}, type);
+        }
+        Check(s);
+      },
+      py::arg("pool"), py::arg("src_offset"), py::arg("src_format"), py::arg("dst_offset"), py::arg("dst_format"),
+      py::arg("num_layers"), py::arg("kv_heads"), py::arg("page_size"), py::arg("head_size"), py::arg("logical"),
+      "Requantize one page slot (num_layers codec pages) of the pool from src_format at src_offset into "
+      "dst_format at dst_offset: DecodePage, rounding to the logical type, EncodePage, every layer. Checks "
+      "everything first; on failure (non-finite or unrepresentable values, bad offsets) nothing is written.");
 
   // Test hooks, kept out of the public surface: only the test suite imports ortkv._ortkv._testing.
   py::module_ testing = m.def_submodule("_testing", "ortkv test hooks (not a public API)");

@@ -1,0 +1,158 @@
+// PagedCacheUpdate and PagedCacheAttention: framework-free description and CPU kernels.
+//
+// Note [Paged cache physical form]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// ORT cannot bind a sequence of differently typed tensors, so the paged cache is three plain tensors,
+// all bound in place (the same buffers every run):
+//   * pool       uint8 [pool_bytes]: every page's bytes (host or CUDA memory; in ortkv.paged a view of a
+//                VMM arena in which each format has its own slab that grows by committing granules).
+//   * directory  int64 [num_pages, 2] = (format code, byte offset of the page's slot in pool).
+//   * page_table int32 [batch, max_pages_per_seq] of page ids, -1 = none.
+// A page id names one logical page of page_size tokens for ALL layers (vLLM's block table, shared by
+// every layer); its slot holds num_layers codec pages of its one format back to back, so layer l of
+// page p starts at directory[p, 1] + l * LayoutOf(directory[p, 0], shape).page_bytes (Note [Page
+// formats] for a codec page's bytes). Sequence b's token t lives in page page_table[b, t / page_size],
+// row t % page_size. The host owns directory and page_table; the ops only read them.
+//
+// Note [PagedCacheUpdate validation]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Nothing is written unless everything is valid, so the plan checks, before the first byte:
+//   * shapes, element types and attributes;
+//   * per row b: position_b >= 0 and position_b + T <= max_pages * page_size (E_CAPACITY);
+//   * every page the T tokens touch: page id present (not -1) and < num_pages; its directory entry's
+//     format is a page format the head size allows; its slot [offset, offset + num_layers *
+//     page_bytes) lies inside the pool;
+//   * no *_KC page receives keys (those pages are written whole by paged_requantize; the page being
+//     filled stays F16/BF16);
+//   * no (page, row) written twice in one call (two sequences sharing a page both writing it);
+//   * every row of a scaled format has a finite scale (no inf / NaN; scale and minimum fit float16):
+//     RowScales for every row first, then the encode pass, which then cannot fail;
+//   * no written page layer overlaps a write-protected or uncommitted range (checked by the adapter).
+// The update never allocates and never touches bytes other than the T rows (payload and per-row
+// scales) of each (row b, KV head) in this call's layer.
+//
+// Note [PagedCacheAttention CPU]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// The structure of CacheAttention's CPU kernel (Note [CacheAttention CPU split-K]): one unit is a (row,
+// KV head, query token) serving the group's G query heads, keys in blocks with an online softmax,
+// split-K when units are too few for the threads. A block never crosses a page: a task walks its key
+// range page by page and, inside a page, in runs of at most kAttnBlockKeys rows; each run's K and V
+// rows are decoded by the page's own format (PageView::DecodeRow, or a vectorized twin giving the same
+// floats for F16 / BF16 / INT8) into a per-thread buffer of kAttnBlockKeys x head_size floats per K
+// and V (32 KiB at head_size 64: L1/L2), and the dense block kernel runs over that buffer. Nothing the
+// size of the cache is ever materialized; rows past a sequence's valid length are never read.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "codecs.h"
+#include "ortkv/cache_update.h"
+#include "ortkv/status.h"
+
+namespace ortkv {
+
+// The attributes shared by both paged ops.
+struct PagedAttrs {
+  int64_t layer = 0;
+  int64_t num_layers = 0;
+  int64_t kv_num_heads = 0;
+  int64_t page_size = 0;
+};
+
+// What both ops resolve: the pool, the directory, the page table, and the layer's page bytes per format.
+struct PagedPool {
+  uint8_t* pool = nullptr;
+  uint64_t pool_bytes = 0;
+  const int64_t* directory = nullptr;  // [num_pages, 2]
+  int64_t num_pages = 0;
+  const int32_t* page_table = nullptr;  // [B, max_pages]
+  int64_t max_pages = 0;
+  int64_t layer = 0, num_layers = 0;
+  codecs::PageShape shape;                                    // kv_heads, page_size, head_size
+  codecs::PageLayout layouts[codecs::kNumPageFormats];         // per format, for this shape
+
+  // Page `id` (validated) of this layer.
+  codecs::PageView Page(int64_t id) const {
+    const auto f = static_cast<codecs::PageFormat>(directory[2 * id]);
+    codecs::PageView v;
+    v.base = pool + directory[2 * id + 1] + static_cast<uint64_t>(layer) * layouts[static_cast<int>(f)].page_bytes;
+    v.format = f;
+    v.shape = shape;
+    v.layout = layouts[static_cast<int>(f)];
+    return v;
+  }
+  int32_t PageId(int64_t b, int64_t t) const { return page_table[b * max_pages + t / shape.page_size]; }
+};
+
+// Checks page `id` for use by row b (its slot inside the pool, a valid format for the head size);
+// `what` names the op node; `table` the page table's name. Status kInvalidArgument on failure.
+Status CheckPage(const std::string& node, const PagedPool& p, const std::string& pool_name,
+                 const std::string& dir_name, const std::string& table_name, int64_t b, int64_t page_index,
+                 int64_t needed_tokens);
+
+struct PagedUpdateView {
+  PagedPool p;
+  const void* key = nullptr;    // [B, T, Hkv * D] of elem_type
+  const void* value = nullptr;
+  int32_t elem_type = 0;        // kFloat32, kFloat16 or kBFloat16
+  const int64_t* positions = nullptr;
+  int64_t position_stride = 0;
+  int64_t B = 0, T = 0;
+  int64_t position(int64_t b) const { return positions[b * position_stride]; }
+  int64_t units() const { return B * T; }  // one unit: one token of one row (all KV heads, K and V)
+};
+
+// Validates everything (Note [PagedCacheUpdate validation]) except write protection and fills `view`.
+Status PlanPagedCacheUpdate(const std::string& node, const TensorArg& pool, const TensorArg& directory,
+                            const TensorArg& page_table, const TensorArg& key, const TensorArg& value,
+                            const TensorArg& position, const PagedAttrs& attrs, PagedUpdateView* view);
+
+// [first, last) bytes of the page layer written for unit u's token (for the write-protection check).
+void PagedUpdateUnitSpan(const PagedUpdateView& view, int64_t unit, uintptr_t* first, uintptr_t* last);
+
+// CPU: encodes units [begin, end) (after a successful plan it cannot fail).
+void PagedCacheUpdateCpu(const PagedUpdateView& view, int64_t begin, int64_t end);
+
+struct PagedAttentionView {
+  PagedPool p;
+  const void* q = nullptr;  // [B, T, Hq * D] of elem_type
+  void* out = nullptr;      // same
+  int32_t elem_type = 0;
+  const int64_t* start = nullptr;
+  int64_t start_stride = 0;
+  int64_t B = 0, T = 0, Hq = 0, Hkv = 0, D = 0;
+  float scale = 1.0f;
+  int64_t splits = 1;
+  float* partial = nullptr;  // splits > 1: partial_floats() floats, owned by the caller
+  float* out_f32 = nullptr;  // splits > 1 and elem_type != float32: B*T*Hq*D floats, owned by the caller
+
+  int64_t units() const { return B * Hkv * T; }
+  int64_t tasks() const { return units() * splits; }
+  int64_t group() const { return Hq / Hkv; }
+  int64_t partial_floats() const { return splits > 1 ? tasks() * group() * (D + 2) : 0; }
+  // scores, scaled q, acc, m, l, then the decoded K and V block
+  int64_t scratch_floats() const;
+};
+
+Status PlanPagedCacheAttention(const std::string& node, const TensorArg& q, const TensorArg& pool,
+                               const TensorArg& directory, const TensorArg& page_table, const TensorArg& start,
+                               int64_t num_heads, const PagedAttrs& attrs, float scale, void* out,
+                               PagedAttentionView* view);
+
+// CPU: tasks [begin, end); `scratch` holds view.scratch_floats() floats (per thread, 64-byte aligned).
+void PagedCacheAttentionCpu(const PagedAttentionView& view, int64_t begin, int64_t end, float* scratch);
+
+// After every task: merges split-K partials and writes the output (no-op when splits == 1).
+void PagedCacheAttentionCombine(const PagedAttentionView& view);
+
+// DecodePage + EncodePage of one slot, every layer (the pool manager's format change). Everything is
+// checked (both slots inside the pool and disjoint, formats, shape, every row of every layer
+// encodable) before any byte of the destination is written; on failure nothing is written.
+// `logical` is the logical element type (kFloat32, kFloat16, kBFloat16): decoded values are rounded
+// to it before encoding, as a kernel fed values of that type would see them.
+Status PagedRequantize(uint8_t* pool, uint64_t pool_bytes, uint64_t src_offset, int32_t src_format,
+                       uint64_t dst_offset, int32_t dst_format, int32_t num_layers, codecs::PageShape shape,
+                       int32_t logical);
+
+}  // namespace ortkv

@@ -1,0 +1,391 @@
+// CPU PagedCacheAttention (Note [PagedCacheAttention CPU] in ortkv/paged.h): CacheAttention's kernel
+// (Note [CacheAttention CPU split-K]) over keys gathered block by block from each sequence's pages,
+// each page decoded by its own format into a per-thread L1/L2 buffer.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <sstream>
+
+#include "ortkv/cache_attention.h"
+#include "ortkv/paged.h"
+#include "paged_common.h"
+
+#define ORTKV_INLINE inline __attribute__((always_inline))
+#pragma GCC diagnostic ignored "-Wpsabi"
+
+namespace ortkv {
+namespace {
+
+using codecs::PageFormat;
+using codecs::PageView;
+
+// ---- the dense block kernel -------------------------------------------------------------------------
+// The same arithmetic as cache_attention.cc's (Note [CacheAttention vectors], Note [CacheAttention
+// score transpose]); a copy, not a shared header, because that file's helpers live in its anonymous
+// namespace and are tuned with its loop. Keep the two in step.
+typedef float V16 __attribute__((vector_size(64)));
+typedef float V16u __attribute__((vector_size(64), may_alias, aligned(4)));
+typedef float V8 __attribute__((vector_size(32)));
+typedef float V4 __attribute__((vector_size(16)));
+typedef int32_t V16i __attribute__((vector_size(64)));
+
+ORTKV_INLINE V16 Load(const float* p) { return *reinterpret_cast<const V16u*>(p); }
+ORTKV_INLINE void Store(float* p, V16 x) { *reinterpret_cast<V16u*>(p) = x; }
+ORTKV_INLINE float Sum(V16 x) {
+  const V8 a = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7) +
+               __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
+  const V4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+ORTKV_INLINE V16 Half(V16 a, V16 b) {
+  return __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+         __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+}
+ORTKV_INLINE V16 Quarter(V16 a, V16 b) {
+  return __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+         __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+}
+ORTKV_INLINE V16 Eighth(V16 a, V16 b) {
+  return __builtin_shufflevector(a, b, 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+         __builtin_shufflevector(a, b, 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+}
+ORTKV_INLINE V16 Sixteenth(V16 a, V16 b) {
+  return __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+ORTKV_INLINE V16 Sum16(const V16* x) {
+  V16 h[8], q[4], e[2];
+  for (int i = 0; i < 8; ++i) h[i] = Half(x[2 * i], x[2 * i + 1]);
+  for (int i = 0; i < 4; ++i) q[i] = Quarter(h[2 * i], h[2 * i + 1]);
+  for (int i = 0; i < 2; ++i) e[i] = Eighth(q[2 * i], q[2 * i + 1]);
+  return Sixteenth(e[0], e[1]);
+}
+ORTKV_INLINE V16 ExpNonPositive(V16 x) {
+  const V16 lo = V16{} - 87.0f, magic = V16{} + 12582912.0f;
+  x = x < lo ? lo : x;
+  const V16 t = x * 1.44269504088896341f;
+  const V16 f = t + magic;
+  const V16 r = t - (f - magic);
+  V16 p = V16{} + 1.54035303933816e-4f;
+  p = p * r + 1.33335581464284e-3f;
+  p = p * r + 9.61812910762848e-3f;
+  p = p * r + 5.55041086648216e-2f;
+  p = p * r + 2.40226506959101e-1f;
+  p = p * r + 6.93147180559945e-1f;
+  p = p * r + 1.0f;
+  const V16i bits = ((reinterpret_cast<const V16i&>(f) - reinterpret_cast<const V16i&>(magic)) + 127) << 23;
+  return p * reinterpret_cast<const V16&>(bits);
+}
+
+struct State {
+  const float* qs;
+  float* sc;
+  float* acc;
+  float* m;
+  float* l;
+};
+
+ORTKV_INLINE float Softmax(const State& s, int64_t g, int64_t n) {
+  constexpr int64_t KB = kAttnBlockKeys;
+  float* sc = s.sc + g * KB;
+  const float inf = std::numeric_limits<float>::infinity();
+  for (int64_t j = n; j < KB; ++j) sc[j] = -inf;
+  V16 mv = Load(sc);
+  for (int64_t j = 16; j < KB; j += 16) {
+    const V16 x = Load(sc + j);
+    mv = mv > x ? mv : x;
+  }
+  float bmax = mv[0];
+  for (int i = 1; i < 16; ++i) bmax = std::max(bmax, mv[i]);
+  const float mnew = std::max(s.m[g], bmax);
+  const float alpha = std::exp(s.m[g] - mnew);
+  V16 sv = V16{};
+  const V16i lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  for (int64_t j = 0; j < KB; j += 16) {
+    const V16 e = ExpNonPositive(Load(sc + j) - mnew);
+    const V16 p = lane + static_cast<int32_t>(j) < static_cast<int32_t>(n) ? e : V16{};
+    Store(sc + j, p);
+    sv += p;
+  }
+  s.l[g] = s.l[g] * alpha + Sum(sv);
+  s.m[g] = mnew;
+  return alpha;
+}
+
+// One block of n keys, rows k, v of D = DV * 16 floats (stride D: the decoded buffer).
+template <int DV>
+ORTKV_INLINE void BlockVec(const State& s, int64_t G, const float* k, const float* v, int64_t n) {
+  constexpr int D = DV * 16;
+  for (int64_t g = 0; g < G; ++g) {
+    V16 qv[DV];
+    for (int i = 0; i < DV; ++i) qv[i] = Load(s.qs + g * D + 16 * i);
+    float* sc = s.sc + g * kAttnBlockKeys;
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16) {
+      V16 a[16];
+      for (int x = 0; x < 16; ++x) {
+        const float* kj = k + (j + x) * D;
+        a[x] = qv[0] * Load(kj);
+        for (int i = 1; i < DV; ++i) a[x] += qv[i] * Load(kj + 16 * i);
+      }
+      Store(sc + j, Sum16(a));
+    }
+    for (; j < n; ++j) {
+      const float* kj = k + j * D;
+      V16 a = qv[0] * Load(kj);
+      for (int i = 1; i < DV; ++i) a += qv[i] * Load(kj + 16 * i);
+      sc[j] = Sum(a);
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    const float alpha = Softmax(s, g, n);
+    const float* p = s.sc + g * kAttnBlockKeys;
+    V16 av[DV], bv[DV];
+    for (int i = 0; i < DV; ++i) av[i] = Load(s.acc + g * D + 16 * i) * alpha, bv[i] = V16{};
+    int64_t j = 0;
+    for (; j + 2 <= n; j += 2) {
+      const float* vj = v + j * D;
+      for (int i = 0; i < DV; ++i) {
+        av[i] += p[j] * Load(vj + 16 * i);
+        bv[i] += p[j + 1] * Load(vj + D + 16 * i);
+      }
+    }
+    if (j < n)
+      for (int i = 0; i < DV; ++i) av[i] += p[j] * Load(v + j * D + 16 * i);
+    for (int i = 0; i < DV; ++i) Store(s.acc + g * D + 16 * i, av[i] + bv[i]);
+  }
+}
+
+ORTKV_INLINE void BlockAny(const State& s, int64_t G, int64_t D, const float* k, const float* v, int64_t n) {
+  for (int64_t g = 0; g < G; ++g) {
+    const float* qg = s.qs + g * D;
+    float* sc = s.sc + g * kAttnBlockKeys;
+    for (int64_t j = 0; j < n; ++j) {
+      const float* kj = k + j * D;
+      float t = 0;
+      for (int64_t d = 0; d < D; ++d) t += qg[d] * kj[d];
+      sc[j] = t;
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    const float alpha = Softmax(s, g, n);
+    const float* p = s.sc + g * kAttnBlockKeys;
+    float* ag = s.acc + g * D;
+    for (int64_t d = 0; d < D; ++d) ag[d] *= alpha;
+    for (int64_t j = 0; j < n; ++j)
+      for (int64_t d = 0; d < D; ++d) ag[d] += p[j] * v[j * D + d];
+  }
+}
+
+// ---- decoding a run of rows of one page -------------------------------------------------------------
+// Rows [r, r + n) of (kv, head) of one page into out [n][D]. F16, BF16 and INT8 have loops the
+// compiler vectorizes (the same floats as PageView::DecodeRow: the conversions are exact, INT8 is one
+// multiply); the other formats decode row by row through PageView::DecodeRow.
+typedef _Float16 F16a __attribute__((may_alias));
+typedef int8_t I8a __attribute__((may_alias));
+
+ORTKV_INLINE void DecodeRun(const PageView& pg, int kv, int32_t head, int32_t r, int64_t n, int64_t D, float* out) {
+  const uint8_t* payload = pg.PayloadRow(kv, head, r);
+  switch (pg.format) {
+    case PageFormat::kF16: {
+      const F16a* h = reinterpret_cast<const F16a*>(payload);
+      for (int64_t i = 0; i < n * D; ++i) out[i] = static_cast<float>(h[i]);
+      return;
+    }
+    case PageFormat::kBF16: {
+      const uint16_t* h = reinterpret_cast<const uint16_t*>(payload);
+      uint32_t* o = reinterpret_cast<uint32_t*>(out);
+      for (int64_t i = 0; i < n * D; ++i) o[i] = static_cast<uint32_t>(h[i]) << 16;
+      return;
+    }
+    case PageFormat::kInt8: {
+      const uint16_t* sc = pg.ScaleRow(kv, head, r);
+      const I8a* q = reinterpret_cast<const I8a*>(payload);
+      for (int64_t i = 0; i < n; ++i) {
+        const float s = codecs::F16BitsToF32(sc[i]);
+        for (int64_t c = 0; c < D; ++c) out[i * D + c] = static_cast<float>(q[i * D + c]) * s;
+      }
+      return;
+    }
+    default:
+      for (int64_t i = 0; i < n; ++i) pg.DecodeRow(kv, head, r + static_cast<int32_t>(i), out + i * D);
+  }
+}
+
+// Keys [j0, j1) of (row b, KV head hk) in blocks of at most kAttnBlockKeys, each gathered from as many
+// pages as it spans. DV == 0: any head size.
+template <int DV>
+ORTKV_INLINE void Keys(const PagedAttentionView& a, const State& s, int64_t b, int64_t hk, int64_t j0, int64_t j1,
+                       float* kbuf, float* vbuf) {
+  const int64_t G = a.group(), D = a.D, ps = a.p.shape.page_size;
+  for (int64_t j = j0; j < j1;) {
+    int64_t n = 0;
+    while (n < kAttnBlockKeys && j + n < j1) {
+      const int64_t tok = j + n, r = tok % ps;
+      const int64_t cnt = std::min(std::min(ps - r, kAttnBlockKeys - n), j1 - tok);
+      const PageView pg = a.p.Page(a.p.PageId(b, tok));
+      DecodeRun(pg, 0, static_cast<int32_t>(hk), static_cast<int32_t>(r), cnt, D, kbuf + n * D);
+      DecodeRun(pg, 1, static_cast<int32_t>(hk), static_cast<int32_t>(r), cnt, D, vbuf + n * D);
+      n += cnt;
+    }
+    if constexpr (DV == 0) {
+      BlockAny(s, G, D, kbuf, vbuf, n);
+    } else {
+      BlockVec<DV>(s, G, kbuf, vbuf, n);
+    }
+    j += n;
+  }
+}
+
+__attribute__((target_clones("avx512f", "arch=haswell", "default"))) void RunTask(const PagedAttentionView& a,
+                                                                                  int64_t task, float* scratch) {
+  const int64_t G = a.group(), D = a.D, S = a.splits, KB = kAttnBlockKeys;
+  const int64_t unit = task / S, split = task % S;
+  const int64_t t = unit % a.T;
+  const int64_t hk = (unit / a.T) % a.Hkv;
+  const int64_t b = unit / (a.T * a.Hkv);
+  const int64_t L = a.start[b * a.start_stride] + t + 1;  // keys [0, start + t]
+  const int64_t chunk = (L + S - 1) / S;
+  const int64_t j0 = std::min(L, split * chunk), j1 = std::min(L, j0 + chunk);
+  const int64_t qi = (b * a.T + t) * a.Hq * D + hk * G * D;  // the group's G query heads
+  float* qs = scratch + G * KB;
+  float* own = qs + G * D;  // acc, m, l when splits == 1
+  float* kbuf = own + G * (D + 2);
+  float* vbuf = kbuf + KB * D;
+  float* acc = S > 1 ? a.partial + task * G * (D + 2) : own;
+  State s{qs, scratch, acc, acc + G * D, acc + G * D + G};
+  paged::LoadRow(a.elem_type, a.q, qi, G * D, qs);
+  for (int64_t i = 0; i < G * D; ++i) qs[i] *= a.scale;
+  std::fill(acc, acc + G * D, 0.0f);
+  std::fill(s.m, s.m + G, -std::numeric_limits<float>::infinity());
+  std::fill(s.l, s.l + G, 0.0f);
+  switch (D) {
+    case 16: Keys<1>(a, s, b, hk, j0, j1, kbuf, vbuf); break;
+    case 32: Keys<2>(a, s, b, hk, j0, j1, kbuf, vbuf); break;
+    case 48: Keys<3>(a, s, b, hk, j0, j1, kbuf, vbuf); break;
+    case 64: Keys<4>(a, s, b, hk, j0, j1, kbuf, vbuf); break;
+    case 80: Keys<5>(a, s, b, hk, j0, j1, kbuf, vbuf); break;
+    case 96: Keys<6>(a, s, b, hk, j0, j1, kbuf, vbuf); break;
+    case 128: Keys<8>(a, s, b, hk, j0, j1, kbuf, vbuf); break;
+    case 256: Keys<16>(a, s, b, hk, j0, j1, kbuf, vbuf); break;
+    default: Keys<0>(a, s, b, hk, j0, j1, kbuf, vbuf);
+  }
+  if (S > 1) return;
+  for (int64_t g = 0; g < G; ++g) {
+    const float inv = 1.0f / s.l[g];
+    for (int64_t d = 0; d < D; ++d) acc[g * D + d] *= inv;
+  }
+  paged::StoreRow(a.elem_type, a.out, qi, G * D, acc);
+}
+
+}  // namespace
+
+int64_t PagedAttentionView::scratch_floats() const {
+  return group() * (kAttnBlockKeys + 2 * D + 2) + 2 * kAttnBlockKeys * D;
+}
+
+Status PlanPagedCacheAttention(const std::string& node, const TensorArg& q, const TensorArg& pool,
+                               const TensorArg& directory, const TensorArg& page_table, const TensorArg& start,
+                               int64_t num_heads, const PagedAttrs& attrs, float scale, void* out,
+                               PagedAttentionView* view) {
+  const std::string op = "PagedCacheAttention";
+  std::ostringstream m;
+  if (q.elem_type != kFloat32 && q.elem_type != kFloat16 && q.elem_type != kBFloat16) {
+    m << "query '" << q.name << "' must be float32, float16 or bfloat16 (got " << ElemTypeName(q.elem_type) << ")";
+    return paged::Bad(op, node, m.str());
+  }
+  if (q.dims.size() != 3) {
+    m << "query '" << q.name << "' must be [batch, tokens, num_heads * head_size]; got rank " << q.dims.size();
+    return paged::Bad(op, node, m.str());
+  }
+  const int64_t kv = attrs.kv_num_heads;
+  if (num_heads <= 0 || kv <= 0 || num_heads % kv != 0 || num_heads / kv > 64) {
+    m << "num_heads " << num_heads << " must be a positive multiple of kv_num_heads " << kv
+      << " (at most 64 query heads per KV head)";
+    return paged::Bad(op, node, m.str());
+  }
+  const int64_t B = q.dims[0], T = q.dims[1], W = q.dims[2];
+  if (W <= 0 || W % num_heads != 0) {
+    m << "query '" << q.name << "' width " << W << " must be num_heads (" << num_heads << ") * head_size";
+    return paged::Bad(op, node, m.str());
+  }
+  const int64_t D = W / num_heads;
+  PagedPool& p = view->p;
+  ORTKV_RETURN_IF_ERR(paged::ResolvePool(op, node, pool, directory, page_table, attrs, B, D, &p));
+  if (start.elem_type != kInt64 || start.dims.size() > 1 || (start.dims.size() == 1 && start.dims[0] != B)) {
+    m << "start '" << start.name << "' must be an int64 scalar or a vector of " << B << " start positions";
+    return paged::Bad(op, node, m.str());
+  }
+  const int64_t stride = start.dims.size() == 1 ? 1 : 0;
+  const int64_t* st = static_cast<const int64_t*>(start.data);
+  const int64_t ps = attrs.page_size, cap = p.max_pages * ps;
+  const std::string where = op + " node '" + node + "'";
+  int64_t max_keys = 0;
+  for (int64_t b = 0; b < B && T > 0; ++b) {
+    const int64_t s = st[b * stride];
+    if (s < 0) {
+      m << "start " << s << " for row " << b << " of '" << start.name << "' is negative";
+      return paged::Bad(op, node, m.str());
+    }
+    if (s > cap - T) {
+      m << where << ": row " << b << ": start " << s << " + tokens " << T << " = " << s + T
+        << " exceeds the page table's capacity of " << p.max_pages << " pages x " << ps << " tokens = " << cap << " ('"
+        << page_table.name << "')";
+      return Status(Code::kCapacity, m.str());
+    }
+    for (int64_t pi = 0; pi * ps < s + T; ++pi)
+      ORTKV_RETURN_IF_ERR(CheckPage(where, p, pool.name, directory.name, page_table.name, b, pi, s + T));
+    max_keys = std::max(max_keys, s + T);
+  }
+  view->q = q.data;
+  view->out = out;
+  view->elem_type = q.elem_type;
+  view->start = st;
+  view->start_stride = stride;
+  view->B = B;
+  view->T = T;
+  view->Hq = num_heads;
+  view->Hkv = kv;
+  view->D = D;
+  view->scale = scale > 0 ? scale : 1.0f / std::sqrt(static_cast<float>(D));
+  const int64_t units = view->units();
+  view->splits = 1;
+  if (units > 0 && units < kAttnTargetTasks)
+    view->splits = std::max<int64_t>(1, std::min((kAttnTargetTasks + units - 1) / units, max_keys / kAttnMinSplitKeys));
+  view->partial = nullptr;
+  return Status::Ok();
+}
+
+void PagedCacheAttentionCpu(const PagedAttentionView& a, int64_t begin, int64_t end, float* scratch) {
+  for (int64_t task = begin; task < end; ++task) RunTask(a, task, scratch);
+}
+
+void PagedCacheAttentionCombine(const PagedAttentionView& a) {
+  const int64_t S = a.splits, G = a.group(), D = a.D, P = G * (D + 2);
+  if (S <= 1) return;
+  std::vector<float> og(static_cast<size_t>(G * D));
+  for (int64_t unit = 0; unit < a.units(); ++unit) {
+    const int64_t t = unit % a.T, hk = (unit / a.T) % a.Hkv, b = unit / (a.T * a.Hkv);
+    const float* part = a.partial + unit * S * P;
+    for (int64_t g = 0; g < G; ++g) {
+      float mx = -std::numeric_limits<float>::infinity();
+      for (int64_t c = 0; c < S; ++c) mx = std::max(mx, part[c * P + G * D + g]);
+      float den = 0;
+      float* o = og.data() + g * D;
+      std::fill(o, o + D, 0.0f);
+      for (int64_t c = 0; c < S; ++c) {
+        const float* pc = part + c * P;
+        const float w = std::exp(pc[G * D + g] - mx);
+        if (w == 0.0f) continue;
+        den += w * pc[G * D + G + g];
+        for (int64_t d = 0; d < D; ++d) o[d] += w * pc[g * D + d];
+      }
+      const float inv = 1.0f / den;
+      for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+    }
+    paged::StoreRow(a.elem_type, a.out, (b * a.T + t) * a.Hq * D + hk * G * D, G * D, og.data());
+  }
+}
+
+}  // namespace ortkv

@@ -1,0 +1,270 @@
+// PagedCacheUpdate's plan and CPU kernel, the shared pool checks of both paged ops, and PagedRequantize
+// (Note [Paged cache physical form], Note [PagedCacheUpdate validation] in ortkv/paged.h).
+#include <algorithm>
+#include <cstring>
+#include <sstream>
+#include <vector>
+
+#include "ortkv/paged.h"
+#include "paged_common.h"
+
+namespace ortkv {
+
+using codecs::PageFormat;
+using codecs::PageView;
+using codecs::RowResult;
+
+namespace paged {
+
+Status Bad(const std::string& op, const std::string& node, const std::string& what) {
+  return Status(Code::kInvalidArgument, op + " node '" + node + "': " + what);
+}
+
+float ToFloat(int32_t elem, const void* base, int64_t i) {
+  if (elem == kFloat32) return static_cast<const float*>(base)[i];
+  const uint16_t h = static_cast<const uint16_t*>(base)[i];
+  return elem == kFloat16 ? codecs::F16BitsToF32(h) : codecs::BF16BitsToF32(h);
+}
+
+void LoadRow(int32_t elem, const void* base, int64_t first, int64_t n, float* out) {
+  if (elem == kFloat32) {
+    memcpy(out, static_cast<const float*>(base) + first, n * sizeof(float));
+    return;
+  }
+  const uint16_t* h = static_cast<const uint16_t*>(base) + first;
+  if (elem == kFloat16) {
+    for (int64_t i = 0; i < n; ++i) out[i] = codecs::F16BitsToF32(h[i]);
+  } else {
+    for (int64_t i = 0; i < n; ++i) out[i] = codecs::BF16BitsToF32(h[i]);
+  }
+}
+
+void StoreRow(int32_t elem, void* base, int64_t first, int64_t n, const float* in) {
+  if (elem == kFloat32) {
+    memcpy(static_cast<float*>(base) + first, in, n * sizeof(float));
+    return;
+  }
+  uint16_t* h = static_cast<uint16_t*>(base) + first;
+  if (elem == kFloat16) {
+    for (int64_t i = 0; i < n; ++i) h[i] = codecs::F32ToF16Bits(in[i]);
+  } else {
+    for (int64_t i = 0; i < n; ++i) h[i] = codecs::F32ToBF16Bits(in[i]);
+  }
+}
+
+static bool IsLogical(int32_t t) { return t == kFloat32 || t == kFloat16 || t == kBFloat16; }
+
+Status ResolvePool(const std::string& op, const std::string& node, const TensorArg& pool, const TensorArg& directory,
+                   const TensorArg& table, const PagedAttrs& a, int64_t batch, int64_t head_size, PagedPool* p) {
+  std::ostringstream m;
+  if (a.num_layers < 1 || a.layer < 0 || a.layer >= a.num_layers) {
+    m << "attribute layer=" << a.layer << " must be in [0, num_layers=" << a.num_layers
+      << ") (num_layers >= 1: the layers of every page slot)";
+    return Bad(op, node, m.str());
+  }
+  if (a.kv_num_heads < 1 || a.page_size < 1 || a.kv_num_heads > INT32_MAX || a.page_size > INT32_MAX ||
+      head_size < 1 || head_size > INT32_MAX) {
+    m << "attributes kv_num_heads=" << a.kv_num_heads << " and page_size=" << a.page_size
+      << " and the head size " << head_size << " must be positive";
+    return Bad(op, node, m.str());
+  }
+  if (pool.elem_type != 2 /* uint8 */ || pool.dims.size() != 1) {
+    m << "pool '" << pool.name << "' must be a uint8 tensor [pool_bytes] (rank " << pool.dims.size() << ", "
+      << ElemTypeName(pool.elem_type) << " given): bind the page pool's bytes";
+    return Bad(op, node, m.str());
+  }
+  if (directory.elem_type != kInt64 || directory.dims.size() != 2 || directory.dims[1] != 2) {
+    m << "directory '" << directory.name << "' must be int64 [num_pages, 2] = (format, byte offset); got "
+      << ElemTypeName(directory.elem_type) << " of rank " << directory.dims.size();
+    if (directory.dims.size() == 2) m << " with " << directory.dims[1] << " columns";
+    return Bad(op, node, m.str());
+  }
+  if (table.elem_type != 6 /* int32 */ || table.dims.size() != 2 || table.dims[0] != batch) {
+    m << "page table '" << table.name << "' must be int32 [batch=" << batch << ", max_pages]; got "
+      << ElemTypeName(table.elem_type) << " of rank " << table.dims.size();
+    if (table.dims.size() == 2) m << " [" << table.dims[0] << ", " << table.dims[1] << "]";
+    return Bad(op, node, m.str());
+  }
+  p->pool = static_cast<uint8_t*>(const_cast<void*>(pool.data));
+  p->pool_bytes = static_cast<uint64_t>(pool.dims[0]);
+  p->directory = static_cast<const int64_t*>(directory.data);
+  p->num_pages = directory.dims[0];
+  p->page_table = static_cast<const int32_t*>(table.data);
+  p->max_pages = table.dims[1];
+  p->layer = a.layer;
+  p->num_layers = a.num_layers;
+  p->shape = codecs::PageShape{static_cast<int32_t>(a.kv_num_heads), static_cast<int32_t>(a.page_size),
+                               static_cast<int32_t>(head_size)};
+  for (int f = 0; f < codecs::kNumPageFormats; ++f) p->layouts[f] = codecs::LayoutOf(static_cast<PageFormat>(f), p->shape);
+  return Status::Ok();
+}
+
+}  // namespace paged
+
+Status CheckPage(const std::string& node, const PagedPool& p, const std::string& pool_name, const std::string& dir_name,
+                 const std::string& table_name, int64_t b, int64_t page_index, int64_t needed_tokens) {
+  std::ostringstream m;
+  m << node << ": row " << b << " needs page " << page_index << " of its page table '" << table_name << "' (tokens ["
+    << page_index * p.shape.page_size << ", " << (page_index + 1) * p.shape.page_size << "), the row uses "
+    << needed_tokens << " tokens) but ";
+  const int64_t id = p.page_table[b * p.max_pages + page_index];
+  if (id < 0) {
+    m << "the entry is " << id << " (no page). Remedy: allocate the page and write its id into the page table "
+      << "before the run. Nothing was written.";
+    return Status(Code::kInvalidArgument, m.str());
+  }
+  if (id >= p.num_pages) {
+    m << "page id " << id << " is outside the directory '" << dir_name << "' of " << p.num_pages
+      << " pages. Remedy: grow the directory or fix the page table. Nothing was written.";
+    return Status(Code::kInvalidArgument, m.str());
+  }
+  const int64_t fmt = p.directory[2 * id], off = p.directory[2 * id + 1];
+  if (fmt < 0 || fmt >= codecs::kNumPageFormats) {
+    m << "directory '" << dir_name << "' gives page " << id << " format " << fmt
+      << ", not a page format (0 F16, 1 BF16, 2 INT8, 3 FP8_E4M3, 4 INT4, 5 INT2, 6 INT4_KC, 7 INT2_KC). Remedy: "
+      << "fix the directory entry. Nothing was written.";
+    return Status(Code::kInvalidArgument, m.str());
+  }
+  const Status shape = codecs::ValidateShape(static_cast<int32_t>(fmt), p.shape);
+  if (!shape.ok()) {
+    m << "page " << id << ": " << shape.message() << ". Nothing was written.";
+    return Status(Code::kInvalidArgument, m.str());
+  }
+  const uint64_t slot = static_cast<uint64_t>(p.num_layers) * p.layouts[fmt].page_bytes;
+  if (off < 0 || off % codecs::kSectionAlign != 0 || static_cast<uint64_t>(off) > p.pool_bytes ||
+      slot > p.pool_bytes - static_cast<uint64_t>(off)) {
+    m << "directory '" << dir_name << "' places page " << id << " (" << codecs::FormatName(static_cast<PageFormat>(fmt))
+      << ", " << p.num_layers << " layers x " << p.layouts[fmt].page_bytes << " = " << slot << " bytes) at offset "
+      << off << ", which is not a multiple of " << codecs::kSectionAlign << " inside the pool '" << pool_name << "' of "
+      << p.pool_bytes << " bytes. Remedy: fix the directory entry or bind the whole pool. Nothing was written.";
+    return Status(Code::kInvalidArgument, m.str());
+  }
+  return Status::Ok();
+}
+
+Status PlanPagedCacheUpdate(const std::string& node, const TensorArg& pool, const TensorArg& directory,
+                            const TensorArg& page_table, const TensorArg& key, const TensorArg& value,
+                            const TensorArg& position, const PagedAttrs& attrs, PagedUpdateView* view) {
+  const std::string op = "PagedCacheUpdate";
+  std::ostringstream m;
+  if (!paged::IsLogical(key.elem_type) || key.elem_type != value.elem_type) {
+    m << "key '" << key.name << "' and value '" << value.name << "' must both be float32, float16 or bfloat16 (got "
+      << ElemTypeName(key.elem_type) << " and " << ElemTypeName(value.elem_type) << ")";
+    return paged::Bad(op, node, m.str());
+  }
+  if (key.dims.size() != 3 || key.dims != value.dims) {
+    m << "key '" << key.name << "' and value '" << value.name << "' must be equal [batch, tokens, kv_heads * head_size]; "
+      << "got ranks " << key.dims.size() << " and " << value.dims.size();
+    return paged::Bad(op, node, m.str());
+  }
+  const int64_t B = key.dims[0], T = key.dims[1], W = key.dims[2];
+  if (attrs.kv_num_heads < 1 || W % attrs.kv_num_heads != 0 || W == 0) {
+    m << "key '" << key.name << "' width " << W << " must be kv_num_heads (" << attrs.kv_num_heads << ") * head_size";
+    return paged::Bad(op, node, m.str());
+  }
+  PagedPool& p = view->p;
+  ORTKV_RETURN_IF_ERR(paged::ResolvePool(op, node, pool, directory, page_table, attrs, B, W / attrs.kv_num_heads, &p));
+  if (position.elem_type != kInt64 || position.dims.size() > 1 || (position.dims.size() == 1 && position.dims[0] != B)) {
+    m << "position '" << position.name << "' must be an int64 scalar or a vector of " << B << " positions";
+    return paged::Bad(op, node, m.str());
+  }
+  view->key = key.data;
+  view->value = value.data;
+  view->elem_type = key.elem_type;
+  view->positions = static_cast<const int64_t*>(position.data);
+  view->position_stride = position.dims.size() == 1 ? 1 : 0;
+  view->B = B;
+  view->T = T;
+  const int64_t ps = attrs.page_size, cap = p.max_pages * ps;
+  const std::string where = op + " node '" + node + "'";
+  std::vector<int64_t> written;  // page id * page_size + row, to refuse a row written twice
+  written.reserve(static_cast<size_t>(B * T));
+  for (int64_t b = 0; b < B && T > 0; ++b) {
+    const int64_t pos = view->position(b);
+    if (pos < 0) {
+      m << "position " << pos << " for row " << b << " of '" << position.name << "' is negative";
+      return paged::Bad(op, node, m.str());
+    }
+    if (pos > cap - T) {
+      m << where << ": row " << b << ": position " << pos << " + tokens " << T << " = " << pos + T
+        << " exceeds the page table's capacity of " << p.max_pages << " pages x " << ps << " tokens = " << cap
+        << " ('" << page_table.name << "'). Remedy: widen the page table. Nothing was written.";
+      return Status(Code::kCapacity, m.str());
+    }
+    for (int64_t pi = pos / ps; pi <= (pos + T - 1) / ps; ++pi) {
+      ORTKV_RETURN_IF_ERR(CheckPage(where, p, pool.name, directory.name, page_table.name, b, pi, pos + T));
+      const int32_t id = p.page_table[b * p.max_pages + pi];
+      const auto f = static_cast<PageFormat>(p.directory[2 * id]);
+      if (codecs::KeysPerChannel(f)) {
+        m << where << ": row " << b << " writes tokens into page " << id << " (page " << pi << " of '"
+          << page_table.name << "'), a " << codecs::FormatName(f) << " page: its keys are scaled per channel over the "
+          << "whole page, so key rows cannot be written alone. Remedy: fill the page as F16/BF16 and requantize it "
+          << "when full (paged_requantize). Nothing was written.";
+        return Status(Code::kInvalidArgument, m.str());
+      }
+    }
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t tok = pos + t;
+      written.push_back(static_cast<int64_t>(p.PageId(b, tok)) * ps + tok % ps);
+    }
+  }
+  std::vector<int64_t> sorted = written;
+  std::sort(sorted.begin(), sorted.end());
+  const auto dup = std::adjacent_find(sorted.begin(), sorted.end());
+  if (dup != sorted.end()) {
+    int64_t first = -1, second = -1;
+    for (size_t i = 0; i < written.size(); ++i)
+      if (written[i] == *dup) (first < 0 ? first : second) = static_cast<int64_t>(i);
+    m << where << ": rows " << first / T << " and " << second / T << " both write row " << *dup % ps << " of page "
+      << *dup / ps << " (a page shared by two sequences). Remedy: give each writing sequence its own copy of the "
+      << "page (copy on write). Nothing was written.";
+    return Status(Code::kInvalidArgument, m.str());
+  }
+  // every row of a scaled format must encode (Note [PagedCacheUpdate validation])
+  const int64_t D = p.shape.head_size, Hkv = p.shape.kv_heads;
+  std::vector<float> row(static_cast<size_t>(D));
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t tok = view->position(b) + t;
+      const int32_t id = p.PageId(b, tok);
+      const auto f = static_cast<PageFormat>(p.directory[2 * id]);
+      if (codecs::ScalesPerRow(f) == 0) continue;
+      for (int kv = 0; kv < 2; ++kv)
+        for (int64_t h = 0; h < Hkv; ++h) {
+          paged::LoadRow(view->elem_type, kv ? view->value : view->key, ((b * T + t) * Hkv + h) * D, D, row.data());
+          uint16_t sc[2];
+          const RowResult r = codecs::RowScales(codecs::RowFormat(f), row.data(), static_cast<int32_t>(D), sc);
+          if (r != RowResult::kOk) {
+            std::ostringstream w;
+            w << where << ": '" << (kv ? value.name : key.name) << "' [row " << b << ", token " << t << ", head " << h
+              << "] into page " << id << " (position " << tok << ")";
+            const Status e = codecs::RowError(r, f, w.str());
+            return Status(e.code(), e.message() + "; nothing was written");
+          }
+        }
+    }
+  return Status::Ok();
+}
+
+void PagedUpdateUnitSpan(const PagedUpdateView& v, int64_t unit, uintptr_t* first, uintptr_t* last) {
+  const int64_t b = unit / v.T, t = unit % v.T;
+  const PageView pg = v.p.Page(v.p.PageId(b, v.position(b) + t));
+  *first = reinterpret_cast<uintptr_t>(pg.base);
+  *last = *first + pg.layout.page_bytes;
+}
+
+void PagedCacheUpdateCpu(const PagedUpdateView& v, int64_t begin, int64_t end) {
+  const int64_t D = v.p.shape.head_size, Hkv = v.p.shape.kv_heads, ps = v.p.shape.page_size;
+  std::vector<float> row(static_cast<size_t>(D));
+  for (int64_t u = begin; u < end; ++u) {
+    const int64_t b = u / v.T, t = u % v.T, tok = v.position(b) + t;
+    const PageView pg = v.p.Page(v.p.PageId(b, tok));
+    for (int kv = 0; kv < 2; ++kv)
+      for (int64_t h = 0; h < Hkv; ++h) {
+        paged::LoadRow(v.elem_type, kv ? v.value : v.key, ((b * v.T + t) * Hkv + h) * D, D, row.data());
+        pg.EncodeRow(kv, static_cast<int32_t>(h), static_cast<int32_t>(tok % ps), row.data());  // checked by the plan
+      }
+  }
+}
+
+}  // namespace ortkv

@@ -1,0 +1,265 @@
+// PagedCacheUpdate and PagedCacheAttention, domain "ortkv", opset 1 (CPU). The physical form (pool,
+// directory, page table) is Note [Paged cache physical form] in ortkv/paged.h.
+//
+//   updated_pool = PagedCacheUpdate(pool, directory, page_table, key, value, position)
+//       attributes layer, num_layers, kv_num_heads, page_size (all required)
+//   output = PagedCacheAttention(query, pool, directory, page_table, start)
+//       attributes num_heads, kv_num_heads, layer, num_layers, page_size (required), scale (default
+//       1/sqrt(head_size))
+//
+// PagedCacheUpdate's output MUST be the pool's storage: declared with GetAliasMap (0 <- 0) and
+// enforced by a pointer check before anything is written, exactly as CacheUpdate (Note [Aliasing
+// CacheUpdate output] in cache_update_op.cc says why GetAliasMap and not GetMayInplace). The directory
+// and the page table are read, never written: the host changes them between runs.
+#include <algorithm>
+#include <memory>
+#include <sstream>
+#include <vector>
+
+#include "ops.h"
+#include "ort_util.h"
+#include "ortkv/core.h"
+#include "ortkv/paged.h"
+
+namespace ortkv_ort {
+namespace {
+
+using ortkv::Code;
+using ortkv::Status;
+using ortkv::TensorArg;
+
+struct PagedKernel {
+  NodeNames names;
+  ortkv::PagedAttrs attrs;
+  int64_t num_heads = 0;  // attention only
+  float scale = 0.0f;     // attention only
+};
+
+OrtStatus* ReadAttrs(const OrtApi* api, const OrtKernelInfo* info, PagedKernel* k) {
+  ORTKV_RETURN_IF_ORT_ERROR(api->KernelInfoGetAttribute_int64(info, "layer", &k->attrs.layer));
+  ORTKV_RETURN_IF_ORT_ERROR(api->KernelInfoGetAttribute_int64(info, "num_layers", &k->attrs.num_layers));
+  ORTKV_RETURN_IF_ORT_ERROR(api->KernelInfoGetAttribute_int64(info, "kv_num_heads", &k->attrs.kv_num_heads));
+  ORTKV_RETURN_IF_ORT_ERROR(api->KernelInfoGetAttribute_int64(info, "page_size", &k->attrs.page_size));
+  return nullptr;
+}
+
+OrtStatus* ReadInputs(OrtKernelContext* ctx, const PagedKernel& k, size_t n, TensorArg* args, int* device_type,
+                      int* device_id) {
+  for (size_t i = 0; i < n; ++i) {
+    const OrtValue* v = nullptr;
+    ORTKV_RETURN_IF_ORT_ERROR(g_api->KernelContext_GetInput(ctx, i, &v));
+    ORTKV_RETURN_IF_ORT_ERROR(ReadTensor(v, k.names.inputs[i], &args[i], i == 0 ? device_type : nullptr,
+                                         i == 0 ? device_id : nullptr));
+  }
+  return nullptr;
+}
+
+// ---- PagedCacheUpdate --------------------------------------------------------------------------------
+struct UpdateJob {
+  const ortkv::PagedUpdateView* view;
+  int64_t chunk;
+};
+
+void UpdateTask(void* user, size_t i) {
+  const auto* j = static_cast<const UpdateJob*>(user);
+  const int64_t begin = static_cast<int64_t>(i) * j->chunk;
+  ortkv::PagedCacheUpdateCpu(*j->view, begin, std::min(begin + j->chunk, j->view->units()));
+}
+
+Status CheckWriteProtection(const PagedKernel& k, const ortkv::PagedUpdateView& v, int device_type, int device_id) {
+  if (ortkv_core_protected_count() == 0) return Status::Ok();
+  for (int64_t u = 0; u < v.units(); ++u) {
+    uintptr_t first = 0, last = 0;
+    ortkv::PagedUpdateUnitSpan(v, u, &first, &last);
+    uintptr_t hit = 0;
+    uint64_t hit_len = 0;
+    char label[128];
+    const int kind = ortkv_core_find_protected(device_type, device_id, first, last - first, 0, &hit, &hit_len, label,
+                                               sizeof(label));
+    if (kind != 0) {
+      std::ostringstream m;
+      m << "PagedCacheUpdate node '" << k.names.node << "': row " << u / v.T << " token " << u % v.T
+        << " would write into the page layer [" << Hex(reinterpret_cast<void*>(first)) << ", "
+        << Hex(reinterpret_cast<void*>(last)) << ") of '" << k.names.inputs[0] << "', which overlaps the "
+        << (kind == ORTKV_RANGE_UNCOMMITTED ? "uncommitted" : "write-protected") << " range ["
+        << Hex(reinterpret_cast<void*>(hit)) << ", +" << hit_len << " bytes) '" << label
+        << "'. Nothing was written. Remedy: "
+        << (kind == ORTKV_RANGE_UNCOMMITTED ? "commit the page's slot before the run."
+                                             : "give the sequence its own copy of the page (copy on write).");
+      return Status(kind == ORTKV_RANGE_UNCOMMITTED ? Code::kUncommitted : Code::kReadOnly, m.str());
+    }
+  }
+  return Status::Ok();
+}
+
+OrtStatus* UpdateCompute(void* op_kernel, OrtKernelContext* ctx) {
+  const auto& k = *static_cast<const PagedKernel*>(op_kernel);
+  TensorArg in[6];
+  int device_type = ORTKV_DEVICE_CPU, device_id = 0;
+  ORTKV_RETURN_IF_ORT_ERROR(ReadInputs(ctx, k, 6, in, &device_type, &device_id));
+  ortkv::PagedUpdateView view;
+  ORTKV_RETURN_IF_ORT_ERROR(ToOrtStatus(
+      ortkv::PlanPagedCacheUpdate(k.names.node, in[0], in[1], in[2], in[3], in[4], in[5], k.attrs, &view)));
+  OrtValue* out = nullptr;
+  ORTKV_RETURN_IF_ORT_ERROR(g_api->KernelContext_GetOutput(ctx, 0, in[0].dims.data(), in[0].dims.size(), &out));
+  void* out_data = nullptr;
+  ORTKV_RETURN_IF_ORT_ERROR(g_api->GetTensorMutableData(out, &out_data));
+  if (out_data != in[0].data) {
+    std::ostringstream m;
+    m << "PagedCacheUpdate node '" << k.names.node << "': output '" << k.names.outputs[0] << "' at " << Hex(out_data)
+      << " is not the storage of the pool '" << k.names.inputs[0] << "' at " << Hex(in[0].data)
+      << "; the updated pool MUST alias the pool and ortkv never copies a cache, so nothing was written. "
+      << "Remedy: bind ONE buffer to both names through IOBinding (bind_ortvalue_input('" << k.names.inputs[0]
+      << "', v) and bind_ortvalue_output('" << k.names.outputs[0] << "', v) with the same OrtValue v), or run the "
+      << "model through ortkv.MutableCacheSession.";
+    return ToOrtStatus(Status(Code::kAlias, m.str()));
+  }
+  ortkv::CoreLease lease;  // check and write as one (Note [Arena lease])
+  ORTKV_RETURN_IF_ORT_ERROR(ToOrtStatus(CheckWriteProtection(k, view, device_type, device_id)));
+  const int64_t units = view.units();
+  if (units == 0) return nullptr;
+  // one unit encodes 2 * kv_heads rows; a decode step (a few units) is cheaper than a dispatch
+  const int64_t rows_per_unit = 2 * view.p.shape.kv_heads;
+  const int64_t chunk = std::max<int64_t>(1, 256 / std::max<int64_t>(1, rows_per_unit));
+  if (units <= chunk) {
+    ortkv::PagedCacheUpdateCpu(view, 0, units);
+    return nullptr;
+  }
+  UpdateJob job{&view, chunk};
+  return g_api->KernelContext_ParallelFor(ctx, UpdateTask, static_cast<size_t>((units + chunk - 1) / chunk), 0, &job);
+}
+
+OrtStatus* UpdateCreate(const OrtCustomOp*, const OrtApi* api, const OrtKernelInfo* info, void** kernel) {
+  auto k = std::make_unique<PagedKernel>();
+  ORTKV_RETURN_IF_ORT_ERROR(ReadNodeNames(api, info, 6, 1, &k->names));
+  ORTKV_RETURN_IF_ORT_ERROR(ReadAttrs(api, info, k.get()));
+  *kernel = k.release();
+  return nullptr;
+}
+
+size_t AliasMap(int** input_index, int** output_index) {
+  *input_index = new int[1]{0};
+  *output_index = new int[1]{0};
+  return 1;
+}
+
+void ReleaseAliasMap(int* input_index, int* output_index) {
+  delete[] input_index;
+  delete[] output_index;
+}
+
+OrtStatus* SameAsInput(OrtShapeInferContext* ctx, size_t input) {
+  OrtTensorTypeAndShapeInfo* info = nullptr;  // owned by the context
+  ORTKV_RETURN_IF_ORT_ERROR(g_api->ShapeInferContext_GetInputTypeShape(ctx, input, &info));
+  return g_api->ShapeInferContext_SetOutputTypeShape(ctx, 0, info);
+}
+
+OrtCustomOp MakeUpdate() {
+  OrtCustomOp op;
+  InitCustomOp(&op);
+  op.GetName = [](const OrtCustomOp*) { return "PagedCacheUpdate"; };
+  op.GetInputTypeCount = [](const OrtCustomOp*) -> size_t { return 6; };
+  // pool uint8, directory int64, page_table int32, key/value float32/float16/bfloat16 (checked by the
+  // kernel with a named error), position int64
+  op.GetInputType = [](const OrtCustomOp*, size_t i) {
+    switch (i) {
+      case 0: return ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8;
+      case 1: return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
+      case 2: return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32;
+      case 5: return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
+      default: return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+    }
+  };
+  op.GetOutputTypeCount = [](const OrtCustomOp*) -> size_t { return 1; };
+  op.GetOutputType = [](const OrtCustomOp*, size_t) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8; };
+  op.CreateKernelV2 = UpdateCreate;
+  op.KernelComputeV2 = UpdateCompute;
+  op.KernelDestroy = [](void* k) { delete static_cast<PagedKernel*>(k); };
+  op.InferOutputShapeFn = [](const OrtCustomOp*, OrtShapeInferContext* ctx) { return SameAsInput(ctx, 0); };
+  op.GetAliasMap = AliasMap;
+  op.ReleaseAliasMap = ReleaseAliasMap;
+  return op;
+}
+
+// ---- PagedCacheAttention -----------------------------------------------------------------------------
+struct AttnJob {
+  const ortkv::PagedAttentionView* view;
+};
+
+void AttnTask(void* user, size_t i) {
+  const auto& v = *static_cast<const AttnJob*>(user)->view;
+  thread_local std::vector<float> scratch;
+  const size_t need = static_cast<size_t>(v.scratch_floats());
+  if (scratch.size() < need) scratch.resize(need);
+  ortkv::PagedCacheAttentionCpu(v, static_cast<int64_t>(i), static_cast<int64_t>(i) + 1, scratch.data());
+}
+
+OrtStatus* AttnCompute(void* op_kernel, OrtKernelContext* ctx) {
+  const auto& k = *static_cast<const PagedKernel*>(op_kernel);
+  TensorArg in[5];
+  ORTKV_RETURN_IF_ORT_ERROR(ReadInputs(ctx, k, 5, in, nullptr, nullptr));
+  OrtValue* out = nullptr;
+  ORTKV_RETURN_IF_ORT_ERROR(g_api->KernelContext_GetOutput(ctx, 0, in[0].dims.data(), in[0].dims.size(), &out));
+  void* out_data = nullptr;
+  ORTKV_RETURN_IF_ORT_ERROR(g_api->GetTensorMutableData(out, &out_data));
+  ortkv::PagedAttentionView view;
+  ORTKV_RETURN_IF_ORT_ERROR(ToOrtStatus(ortkv::PlanPagedCacheAttention(k.names.node, in[0], in[1], in[2], in[3], in[4],
+                                                                       k.num_heads, k.attrs, k.scale, out_data, &view)));
+  if (view.tasks() == 0) return nullptr;
+  std::vector<float> partial(static_cast<size_t>(view.partial_floats()));
+  view.partial = partial.empty() ? nullptr : partial.data();
+  ortkv::CoreLease lease;  // the pool is read here (Note [Arena lease])
+  AttnJob job{&view};
+  if (view.tasks() == 1) {
+    AttnTask(&job, 0);
+  } else {
+    ORTKV_RETURN_IF_ORT_ERROR(g_api->KernelContext_ParallelFor(ctx, AttnTask, static_cast<size_t>(view.tasks()), 0, &job));
+  }
+  ortkv::PagedCacheAttentionCombine(view);
+  return nullptr;
+}
+
+OrtStatus* AttnCreate(const OrtCustomOp*, const OrtApi* api, const OrtKernelInfo* info, void** kernel) {
+  auto k = std::make_unique<PagedKernel>();
+  ORTKV_RETURN_IF_ORT_ERROR(ReadNodeNames(api, info, 5, 1, &k->names));
+  ORTKV_RETURN_IF_ORT_ERROR(ReadAttrs(api, info, k.get()));
+  ORTKV_RETURN_IF_ORT_ERROR(api->KernelInfoGetAttribute_int64(info, "num_heads", &k->num_heads));
+  ORTKV_RETURN_IF_ORT_ERROR(OptionalAttribute(api, info, k->names.node, "scale", 0.0f, &k->scale));
+  *kernel = k.release();
+  return nullptr;
+}
+
+OrtCustomOp MakeAttention() {
+  OrtCustomOp op;
+  InitCustomOp(&op);
+  op.GetName = [](const OrtCustomOp*) { return "PagedCacheAttention"; };
+  op.GetInputTypeCount = [](const OrtCustomOp*) -> size_t { return 5; };
+  op.GetInputType = [](const OrtCustomOp*, size_t i) {
+    switch (i) {
+      case 1: return ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8;
+      case 2: return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
+      case 3: return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32;
+      case 4: return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
+      default: return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;  // query: float32, float16 or bfloat16
+    }
+  };
+  op.GetOutputTypeCount = [](const OrtCustomOp*) -> size_t { return 1; };
+  op.GetOutputType = [](const OrtCustomOp*, size_t) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED; };
+  op.CreateKernelV2 = AttnCreate;
+  op.KernelComputeV2 = AttnCompute;
+  op.KernelDestroy = [](void* k) { delete static_cast<PagedKernel*>(k); };
+  op.InferOutputShapeFn = [](const OrtCustomOp*, OrtShapeInferContext* ctx) { return SameAsInput(ctx, 0); };
+  return op;
+}
+
+const OrtCustomOp kPagedCacheUpdateCpu = MakeUpdate();
+const OrtCustomOp kPagedCacheAttentionCpu = MakeAttention();
+
+}  // namespace
+
+void AppendPagedOps(std::vector<const OrtCustomOp*>* ops) {
+  ops->push_back(&kPagedCacheUpdateCpu);
+  ops->push_back(&kPagedCacheAttentionCpu);
+}
+
+}  // namespace ortkv_ort
