@@ -8,10 +8,12 @@ CacheUpdate x 2 + CacheAttention replaced by one PagedCacheUpdate(pool, director
 positions) and one PagedCacheAttention(q, pool_l, directory, page_table, positions), k and v taken
 before the reshape the dense cache needed ([B, T, kv_heads * head_size], the ops' form). Every layer's
 pages live in the same pool, so the updates are chained: layer l's update reads layer l-1's updated pool
-(``present_pool.{l-1}``) and its attention reads its own (``present_pool.l``). A custom op's output is
-only the input's storage when the caller binds it so, hence every ``present_pool.l`` is a graph output
-annotated ``alias_of pool`` and MutableCacheSession binds the one pool buffer as ``pool`` and as all of
-them. Inputs: input_ids [B, T], positions [B], pool uint8 [pool_bytes] (READ_WRITE), directory int64
+(``present_pool.{l-1}``) and its attention reads its own (``present_pool.l``). The kernel declares
+output 0 <- input 0 through GetAliasMap (Note [Aliasing CacheUpdate output]), so ORT hands each in-graph
+``present_pool.l`` the pool's own buffer; only the last layer's is a graph output, annotated ``alias_of
+pool``, which MutableCacheSession binds to the same buffer (and the kernel's pointer check enforces).
+Layer l's attention is ordered before layer l+1's update by data (the update's k and v come from the
+attention's output), as the checker's alias-hazard rule requires. Inputs: input_ids [B, T], positions [B], pool uint8 [pool_bytes] (READ_WRITE), directory int64
 [num_pages, 2], page_table int32 [B, max_pages]. Rewriting the built graph (instead of a second builder)
 keeps the weights, rotary and MLP code in one place.
 """
@@ -81,15 +83,14 @@ def to_paged(model: onnx.ModelProto, num_heads: int, kv_heads: int, page_size: i
     inputs += [helper.make_tensor_value_info(POOL, TP.UINT8, ["pool_bytes"]),
                helper.make_tensor_value_info("directory", TP.INT64, ["num_pages", 2]),
                helper.make_tensor_value_info("page_table", TP.INT32, ["batch", "max_pages"])]
-    outputs += [helper.make_tensor_value_info(pool_output(i), TP.UINT8, ["pool_bytes"]) for i in range(layers)]
+    outputs.append(helper.make_tensor_value_info(pool_output(layers - 1), TP.UINT8, ["pool_bytes"]))
     del g.input[:]
     g.input.extend(inputs)
     del g.output[:]
     g.output.extend(outputs)
     g.name = g.name.replace("_ortkv", "_paged")
     mark_mutable(model, POOL)
-    for i in range(layers):
-        set_alias_of(model, pool_output(i), POOL)
+    set_alias_of(model, pool_output(layers - 1), POOL)
     return model
 
 
@@ -137,7 +138,8 @@ class PagedRunner:
         self.policy = policy_from_config(o.kv_format, o.kv_policy, o.kv_page_formats)
         self.sess = MutableCacheSession(str(path), sess_options=_session_options(cfg),
                                         providers=["CPUExecutionProvider"])
-        have = sum(1 for out in self.sess._session.get_outputs() if out.name.startswith("present_pool."))
+        have = sum(1 for n in onnx.load(str(path), load_external_data=False).graph.node
+                   if n.op_type == "PagedCacheAttention")
         if have != self.layers:
             raise OrtkvError(f"model.decoder.num_hidden_layers = {self.layers} but {path} has {have} layers of "
                              "paged attention; take the decoder's numbers from the model")
