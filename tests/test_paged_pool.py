@@ -267,6 +267,7 @@ def test_recency_policy_requantizes_pages_leaving_the_window():
         assert row1 == ["F16", "INT4", "F16", "F16"]  # 64 tokens = 4 pages
         assert pool.requantized_pages == 5 + 1 and pool.bytes_copied == 6 * pool.slot_bytes(F.INT4)
         assert pool.pages_per_format()["F16"] == 6 and pool.pages_per_format()["INT4"] == 6
+        assert pool.stats()["live_bytes"] == 6 * pool.slot_bytes(F.F16) + 6 * pool.slot_bytes(F.INT4)
         assert pool._pinned == {int(cache.page_table[0, 0]), int(cache.page_table[1, 0])}  # the sinks
         cache.release()
         assert pool.live_pages == [] and (cache.page_table == -1).all()

@@ -196,7 +196,9 @@ class PagePool:
         return self.arena.committed_bytes
 
     def stats(self) -> dict:
-        return {"pages": self.pages_per_format(), "committed_bytes": self.committed_bytes_per_format(),
+        pages = self.pages_per_format()
+        live = sum(n * self.slabs[PageFormat[f]].slot_bytes for f, n in pages.items())
+        return {"pages": pages, "live_bytes": live, "committed_bytes": self.committed_bytes_per_format(),
                 "committed_total": self.committed_bytes, "bytes_copied": self.bytes_copied,
                 "requantized_pages": self.requantized_pages, "demoted_pages": self.demoted_pages}
 
