@@ -126,10 +126,13 @@ def test_cli_flags_set_the_paged_keys():
 
 
 # --- through the kernels ----------------------------------------------------------------------------------
-def _run(runner, ids, steps):
+def _run(runner, ids, steps, kv=None):
     runner.start(len(ids), 64)
     out = [runner.prefill(ids, np.array([ids.shape[1]] * len(ids)))]
-    out += [runner.step(np.array([t] * len(ids))) for t in steps]
+    for t in steps:
+        out.append(runner.step(np.array([t] * len(ids))))
+        if kv is not None:
+            kv.append((int(runner.lengths[0]), runner.kv_bytes(), runner.paged_stats()["bytes_copied"]))
     return np.stack(out)
 
 
@@ -141,9 +144,19 @@ def test_slice_f16_pages_match_the_dense_cache(slice_paths):
     want = _run(dense, ids, steps)
     dense.close()
     paged = PagedRunner(slice_paths["paged"], _slice_cfg(kv_format="f16"))
-    got = _run(paged, ids, steps)
+    kv = []
+    got = _run(paged, ids, steps, kv)
     stats = paged.paged_stats()
+    slot, granule = paged.pool.slot_bytes("f16"), paged.pool.granule
     paged.close()
+    # allocation per step: nothing, except when a step opens a page (then that page's granules)
+    rup = lambda n: -(-n // granule) * granule  # noqa: E731
+    prev = rup(2 * slot)  # the prefill's 5 tokens: 2 pages of 4
+    for length, committed, copied in kv:
+        opened = (length - 1) % 4 == 0  # the token at position length - 1 began a page
+        assert committed - prev == (rup(-(-length // 4) * slot) - prev if opened else 0)
+        assert copied == 0
+        prev = committed
     np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2)  # K/V rounded to float16
     assert stats["pages"]["F16"] == 4 and stats["bytes_copied"] == 0  # 13 tokens in pages of 4
 

@@ -70,22 +70,30 @@ def test_slot_sizes_follow_the_codec_layout():
         assert pool.committed_bytes == 0  # address space only
 
 
-def test_slabs_grow_granule_by_granule_as_slots_are_taken():
-    with _pool() as pool:
+DEVICES = ["cpu", pytest.param("cuda:0", marks=pytest.mark.cuda)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_slabs_grow_granule_by_granule_as_slots_are_taken(device):
+    with _pool(device=device) as pool:
+        g = pool.granule  # 4 KiB on the host, 2 MiB on CUDA (queried)
+        assert g == GRANULE or device != "cpu"
         slot = pool.slot_bytes(F.INT8)  # 8448: not a multiple of the granule
         for n in range(1, 9):
             page = pool.alloc(F.INT8)
             assert pool.format_of(page) == F.INT8
             assert pool.offset_of(page) == pool.slabs[F.INT8].offset + (n - 1) * slot
-            assert pool.committed_bytes_per_format()["INT8"] == _rup(n * slot)
-            assert pool.committed_bytes == _rup(n * slot)
+            assert pool.committed_bytes_per_format()["INT8"] == _rup(n * slot, g)
+            assert pool.committed_bytes == _rup(n * slot, g)
         assert pool.committed_bytes_per_format()["F16"] == 0
         assert pool.pages_per_format()["INT8"] == 8
         assert pool.bytes_copied == 0
 
 
-def test_freed_slots_are_reused_per_format():
-    with _pool() as pool:
+@pytest.mark.parametrize("device", DEVICES)
+def test_freed_slots_are_reused_per_format(device):
+    with _pool(device=device) as pool:
+        g = pool.granule
         a, b, c = (pool.alloc(F.F16) for _ in range(3))
         committed = pool.committed_bytes
         off_b = pool.offset_of(b)
@@ -93,10 +101,10 @@ def test_freed_slots_are_reused_per_format():
         assert pool.directory[b].tolist() == [-1, -1]
         i8 = pool.alloc(F.INT8)  # its own slab grows; the free F16 slot is not taken
         assert pool.offset_of(i8) >= pool.slabs[F.INT8].offset
-        assert pool.committed_bytes == committed + _rup(pool.slot_bytes(F.INT8))
+        assert pool.committed_bytes == committed + _rup(pool.slot_bytes(F.INT8), g)
         d = pool.alloc(F.F16)
         assert pool.offset_of(d) == off_b  # the freed slot, no growth
-        assert pool.committed_bytes == committed + _rup(pool.slot_bytes(F.INT8))
+        assert pool.committed_bytes == committed + _rup(pool.slot_bytes(F.INT8), g)
         assert pool.pages_per_format() == {**{f.name: 0 for f in F}, "F16": 3, "INT8": 1}
         assert pool.bytes_copied == 0
 
