@@ -337,6 +337,13 @@ def test_policy_config_errors(kw, message):
         policy_from_config(**kw)
 
 
+def test_a_policy_naming_a_format_the_pool_cannot_hold_is_refused_up_front():
+    with PagePool(L, H, 6, PS, np.float32, max_pages=4) as pool:
+        with pytest.raises(OrtkvError, match="INT2 cannot hold pages of head_size 6"):
+            PagedKVCache(pool, 1, 4, ExplicitPolicy((F.F16,) * 70 + (F.INT2,)))
+        assert pool.live_pages == []
+
+
 def test_policy_from_config_defaults():
     assert policy_from_config() == UniformPolicy(F.F16)
     assert policy_from_config(kv_policy={"sink_pages": 1, "recent_pages": 4, "recent": "f16", "old": "int4"}) == \

@@ -489,8 +489,10 @@ class PagedKVCache:
         if batch < 1 or max_pages_per_seq < 1:
             raise OrtkvError(f"PagedKVCache: batch = {batch} and max_pages_per_seq = {max_pages_per_seq} must be >= 1")
         self.pool, self.policy = pool, policy or UniformPolicy(pool.wide)
-        for f in {self.policy.target(i, 10**6) for i in range(64)} | {getattr(self.policy, "recent", pool.wide)}:
-            pool._slab(f)  # every format the policy names must fit the pool's head_size
+        named = ({self.policy.target(i, 10**6) for i in range(64)} | set(getattr(self.policy, "formats", ())) |
+                 {getattr(self.policy, "recent", pool.wide), pool.wide})
+        for f in named:
+            pool._slab(f)  # every format the policy names must fit the pool's head_size, before any page opens
         self.page_table = np.full((batch, max_pages_per_seq), -1, np.int32)
         self.lengths = np.zeros(batch, np.int64)
         self.capacity = max_pages_per_seq * pool.page_size
