@@ -230,3 +230,16 @@ def test_cli_json_reports_pages_per_format():
     assert paged["pages"]["F16"] == 5 and paged["pages"]["INT4"] == -(-tokens // 4) - 5
     assert paged["committed_total"] == r["kv_bytes"] == sum(paged["committed_bytes"].values())
     assert paged["policy"].startswith("recency")
+
+
+def test_paged_cache_is_refused_on_cuda_until_its_ops_have_cuda_kernels():
+    """On CUDA, ORT would place the CPU-only paged ops on the CPU and copy the pool every step: refused."""
+    from ortkv.errors import OrtkvError
+    from ortkv.generate.config import GenAIConfig, set_device
+
+    cfg = GenAIConfig()
+    cfg.ortkv.cache = "paged"
+    cfg.validate()  # the CPU is fine
+    set_device(cfg, "cuda:0", False)
+    with pytest.raises(OrtkvError, match=r"ortkv.cache = 'paged' on cuda:0: .*CPU kernels only"):
+        cfg.validate()
