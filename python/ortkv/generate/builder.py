@@ -44,6 +44,15 @@ ACCURACY_LEVEL_DOWN = 0  # ffn_down: float activations (Note [Accuracy levels])
 # With q4 weights Q, K and V are one MatMulNBits (N = 576 + 192 + 192) and gate / up another (N = 2 x 1536),
 # each followed by a Split: fewer, larger kernels (and one blocksum / minimum term each, Note [Fast 4-bit
 # path]), which matters at one token per step where per-node overhead is a large part of the time.
+# Note [Block sums as a MatMul]
+# Q4_1's minimum term needs x summed over each block of 32 (Note [Fast 4-bit path] in weights.py): as
+# Reshape [.., K / 32, 32] + ReduceSum, two nodes per projection input (120 of a SmolLM2 decode step's
+# ~1,060). Tried: one MatMul with a 0/1 matrix [K, K / 32] instead (120 nodes fewer). Teacher-forced top-1
+# agreement with llama.cpp fell from 215/224 to 206/224 (92 %, under the 95 % bar). Not explained yet:
+# x * 1.0 is exact and only the order of the additions differs; a suspect is that the minimum term and
+# the MatMulNBits term nearly cancel (m ~ -8 d), which magnifies any rounding difference, with the near
+# ties of Note [Accuracy levels]. So the block sums stay Reshape + ReduceSum.
+
 # Note [Fused decoder layer]
 # One decode step is ~30 layers of small kernels, and at one token per step ORT's cost per node (~5-10 us
 # between kernels on this kind of CPU) is a large share of the step (benchmarks/profile_decode.py). So:
@@ -194,7 +203,16 @@ def build(weights: LlamaWeights, variant: str, max_positions: int | None = None,
             g.init("shape_e", np.array([0, 0, E], np.int64))
 
     block_sums = {}  # (x, K, block) -> x summed per block, shared by the matrices reading the same x
-    g.init("split_qkv", np.array([H * D, Hkv * D, Hkv * D], np.int64))  # Note [Fused decoder layer]
+    g.init("split_qkv", np.array([H * D, Hkv * D, Hkv * D], np.int64))  # Note [Block sums as a MatMul]
+# Q4_1's minimum term needs x summed over each block of 32 (Note [Fast 4-bit path] in weights.py): as
+# Reshape [.., K / 32, 32] + ReduceSum, two nodes per projection input (120 of a SmolLM2 decode step's
+# ~1,060). Tried: one MatMul with a 0/1 matrix [K, K / 32] instead (120 nodes fewer). Teacher-forced top-1
+# agreement with llama.cpp fell from 215/224 to 206/224 (92 %, under the 95 % bar). Not explained yet:
+# x * 1.0 is exact and only the order of the additions differs; a suspect is that the minimum term and
+# the MatMulNBits term nearly cancel (m ~ -8 d), which magnifies any rounding difference, with the near
+# ties of Note [Accuracy levels]. So the block sums stay Reshape + ReduceSum.
+
+# Note [Fused decoder layer]
     g.init("split_gu", np.array([cfg.ffn, cfg.ffn], np.int64))
     if weights.layers and isinstance(weights.layers[0]["wq"], Q4Weight):
         g.init("axis_last", np.array([-1], np.int64))
@@ -219,7 +237,7 @@ def build(weights: LlamaWeights, variant: str, max_positions: int | None = None,
             if key not in block_sums:
                 assert w.block_size == 32, "the minimums come from Q4_1, blocks of 32"
                 block_sums[key] = g.op("ReduceSum", [g.op("Reshape", [x, f"shape_blocks_{w.K}"]), "axis_last"],
-                                       keepdims=0)
+                                       keepdims=0)  # Note [Block sums as a MatMul]
             mins = g.op("MatMul", [block_sums[key], g.init(name + "_mins", np.ascontiguousarray(w.mins.T))])
             return g.op("Add", [y, mins], outputs)
         return g.op("MatMul", [x, g.init(name, w)], outputs)
@@ -240,7 +258,16 @@ def build(weights: LlamaWeights, variant: str, max_positions: int | None = None,
     for i, lw in enumerate(weights.layers):
         g.init(f"l{i}_attn_norm", lw["attn_norm"])
         g.init(f"l{i}_ffn_norm", lw["ffn_norm"])
-    # Note [Fused decoder layer]: the residual stream x enters each norm through SkipSimplifiedLayerNormalization
+    # Note [Block sums as a MatMul]
+# Q4_1's minimum term needs x summed over each block of 32 (Note [Fast 4-bit path] in weights.py): as
+# Reshape [.., K / 32, 32] + ReduceSum, two nodes per projection input (120 of a SmolLM2 decode step's
+# ~1,060). Tried: one MatMul with a 0/1 matrix [K, K / 32] instead (120 nodes fewer). Teacher-forced top-1
+# agreement with llama.cpp fell from 215/224 to 206/224 (92 %, under the 95 % bar). Not explained yet:
+# x * 1.0 is exact and only the order of the additions differs; a suspect is that the minimum term and
+# the MatMulNBits term nearly cancel (m ~ -8 d), which magnifies any rounding difference, with the near
+# ties of Note [Accuracy levels]. So the block sums stay Reshape + ReduceSum.
+
+# Note [Fused decoder layer]: the residual stream x enters each norm through SkipSimplifiedLayerNormalization
     h = g.op("SimplifiedLayerNormalization", [x, "l0_attn_norm"], axis=-1, epsilon=cfg.rms_eps) if weights.layers \
         else None
     for i, lw in enumerate(weights.layers):
