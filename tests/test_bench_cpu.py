@@ -162,3 +162,47 @@ def test_driver_sources_follow_the_hook_contract():
     assert f'NODE_LLAMA_CPP_VERSION:-{bench_mod.LLAMACPP_VERSION}' in fetch
     assert "ORTKV_CACHE_DIR" in fetch and "gitRelease.bundle" in fetch
     assert os.access(REPO / "benchmarks" / "llamacpp" / "build.sh", os.X_OK)
+
+
+# --- the decoder layer's fused form (issue 12, Note [Fused decoder layer] in builder.py) -------------------
+
+@pytest.fixture(scope="module")
+def two_layer_weights():
+    from ortkv.generate import weights
+    from ortkv.generate.assets import smollm2_gguf
+
+    gguf = smollm2_gguf()
+    return weights.load(gguf, layers=2)[0], weights.load(gguf, layers=2, fmt="q4")[0]
+
+
+def _op_counts(model):
+    import collections
+
+    return collections.Counter(n.op_type for n in model.graph.node)
+
+
+@pytest.mark.parametrize("variant", ["ortkv", "genai", "copy"])
+def test_float_layers_use_skip_norms_and_fused_projections(two_layer_weights, variant):
+    from ortkv.generate import builder
+
+    w32, _ = two_layer_weights
+    ops = _op_counts(builder.build(w32, variant, max_positions=64))
+    # per layer: x + attention output -> ffn norm, x + MLP output -> next attn norm (the final norm last)
+    assert ops["SkipSimplifiedLayerNormalization"] == 2 * 2 and ops["SimplifiedLayerNormalization"] == 1
+    # projections: QKV, output, gate/up, down per layer, and the LM head; one Split per fused pair/triple
+    matmuls = ops["MatMul"] - (2 * 2 if variant == "copy" else 0)  # the copy model's attention MatMuls
+    assert matmuls == 2 * 4 + 1 and ops["Split"] == 2 * 2
+    model = builder.build(w32, variant, max_positions=64)
+    last = [n for n in model.graph.node if n.op_type == "SkipSimplifiedLayerNormalization"][-1]
+    assert last.input[2] == "final_norm" and list(last.output) == ["l1_out_norm"]  # nobody reads the last sum
+
+
+def test_q4_layers_keep_add_and_norm(two_layer_weights):
+    """Note [Fused decoder layer]: the q4 graphs keep Add + SimplifiedLayerNormalization (the fused norm
+    changed their greedy continuation of the README prompt)."""
+    from ortkv.generate import builder
+
+    _, w4 = two_layer_weights
+    ops = _op_counts(builder.build(w4, "ortkv", max_positions=64))
+    assert ops["SkipSimplifiedLayerNormalization"] == 0 and ops["SimplifiedLayerNormalization"] == 2 * 2 + 1
+    assert ops["MatMulNBits"] == 2 * 4 + 1 and ops["Split"] == 2 * 2
