@@ -3,6 +3,12 @@ profile of N steps, per op type (nodes per step, kernel time per step), and the 
 wall time and the sum of its kernels (ORT's per-node framework overhead plus the Python session wrapper).
 
     python benchmarks/profile_decode.py [--weights float32,q4] [--steps 64] [--out FILE]
+                                        [--build-tags v2,v3 --rounds 3]
+
+--build-tags profiles the decoders cached under each build tag (models.BUILD_TAG's last part: v2 is the
+graph before Note [Fused decoder layer], v3 after; a missing one is built by THIS ortkv's builder, so an
+old tag is only "before" where an older ortkv cached it), alternating the tags --rounds times, and reports
+each tag's nodes per step, per-op kernel time and the median step times over the rounds.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ortkv.generate import runners
+from ortkv.generate import models, runners
 from ortkv.generate.cli import apply_overrides
 from ortkv.generate.config import GenAIConfig
 
@@ -27,8 +33,13 @@ from _report import emit  # benchmarks/ is on sys.path when a script runs
 PROMPT_IDS = [1, 9690, 2409, 253, 655, 28, 665, 588, 253, 1165, 8325, 653]  # any in-vocabulary ids
 
 
-def profile(weights: str, steps: int, prefix: str) -> dict:
+def profile(weights: str, steps: int, prefix: str, tag: str | None = None) -> dict:
     cfg = apply_overrides(GenAIConfig(), {"ortkv.weights": weights})
+    saved_tag = models.BUILD_TAG
+    if tag is not None:
+        models.BUILD_TAG = "smollm2-135m-{weights}-" + tag
+        if not models.model_path(cfg, "ortkv", log=lambda *a: None).exists():
+            raise SystemExit(f"no decoder for build tag {tag}")
     plain = runners._session_options
 
     def profiled(c):
@@ -42,6 +53,7 @@ def profile(weights: str, steps: int, prefix: str) -> dict:
         r = runners.make_runner("ortkv", cfg, log=lambda *a: None)
     finally:
         runners._session_options = plain
+        models.BUILD_TAG = saved_tag
     ids = np.array([PROMPT_IDS], np.int64)
     r.start(1, 2048)
     logits = r.prefill(ids, np.array([ids.shape[1]], np.int64))
@@ -74,7 +86,11 @@ def main() -> int:
     ap.add_argument("--weights", default="float32,q4")
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--out")
+    ap.add_argument("--build-tags", help="e.g. v2,v3: before / after, alternating (see above)")
+    ap.add_argument("--rounds", type=int, default=1, help="rounds over the build tags (medians over them)")
     a = ap.parse_args()
+    if a.build_tags:
+        return compare(a)
     report = [f"# One ortkv decode step, profiled (SmolLM2-135M, batch 1, CPU, {os.cpu_count()} CPUs, "
               f"{time.strftime('%Y-%m-%d %H:%M')})", "",
               f"command: `python benchmarks/profile_decode.py --weights {a.weights} --steps {a.steps}`; "
@@ -93,6 +109,45 @@ def main() -> int:
                        "| op type | nodes per step | kernel us per step | share of kernel time |", "|---|---:|---:|---:|"]
             for op, (n, us) in sorted(p["per_op"].items(), key=lambda kv: -kv[1][1]):
                 report.append(f"| {op} | {n:.0f} | {us:.0f} | {100 * us / p['kernel_us']:.1f} % |")
+            report.append("")
+    report.append(f"load average at the end: {os.getloadavg()[0]:.1f} (1 min)")
+    return emit("\n".join(report), a.out)
+
+
+def compare(a) -> int:
+    tags = a.build_tags.split(",")
+    report = [f"# ortkv decode step, build tags {', '.join(tags)} alternated {a.rounds} round(s) (SmolLM2-135M, "
+              f"batch 1, CPU, {os.cpu_count()} CPUs, {time.strftime('%Y-%m-%d %H:%M')})", "",
+              f"command: `python benchmarks/profile_decode.py --weights {a.weights} --steps {a.steps} --build-tags "
+              f"{a.build_tags} --rounds {a.rounds}`; per round and tag: {a.steps} decode steps after a 12-token "
+              "prefill, ORT's profiler on; the step times are medians over the steps, then over the rounds "
+              f"(1-minute load average at the start: {os.getloadavg()[0]:.1f})", ""]
+    with tempfile.TemporaryDirectory() as tmp:
+        for w in a.weights.split(","):
+            runs = {t: [] for t in tags}
+            for k in range(a.rounds):
+                for t in tags:
+                    runs[t].append(profile(w, a.steps, str(Path(tmp) / f"{w}_{t}_{k}"), t))
+            report += [f"## weights {w}", "", "| tag | nodes per step | ORT run ms (median) | kernels ms | gap ms | "
+                       "step wall ms (median) | decode tok/s (1 / wall) | wall per round |", "|---|---:|---:|---:|---:|---:|---:|---|"]
+            for t in tags:
+                rs = runs[t]
+                wall = float(np.median([r["wall_ms"] for r in rs]))
+                run = float(np.median([r["run_us"] for r in rs])) / 1e3
+                kern = float(np.median([r["kernel_us"] for r in rs])) / 1e3
+                report.append(f"| {t} | {rs[0]['nodes']:.0f} | {run:.2f} | {kern:.2f} | {run - kern:.2f} | {wall:.2f} | "
+                              f"{1e3 / wall:.1f} | {', '.join(format(r['wall_ms'], '.1f') for r in rs)} |")
+            report.append("")
+            ops = sorted({op for t in tags for op in runs[t][0]["per_op"]},
+                         key=lambda op: -max(runs[t][0]["per_op"].get(op, (0, 0))[1] for t in tags))
+            report += ["| op type | " + " | ".join(f"{t} nodes | {t} us/step" for t in tags) + " |",
+                       "|---|" + "---:|---:|" * len(tags)]
+            for op in ops:
+                cells = []
+                for t in tags:
+                    n = [r["per_op"].get(op, (0, 0.0)) for r in runs[t]]
+                    cells.append(f"{n[0][0]:.0f} | {float(np.median([x[1] for x in n])):.0f}")
+                report.append(f"| {op} | " + " | ".join(cells) + " |")
             report.append("")
     report.append(f"load average at the end: {os.getloadavg()[0]:.1f} (1 min)")
     return emit("\n".join(report), a.out)

@@ -7,6 +7,10 @@ ratios are against GenAI share-buffer. Writes results/<stamp>/bench_generate.md,
     ortkv bench --device cuda[:N]   float16 on the GPU: prompt 16 / 1024, 256 new tokens, max_length 2048 / 8192,
                 batch 1 / 8 / 32; variants ortkv (CUDA graph), ortkv-nograph, genai-share, genai, copy, and
                 llama.cpp where $ORTKV_LLAMACPP_BENCH names a driver (Note [llama.cpp hook])
+    ortkv bench --cpu-baseline llamacpp [--llamacpp-bin PATH] [--weights q4] [--repeats 3] [--threads N]
+                llama.cpp's decode tokens/s on the same GGUF beside the ortkv variants (default: ortkv), CPU,
+                alternating runs, medians (Note [CPU baseline]); grid: prompt 16, 256 new tokens,
+                max_length 2048 / 8192, batch 1 / 4
 """
 
 from __future__ import annotations
@@ -36,15 +40,18 @@ CUDA_GRID = {"prompt_tokens": [16, 1024], "new_tokens": [256], "max_length": [20
 # and optionally kv_bytes and peak_device_above_load. A wrapper around llama.cpp's llama-batched-bench or a
 # small llama_decode_bench program fits. Its row is labelled llama.cpp; a failure is reported in the table,
 # never silently dropped.
+# The CPU baseline (--cpu-baseline llamacpp) calls the same driver with `--threads T` added (ortkv's
+# intra_op_num_threads in the same run); benchmarks/llamacpp/llama_decode_bench.cpp is such a driver.
 LLAMACPP_ENV = "ORTKV_LLAMACPP_BENCH"
 
 
-def run_llamacpp(gguf: str, pt: int, nt: int, ml: int, b: int) -> dict:
-    import os
+def run_llamacpp(gguf: str, pt: int, nt: int, ml: int, b: int, exe: str | None = None, threads: int | None = None) -> dict:
     import subprocess
 
-    exe = os.environ[LLAMACPP_ENV]
+    exe = exe or os.environ[LLAMACPP_ENV]
     cmd = [exe, "--model", gguf, "--batch", str(b), "--prompt-tokens", str(pt), "--new-tokens", str(nt), "--ctx", str(ml)]
+    if threads is not None:
+        cmd += ["--threads", str(threads)]
     out = subprocess.run(cmd, capture_output=True, text=True)
     if out.returncode != 0:
         return {"error": f"{exe} exited {out.returncode}: {out.stderr.strip()[-300:]}"}
@@ -99,7 +106,19 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="one small cell (prompt 16, 64 new tokens, max_length 2048, "
                    "batch 1) to check the set-up")
     p.add_argument("--out", default="results")
+    p.add_argument("--cpu-baseline", choices=["llamacpp"], help="CPU: llama.cpp's decode tokens/s on the same GGUF in "
+                   "the same run (Note [CPU baseline]); default variants: ortkv")
+    p.add_argument("--llamacpp-bin", metavar="PATH", help=f"the llama.cpp driver (default: ${LLAMACPP_ENV}, else the "
+                   "one benchmarks/llamacpp/build.sh built in the ortkv cache, else that script is run)")
+    p.add_argument("--weights", choices=["float32", "q4"], help="the ortkv weights (default: the config's; with "
+                   "--cpu-baseline: q4, the GGUF's own 4-bit blocks)")
+    p.add_argument("--repeats", type=int, default=3, help="--cpu-baseline: runs of each variant per cell, "
+                   "alternating (default 3; medians)")
+    p.add_argument("--threads", type=int, help="--cpu-baseline: threads for ortkv (intra_op_num_threads) and "
+                   "llama.cpp alike (default: the CPUs this process may use)")
     a = p.parse_args(argv)
+    if a.cpu_baseline:
+        return cpu_baseline(p, a)
     cuda = a.device != "cpu"
     grid = CUDA_GRID if cuda else {"prompt_tokens": [16, 512], "new_tokens": [256, 1024], "max_length": [2048, 8192],
                                    "batch": [1, 4]}
@@ -129,6 +148,8 @@ def main(argv=None) -> int:
         cell = {"prompt_tokens": pt, "new_tokens": nt, "max_length": ml, "batch": b, "runs": {}}
         for v in a.variants:
             runner, overrides = worker_overrides(a.device, v, ml, nt)
+            if a.weights:
+                overrides["ortkv.weights"] = a.weights
             try:
                 r = run_worker(runner, None, overrides, prompts)
             except OrtkvError as exc:  # one failing cell is reported in the table, the grid goes on
@@ -159,6 +180,163 @@ def main(argv=None) -> int:
     print(table)
     print(f"\nwritten to {out}/")
     return 0
+
+
+# Note [CPU baseline]
+# `ortkv bench --cpu-baseline llamacpp` puts llama.cpp's CPU decode speed on the same GGUF beside ortkv's,
+# in one run: per cell (prompt, new tokens, max_length, batch) every variant runs --repeats times, the
+# variants alternating (ortkv, ..., llama.cpp, ortkv, ..., llama.cpp, ...), so that a load that comes and
+# goes on a shared machine falls on all of them; the table holds the medians and each variant's ratio to
+# llama.cpp. Both sides do the same work: B copies of ONE prompt of P tokens prefilled together, then N
+# new tokens per row greedily, decode_tok_s = (N - 1) x B / decode seconds (the first new token comes from
+# the prefill), the same thread count (ortkv's intra_op_num_threads = the driver's --threads), max_length
+# positions per row (the driver's n_ctx = max_length x B, one KV stream per row, f16 K/V). ortkv runs with
+# --weights q4 by default: the GGUF's Q4_1 blocks as MatMulNBits (weights.py Note [Fast 4-bit path]).
+# The driver (Note [llama.cpp hook]) is, in order: --llamacpp-bin, $ORTKV_LLAMACPP_BENCH, the one
+# benchmarks/llamacpp/build.sh left in the ortkv cache, else that script run from the ortkv checkout the
+# command runs in (it fetches llama.cpp's prebuilt libraries and headers from npm, version pinned).
+LLAMACPP_VERSION = "3.22.1"  # node-llama-cpp's, as benchmarks/llamacpp/fetch.sh pins it
+CPU_GRID = {"prompt_tokens": [16], "new_tokens": [256], "max_length": [2048, 8192], "batch": [1, 4]}
+
+
+def find_llamacpp(explicit: str | None, log=print) -> str:
+    """The llama.cpp driver's path (Note [CPU baseline]), building it only as the last resort."""
+    import subprocess
+
+    from .assets import cache_dir
+
+    for path, origin in ((explicit, "--llamacpp-bin"), (os.environ.get(LLAMACPP_ENV), f"${LLAMACPP_ENV}")):
+        if path:
+            if not os.access(path, os.X_OK):
+                raise OrtkvError(f"{origin} {path}: no executable there; pass the llama_decode_bench that "
+                                 "benchmarks/llamacpp/build.sh prints")
+            return path
+    built = cache_dir() / f"llamacpp-{LLAMACPP_VERSION}" / "lib" / "llama_decode_bench"
+    if os.access(built, os.X_OK):
+        return str(built)
+    here = Path.cwd().resolve()
+    script = next((d / "benchmarks" / "llamacpp" / "build.sh" for d in (here, *here.parents)
+                   if (d / "benchmarks" / "llamacpp" / "build.sh").is_file()), None)
+    if script is None:
+        raise OrtkvError(f"no llama.cpp driver: {built} does not exist and {here} is not inside an ortkv checkout "
+                         f"(benchmarks/llamacpp/build.sh builds one); pass --llamacpp-bin PATH or set {LLAMACPP_ENV}")
+    log(f"ortkv bench: building the llama.cpp driver with {script} (npm fetch of node-llama-cpp {LLAMACPP_VERSION}) ...")
+    out = subprocess.run(["bash", str(script)], capture_output=True, text=True)
+    if out.returncode != 0 or not out.stdout.strip():
+        raise OrtkvError(f"{script} failed ({out.returncode}): {out.stderr.strip()[-300:]}; fix that or pass "
+                         "--llamacpp-bin PATH")
+    return out.stdout.strip().splitlines()[-1]
+
+
+def _median(xs):
+    xs = sorted(xs)
+    n = len(xs)
+    return xs[n // 2] if n % 2 else 0.5 * (xs[n // 2 - 1] + xs[n // 2])
+
+
+def cpu_baseline(p, a) -> int:
+    if a.device != "cpu":
+        p.error("--cpu-baseline compares CPU decoding: leave --device out (or --device cpu)")
+    if a.repeats < 1:
+        p.error(f"--repeats {a.repeats}: give 1 or more (3 for medians)")
+    if a.threads is not None and a.threads < 1:
+        p.error(f"--threads {a.threads}: give 1 or more")
+    if a.variants and "ortkv-nograph" in a.variants:
+        p.error("ortkv-nograph (the ortkv decoder without CUDA graph capture) needs --device cuda[:N]")
+    for key, default in CPU_GRID.items():
+        if getattr(a, key) is None:
+            setattr(a, key, default)
+    if a.quick:
+        a.prompt_tokens, a.new_tokens, a.max_length, a.batch, a.repeats = [16], [64], [2048], [1], 1
+    variants = list(a.variants or ["ortkv"])
+    weights = a.weights or "q4"
+    threads = a.threads or len(os.sched_getaffinity(0))
+    exe = find_llamacpp(a.llamacpp_bin, log=lambda m: print(m, file=sys.stderr))
+    from .models import build_models, gguf_path, tokenizer_for
+
+    cfg = GenAIConfig()
+    cfg.ortkv.weights = weights
+    cfg.validate()
+    tok = tokenizer_for(cfg)
+    build_models(cfg, sorted({"genai" if v.startswith("genai") else v for v in variants}))  # once, before any timing
+    gguf = str(gguf_path(cfg))
+    load0 = os.getloadavg()[0]
+    cells = list(itertools.product(a.prompt_tokens, a.new_tokens, a.max_length, a.batch))
+    rows = []
+    for (pt, nt, ml, b) in _progress(cells, len(cells)):
+        prompts = [prompt_ids(tok, pt, 1)[0]] * b  # one prompt, b rows (as the driver)
+        runs = {v: [] for v in variants + ["llama.cpp"]}
+        for rep in range(a.repeats):
+            for v in variants + ["llama.cpp"]:
+                if v == "llama.cpp":
+                    r = run_llamacpp(gguf, pt, nt, ml, b, exe=exe, threads=threads)
+                else:
+                    overrides = {"search.max_length": ml, "ortkv.max_new_tokens": nt, "ortkv.weights": weights,
+                                 "ortkv.intra_op_num_threads": threads}
+                    try:
+                        r = run_worker(v, None, overrides, prompts)
+                    except OrtkvError as exc:
+                        r = {"error": str(exc).strip().splitlines()[-1][:300]}
+                    for k in ("texts", "prompt_ids", "prompts", "rss_per_step", "kv_bytes_per_step"):
+                        r.pop(k, None)
+                runs[v].append(r)
+                msg = (f"FAILED: {r['error']}" if "error" in r else f"decode {r['decode_tok_s']:8.1f} tok/s")
+                print(f"  prompt {pt} new {nt} max_length {ml} batch {b} run {rep + 1}/{a.repeats} {v:<12} {msg}",
+                      file=sys.stderr)
+        rows.append({"prompt_tokens": pt, "new_tokens": nt, "max_length": ml, "batch": b, "runs": runs,
+                     "median": {v: summarize(rs) for v, rs in runs.items()}})
+    meta = {"weights": weights, "threads": threads, "repeats": a.repeats, "llamacpp_bin": exe, "gguf": gguf,
+            "load_avg_start": load0, "load_avg_end": os.getloadavg()[0], "variants": variants}
+    out = Path(a.out) / time.strftime("bench_cpu_%Y%m%d_%H%M%S")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench_cpu_llamacpp.json").write_text(json.dumps({"meta": meta, "rows": rows}))
+    table = markdown_cpu_baseline(rows, variants + ["llama.cpp"], meta)
+    (out / "bench_cpu_llamacpp.md").write_text(table + "\n")
+    print(table)
+    print(f"\nwritten to {out}/")
+    return 0
+
+
+def summarize(runs: list[dict]) -> dict:
+    """Medians of the successful runs (decode / prefill tok/s, ms per step), their count and the first error."""
+    ok = [r for r in runs if "error" not in r]
+    m = {"ok": len(ok), "of": len(runs)}
+    if len(ok) < len(runs):
+        m["error"] = next(r["error"] for r in runs if "error" in r)
+    for key in ("decode_tok_s", "prefill_tok_s", "median_step_ms", "kv_bytes"):
+        vals = [float(r[key]) for r in ok if r.get(key) is not None]
+        if vals:
+            m[key] = _median(vals)
+    if ok:
+        m["decode_runs"] = [float(r["decode_tok_s"]) for r in ok]
+    return m
+
+
+def markdown_cpu_baseline(rows, variants, meta) -> str:
+    lines = [f"# ortkv bench --cpu-baseline llamacpp ({platform.node()}, {time.strftime('%Y-%m-%d %H:%M')})", "",
+             f"ortkv weights {meta['weights']}, {meta['threads']} threads for every variant, {meta['repeats']} "
+             "alternating runs per variant and cell, medians; vs llama.cpp: the variant's median over llama.cpp's "
+             f"(same GGUF); load average (1 min) {meta['load_avg_start']:.1f} at the start, "
+             f"{meta['load_avg_end']:.1f} at the end", "",
+             "| prompt | new | max_length | batch | variant | decode tok/s | vs llama.cpp | runs (decode tok/s) | "
+             "ms/step | prefill tok/s | vs llama.cpp | KV bytes |",
+             "|---:|---:|---:|---:|---|---:|---:|---|---:|---:|---:|---:|"]
+    for c in rows:
+        base = c["median"]["llama.cpp"]
+        for v in variants:
+            m = c["median"][v]
+            head = f"| {c['prompt_tokens']} | {c['new_tokens']} | {c['max_length']} | {c['batch']} | {v} | "
+            if not m["ok"]:
+                lines.append(head + f"failed: {m['error']} |" + " |" * 6)
+                continue
+            ratio = lambda k: f"{m[k] / base[k]:.2f}" if base.get(k) else "-"  # noqa: E731
+            runs = ", ".join(f"{x:.1f}" for x in m["decode_runs"]) + ("" if m["ok"] == m["of"] else
+                                                                      f" ({m['of'] - m['ok']} failed: {m['error']})")
+            kv = f"{m['kv_bytes'] / 2**20:.1f} MiB" if "kv_bytes" in m else "-"
+            step = f"{m['median_step_ms']:.2f}" if "median_step_ms" in m else "-"
+            lines.append(head + f"{m['decode_tok_s']:.1f} | {ratio('decode_tok_s')} | {runs} | {step} | "
+                         f"{m['prefill_tok_s']:.1f} | {ratio('prefill_tok_s')} | {kv} |")
+    return "\n".join(lines)
 
 
 def markdown(rows, variants) -> str:

@@ -44,6 +44,32 @@ ACCURACY_LEVEL_DOWN = 0  # ffn_down: float activations (Note [Accuracy levels])
 # With q4 weights Q, K and V are one MatMulNBits (N = 576 + 192 + 192) and gate / up another (N = 2 x 1536),
 # each followed by a Split: fewer, larger kernels (and one blocksum / minimum term each, Note [Fast 4-bit
 # path]), which matters at one token per step where per-node overhead is a large part of the time.
+# Note [Block sums as a MatMul]
+# Q4_1's minimum term needs x summed over each block of 32 (Note [Fast 4-bit path] in weights.py): as
+# Reshape [.., K / 32, 32] + ReduceSum, two nodes per projection input (120 of a SmolLM2 decode step's
+# ~1,060). Tried: one MatMul with a 0/1 matrix [K, K / 32] instead (120 nodes fewer). Teacher-forced top-1
+# agreement with llama.cpp fell from 215/224 to 206/224 (92 %, under the 95 % bar). Not explained yet:
+# x * 1.0 is exact and only the order of the additions differs; a suspect is that the minimum term and
+# the MatMulNBits term nearly cancel (m ~ -8 d), which magnifies any rounding difference, with the near
+# ties of Note [Accuracy levels]. So the block sums stay Reshape + ReduceSum.
+
+# Note [Fused decoder layer]
+# One decode step is ~30 layers of small kernels, and at one token per step ORT's cost per node (~5-10 us
+# between kernels on this kind of CPU) is a large share of the step (benchmarks/profile_decode.py). So:
+# * each residual add and the RMSNorm after it are ONE com.microsoft.SkipSimplifiedLayerNormalization
+#   (output 0: the normalized sum for the next projection; output 3: the sum, the residual stream): the
+#   attention output enters the ffn norm, the MLP output enters the NEXT layer's attn norm, and after the
+#   last layer the final norm (whose sum nobody reads). Only layer 0's attn norm stays a plain
+#   SimplifiedLayerNormalization. 4 nodes per layer become 2. FLOAT weights only: with the q4 weights
+#   the fused norm (its own float arithmetic, not Add's + SimplifiedLayerNormalization's) changed the
+#   greedy continuation of the README prompt ("... 2018-01-22 12:12:53." became "... 2017-01-22
+#   12:12:12."; teacher-forced agreement stayed >= 95 %), so the q4 graphs keep Add +
+#   SimplifiedLayerNormalization (their 4-bit projections were fused already) until that is accepted.
+# * the float projections are fused as the q4 ones are (Note [Fused q4 projections]): [wq | wk | wv] one
+#   MatMul of N = (H + 2 Hkv) D and [wg | wu] one of N = 2 ffn, each followed by a Split: one larger GEMM
+#   instead of three (two), the same weight bytes read once.
+# float32: greedy tokens identical to the unfused graph's on the README prompt and "Once upon a time, there
+# was a little robot who" (128 new tokens each), and the three variants agree (tests/test_generate.py).
 OPSETS = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1), helper.make_opsetid("ortkv", 1)]
 
 
@@ -181,10 +207,19 @@ def build(weights: LlamaWeights, variant: str, max_positions: int | None = None,
             g.init("shape_e", np.array([0, 0, E], np.int64))
 
     block_sums = {}  # (x, K, block) -> x summed per block, shared by the matrices reading the same x
+    g.init("split_qkv", np.array([H * D, Hkv * D, Hkv * D], np.int64))  # Note [Block sums as a MatMul]
+# Q4_1's minimum term needs x summed over each block of 32 (Note [Fast 4-bit path] in weights.py): as
+# Reshape [.., K / 32, 32] + ReduceSum, two nodes per projection input (120 of a SmolLM2 decode step's
+# ~1,060). Tried: one MatMul with a 0/1 matrix [K, K / 32] instead (120 nodes fewer). Teacher-forced top-1
+# agreement with llama.cpp fell from 215/224 to 206/224 (92 %, under the 95 % bar). Not explained yet:
+# x * 1.0 is exact and only the order of the additions differs; a suspect is that the minimum term and
+# the MatMulNBits term nearly cancel (m ~ -8 d), which magnifies any rounding difference, with the near
+# ties of Note [Accuracy levels]. So the block sums stay Reshape + ReduceSum.
+
+# Note [Fused decoder layer]
+    g.init("split_gu", np.array([cfg.ffn, cfg.ffn], np.int64))
     if weights.layers and isinstance(weights.layers[0]["wq"], Q4Weight):
         g.init("axis_last", np.array([-1], np.int64))
-        g.init("split_qkv", np.array([H * D, Hkv * D, Hkv * D], np.int64))
-        g.init("split_gu", np.array([cfg.ffn, cfg.ffn], np.int64))
         for k in sorted({E, cfg.ffn}):
             g.init(f"shape_blocks_{k}", np.array([0, 0, k // 32, 32], np.int64))
 
@@ -206,7 +241,7 @@ def build(weights: LlamaWeights, variant: str, max_positions: int | None = None,
             if key not in block_sums:
                 assert w.block_size == 32, "the minimums come from Q4_1, blocks of 32"
                 block_sums[key] = g.op("ReduceSum", [g.op("Reshape", [x, f"shape_blocks_{w.K}"]), "axis_last"],
-                                       keepdims=0)
+                                       keepdims=0)  # Note [Block sums as a MatMul]
             mins = g.op("MatMul", [block_sums[key], g.init(name + "_mins", np.ascontiguousarray(w.mins.T))])
             return g.op("Add", [y, mins], outputs)
         return g.op("MatMul", [x, g.init(name, w)], outputs)
@@ -225,15 +260,43 @@ def build(weights: LlamaWeights, variant: str, max_positions: int | None = None,
                     bits=8, block_size=eq.block_size, gather_axis=0, quantize_axis=2)
         x = g.op("Reshape", [rows, "shape_e_embed"])
     for i, lw in enumerate(weights.layers):
+        g.init(f"l{i}_attn_norm", lw["attn_norm"])
+        g.init(f"l{i}_ffn_norm", lw["ffn_norm"])
+    # Note [Block sums as a MatMul]
+# Q4_1's minimum term needs x summed over each block of 32 (Note [Fast 4-bit path] in weights.py): as
+# Reshape [.., K / 32, 32] + ReduceSum, two nodes per projection input (120 of a SmolLM2 decode step's
+# ~1,060). Tried: one MatMul with a 0/1 matrix [K, K / 32] instead (120 nodes fewer). Teacher-forced top-1
+# agreement with llama.cpp fell from 215/224 to 206/224 (92 %, under the 95 % bar). Not explained yet:
+# x * 1.0 is exact and only the order of the additions differs; a suspect is that the minimum term and
+# the MatMulNBits term nearly cancel (m ~ -8 d), which magnifies any rounding difference, with the near
+# ties of Note [Accuracy levels]. So the block sums stay Reshape + ReduceSum.
+
+# Note [Fused decoder layer]: the residual stream x enters each norm through SkipSimplifiedLayerNormalization
+    q4 = bool(weights.layers) and isinstance(weights.layers[0]["wq"], Q4Weight)
+    skip_norm = not q4  # q4 keeps Add + SimplifiedLayerNormalization: Note [Fused decoder layer]
+
+    def add_norm(x, y, gamma, out, need_sum=True):
+        """(norm(x + y) * gamma, x + y): one SkipSimplifiedLayerNormalization, or Add + SimplifiedLayerNormalization."""
+        if not skip_norm:
+            s = g.op("Add", [x, y])
+            return g.op("SimplifiedLayerNormalization", [s, gamma], axis=-1, epsilon=cfg.rms_eps), s
+        if not need_sum:
+            return g.op("SkipSimplifiedLayerNormalization", [x, y, gamma], [out], domain="com.microsoft",
+                        epsilon=cfg.rms_eps), None
+        n, _, _, s = g.op("SkipSimplifiedLayerNormalization", [x, y, gamma], [out, "", "", out + "_sum"],
+                          domain="com.microsoft", epsilon=cfg.rms_eps)
+        return n, s
+
+    h = g.op("SimplifiedLayerNormalization", [x, "l0_attn_norm"], axis=-1, epsilon=cfg.rms_eps) if weights.layers \
+        else None
+    for i, lw in enumerate(weights.layers):
         p = f"l{i}_"
-        for k in ("attn_norm", "ffn_norm"):
-            g.init(p + k, lw[k])
-        h = g.op("SimplifiedLayerNormalization", [x, p + "attn_norm"], axis=-1, epsilon=cfg.rms_eps)
         if isinstance(lw["wq"], Q4Weight):  # Note [Fused q4 projections]
-            q_lin, k_lin, v = g.op("Split", [matmul(h, p + "wqkv", concat_n([lw["wq"], lw["wk"], lw["wv"]])),
-                                             "split_qkv"], [p + "q", p + "k", p + "v"], axis=-1)
-        else:
-            q_lin, k_lin, v = matmul(h, p + "wq", lw["wq"]), matmul(h, p + "wk", lw["wk"]), matmul(h, p + "wv", lw["wv"])
+            wqkv = concat_n([lw["wq"], lw["wk"], lw["wv"]])
+        else:  # float: the three matrices side by side, [E, (H + 2 Hkv) D]
+            wqkv = np.concatenate([lw["wq"], lw["wk"], lw["wv"]], axis=1)
+        q_lin, k_lin, v = g.op("Split", [matmul(h, p + "wqkv", wqkv), "split_qkv"], [p + "q", p + "k", p + "v"],
+                               axis=-1)
         q = g.op("RotaryEmbedding", [q_lin, pos_ids, "rope_cos", "rope_sin"],
                  domain="com.microsoft", interleaved=1, num_heads=H)
         k = g.op("RotaryEmbedding", [k_lin, pos_ids, "rope_cos", "rope_sin"],
@@ -280,16 +343,18 @@ def build(weights: LlamaWeights, variant: str, max_positions: int | None = None,
         out_shape = kv_shape if variant == "ortkv" else ["batch", Hkv, "total_seq", D]
         outputs += [helper.make_tensor_value_info(pres_k, FT, out_shape),
                     helper.make_tensor_value_info(pres_v, FT, out_shape)]
-        x = g.op("Add", [x, matmul(attn, p + "wo", lw["wo"])])
-        h2 = g.op("SimplifiedLayerNormalization", [x, p + "ffn_norm"], axis=-1, epsilon=cfg.rms_eps)
-        if isinstance(lw["wg"], Q4Weight):
-            gate, up = g.op("Split", [matmul(h2, p + "wgu", concat_n([lw["wg"], lw["wu"]])), "split_gu"],
-                            [p + "gate", p + "up"], axis=-1)
-        else:
-            gate, up = matmul(h2, p + "wg", lw["wg"]), matmul(h2, p + "wu", lw["wu"])
+        # x + attention output, and its ffn norm, in one node (outputs: normalized, -, -, the sum)
+        h2, x = add_norm(x, matmul(attn, p + "wo", lw["wo"]), p + "ffn_norm", p + "ffn_in")
+        wgu = (concat_n([lw["wg"], lw["wu"]]) if isinstance(lw["wg"], Q4Weight)
+               else np.concatenate([lw["wg"], lw["wu"]], axis=1))
+        gate, up = g.op("Split", [matmul(h2, p + "wgu", wgu), "split_gu"], [p + "gate", p + "up"], axis=-1)
         act = g.op("Mul", [g.op("Mul", [gate, g.op("Sigmoid", [gate])]), up])
-        x = g.op("Add", [x, matmul(act, p + "wd", lw["wd"], accuracy_level=level_down)])
-    xn = g.op("SimplifiedLayerNormalization", [x, "final_norm"], axis=-1, epsilon=cfg.rms_eps)
+        down = matmul(act, p + "wd", lw["wd"], accuracy_level=level_down)
+        last = i == len(weights.layers) - 1
+        # x + MLP output, normalized for the next layer's attention (the final norm after the last layer)
+        norm_next = "final_norm" if last else f"l{i + 1}_attn_norm"
+        h, x = add_norm(x, down, norm_next, p + "out_norm", need_sum=not last)
+    xn = h if weights.layers else g.op("SimplifiedLayerNormalization", [x, "final_norm"], axis=-1, epsilon=cfg.rms_eps)
     if eq is None and dtype != "float32":
         g.op("Cast", [g.op("MatMul", [xn, "lm_head"], ["logits_" + dtype])], ["logits"], to=TP.FLOAT)
     elif eq is None:

@@ -334,6 +334,14 @@ def simplified_layer_norm(ctx, node, label, ins):
     return outs
 
 
+def skip_simplified_layer_norm(ctx, node, label, ins):
+    """com.microsoft.SkipSimplifiedLayerNormalization: output and input_skip_bias_sum (outputs 0 and 3) as
+    the input; the optional mean / inv_std_var (1, 2) float [..., 1] over the last axis."""
+    x = ins[0] if ins else ValueType()
+    stat = ValueType(TensorProto.FLOAT, tuple(x.shape[:-1]) + (1,) if x.shape else None)
+    return [x, stat, stat, x][:len(node.output)]
+
+
 def matmul_nbits(ctx, node, label, ins):
     a = ins[0] if ins else ValueType()
     n, k = _int_attr(node, "N"), _int_attr(node, "K")
@@ -360,6 +368,7 @@ OP_RULES = {
     ("ortkv", "PagedCacheAttention"): paged_cache_attention,
     ("com.microsoft", "SimplifiedLayerNormalization"): simplified_layer_norm,
     ("", "SimplifiedLayerNormalization"): simplified_layer_norm,  # ORT also registers it in the onnx domain
+    ("com.microsoft", "SkipSimplifiedLayerNormalization"): skip_simplified_layer_norm,
     ("com.microsoft", "RotaryEmbedding"): passthrough,
     ("com.microsoft", "MatMulNBits"): matmul_nbits,
     ("com.microsoft", "GroupQueryAttention"): group_query_attention,

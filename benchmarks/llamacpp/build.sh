@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Build benchmarks/llamacpp/llama_decode_bench.cpp against the libraries and headers fetch.sh put in the
+# ortkv cache (fetching them first if missing); the executable goes beside the libraries (rpath $ORIGIN, so
+# ggml finds its CPU variant libraries there too). Prints the executable's path.
+#   benchmarks/llamacpp/build.sh [LLAMACPP_DIR]   (default: the directory fetch.sh prints)
+set -euo pipefail
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+DIR="${1:-$("$HERE/fetch.sh")}"
+CXX="${CXX:-c++}"
+command -v "$CXX" >/dev/null || { echo "build.sh: no C++ compiler ($CXX); install g++ or set CXX" >&2; exit 1; }
+LIBLLAMA="$(ls "$DIR/lib" | grep -E '^libllama(\.v[0-9.]+)?\.so$' | head -1 || true)"
+LIBGGML="$(ls "$DIR/lib" | grep -E '^libggml(\.v[0-9.]+)?\.so$' | head -1 || true)"
+[[ -n "$LIBLLAMA" && -n "$LIBGGML" ]] || { echo "build.sh: no libllama / libggml in $DIR/lib: run fetch.sh" >&2; exit 1; }
+OUT="$DIR/lib/llama_decode_bench"
+"$CXX" -O2 -std=c++17 -o "$OUT.tmp" "$HERE/llama_decode_bench.cpp" -I"$DIR/include" -L"$DIR/lib" \
+  -l:"$LIBLLAMA" -l:"$LIBGGML" -l:libggml-base.so -Wl,-rpath,'$ORIGIN'
+mv "$OUT.tmp" "$OUT"
+echo "$OUT"
