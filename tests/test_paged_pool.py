@@ -1,0 +1,351 @@
+"""ortkv.paged: the page pool on one arena (growth, reuse, governor, requantize, demotion), the policies and
+the sequence manager. Requantize runs through _ortkv.paged_requantize; where this build lacks it, a numpy
+stand-in built on ortkv.reference.codecs takes its place (same contract: all layers, nothing written on
+refusal)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ortkv import _ortkv, paged
+from ortkv.errors import CacheInputError, CapacityError, OrtkvError
+from ortkv.paged import (ExplicitPolicy, PagedKVCache, PagePool, RecencyPolicy, UniformPolicy, parse_format,
+                         policy_from_config)
+from ortkv.reference import codecs as rc
+from ortkv.reference.codecs import PageFormat as F
+from ortkv.vmm import Governor
+
+L, H, PS, D = 2, 2, 16, 64  # layers, kv heads, page size, head size
+GRANULE = 4096
+
+
+def _numpy_requantize(pool, src_offset, src_format, dst_offset, dst_format, num_layers, kv_heads, page_size,
+                      head_size, logical):
+    src_pb = rc.layout(src_format, kv_heads, page_size, head_size).page_bytes
+    dst_pb = rc.layout(dst_format, kv_heads, page_size, head_size).page_bytes
+    encoded = []
+    for layer in range(num_layers):  # every layer encoded before any byte is written
+        src = np.array(pool[src_offset + layer * src_pb: src_offset + (layer + 1) * src_pb])
+        encoded.append(rc.encode_page(dst_format, rc.decode_page(src_format, src, kv_heads, page_size, head_size)))
+    for layer, page in enumerate(encoded):
+        pool[dst_offset + layer * dst_pb: dst_offset + (layer + 1) * dst_pb] = page
+
+
+@pytest.fixture(autouse=True)
+def _requantize(monkeypatch):
+    if not hasattr(_ortkv, "paged_requantize"):
+        monkeypatch.setattr(paged, "_native_requantize", _numpy_requantize)
+
+
+def _pool(**kw):
+    kw.setdefault("max_pages", 64)
+    return PagePool(L, H, D, PS, np.float32, **kw)
+
+
+def _write(pool, page, values):
+    """values [L, 2, H, PS, D] encoded into page (its format) with the reference codec."""
+    f = pool.format_of(page)
+    for layer in range(L):
+        pool.layer_bytes(page, layer)[:] = rc.encode_page(f, values[layer])
+
+
+def _read(pool, page):
+    f = pool.format_of(page)
+    return np.stack([rc.decode_page(f, np.array(pool.layer_bytes(page, layer)), H, PS, D) for layer in range(L)])
+
+
+def _rup(n, g=GRANULE):
+    return -(-n // g) * g
+
+
+def test_slot_sizes_follow_the_codec_layout():
+    with _pool() as pool:
+        for f in F:
+            assert pool.page_bytes(f) == rc.layout(f, H, PS, D).page_bytes
+            assert pool.slot_bytes(f) == L * rc.layout(f, H, PS, D).page_bytes
+        offsets = sorted(s.offset for s in pool.slabs.values())
+        assert offsets[0] == 0 and all(o % paged.SLAB_ALIGN == 0 for o in offsets)
+        assert pool.pool.dtype == np.uint8 and pool.pool.shape == (pool.pool_bytes,)
+        assert pool.committed_bytes == 0  # address space only
+
+
+DEVICES = ["cpu", pytest.param("cuda:0", marks=pytest.mark.cuda)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_slabs_grow_granule_by_granule_as_slots_are_taken(device):
+    with _pool(device=device) as pool:
+        g = pool.granule  # 4 KiB on the host, 2 MiB on CUDA (queried)
+        assert g == GRANULE or device != "cpu"
+        slot = pool.slot_bytes(F.INT8)  # 8448: not a multiple of the granule
+        for n in range(1, 9):
+            page = pool.alloc(F.INT8)
+            assert pool.format_of(page) == F.INT8
+            assert pool.offset_of(page) == pool.slabs[F.INT8].offset + (n - 1) * slot
+            assert pool.committed_bytes_per_format()["INT8"] == _rup(n * slot, g)
+            assert pool.committed_bytes == _rup(n * slot, g)
+        assert pool.committed_bytes_per_format()["F16"] == 0
+        assert pool.pages_per_format()["INT8"] == 8
+        assert pool.bytes_copied == 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_freed_slots_are_reused_per_format(device):
+    with _pool(device=device) as pool:
+        g = pool.granule
+        a, b, c = (pool.alloc(F.F16) for _ in range(3))
+        committed = pool.committed_bytes
+        off_b = pool.offset_of(b)
+        pool.free(b)
+        assert pool.directory[b].tolist() == [-1, -1]
+        i8 = pool.alloc(F.INT8)  # its own slab grows; the free F16 slot is not taken
+        assert pool.offset_of(i8) >= pool.slabs[F.INT8].offset
+        assert pool.committed_bytes == committed + _rup(pool.slot_bytes(F.INT8), g)
+        d = pool.alloc(F.F16)
+        assert pool.offset_of(d) == off_b  # the freed slot, no growth
+        assert pool.committed_bytes == committed + _rup(pool.slot_bytes(F.INT8), g)
+        assert pool.pages_per_format() == {**{f.name: 0 for f in F}, "F16": 3, "INT8": 1}
+        assert pool.bytes_copied == 0
+
+
+def test_governor_refusal_is_capacity_error_with_numbers_and_changes_nothing():
+    gov = Governor(2 * 16384)
+    with _pool(governor=gov) as pool:
+        pages = [pool.alloc(F.F16) for _ in range(2)]
+        directory = pool.directory.copy()
+        with pytest.raises(CapacityError, match=r"refused .* F16 page of 16384 bytes \(budget 32768 bytes, "
+                                                r"32768 in use.*raise the budget or free pages") as e:
+            pool.alloc(F.F16)
+        assert e.value.requested == 16384 and e.value.budget == 32768 and e.value.in_use == 32768
+        assert np.array_equal(pool.directory, directory) and pool.live_pages == sorted(pages)
+        assert pool.committed_bytes == 32768 and gov.in_use == 32768
+        pool.free(pages[0])
+        assert pool.alloc(F.F16) == pages[0]  # a freed slot needs no grant
+
+
+def test_refused_format_borrows_a_free_wider_slot():
+    gov = Governor(2 * 16384)
+    with _pool(governor=gov) as pool:
+        pages = [pool.alloc(F.F16) for _ in range(2)]
+        pool.free(pages[1])
+        p = pool.alloc(F.INT4)  # the INT4 slab cannot grow: the free F16 slot holds it
+        assert pool.format_of(p) == F.INT4 and pool.offset_of(p) == pool.slabs[F.F16].slot_offset(1)
+        values = np.random.default_rng(0).standard_normal((L, 2, H, PS, D)).astype(np.float32)
+        _write(pool, p, values)
+        np.testing.assert_array_less(np.abs(_read(pool, p) - values), rc.page_round_trip_bound(F.INT4, values[0]).max() * 2)
+        pool.free(p)
+        q = pool.alloc(F.F16)  # the borrowed slot went back to the F16 free list
+        assert pool.offset_of(q) == pool.slabs[F.F16].slot_offset(1) and gov.in_use == 2 * 16384
+
+
+def test_max_pages_is_refused_with_numbers():
+    with _pool(max_pages=3) as pool:
+        for _ in range(3):
+            pool.alloc(F.INT2)
+        with pytest.raises(CapacityError, match=r"all 3 pages are in use \(max_pages\)") as e:
+            pool.alloc(F.INT2)
+        assert e.value.capacity == 3
+
+
+@pytest.mark.parametrize("mix", [[F.F16], [F.INT4], [F.F16, F.INT8, F.INT4],
+                                 [F.F16, F.BF16, F.INT8, F.FP8_E4M3, F.INT4, F.INT2, F.INT4_KC, F.INT2_KC]])
+def test_tokens_per_gib_within_5_percent_of_ideal(mix):
+    # SmolLM2-135M's shape: 30 layers, 3 KV heads, head_size 64, pages of 16 tokens
+    with PagePool(30, 3, 64, 16, np.float32, max_pages=512) as pool:
+        rng = np.random.default_rng(1)
+        fmts = [mix[i] for i in rng.integers(0, len(mix), 400)]
+        for f in fmts:
+            pool.alloc(f)
+        ideal = sum(30 * rc.layout(f, 3, 16, 64).ideal_bytes for f in fmts)
+        tokens = 16 * len(fmts)
+        assert pool.committed_bytes == sum(pool.committed_bytes_per_format().values())
+        measured, best = tokens / pool.committed_bytes, tokens / ideal
+        assert measured >= 0.95 * best, (measured, best)
+
+
+def test_requantize_moves_one_page_and_frees_the_old_slot():
+    with _pool() as pool:
+        p, q = pool.alloc(F.F16), pool.alloc(F.F16)
+        values = np.random.default_rng(2).standard_normal((L, 2, H, PS, D)).astype(np.float32)
+        _write(pool, p, values)
+        q_bytes = np.array(pool.pool[pool.offset_of(q):pool.offset_of(q) + pool.slot_bytes(F.F16)])
+        old_offset = pool.offset_of(p)
+        pool.requantize(p, F.INT8)
+        assert pool.format_of(p) == F.INT8 and pool.directory[p, 0] == int(F.INT8)
+        assert pool.offset_of(p) == pool.slabs[F.INT8].offset
+        assert pool.bytes_copied == pool.slot_bytes(F.INT8) and pool.requantized_pages == 1
+        got = _read(pool, p)
+        for layer in range(L):
+            f16 = values[layer].astype(np.float16).astype(np.float32)
+            assert (np.abs(got[layer] - f16) <= rc.page_round_trip_bound(F.INT8, f16) + 1e-6).all()
+        assert np.array_equal(q_bytes, pool.pool[pool.offset_of(q):pool.offset_of(q) + pool.slot_bytes(F.F16)])
+        assert pool.offset_of(pool.alloc(F.F16)) == old_offset  # the old slot is free again
+        pool.requantize(p, F.INT8)  # same format: nothing to do
+        assert pool.bytes_copied == pool.slot_bytes(F.INT8)
+
+
+def test_requantize_refusal_leaves_everything_untouched():
+    with _pool() as pool:
+        p = pool.alloc(F.F16)
+        values = np.ones((L, 2, H, PS, D), np.float32)
+        values[1, 0, 1, 3, 5] = np.inf
+        _write(pool, p, values)
+        before_page = np.array(pool.pool[pool.offset_of(p):pool.offset_of(p) + pool.slot_bytes(F.F16)])
+        directory = pool.directory.copy()
+        with pytest.raises(CacheInputError, match="inf|NaN|finite"):
+            pool.requantize(p, F.INT8)
+        assert np.array_equal(pool.directory, directory) and pool.bytes_copied == 0
+        assert np.array_equal(before_page, pool.pool[pool.offset_of(p):pool.offset_of(p) + pool.slot_bytes(F.F16)])
+        assert pool.pages_per_format()["INT8"] == 0
+        i8 = pool.alloc(F.INT8)  # the slot taken for the refused copy went back to the free list
+        assert pool.offset_of(i8) == pool.slabs[F.INT8].offset
+
+
+def test_demotion_on_refusal_narrows_the_oldest_unpinned_page():
+    slot16, slot8 = L * 8192, L * 4224
+    gov = Governor(4 * slot16 + _rup(slot8))
+    with _pool(governor=gov, demote_on_refusal=True) as pool:
+        pages = [pool.alloc(F.F16, pinned=(i == 0)) for i in range(4)]  # page 0: a sink
+        rng = np.random.default_rng(3)
+        values = {p: rng.standard_normal((L, 2, H, PS, D)).astype(np.float32) for p in pages}
+        for p in pages:
+            _write(pool, p, values[p])
+        slot_of_1 = pool.offset_of(pages[1])
+        new = pool.alloc(F.F16)  # refused growth: page 1 (oldest unpinned) goes to INT8, its slot is reused
+        assert pool.format_of(pages[0]) == F.F16 and pool.format_of(pages[1]) == F.INT8
+        assert pool.offset_of(new) == slot_of_1 and pool.demoted_pages == 1
+        assert pool.bytes_copied == slot8
+        f16 = values[pages[1]].astype(np.float16).astype(np.float32)
+        assert (np.abs(_read(pool, pages[1]) - f16) <= rc.page_round_trip_bound(F.INT8, f16[0]).max() + 1e-3).all()
+        directory = pool.directory.copy()
+        # the INT8 slab cannot grow again either: nothing fits, CapacityError names what was tried
+        with pytest.raises(CapacityError, match=r"demoted 0 page\(s\) one step .*pinned pages"):
+            pool.alloc(F.F16)
+        assert np.array_equal(pool.directory, directory) and gov.in_use == gov.budget
+
+
+def test_demotion_never_touches_pinned_pages():
+    gov = Governor(2 * L * 8192)
+    with _pool(governor=gov, demote_on_refusal=True) as pool:
+        for _ in range(2):
+            pool.alloc(F.F16, pinned=True)
+        with pytest.raises(CapacityError, match="demoted 0 page"):
+            pool.alloc(F.F16)
+        assert pool.pages_per_format()["F16"] == 2 and pool.demoted_pages == 0
+
+
+def test_pool_argument_errors():
+    with pytest.raises(OrtkvError, match=r"page_size = 0 must be an integer >= 1"):
+        PagePool(L, H, D, 0)
+    with pytest.raises(OrtkvError, match="logical_dtype .* float32, float16 or bfloat16"):
+        PagePool(L, H, D, PS, np.int8)
+    with PagePool(L, H, 6, PS, np.float16, max_pages=4) as pool:  # head_size 6: no INT2 slabs
+        assert pool.wide == F.F16 and F.INT2 not in pool.slabs and F.INT2_KC not in pool.slabs and F.INT4 in pool.slabs
+        with pytest.raises(OrtkvError, match="INT2 cannot hold pages of head_size 6"):
+            pool.alloc(F.INT2)
+        with pytest.raises(OrtkvError, match=r"page 3 is not an allocated page"):
+            pool.free(3)
+        with pytest.raises(OrtkvError, match="kv_format = 'int3': one of 'f16'"):
+            parse_format("int3", "kv_format")
+    assert PagePool(L, H, D, PS, "bfloat16", max_pages=2).wide == F.BF16
+
+
+# --- policies and the sequence manager -------------------------------------------------------------------
+def test_recency_policy_requantizes_pages_leaving_the_window():
+    with _pool() as pool:
+        cache = PagedKVCache(pool, batch=2, max_pages_per_seq=16, policy=RecencyPolicy(1, 2, F.F16, F.INT4))
+        lengths = np.array([0, 0])
+        formats_seen = []
+        for step in range(8):
+            new = lengths + np.array([PS, PS // 2])  # row 0 a page per step, row 1 half a page
+            cache.reserve(new)
+            cache.advance(new)
+            lengths = new
+            if step == 2:  # row 1: 24 tokens, page 1 is being filled: pinned until full
+                assert int(cache.page_table[1, 1]) in pool._pinned
+            if step == 3:
+                assert int(cache.page_table[1, 1]) not in pool._pinned
+            formats_seen.append([pool.format_of(int(p)).name for p in cache.page_table[0] if p >= 0])
+        # row 0: 8 pages; sink page 0 and the newest 2 stay F16, the rest INT4
+        assert formats_seen[-1] == ["F16"] + ["INT4"] * 5 + ["F16"] * 2
+        assert formats_seen[2] == ["F16", "F16", "F16"]
+        assert formats_seen[3] == ["F16", "INT4", "F16", "F16"]
+        row1 = [pool.format_of(int(p)).name for p in cache.page_table[1] if p >= 0]
+        assert row1 == ["F16", "INT4", "F16", "F16"]  # 64 tokens = 4 pages
+        assert pool.requantized_pages == 5 + 1 and pool.bytes_copied == 6 * pool.slot_bytes(F.INT4)
+        assert pool.pages_per_format()["F16"] == 6 and pool.pages_per_format()["INT4"] == 6
+        assert pool.stats()["live_bytes"] == 6 * pool.slot_bytes(F.F16) + 6 * pool.slot_bytes(F.INT4)
+        assert pool._pinned == {int(cache.page_table[0, 0]), int(cache.page_table[1, 0])}  # the sinks
+        cache.release()
+        assert pool.live_pages == [] and (cache.page_table == -1).all()
+
+
+def test_uniform_kc_pages_fill_wide_and_are_requantized_when_full():
+    with _pool() as pool:
+        cache = PagedKVCache(pool, 1, 8, UniformPolicy(F.INT4_KC))
+        cache.reserve([PS + 3])
+        assert [pool.format_of(int(p)) for p in cache.page_table[0, :2]] == [F.F16, F.F16]
+        cache.advance([PS + 3])
+        assert [pool.format_of(int(p)) for p in cache.page_table[0, :2]] == [F.INT4_KC, F.F16]
+        cache.reserve([2 * PS])
+        cache.advance([2 * PS])
+        assert [pool.format_of(int(p)) for p in cache.page_table[0, :2]] == [F.INT4_KC, F.INT4_KC]
+        assert pool.bytes_copied == 2 * pool.slot_bytes(F.INT4_KC)
+
+
+def test_uniform_int8_writes_directly_and_copies_nothing():
+    with _pool() as pool:
+        cache = PagedKVCache(pool, 1, 8, policy_from_config(kv_format="int8"))
+        for n in range(1, 3 * PS + 1):
+            cache.reserve([n])
+            cache.advance([n])
+        assert pool.pages_per_format()["INT8"] == 3 and pool.bytes_copied == 0
+        assert pool.committed_bytes == _rup(3 * pool.slot_bytes(F.INT8))
+
+
+def test_explicit_policy_and_reserve_is_all_or_nothing():
+    gov = Governor(3 * L * 8192)
+    with _pool(governor=gov) as pool:
+        cache = PagedKVCache(pool, 2, 8, policy_from_config(kv_page_formats=["f16", "int8", "f16"]))
+        cache.reserve([PS, 0])
+        assert pool.format_of(int(cache.page_table[0, 0])) == F.F16
+        table = cache.page_table.copy()
+        with pytest.raises(CapacityError):
+            cache.reserve([3 * PS, 3 * PS])  # 5 more pages do not fit the budget
+        assert np.array_equal(cache.page_table, table) and len(pool.live_pages) == 1
+        cache.reserve([3 * PS, 0])
+        assert [pool.format_of(int(p)).name for p in cache.page_table[0, :3]] == ["F16", "INT8", "F16"]
+        with pytest.raises(CapacityError, match=r"200 tokens exceed the 128 a row holds \(8 pages of 16\)"):
+            cache.reserve([200, 0])
+
+
+@pytest.mark.parametrize("kw, message", [
+    ({"kv_format": "int8", "kv_policy": {"recent": "f16"}}, "kv_format and kv_policy are both set"),
+    ({"kv_format": "q8_0"}, r"ortkv.kv_format = 'q8_0': one of 'f16'"),
+    ({"kv_policy": {"sink": 1}}, r"ortkv.kv_policy: unknown key\(s\) \['sink'\]"),
+    ({"kv_policy": {"recent_pages": 0}}, r"ortkv.kv_policy.recent_pages = 0 must be >= 1"),
+    ({"kv_policy": {"sink_pages": -1}}, r"ortkv.kv_policy.sink_pages = -1 must be >= 0"),
+    ({"kv_policy": {"sink_pages": 1.5}}, r"ortkv.kv_policy.sink_pages = 1.5: expected an integer"),
+    ({"kv_policy": {"recent": "int4_kc"}}, r"ortkv.kv_policy.recent = 'int4_kc': the recent window"),
+    ({"kv_policy": {"old": "int5"}}, r"ortkv.kv_policy.old = 'int5'"),
+    ({"kv_page_formats": "int8"}, r"ortkv.kv_page_formats = 'int8': expected a list"),
+    ({"kv_page_formats": ["f16", 9]}, r"ortkv.kv_page_formats\[1\] = 9"),
+])
+def test_policy_config_errors(kw, message):
+    with pytest.raises(OrtkvError, match=message):
+        policy_from_config(**kw)
+
+
+def test_a_policy_naming_a_format_the_pool_cannot_hold_is_refused_up_front():
+    with PagePool(L, H, 6, PS, np.float32, max_pages=4) as pool:
+        with pytest.raises(OrtkvError, match="INT2 cannot hold pages of head_size 6"):
+            PagedKVCache(pool, 1, 4, ExplicitPolicy((F.F16,) * 70 + (F.INT2,)))
+        assert pool.live_pages == []
+
+
+def test_policy_from_config_defaults():
+    assert policy_from_config() == UniformPolicy(F.F16)
+    assert policy_from_config(kv_policy={"sink_pages": 1, "recent_pages": 4, "recent": "f16", "old": "int4"}) == \
+        RecencyPolicy(1, 4, F.F16, F.INT4)
+    assert policy_from_config(kv_page_formats=["int2"]) == ExplicitPolicy((F.INT2,))
