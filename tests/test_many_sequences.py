@@ -440,3 +440,37 @@ def test_run_multi_beams_and_samples(paged_path):
     r = run_multi(cfg, ["a", "b"], PROMPTS, _Tok(), log=lambda *x: None, path=paged_path)
     assert [(q["prompt"], q["index"]) for q in r["sequences"]] == [(i, j) for i in range(2) for j in range(3)]
     assert all(len(q["new_ids"]) == 4 or q["new_ids"][-1] == cfg.model.eos_token_id for q in r["sequences"])
+
+
+@kernels
+def test_beam_search_equals_onnxruntime_genai_beam_search(paged_path, tmp_path):
+    """onnxruntime-genai's own CPU beam search on the same 2-layer weights (its genai decoder, caches copied
+    per beam) picks the same beams as ortkv's page-table reorder."""
+    og = pytest.importorskip("onnxruntime_genai")
+    from ortkv.generate.models import write_genai_folder
+
+    w, tokenizer = weights.load(smollm2_gguf(), layers=2)
+    onnx.save_model(builder.build(w, "genai", max_positions=256), str(tmp_path / "model.onnx"),
+                    save_as_external_data=True, all_tensors_to_one_file=True, location="model.onnx.data")
+    cfg = _cfg()
+    write_genai_folder(tmp_path, cfg, tokenizer)
+    prompt, nb, new = PROMPTS[1], 4, 8
+    config = og.Config(str(tmp_path))
+    config.clear_providers()
+    model = og.Model(config)
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=len(prompt) + new, num_beams=nb, num_return_sequences=nb,
+                              do_sample=False, early_stopping=True, length_penalty=1.0, batch_size=1)
+    gen = og.Generator(model, params)
+    gen.append_tokens(np.array([prompt], np.int32))
+    while not gen.is_done():
+        gen.generate_next_token()
+    theirs = [[int(t) for t in gen.get_sequence(i)][len(prompt):] for i in range(nb)]
+    runner = MultiRunner(paged_path, cfg, max_sequences=nb)
+    try:
+        ours = beam_search(runner, prompt, nb, new, num_return_sequences=nb, eos_token_id=cfg.model.eos_token_id)
+    finally:
+        runner.close()
+    eos = cfg.model.eos_token_id
+    assert not any(h.eos for h in ours), "an eos ended a beam: the comparison would test eos bookkeeping"
+    assert [h.tokens for h in ours] == [[t for t in s if t != eos] for s in theirs]
