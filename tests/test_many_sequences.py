@@ -474,3 +474,28 @@ def test_beam_search_equals_onnxruntime_genai_beam_search(paged_path, tmp_path):
     eos = cfg.model.eos_token_id
     assert not any(h.eos for h in ours), "an eos ended a beam: the comparison would test eos bookkeeping"
     assert [h.tokens for h in ours] == [[t for t in s if t != eos] for s in theirs]
+
+
+@kernels
+def test_a_warmed_system_prompt_is_prefilled_once_and_gives_the_same_tokens(paged_path):
+    cfg = _cfg()
+    system = list(range(100, 112))                  # 3 full pages
+    prompts = [system + [7, 8], system + [9], system + [10, 11, 12]]
+    cold = MultiRunner(paged_path, cfg, max_sequences=4, prefix_caching=False)
+    try:
+        want = [sample_many(p, cold, 1, 5, eos_token_id=-1)[0] for p in prompts]
+    finally:
+        cold.close()
+    runner = MultiRunner(paged_path, cfg, max_sequences=4)
+    try:
+        assert runner.warm_prefix(system) == 12 and runner.tokens_computed == 12
+        assert len(runner.cache.cached_pages) == 3
+        sched = Scheduler(runner.cache)
+        got = {}
+        for ev in generate_many(prompts, runner, 5, eos_token_id=-1, scheduler=sched):
+            got.setdefault(ev.request, []).append(ev.token)
+        assert [got[i] for i in range(3)] == want
+        assert sched.reused_tokens == 3 * 12 and sched.prefill_tokens == 2 + 1 + 3
+        assert runner.tokens_computed == 12 + 6 + 3 * 4
+    finally:
+        runner.close()

@@ -159,6 +159,20 @@ class MultiRunner:
         self.cache.done(p)
         return logits
 
+    def warm_prefix(self, tokens) -> int:
+        """Prefill ``tokens`` (a shared system prompt) once and keep its full pages in the prefix cache
+        (unreferenced, evicted LRU under pressure): later prompts that start with them prefill only the
+        rest. Returns the tokens now cached (a multiple of page_size)."""
+        ids = np.asarray(tokens, np.int64)
+        sid = self.cache.fresh_id()
+        reused = self.cache.new_sequence(sid, np.append(ids, 0))  # +1: every full page of ids may be a hit
+        try:
+            if reused < ids.size:
+                self.step({sid: ids[reused:]})
+        finally:
+            self.cache.remove(sid)
+        return (ids.size // self.cache.page_size) * self.cache.page_size
+
     # -- reports -----------------------------------------------------------------------------------
     def kv_bytes(self) -> int:
         return self.pool.committed_bytes
