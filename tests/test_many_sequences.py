@@ -19,7 +19,7 @@ from ortkv.generate.cli import build_parser, config_from_args
 from ortkv.generate.config import GenAIConfig, Search
 from ortkv.generate.loop import generate
 from ortkv.generate.multi import (BeamStats, MultiRunner, _Hypotheses, beam_search, generate_many, log_softmax,
-                                  run_multi, sample_many)
+                                  multi_summary, run_multi, sample_many)
 from ortkv.generate.paged import PagedRunner, to_paged
 from ortkv.paged import PagePool
 from ortkv.reference.codecs import PageFormat
@@ -435,6 +435,9 @@ def test_run_multi_beams_and_samples(paged_path):
     assert [(q["prompt"], q["index"]) for q in r["sequences"]] == [(0, 0), (0, 1)]
     assert r["sequences"][0]["score"] >= r["sequences"][1]["score"]
     assert r["search"]["num_beams"] == 3 and r["paged"]["format"] == "F16"
+    line = multi_summary(r)
+    assert line.startswith("[ortkv paged, 3 beams] ") and "KV bytes copied" in line
+    assert r["paged"]["bytes_copied"] == r["paged"]["copies"] * PagePool(2, 3, 64, PS, max_pages=1).slot_bytes("f16")
     cfg = _cfg(num_return_sequences=3, do_sample=True)
     cfg.ortkv.max_new_tokens = 4
     r = run_multi(cfg, ["a", "b"], PROMPTS, _Tok(), log=lambda *x: None, path=paged_path)
@@ -499,3 +502,12 @@ def test_a_warmed_system_prompt_is_prefilled_once_and_gives_the_same_tokens(page
         assert runner.tokens_computed == 12 + 6 + 3 * 4
     finally:
         runner.close()
+
+
+@kernels
+def test_close_with_a_step_admitted_and_not_run(paged_path):
+    runner = MultiRunner(paged_path, _cfg(), max_sequences=2)
+    runner.cache.new_sequence(0)
+    assert runner.cache.admit({0: np.array(PROMPTS[0])})
+    runner.close()
+    assert runner.pool is None

@@ -317,7 +317,12 @@ def main(argv=None) -> int:
             elif len(prompts) > 1:
                 for prompt, text in zip(prompts, r["texts"]):
                     print(f"--- {prompt!r}\n{text}")
-            print(summary(r))
+            if "sequences" in r:
+                from .multi import multi_summary
+
+                print(multi_summary(r))
+            else:
+                print(summary(r))
         if a.compare:
             log("comparing on the same prompts and weights (each variant in its own process) ...")
             rows = {r["variant"]: r}

@@ -186,6 +186,8 @@ class MultiRunner:
 
     def close(self) -> None:
         if self.pool is not None:
+            if self.cache._pending is not None:  # a step admitted and never run (an abandoned caller)
+                self.cache.cancel(self.cache._pending)
             for s in list(self.cache.sequences):
                 self.cache.remove(s)
             self.sess.unbind_cache(self._pool_name)
@@ -427,13 +429,25 @@ def run_multi(cfg: GenAIConfig, prompts: list, prompt_ids: list, tok, log=print,
         runner.close()
     return {"variant": "ortkv", "prompts": prompts, "prompt_ids": [list(p) for p in prompt_ids],
             "new_ids": [q["new_ids"] for q in seqs], "texts": [q["text"] for q in seqs], "sequences": seqs,
-            "prefill_tok_s": 0.0, "decode_tok_s": new_tokens / seconds if seconds else 0.0, "kv_bytes": peak_kv,
+            "prefill_tok_s": None, "decode_tok_s": new_tokens / seconds if seconds else 0.0, "kv_bytes": peak_kv,
+            "seconds": seconds, "tokens": new_tokens,
             "peak_rss_above_load": None, "model_rss": rss_load - rss0, "peak_rss": peak_rss_bytes(),
             "weights": cfg.ortkv.weights, "cache": "paged", "device": cfg.device, "dtype": cfg.dtype,
             "cache_layout": "paged", "cuda_graph": False, "kv_committed_bytes": peak_kv,
-            "kv_live_bytes": stats["live_bytes"], "median_step_ms": 0.0, "peak_device_above_load": None,
+            "kv_live_bytes": stats["live_bytes"], "median_step_ms": None, "peak_device_above_load": None,
             "search": {"do_sample": s.do_sample, "temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p,
                        "max_length": s.max_length, "max_new_tokens": cfg.ortkv.max_new_tokens,
                        "seed": cfg.ortkv.seed, "num_beams": beams, "num_return_sequences": n,
                        "length_penalty": s.length_penalty, "early_stopping": s.early_stopping},
             "kv_bytes_per_step": [], "rss_per_step": [], "paged": stats}
+
+
+def multi_summary(r: dict) -> str:
+    """The summary line of a run_multi result (``ortkv generate`` text output)."""
+    s, p = r["search"], r["paged"]
+    what = f"{s['num_beams']} beams" if s["num_beams"] > 1 else f"{s['num_return_sequences']} samples per prompt"
+    unit = "beam tokens" if s["num_beams"] > 1 else "tokens"
+    return (f"[ortkv paged, {what}] {r['tokens']} {unit} in {r['seconds']:.2f} s ({r['decode_tok_s']:.1f}/s, prefill "
+            f"included) | KV committed peak {r['kv_bytes'] / 2**20:.1f} MiB ({p['format']} pages of {p['page_size']}) "
+            f"| KV bytes copied {p['bytes_copied']} ({p['copies']} copy-on-write page copies) | peak RSS "
+            f"{r['peak_rss'] / 2**20:.1f} MiB")
