@@ -511,3 +511,20 @@ def test_close_with_a_step_admitted_and_not_run(paged_path):
     assert runner.cache.admit({0: np.array(PROMPTS[0])})
     runner.close()
     assert runner.pool is None
+
+
+def test_docs_cache_md_generation_example_names_what_exists():
+    """The `py` block of docs/cache.md's generation section (it needs the full model, so it is compiled
+    and its names checked here, not run)."""
+    import re
+    from pathlib import Path
+
+    import ortkv.generate.multi as multi
+
+    text = (Path(__file__).resolve().parent.parent / "docs" / "cache.md").read_text()
+    (block,) = re.findall(r"```py\n(.*?)```", text, flags=re.S)
+    compile(block, "docs/cache.md", "exec")
+    for name in re.findall(r"from ortkv\.generate\.multi import (.*)", block)[0].split(","):
+        assert hasattr(multi, name.strip())
+    for attr in re.findall(r"runner\.(\w+)\(", block):
+        assert hasattr(MultiRunner, attr), attr
