@@ -486,6 +486,9 @@ def test_a_warmed_system_prompt_is_prefilled_once_and_gives_the_same_tokens(page
     prompts = [system + [7, 8], system + [9], system + [10, 11, 12]]
     cold = MultiRunner(paged_path, cfg, max_sequences=4, prefix_caching=False)
     try:
+        with pytest.raises(OrtkvError, match=r"built with prefix_caching=False, so no page would be kept"):
+            cold.warm_prefix(system)
+        assert cold.pool.live_pages == [] and cold.tokens_computed == 0
         want = [sample_many(p, cold, 1, 5, eos_token_id=-1)[0] for p in prompts]
     finally:
         cold.close()

@@ -163,6 +163,9 @@ class MultiRunner:
         """Prefill ``tokens`` (a shared system prompt) once and keep its full pages in the prefix cache
         (unreferenced, evicted LRU under pressure): later prompts that start with them prefill only the
         rest. Returns the tokens now cached (a multiple of page_size)."""
+        if not self.cache.prefix_caching:
+            raise OrtkvError("MultiRunner.warm_prefix: this runner was built with prefix_caching=False, so no page "
+                             "would be kept; build it with prefix_caching=True")
         ids = np.asarray(tokens, np.int64)
         sid = self.cache.fresh_id()
         reused = self.cache.new_sequence(sid, np.append(ids, 0))  # +1: every full page of ids may be a hit
