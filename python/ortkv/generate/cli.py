@@ -237,7 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--cache paged: one format for every page (ortkv.kv_format; default: f16)")
     p.add_argument("--kv-policy", choices=["recency"],
                    help="--cache paged: recency = the first page and the newest 4 pages f16, older pages int4 "
-                        "(ortkv.kv_policy; set its numbers in the config; default: none, every page in --kv-format)")
+                        "(ortkv.kv_policy, whose numbers the config may set; default: the config's kv_policy, built in none)")
     p.add_argument("--page-size", type=_int_at_least(1), metavar="N",
                    help=f"--cache paged: tokens per page ({cfg_default('ortkv.page_size', o.page_size)})")
     p.add_argument("--num-return-sequences", type=_int_at_least(1), metavar="N",
