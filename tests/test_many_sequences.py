@@ -531,3 +531,25 @@ def test_docs_cache_md_generation_example_names_what_exists():
         assert hasattr(multi, name.strip())
     for attr in re.findall(r"runner\.(\w+)\(", block):
         assert hasattr(MultiRunner, attr), attr
+
+
+@kernels
+def test_a_small_pool_queues_and_preempts_without_changing_the_tokens(paged_path):
+    """The pool's own refusal (max_pages) reaches the Scheduler through admission: requests wait or are
+    preempted and recomputed, and greedy tokens are still each prompt's own."""
+    cfg = _cfg()
+    prompts = PROMPTS + [[1, 22, 333, 4444, 55]]
+    want = _reference_greedy(paged_path, cfg, prompts, 10)
+    runner = MultiRunner(paged_path, cfg, max_sequences=3, max_pages=9, prefix_caching=False)
+    try:
+        sched = Scheduler(runner.cache)
+        got = {}
+        for ev in generate_many(prompts, runner, 10, eos_token_id=-1, scheduler=sched):
+            got.setdefault(ev.request, []).append(ev.token)
+            assert len(runner.pool.live_pages) <= 9
+        assert [got[i] for i in range(3)] == want
+        assert sched.preemptions > 0                # 15 pages wanted at the end, 9 in the pool
+        assert runner.tokens_computed > sum(map(len, prompts)) + 3 * 9   # the preempted were recomputed
+        assert runner.pool.live_pages == []
+    finally:
+        runner.close()
