@@ -64,6 +64,12 @@ def run_one(cfg: GenAIConfig, variant: str, prompts: list, stream: bool, log=pri
     texts = [p if isinstance(p, list) else tok.apply_chat([_msg(p)]) if chat else p for p in prompts]
     prompt_ids = [t if isinstance(t, list) else tok.encode(t) for t in texts]
     check_prompts(prompt_ids, cfg.search.max_length, cfg.model.vocab_size)
+    if cfg.search.num_beams > 1 or cfg.search.num_return_sequences > 1:  # generate/multi.py
+        if variant != "ortkv":
+            raise OrtkvError(f"num_beams / num_return_sequences > 1 run on ortkv's page cache, not variant {variant!r}")
+        from .multi import run_multi
+
+        return run_multi(cfg, prompts, prompt_ids, tok, log=log)
     rss0 = rss_bytes()
     runner = make_runner(variant, cfg, log=log)
     try:
@@ -185,8 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
                "JSON object per run (keys: variant, prompts, prompt_ids, new_ids, texts, prefill_tok_s, "
                "decode_tok_s, kv_bytes, peak_rss_above_load, model_rss, peak_rss, weights, cache, device, dtype, "
                "cache_layout, cuda_graph, kv_committed_bytes, kv_live_bytes, median_step_ms, peak_device_above_load, "
-               "search, kv_bytes_per_step, rss_per_step; with --cache paged also paged: pages and committed_bytes per format, "
-               "committed_total, bytes_copied, requantized_pages, demoted_pages, policy, page_size).")
+               "search, kv_bytes_per_step, rss_per_step; with --cache paged also paged: pages and committed_bytes per "
+               "format, committed_total, bytes_copied, requantized_pages, demoted_pages, policy, page_size).")
     p.add_argument("--prompt", action="append", metavar="TEXT",
                    help=f"a prompt (repeat for a batch); default: {DEFAULT_PROMPT!r}")
     p.add_argument("--config", metavar="PATH",
@@ -234,6 +240,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "(ortkv.kv_policy, whose numbers the config may set; default: the config's kv_policy, built in none)")
     p.add_argument("--page-size", type=_int_at_least(1), metavar="N",
                    help=f"--cache paged: tokens per page ({cfg_default('ortkv.page_size', o.page_size)})")
+    p.add_argument("--num-return-sequences", type=_int_at_least(1), metavar="N",
+                   help="--cache paged: N samples per prompt (prefilled once, the prompt's pages shared by fork), or "
+                        f"the N best beams ({cfg_default('search.num_return_sequences', s.num_return_sequences)})")
+    p.add_argument("--num-beams", type=_int_at_least(1), metavar="N",
+                   help="--cache paged: beam search with N beams, reordered by page table (length_penalty and "
+                        f"early_stopping from the config's search section) ({cfg_default('search.num_beams', s.num_beams)})")
     p.add_argument("--json", action="store_true", help="print one JSON object per run instead of text and a "
                    "summary; messages go to stderr (default: off)")
     p.add_argument("--compare", action="store_true", help="also run GenAI share-buffer, GenAI and the copy "
@@ -247,7 +259,8 @@ def build_parser() -> argparse.ArgumentParser:
 FLAG_KEYS = {"max_new_tokens": "ortkv.max_new_tokens", "max_length": "search.max_length",
              "do_sample": "search.do_sample", "temperature": "search.temperature", "top_k": "search.top_k",
              "top_p": "search.top_p", "seed": "ortkv.seed", "weights": "ortkv.weights", "dtype": "ortkv.dtype",
-             "cache": "ortkv.cache", "kv_format": "ortkv.kv_format", "page_size": "ortkv.page_size"}
+             "cache": "ortkv.cache", "kv_format": "ortkv.kv_format", "page_size": "ortkv.page_size",
+             "num_return_sequences": "search.num_return_sequences", "num_beams": "search.num_beams"}
 RECENCY_DEFAULT = {"sink_pages": 1, "recent_pages": 4, "recent": "f16", "old": "int4"}
 
 
@@ -290,14 +303,26 @@ def main(argv=None) -> int:
             err(f"ortkv generate: note: {', '.join(unused)} take effect only when sampling; add --do-sample "
                 "(search.do_sample is false: greedy)")
         log = err if a.json else print
+        if a.compare and (cfg.search.num_beams > 1 or cfg.search.num_return_sequences > 1):
+            raise OrtkvError("--compare runs one sequence per prompt in every variant; drop --num-beams / "
+                             "--num-return-sequences (or set them to 1) to compare")
         r = run_one(cfg, a.variant, prompts, stream=len(prompts) == 1 and not a.json, log=log, out=out)
         if a.json:
             print(json.dumps(r), flush=True)
         else:
-            if len(prompts) > 1:
+            if "sequences" in r:  # num_return_sequences / num_beams > 1 (generate/multi.py)
+                what = "beam" if cfg.search.num_beams > 1 else "sample"
+                for q in r["sequences"]:
+                    print(f"--- {prompts[q['prompt']]!r} {what} {q['index'] + 1}\n{q['text']}")
+            elif len(prompts) > 1:
                 for prompt, text in zip(prompts, r["texts"]):
                     print(f"--- {prompt!r}\n{text}")
-            print(summary(r))
+            if "sequences" in r:
+                from .multi import multi_summary
+
+                print(multi_summary(r))
+            else:
+                print(summary(r))
         if a.compare:
             log("comparing on the same prompts and weights (each variant in its own process) ...")
             rows = {r["variant"]: r}

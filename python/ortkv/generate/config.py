@@ -62,8 +62,8 @@ class Search:
     top_k: int = 50  # sampling: keep the k most likely tokens (0: all, as in onnxruntime-genai)
     top_p: float = 1.0  # sampling: keep the smallest set with this much probability (at least one token; 1: all)
     temperature: float = 1.0  # sampling: logits / temperature; 0: greedy (Note [Sampling semantics] in loop.py)
-    num_beams: int = 1  # ortkv decodes greedily or by sampling; beams are not supported
-    num_return_sequences: int = 1
+    num_beams: int = 1  # > 1: beam search on the page cache (ortkv.cache "paged"; ortkv.generate.multi)
+    num_return_sequences: int = 1  # > 1: that many samples (or best beams) per prompt, prompt pages shared
     past_present_share_buffer: bool = True  # GenAI baseline: one max_length buffer for past and present
     batch_size: int = 1
     repetition_penalty: float = 1.0
@@ -125,11 +125,7 @@ class GenAIConfig:
             if not 0 <= value < m.vocab_size:
                 raise OrtkvError(f"model.{key} = {value} is not a token id of the vocabulary (0 .. "
                                  f"{m.vocab_size - 1})")
-        if s.num_beams != 1:
-            raise OrtkvError(f"search.num_beams = {s.num_beams}: ortkv decodes greedily or by sampling (num_beams 1)")
-        if s.num_return_sequences != 1:
-            raise OrtkvError(f"search.num_return_sequences = {s.num_return_sequences}: ortkv returns one sequence "
-                             "per prompt (set 1; repeat the prompt for more)")
+        _check_many(s, o)
         _at_least(s, "search", "max_length", 2)
         limit = min(m.context_length, MAX_POSITIONS)
         if s.max_length > limit:
@@ -287,6 +283,35 @@ def set_device(cfg: "GenAIConfig", device: str, cuda_graph: bool | None = None) 
     if cuda_graph is not None:
         opts["enable_cuda_graph"] = "1" if cuda_graph else "0"
     so["provider_options"] = rest + [{"cuda": opts}]
+
+
+MAX_SEQUENCES_PER_PROMPT = 256
+
+
+def _check_many(s: "Search", o: "Ortkv") -> None:
+    """num_beams / num_return_sequences > 1 run on the page cache only (ortkv.generate.multi; docs/cache.md)."""
+    _at_least(s, "search", "num_beams", 1)
+    _at_least(s, "search", "num_return_sequences", 1)
+    for key in ("num_beams", "num_return_sequences"):
+        v = getattr(s, key)
+        if v > MAX_SEQUENCES_PER_PROMPT:
+            raise OrtkvError(f"search.{key} = {v} must be <= {MAX_SEQUENCES_PER_PROMPT}")
+    if o.cache != "paged":
+        if s.num_beams != 1:
+            raise OrtkvError(f"search.num_beams = {s.num_beams}: ortkv decodes greedily or by sampling with cache "
+                             f"{o.cache!r}; beam search runs on the page cache: set ortkv.cache 'paged' "
+                             "(--cache paged), or num_beams 1")
+        if s.num_return_sequences != 1:
+            raise OrtkvError(f"search.num_return_sequences = {s.num_return_sequences}: ortkv returns one sequence "
+                             f"per prompt with cache {o.cache!r}; parallel samples share pages on the page cache: "
+                             "set ortkv.cache 'paged' (--cache paged), or 1")
+        return
+    if s.num_beams > 1 and s.do_sample:
+        raise OrtkvError(f"search.num_beams = {s.num_beams} with do_sample true: ortkv's beam search is "
+                         "deterministic (no beam sampling); set do_sample false or num_beams 1")
+    if s.num_beams > 1 and s.num_return_sequences > s.num_beams:
+        raise OrtkvError(f"search.num_return_sequences = {s.num_return_sequences} > num_beams = {s.num_beams}: a "
+                         "beam search returns at most num_beams hypotheses; lower it or raise num_beams")
 
 
 def _check_paged(o: "Ortkv") -> None:

@@ -132,6 +132,9 @@ class PagedRunner:
     def __init__(self, path, cfg: GenAIConfig):
         from ..session import MutableCacheSession
 
+        if cfg.device != "cpu" or cfg.dtype != "float32":
+            raise OrtkvError(f"ortkv.cache = 'paged' runs on the CPU in float32 (the paged kernels are CPU ones); "
+                             f"got device {cfg.device}, dtype {cfg.dtype}: use --device cpu, or cache 'arena'")
         self.cfg = cfg
         self.layers = cfg.model.decoder.num_hidden_layers
         o = cfg.ortkv
