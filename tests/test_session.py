@@ -494,3 +494,46 @@ def test_uncommitted_cache_read_by_a_non_ortkv_op_refused(check):
     assert "read whole by node 'ReduceSum' (ReduceSum, not an ortkv op" in message and "Arena.commit" in message
     assert f"({int(requested) - int(committed)} bytes, 'uncommitted arena granules') is not committed" in message
     assert lines[1:] == ["TOTAL 4.0", "PLAIN OK"]
+
+
+# --- Note [Reused IOBinding]: the caches' bindings are kept across runs, nothing else is ---------------
+def test_cache_bindings_are_reused_across_runs_and_follow_a_rebinding(rng):
+    a = np.zeros((1, 2, 8, 4), np.float32)
+    b = np.zeros((1, 2, 8, 4), np.float32)
+    with _session() as s:
+        s.bind_cache("cache", a)
+        s.run(["updated_cache"], _feed(position=0))
+        io = s._io_cache[1]
+        s.run(["updated_cache"], _feed(position=1))
+        assert s._io_cache[1] is io  # same feeds and outputs: the binding object is reused
+        assert a[:, :, :2].sum() == 16 and a[:, :, 2:].sum() == 0
+        s.unbind_cache("cache")
+        s.bind_cache("cache", b)
+        before = digest(a)
+        s.run(["updated_cache"], _feed(position=5))
+        assert s._io_cache[1] is not io  # a new binding after the caches changed
+    assert digest(a) == before  # the old cache is no longer written
+    assert b[:, :, 5].sum() == 8 and b.sum() == 8
+
+
+def test_a_feed_left_out_of_a_later_run_is_not_taken_from_the_earlier_one(rng):
+    cache = np.zeros((1, 2, 8, 4), np.float32)
+    with _session() as s:
+        s.bind_cache("cache", cache)
+        s.run(["updated_cache"], _feed(position=3))
+        before = digest(cache)
+        with pytest.raises(ortkv.errors.MissingInputError, match=r"\['position'\] not fed") as e:
+            s.run(["updated_cache"], {"values": np.full((1, 2, 1, 4), 7, np.float32)})
+        assert e.value.inputs == ["position"]
+    assert digest(cache) == before
+
+
+def test_outputs_of_an_earlier_run_are_not_overwritten_by_a_later_one(rng):
+    cache = np.zeros((1, 2, 8, 4), np.float32)
+    with _session(consumer=True) as s:
+        s.bind_cache("cache", cache)
+        (t1,) = s.run(["total"], _feed(position=0))
+        first = np.array(t1, copy=True)
+        (t2,) = s.run(["total"], {"values": np.full((1, 2, 1, 4), 5, np.float32), "position": np.array(1)})
+    np.testing.assert_array_equal(t1, first)
+    assert float(t1) == 8 and float(t2) == 8 + 40

@@ -21,6 +21,7 @@ from .errors import (
     GraphCheckError,
     ImmutableStorageError,
     InputTypeError,
+    MissingInputError,
     OrtkvError,
     StorageError,
 )
@@ -61,6 +62,7 @@ __all__ = [
     "GraphCheckError",
     "ImmutableStorageError",
     "InputTypeError",
+    "MissingInputError",
     "MutableCacheSession",
     "OPSET",
     "OrtkvError",

@@ -55,6 +55,14 @@ class InputTypeError(OrtkvError, TypeError):
         self.input, self.expected, self.given = input, expected, given
 
 
+class MissingInputError(OrtkvError, ValueError):
+    """A run left out a non-cache input of the model (``inputs`` lists them); nothing was run."""
+
+    def __init__(self, message: str, inputs: list[str] | None = None):
+        super().__init__(message)
+        self.inputs = list(inputs or [])
+
+
 class CacheInputError(OrtkvError, ValueError):
     """A cache op refused its inputs (shape, type, negative position); the cache is unchanged."""
 
