@@ -7,12 +7,11 @@
 #include <limits>
 #include <sstream>
 
+#include "attention_block.h"
 #include "ortkv/cache_attention.h"
 #include "ortkv/paged.h"
 #include "paged_common.h"
 
-#define ORTKV_INLINE inline __attribute__((always_inline))
-#pragma GCC diagnostic ignored "-Wpsabi"
 
 namespace ortkv {
 namespace {
@@ -20,163 +19,7 @@ namespace {
 using codecs::PageFormat;
 using codecs::PageView;
 
-// ---- the dense block kernel -------------------------------------------------------------------------
-// The same arithmetic as cache_attention.cc's (Note [CacheAttention vectors], Note [CacheAttention
-// score transpose]); a copy, not a shared header, because that file's helpers live in its anonymous
-// namespace and are tuned with its loop. Keep the two in step.
-typedef float V16 __attribute__((vector_size(64)));
-typedef float V16u __attribute__((vector_size(64), may_alias, aligned(4)));
-typedef float V8 __attribute__((vector_size(32)));
-typedef float V4 __attribute__((vector_size(16)));
-typedef int32_t V16i __attribute__((vector_size(64)));
-
-ORTKV_INLINE V16 Load(const float* p) { return *reinterpret_cast<const V16u*>(p); }
-ORTKV_INLINE void Store(float* p, V16 x) { *reinterpret_cast<V16u*>(p) = x; }
-ORTKV_INLINE float Sum(V16 x) {
-  const V8 a = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7) +
-               __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
-  const V4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
-  return (b[0] + b[2]) + (b[1] + b[3]);
-}
-ORTKV_INLINE V16 Half(V16 a, V16 b) {
-  return __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-         __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-}
-ORTKV_INLINE V16 Quarter(V16 a, V16 b) {
-  return __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
-         __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
-}
-ORTKV_INLINE V16 Eighth(V16 a, V16 b) {
-  return __builtin_shufflevector(a, b, 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
-         __builtin_shufflevector(a, b, 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
-}
-ORTKV_INLINE V16 Sixteenth(V16 a, V16 b) {
-  return __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
-         __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-}
-ORTKV_INLINE V16 Sum16(const V16* x) {
-  V16 h[8], q[4], e[2];
-  for (int i = 0; i < 8; ++i) h[i] = Half(x[2 * i], x[2 * i + 1]);
-  for (int i = 0; i < 4; ++i) q[i] = Quarter(h[2 * i], h[2 * i + 1]);
-  for (int i = 0; i < 2; ++i) e[i] = Eighth(q[2 * i], q[2 * i + 1]);
-  return Sixteenth(e[0], e[1]);
-}
-ORTKV_INLINE V16 ExpNonPositive(V16 x) {
-  const V16 lo = V16{} - 87.0f, magic = V16{} + 12582912.0f;
-  x = x < lo ? lo : x;
-  const V16 t = x * 1.44269504088896341f;
-  const V16 f = t + magic;
-  const V16 r = t - (f - magic);
-  V16 p = V16{} + 1.54035303933816e-4f;
-  p = p * r + 1.33335581464284e-3f;
-  p = p * r + 9.61812910762848e-3f;
-  p = p * r + 5.55041086648216e-2f;
-  p = p * r + 2.40226506959101e-1f;
-  p = p * r + 6.93147180559945e-1f;
-  p = p * r + 1.0f;
-  const V16i bits = ((reinterpret_cast<const V16i&>(f) - reinterpret_cast<const V16i&>(magic)) + 127) << 23;
-  return p * reinterpret_cast<const V16&>(bits);
-}
-
-struct State {
-  const float* qs;
-  float* sc;
-  float* acc;
-  float* m;
-  float* l;
-};
-
-ORTKV_INLINE float Softmax(const State& s, int64_t g, int64_t n) {
-  constexpr int64_t KB = kAttnBlockKeys;
-  float* sc = s.sc + g * KB;
-  const float inf = std::numeric_limits<float>::infinity();
-  for (int64_t j = n; j < KB; ++j) sc[j] = -inf;
-  V16 mv = Load(sc);
-  for (int64_t j = 16; j < KB; j += 16) {
-    const V16 x = Load(sc + j);
-    mv = mv > x ? mv : x;
-  }
-  float bmax = mv[0];
-  for (int i = 1; i < 16; ++i) bmax = std::max(bmax, mv[i]);
-  const float mnew = std::max(s.m[g], bmax);
-  const float alpha = std::exp(s.m[g] - mnew);
-  V16 sv = V16{};
-  const V16i lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-  for (int64_t j = 0; j < KB; j += 16) {
-    const V16 e = ExpNonPositive(Load(sc + j) - mnew);
-    const V16 p = lane + static_cast<int32_t>(j) < static_cast<int32_t>(n) ? e : V16{};
-    Store(sc + j, p);
-    sv += p;
-  }
-  s.l[g] = s.l[g] * alpha + Sum(sv);
-  s.m[g] = mnew;
-  return alpha;
-}
-
-// One block of n keys, rows k, v of D = DV * 16 floats (stride D: the decoded buffer).
-template <int DV>
-ORTKV_INLINE void BlockVec(const State& s, int64_t G, const float* k, const float* v, int64_t n) {
-  constexpr int D = DV * 16;
-  for (int64_t g = 0; g < G; ++g) {
-    V16 qv[DV];
-    for (int i = 0; i < DV; ++i) qv[i] = Load(s.qs + g * D + 16 * i);
-    float* sc = s.sc + g * kAttnBlockKeys;
-    int64_t j = 0;
-    for (; j + 16 <= n; j += 16) {
-      V16 a[16];
-      for (int x = 0; x < 16; ++x) {
-        const float* kj = k + (j + x) * D;
-        a[x] = qv[0] * Load(kj);
-        for (int i = 1; i < DV; ++i) a[x] += qv[i] * Load(kj + 16 * i);
-      }
-      Store(sc + j, Sum16(a));
-    }
-    for (; j < n; ++j) {
-      const float* kj = k + j * D;
-      V16 a = qv[0] * Load(kj);
-      for (int i = 1; i < DV; ++i) a += qv[i] * Load(kj + 16 * i);
-      sc[j] = Sum(a);
-    }
-  }
-  for (int64_t g = 0; g < G; ++g) {
-    const float alpha = Softmax(s, g, n);
-    const float* p = s.sc + g * kAttnBlockKeys;
-    V16 av[DV], bv[DV];
-    for (int i = 0; i < DV; ++i) av[i] = Load(s.acc + g * D + 16 * i) * alpha, bv[i] = V16{};
-    int64_t j = 0;
-    for (; j + 2 <= n; j += 2) {
-      const float* vj = v + j * D;
-      for (int i = 0; i < DV; ++i) {
-        av[i] += p[j] * Load(vj + 16 * i);
-        bv[i] += p[j + 1] * Load(vj + D + 16 * i);
-      }
-    }
-    if (j < n)
-      for (int i = 0; i < DV; ++i) av[i] += p[j] * Load(v + j * D + 16 * i);
-    for (int i = 0; i < DV; ++i) Store(s.acc + g * D + 16 * i, av[i] + bv[i]);
-  }
-}
-
-ORTKV_INLINE void BlockAny(const State& s, int64_t G, int64_t D, const float* k, const float* v, int64_t n) {
-  for (int64_t g = 0; g < G; ++g) {
-    const float* qg = s.qs + g * D;
-    float* sc = s.sc + g * kAttnBlockKeys;
-    for (int64_t j = 0; j < n; ++j) {
-      const float* kj = k + j * D;
-      float t = 0;
-      for (int64_t d = 0; d < D; ++d) t += qg[d] * kj[d];
-      sc[j] = t;
-    }
-  }
-  for (int64_t g = 0; g < G; ++g) {
-    const float alpha = Softmax(s, g, n);
-    const float* p = s.sc + g * kAttnBlockKeys;
-    float* ag = s.acc + g * D;
-    for (int64_t d = 0; d < D; ++d) ag[d] *= alpha;
-    for (int64_t j = 0; j < n; ++j)
-      for (int64_t d = 0; d < D; ++d) ag[d] += p[j] * v[j * D + d];
-  }
-}
+using namespace attn_cpu;  // NOLINT: the block kernel shared with CacheAttention (attention_block.h)
 
 // ---- decoding a run of rows of one page -------------------------------------------------------------
 // Rows [r, r + n) of (kv, head) of one page into out [n][D]: the floats PageView::DecodeRow gives, 16
@@ -342,9 +185,9 @@ ORTKV_INLINE void Keys(const PagedAttentionView& a, const State& s, int64_t b, i
       n += cnt;
     }
     if constexpr (DV == 0) {
-      BlockAny(s, G, D, kbuf, vbuf, n);
+      BlockAny(s, G, D, kbuf, vbuf, D, n);
     } else {
-      BlockVec<DV>(s, G, kbuf, vbuf, n);
+      BlockVec<DV>(s, G, kbuf, vbuf, a.D, n);  // the decoded rows: stride D
     }
     j += n;
   }
@@ -480,22 +323,7 @@ void PagedCacheAttentionCombine(const PagedAttentionView& a) {
   for (int64_t unit = 0; unit < a.units(); ++unit) {
     const int64_t t = unit % a.T, hk = (unit / a.T) % a.Hkv, b = unit / (a.T * a.Hkv);
     const float* part = a.partial + unit * S * P;
-    for (int64_t g = 0; g < G; ++g) {
-      float mx = -std::numeric_limits<float>::infinity();
-      for (int64_t c = 0; c < S; ++c) mx = std::max(mx, part[c * P + G * D + g]);
-      float den = 0;
-      float* o = og.data() + g * D;
-      std::fill(o, o + D, 0.0f);
-      for (int64_t c = 0; c < S; ++c) {
-        const float* pc = part + c * P;
-        const float w = std::exp(pc[G * D + g] - mx);
-        if (w == 0.0f) continue;
-        den += w * pc[G * D + G + g];
-        for (int64_t d = 0; d < D; ++d) o[d] += w * pc[g * D + d];
-      }
-      const float inv = 1.0f / den;
-      for (int64_t d = 0; d < D; ++d) o[d] *= inv;
-    }
+    for (int64_t g = 0; g < G; ++g) attn_cpu::MergeSplits(part, S, G, D, g, og.data() + g * D);
     paged::StoreRow(a.elem_type, a.out, (b * a.T + t) * a.Hq * D + hk * G * D, G * D, og.data());
   }
 }

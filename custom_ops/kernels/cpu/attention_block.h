@@ -1,0 +1,232 @@
+// The CPU attention block kernel shared by CacheAttention (cache_attention.cc) and PagedCacheAttention
+// (paged_attention.cc): 16-float vectors, the online softmax over one block of keys for the G query
+// heads of a KV-head group, and the split-K merge. Private to the CPU kernels; every helper is
+// always inlined, so it compiles inside each target_clones version of the callers' RunTask.
+#pragma once
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+#include "ortkv/cache_attention.h"
+
+#define ORTKV_INLINE inline __attribute__((always_inline))
+
+// The 64-byte vector helpers are always inlined: no vector crosses a call, so the ABI note GCC gives
+// for them (passing AVX-512 vectors without AVX-512 enabled) does not apply.
+#pragma GCC diagnostic ignored "-Wpsabi"
+
+namespace ortkv {
+namespace attn_cpu {
+
+// Note [CacheAttention vectors]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// The hot loops use GCC vector extensions of 16 floats, not intrinsics: one source that the
+// target_clones of RunTask compile to one zmm register (AVX-512), two ymm (AVX2 + FMA) or four xmm
+// (baseline SSE2), so one build runs everywhere at the width the CPU has. V16u is the unaligned,
+// may_alias view used to load and store rows of the caches, the query and the accumulators. Head
+// sizes 16, 32, 48, 64 (SmolLM2), 80, 96, 128 and 256 take this path; others take plain loops the
+// compiler vectorizes (BlockAny).
+typedef float V16 __attribute__((vector_size(64)));
+typedef float V16u __attribute__((vector_size(64), may_alias, aligned(4)));
+typedef float V8 __attribute__((vector_size(32)));
+typedef float V4 __attribute__((vector_size(16)));
+
+ORTKV_INLINE V16 Load(const float* p) { return *reinterpret_cast<const V16u*>(p); }
+ORTKV_INLINE void Store(float* p, V16 x) { *reinterpret_cast<V16u*>(p) = x; }
+ORTKV_INLINE float Sum(V16 x) {
+  const V8 a = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7) +
+               __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
+  const V4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+// Note [CacheAttention score transpose]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A key's score is the sum of the 16 lanes of q * k accumulated over the head dimension. Summing the
+// lanes of each key on its own costs ~10 shuffles and adds per key, more than the key's FMAs; for 16
+// keys at once, a tree of 15 two-vector (shuffle, shuffle, add) steps turns the 16 accumulators into
+// one vector of 16 scores (lane j: key j), ~3 instructions per key.
+ORTKV_INLINE V16 Half(V16 a, V16 b) {  // [a:8 partials of each of 2 keys...]: pairwise halves
+  return __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+         __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+}
+ORTKV_INLINE V16 Quarter(V16 a, V16 b) {
+  return __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+         __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+}
+ORTKV_INLINE V16 Eighth(V16 a, V16 b) {
+  return __builtin_shufflevector(a, b, 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+         __builtin_shufflevector(a, b, 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+}
+ORTKV_INLINE V16 Sixteenth(V16 a, V16 b) {
+  return __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+// x[j] holds key j's 16 partial products; returns the 16 sums in key order.
+ORTKV_INLINE V16 Sum16(const V16* x) {
+  V16 h[8], q[4], e[2];
+  for (int i = 0; i < 8; ++i) h[i] = Half(x[2 * i], x[2 * i + 1]);
+  for (int i = 0; i < 4; ++i) q[i] = Quarter(h[2 * i], h[2 * i + 1]);
+  for (int i = 0; i < 2; ++i) e[i] = Eighth(q[2 * i], q[2 * i + 1]);
+  return Sixteenth(e[0], e[1]);
+}
+
+// exp(x) for x <= 0 (scores minus their maximum), 16 at a time: 2^n * p(r) with n = round(x log2 e),
+// |r| <= 1/2 and a degree-6 polynomial for 2^r (relative error ~2e-7). n is rounded by adding and
+// subtracting 1.5 * 2^23, whose low mantissa bits then hold n (no floor, no conversion: written as
+// plain vector arithmetic, it stays vectorized in every clone). Inputs below -87 give ~1e-38, not 0.
+typedef int32_t V16i __attribute__((vector_size(64)));
+ORTKV_INLINE V16 ExpNonPositive(V16 x) {
+  const V16 lo = V16{} - 87.0f, magic = V16{} + 12582912.0f;
+  x = x < lo ? lo : x;
+  const V16 t = x * 1.44269504088896341f;
+  const V16 f = t + magic;
+  const V16 r = t - (f - magic);
+  V16 p = V16{} + 1.54035303933816e-4f;
+  p = p * r + 1.33335581464284e-3f;
+  p = p * r + 9.61812910762848e-3f;
+  p = p * r + 5.55041086648216e-2f;
+  p = p * r + 2.40226506959101e-1f;
+  p = p * r + 6.93147180559945e-1f;
+  p = p * r + 1.0f;
+  const V16i bits = ((reinterpret_cast<const V16i&>(f) - reinterpret_cast<const V16i&>(magic)) + 127) << 23;
+  return p * reinterpret_cast<const V16&>(bits);
+}
+
+// The state of one task: the group's G query heads (pre-multiplied by the scale), and per head the
+// running max m, the running sum l of exp(score - m) and the unnormalized output acc (G x D).
+struct State {
+  const float* qs;
+  float* sc;  // G x kAttnBlockKeys scores of the current block
+  float* acc;
+  float* m;
+  float* l;
+};
+
+// Online-softmax update of head g with the n scores of a block already in sc: rescales what was
+// accumulated when the maximum grows, turns the scores into weights, returns the rescale factor.
+// Slots [n, kAttnBlockKeys) of sc are scratch: -inf for the maximum, 0 for the sum (no key is read
+// for them, and the value loop stops at n).
+ORTKV_INLINE float Softmax(const State& s, int64_t g, int64_t n) {
+  constexpr int64_t KB = kAttnBlockKeys;
+  static_assert(KB % 16 == 0, "whole vectors of scores");
+  float* sc = s.sc + g * KB;
+  const float inf = std::numeric_limits<float>::infinity();
+  for (int64_t j = n; j < KB; ++j) sc[j] = -inf;
+  V16 mv = Load(sc);
+  for (int64_t j = 16; j < KB; j += 16) {
+    const V16 x = Load(sc + j);
+    mv = mv > x ? mv : x;
+  }
+  float bmax = mv[0];
+  for (int i = 1; i < 16; ++i) bmax = std::max(bmax, mv[i]);
+  const float mnew = std::max(s.m[g], bmax);
+  const float alpha = std::exp(s.m[g] - mnew);  // 0 on the first block (m = -inf)
+  V16 sv = V16{};
+  const V16i lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  for (int64_t j = 0; j < KB; j += 16) {
+    const V16 e = ExpNonPositive(Load(sc + j) - mnew);
+    const V16 p = lane + static_cast<int32_t>(j) < static_cast<int32_t>(n) ? e : V16{};  // padding: 0
+    Store(sc + j, p);
+    sv += p;
+  }
+  s.l[g] = s.l[g] * alpha + Sum(sv);
+  s.m[g] = mnew;
+  return alpha;
+}
+
+// One block of n keys (rows k, v with stride ts) for all G heads, head size DV * 16.
+template <int DV>
+ORTKV_INLINE void BlockVec(const State& s, int64_t G, const float* k, const float* v, int64_t ts, int64_t n) {
+  constexpr int D = DV * 16;
+  for (int64_t g = 0; g < G; ++g) {  // scores: the head's query stays in registers, the block's keys in L1
+    V16 qv[DV];
+    for (int i = 0; i < DV; ++i) qv[i] = Load(s.qs + g * D + 16 * i);
+    float* sc = s.sc + g * kAttnBlockKeys;
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16) {  // Note [CacheAttention score transpose]
+      V16 a[16];
+      for (int x = 0; x < 16; ++x) {
+        const float* kj = k + (j + x) * ts;
+        a[x] = qv[0] * Load(kj);
+        for (int i = 1; i < DV; ++i) a[x] += qv[i] * Load(kj + 16 * i);
+      }
+      Store(sc + j, Sum16(a));
+    }
+    for (; j < n; ++j) {
+      const float* kj = k + j * ts;
+      V16 a = qv[0] * Load(kj);
+      for (int i = 1; i < DV; ++i) a += qv[i] * Load(kj + 16 * i);
+      sc[j] = Sum(a);
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {  // weights, then acc += p_j v_j: the head's accumulator in registers
+    const float alpha = Softmax(s, g, n);
+    const float* p = s.sc + g * kAttnBlockKeys;
+    V16 av[DV], bv[DV];  // two sets of accumulators: even and odd keys, two independent FMA chains
+    for (int i = 0; i < DV; ++i) av[i] = Load(s.acc + g * D + 16 * i) * alpha, bv[i] = V16{};
+    int64_t j = 0;
+    for (; j + 2 <= n; j += 2) {
+      const float* vj = v + j * ts;
+      for (int i = 0; i < DV; ++i) {
+        av[i] += p[j] * Load(vj + 16 * i);
+        bv[i] += p[j + 1] * Load(vj + ts + 16 * i);
+      }
+    }
+    if (j < n)
+      for (int i = 0; i < DV; ++i) av[i] += p[j] * Load(v + j * ts + 16 * i);
+    for (int i = 0; i < DV; ++i) Store(s.acc + g * D + 16 * i, av[i] + bv[i]);
+  }
+}
+
+// Any head size: the same steps with plain loops.
+ORTKV_INLINE void BlockAny(const State& s, int64_t G, int64_t D, const float* k, const float* v, int64_t ts,
+                           int64_t n) {
+  for (int64_t g = 0; g < G; ++g) {
+    const float* qg = s.qs + g * D;
+    float* sc = s.sc + g * kAttnBlockKeys;
+    for (int64_t j = 0; j < n; ++j) {
+      const float* kj = k + j * ts;
+      float lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      int64_t d = 0;
+      for (; d + 8 <= D; d += 8)
+        for (int x = 0; x < 8; ++x) lane[x] += qg[d + x] * kj[d + x];
+      float t = 0;
+      for (; d < D; ++d) t += qg[d] * kj[d];
+      sc[j] = t + ((lane[0] + lane[4]) + (lane[1] + lane[5])) + ((lane[2] + lane[6]) + (lane[3] + lane[7]));
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    const float alpha = Softmax(s, g, n);
+    const float* p = s.sc + g * kAttnBlockKeys;
+    float* ag = s.acc + g * D;
+    for (int64_t d = 0; d < D; ++d) ag[d] *= alpha;
+    for (int64_t j = 0; j < n; ++j) {
+      const float* vj = v + j * ts;
+      for (int64_t d = 0; d < D; ++d) ag[d] += p[j] * vj[d];
+    }
+  }
+}
+
+// Split-K merge (Note [CacheAttention CPU split-K]) of head g of one unit: its S chunk partials
+// [acc G x D, m G, l G] at part + c * G * (D + 2) into the normalized output row og[D].
+inline void MergeSplits(const float* part, int64_t S, int64_t G, int64_t D, int64_t g, float* og) {
+  const int64_t P = G * (D + 2);
+  float mx = -std::numeric_limits<float>::infinity();
+  for (int64_t c = 0; c < S; ++c) mx = std::max(mx, part[c * P + G * D + g]);  // chunk 0 is never empty
+  float den = 0;
+  std::fill(og, og + D, 0.0f);
+  for (int64_t c = 0; c < S; ++c) {
+    const float* pc = part + c * P;
+    const float w = std::exp(pc[G * D + g] - mx);  // 0 for an empty chunk (m = -inf)
+    if (w == 0.0f) continue;
+    den += w * pc[G * D + G + g];
+    for (int64_t d = 0; d < D; ++d) og[d] += w * pc[g * D + d];
+  }
+  const float inv = 1.0f / den;
+  for (int64_t d = 0; d < D; ++d) og[d] *= inv;
+}
+
+}  // namespace attn_cpu
+}  // namespace ortkv
