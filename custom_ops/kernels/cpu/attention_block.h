@@ -209,6 +209,13 @@ ORTKV_INLINE void BlockAny(const State& s, int64_t G, int64_t D, const float* k,
   }
 }
 
+// Note [CacheAttention CPU split-K]: split the keys only while units are too few to fill the threads,
+// and never into chunks shorter than kAttnMinSplitKeys (the longest row, max_keys, decides).
+inline int64_t CpuSplits(int64_t units, int64_t max_keys) {
+  if (units <= 0 || units >= kAttnTargetTasks) return 1;
+  return std::max<int64_t>(1, std::min((kAttnTargetTasks + units - 1) / units, max_keys / kAttnMinSplitKeys));
+}
+
 // Split-K merge (Note [CacheAttention CPU split-K]) of head g of one unit: its S chunk partials
 // [acc G x D, m G, l G] at part + c * G * (D + 2) into the normalized output row og[D].
 inline void MergeSplits(const float* part, int64_t S, int64_t G, int64_t D, int64_t g, float* og) {

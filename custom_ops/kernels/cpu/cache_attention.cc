@@ -175,12 +175,7 @@ Status PlanCacheAttention(const std::string& node, const TensorArg& q, const Ten
   view->tok_stride = sh.tok_stride;
   view->head_stride = sh.head_stride;
   view->scale = scale > 0 ? scale : 1.0f / std::sqrt(static_cast<float>(D));
-  // Note [CacheAttention CPU split-K]: split the keys only while units are too few to fill the
-  // threads, and never into chunks shorter than kAttnMinSplitKeys (the longest row decides).
-  const int64_t units = view->units();
-  view->splits = 1;
-  if (units > 0 && units < kAttnTargetTasks)
-    view->splits = std::max<int64_t>(1, std::min((kAttnTargetTasks + units - 1) / units, max_keys / kAttnMinSplitKeys));
+  view->splits = attn_cpu::CpuSplits(view->units(), max_keys);
   view->partial = nullptr;
   return Status::Ok();
 }

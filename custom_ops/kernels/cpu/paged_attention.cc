@@ -304,10 +304,7 @@ Status PlanPagedCacheAttention(const std::string& node, const TensorArg& q, cons
   view->Hkv = kv;
   view->D = D;
   view->scale = scale > 0 ? scale : 1.0f / std::sqrt(static_cast<float>(D));
-  const int64_t units = view->units();
-  view->splits = 1;
-  if (units > 0 && units < kAttnTargetTasks)
-    view->splits = std::max<int64_t>(1, std::min((kAttnTargetTasks + units - 1) / units, max_keys / kAttnMinSplitKeys));
+  view->splits = attn_cpu::CpuSplits(view->units(), max_keys);
   view->partial = nullptr;
   return Status::Ok();
 }
