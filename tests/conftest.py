@@ -14,7 +14,7 @@ from onnx import TensorProto as TP
 from onnx import helper
 
 import ortkv
-from ortkv.graph import make_cache_update, mark_mutable, set_alias_of
+from ortkv.graph import make_cache_attention, make_cache_update, mark_mutable, set_alias_of
 
 DTYPES = {"float32": (np.float32, TP.FLOAT), "float16": (np.float16, TP.FLOAT16),
           "bfloat16": (ml_dtypes.bfloat16, TP.BFLOAT16)}
@@ -77,6 +77,22 @@ def cache_update_model(onnx_type: int = TP.FLOAT, rank: int = 4, seq_axis: int =
         if not consumer:
             set_alias_of(model, "updated_cache", "cache")
     return model
+
+
+def cache_attention_model(num_heads: int, kv_heads: int, seq_axis: int = 1, onnx_type: int = TP.FLOAT, *,
+                          vector: bool = True) -> onnx.ModelProto:
+    """One CacheAttention node: q [B, T, W], caches in the layout of seq_axis (1: BSNH, 2 or -2: BNSH,
+    0: SBNH), start [B] (or a scalar with vector=False) -> out [B, T, W]."""
+    node = make_cache_attention("q", "k", "v", "start", "out", name="attn", num_heads=num_heads,
+                                kv_num_heads=kv_heads, seq_axis=seq_axis)
+    kv = {1: ["B", "C", "H", "D"], 2: ["B", "H", "C", "D"], -2: ["B", "H", "C", "D"], 0: ["C", "B", "H", "D"]}[seq_axis]
+    g = helper.make_graph([node], "attn", [helper.make_tensor_value_info("q", onnx_type, ["B", "T", "W"]),
+                                           helper.make_tensor_value_info("k", onnx_type, kv),
+                                           helper.make_tensor_value_info("v", onnx_type, kv),
+                                           helper.make_tensor_value_info("start", TP.INT64, ["B"] if vector else [])],
+                          [helper.make_tensor_value_info("out", onnx_type, ["B", "T", "W"])])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("ortkv", 1)],
+                             ir_version=10)
 
 
 def ort_session(model: onnx.ModelProto, providers=("CPUExecutionProvider",)) -> ort.InferenceSession:

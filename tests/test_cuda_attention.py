@@ -17,6 +17,7 @@ from onnx import TensorProto as TP
 from onnx import helper
 
 import ortkv
+from conftest import cache_attention_model
 from ortkv.graph import make_cache_attention, make_cache_update, mark_mutable, set_alias_of
 from ortkv.reference import cache_attention_ref, cache_update_ref
 
@@ -85,19 +86,6 @@ def _bind(io, name, value, onnx_type, shape, output=False):
     f(name, "cuda", 0, onnx_type, list(shape), value.data_ptr())
 
 
-def _attn_model(onnx_type, Hq, Hkv, layout):
-    node = make_cache_attention("q", "k", "v", "start", "out", name="attn", num_heads=Hq, kv_num_heads=Hkv,
-                                seq_axis=layout)
-    kv = {1: ["B", "C", "H", "D"], 2: ["B", "H", "C", "D"], 0: ["C", "B", "H", "D"]}[layout]
-    g = helper.make_graph([node], "attn", [helper.make_tensor_value_info("q", onnx_type, ["B", "T", "W"]),
-                                           helper.make_tensor_value_info("k", onnx_type, kv),
-                                           helper.make_tensor_value_info("v", onnx_type, kv),
-                                           helper.make_tensor_value_info("start", TP.INT64, ["B"])],
-                          [helper.make_tensor_value_info("out", onnx_type, ["B", "T", "W"])])
-    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("ortkv", 1)],
-                             ir_version=10)
-
-
 def _poisoned_case(rng, onnx_type, layout, B, C, Hq, Hkv, D, T, start):
     """Random q / caches, every slot at or past a row's start + T set to NaN (must never be read)."""
     dt = NP[onnx_type]
@@ -143,7 +131,7 @@ def test_attention_matches_oracle(rng, onnx_type, layout, T, heads):
     B, C, D = 3, 300, 64
     start = np.array([0, 117, C - T])  # a row with only the new block, a middle one, a full one
     q, k, v = _poisoned_case(rng, onnx_type, layout, B, C, Hq, Hkv, D, T, start)
-    sess = _session(_attn_model(onnx_type, Hq, Hkv, layout))
+    sess = _session(cache_attention_model(Hq, Hkv, layout, onnx_type))
     out, k_after, v_after = _run_attention(sess, onnx_type, q, k, v, start)
     _check(out, q, k, v, start, Hq, Hkv, layout, onnx_type)
     assert k_after.tobytes() == k.tobytes() and v_after.tobytes() == v.tobytes()
@@ -155,7 +143,7 @@ def test_attention_head_sizes(rng, D):
     B, C, Hq, Hkv, T = 2, 97, 6, 2, 3
     start = np.array([5, 94])
     q, k, v = _poisoned_case(rng, TP.FLOAT16, 1, B, C, Hq, Hkv, D, T, start)
-    out, _, _ = _run_attention(_session(_attn_model(TP.FLOAT16, Hq, Hkv, 1)), TP.FLOAT16, q, k, v, start)
+    out, _, _ = _run_attention(_session(cache_attention_model(Hq, Hkv, 1, TP.FLOAT16)), TP.FLOAT16, q, k, v, start)
     _check(out, q, k, v, start, Hq, Hkv, 1, TP.FLOAT16)
 
 
@@ -167,7 +155,7 @@ def test_attention_long_cache_split_path(rng, B, layout):
     C, Hq, Hkv, D = 16384, 9, 3, 64
     start = np.array([C - 1, 10, 5000, 16000, 1, 8191, 12345, 300][:B])
     q, k, v = _poisoned_case(rng, TP.FLOAT16, layout, B, C, Hq, Hkv, D, 1, start)
-    out, _, _ = _run_attention(_session(_attn_model(TP.FLOAT16, Hq, Hkv, layout)), TP.FLOAT16, q, k, v, start)
+    out, _, _ = _run_attention(_session(cache_attention_model(Hq, Hkv, layout, TP.FLOAT16)), TP.FLOAT16, q, k, v, start)
     _check(out, q, k, v, start, Hq, Hkv, layout, TP.FLOAT16)
 
 
@@ -176,7 +164,7 @@ def test_attention_prefill_long_block(rng):
     B, C, Hq, Hkv, D, T = 2, 1100, 2, 1, 64, 1024
     start = np.array([0, 76])
     q, k, v = _poisoned_case(rng, TP.FLOAT16, 1, B, C, Hq, Hkv, D, T, start)
-    out, _, _ = _run_attention(_session(_attn_model(TP.FLOAT16, Hq, Hkv, 1)), TP.FLOAT16, q, k, v, start)
+    out, _, _ = _run_attention(_session(cache_attention_model(Hq, Hkv, 1, TP.FLOAT16)), TP.FLOAT16, q, k, v, start)
     _check(out, q, k, v, start, Hq, Hkv, 1, TP.FLOAT16)
 
 
@@ -187,7 +175,7 @@ def test_attention_bad_start_is_clamped_and_reported(rng, bad):
     k[np.isnan(k)] = 0  # finite everywhere: a clamped read must stay inside the cache and finite
     v[np.isnan(v)] = 0
     start = np.array([10, bad])
-    out, k_after, _ = _run_attention(_session(_attn_model(TP.FLOAT16, Hq, Hkv, 1)), TP.FLOAT16, q, k, v, start)
+    out, k_after, _ = _run_attention(_session(cache_attention_model(Hq, Hkv, 1, TP.FLOAT16)), TP.FLOAT16, q, k, v, start)
     assert np.isfinite(out).all() and k_after.tobytes() == k.tobytes()
     msg = _ortkv.cuda_take_error()
     assert msg is not None and "CacheAttention node 'attn'" in msg and "row 1" in msg

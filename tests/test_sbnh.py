@@ -9,7 +9,7 @@ import pytest
 from onnx import TensorProto as TP
 from onnx import helper
 
-from conftest import DTYPES, cache_update_model, ort_session, run_bound
+from conftest import DTYPES, cache_attention_model, cache_update_model, ort_session, run_bound
 from ortkv.graph import check, check_model, make_cache_attention, make_cache_update, mark_mutable, set_alias_of
 from ortkv.reference import cache_attention_ref, cache_update_ref
 
@@ -53,19 +53,6 @@ def test_update_sbnh_refusals_leave_cache_unchanged(rng):
     assert cache.tobytes() == before
 
 
-def _attn_model(Hq, Hkv):
-    node = make_cache_attention("q", "k", "v", "start", "out", name="attn", num_heads=Hq, kv_num_heads=Hkv,
-                                seq_axis=0)
-    kv = ["C", "B", Hkv, "D"]
-    g = helper.make_graph([node], "attn", [helper.make_tensor_value_info("q", TP.FLOAT, ["B", "T", "W"]),
-                                           helper.make_tensor_value_info("k", TP.FLOAT, kv),
-                                           helper.make_tensor_value_info("v", TP.FLOAT, kv),
-                                           helper.make_tensor_value_info("start", TP.INT64, ["B"])],
-                          [helper.make_tensor_value_info("out", TP.FLOAT, ["B", "T", "W"])])
-    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("ortkv", 1)],
-                             ir_version=10)
-
-
 @pytest.mark.parametrize("heads", [(4, 4), (9, 3), (8, 1)])
 @pytest.mark.parametrize("T", [1, 5])
 def test_attention_sbnh_matches_oracle_and_ignores_tails(rng, heads, T):
@@ -78,7 +65,7 @@ def test_attention_sbnh_matches_oracle_and_ignores_tails(rng, heads, T):
     for b in range(B):  # NaN past each row's valid length: must never be read
         k[start[b] + T:, b] = np.nan
         v[start[b] + T:, b] = np.nan
-    (out,) = ort_session(_attn_model(Hq, Hkv)).run(None, {"q": q, "k": k, "v": v, "start": start})
+    (out,) = ort_session(cache_attention_model(Hq, Hkv, 0)).run(None, {"q": q, "k": k, "v": v, "start": start})
     expected = cache_attention_ref(q, k, v, start, Hq, Hkv, seq_axis=0)
     assert np.isfinite(out).all()
     np.testing.assert_allclose(out, expected, rtol=2e-4, atol=2e-5)
@@ -88,7 +75,7 @@ def test_attention_sbnh_batch_mismatch_refused(rng):
     q = np.zeros((3, 1, 64), np.float32)
     k = np.zeros((8, 2, 1, 64), np.float32)  # batch 2 on axis 1
     with pytest.raises(Exception, match=r"holds batch 2, 1 KV heads of size 64; expected batch 3"):
-        ort_session(_attn_model(1, 1)).run(None, {"q": q, "k": k, "v": k, "start": np.zeros(3, np.int64)})
+        ort_session(cache_attention_model(1, 1, 0)).run(None, {"q": q, "k": k, "v": k, "start": np.zeros(3, np.int64)})
 
 
 def _decode_model(layout_ok=True):
