@@ -50,6 +50,22 @@ def model_path(cfg: GenAIConfig, variant: str, log=print) -> Path:
     return target
 
 
+def save_decoder(model, root: Path, name: str, extra=None) -> Path:
+    """Write ``model`` as root/name/model.onnx (+ model.onnx.data) atomically: into a hidden temporary folder
+    (``extra(tmp)`` may add files), then renamed over any old one, so an interrupted build never leaves a
+    half-written decoder where the next run would load it."""
+    tmp = root / f".{name}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    onnx.save_model(model, str(tmp / "model.onnx"), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location="model.onnx.data", size_threshold=1024)
+    if extra is not None:
+        extra(tmp)
+    shutil.rmtree(root / name, ignore_errors=True)
+    os.replace(tmp, root / name)
+    return root / name / "model.onnx"
+
+
 def build_models(cfg: GenAIConfig, variants, log=print) -> None:
     """Build the missing ones of ``variants`` from one read of the GGUF. A run builds only the variant it
     runs (`--weights q4` used to build all three: 3 x the time and the disk)."""
@@ -62,16 +78,8 @@ def build_models(cfg: GenAIConfig, variants, log=print) -> None:
     for v in missing:
         log(f"ortkv: building the {v} decoder ({cfg.ortkv.weights} weights) ...")
         model = build(weights, v, max_positions=MAX_POSITIONS, cache_layout=cfg.cache_layout, dtype=cfg.dtype)
-        tmp = root / f".{v}.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        onnx.save_model(model, str(tmp / "model.onnx"), save_as_external_data=True, all_tensors_to_one_file=True,
-                        location="model.onnx.data", size_threshold=1024)
+        save_decoder(model, root, v, (lambda tmp: write_genai_folder(tmp, cfg, tokenizer)) if v == "genai" else None)
         del model
-        if v == "genai":
-            write_genai_folder(tmp, cfg, tokenizer)
-        shutil.rmtree(root / v, ignore_errors=True)
-        os.replace(tmp, root / v)
         log(f"ortkv: cached the {v} decoder in {root / v} ({human_size(tree_size(root / v))}); "
             f"`ortkv cache list` shows the cache, `ortkv cache rm {root.name}` frees it")
 

@@ -20,9 +20,6 @@ keeps the weights, rotary and MLP code in one place.
 
 from __future__ import annotations
 
-import os
-import shutil
-
 import numpy as np
 import onnx
 from onnx import TensorProto as TP
@@ -98,7 +95,7 @@ def paged_model_path(cfg: GenAIConfig, log=print):
     """The paged decoder's model.onnx (one per page size), built on first use next to the other variants."""
     from .builder import build
     from .config import MAX_POSITIONS
-    from .models import gguf_path, model_dir
+    from .models import gguf_path, model_dir, save_decoder
     from .weights import load
 
     root = model_dir(cfg)
@@ -111,15 +108,7 @@ def paged_model_path(cfg: GenAIConfig, log=print):
     c = weights.config
     model = to_paged(build(weights, "ortkv", max_positions=MAX_POSITIONS, cache_layout="BSNH"), c.heads,
                      c.kv_heads, cfg.ortkv.page_size)
-    tmp = root / f".{name}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    onnx.save_model(model, str(tmp / "model.onnx"), save_as_external_data=True, all_tensors_to_one_file=True,
-                    location="model.onnx.data", size_threshold=1024)
-    del model
-    shutil.rmtree(root / name, ignore_errors=True)
-    os.replace(tmp, root / name)
-    return target
+    return save_decoder(model, root, name)
 
 
 class PagedRunner:
