@@ -208,6 +208,7 @@ class MutableCacheSession:
         self._feed_types = {i.name: _ORT_TYPE_STRINGS.get(i.type) for i in self._session.get_inputs()}
         self._id = next(_session_ids)
         self._bindings: dict[str, Storage] = {}
+        self._io_cache = None  # (key, IOBinding, alias names): Note [Reused IOBinding]
         self._owners: dict[str, object] = {}
         self._lock = threading.Lock()  # held for a whole run, and while bindings change
         self._closed = False
@@ -347,9 +348,8 @@ class MutableCacheSession:
         # feeds and non-cache outputs are bound again on every run (a stale feed or a reused output buffer
         # must never survive), and the pointer check below still runs after every run.
         key = (tuple(feeds), tuple(output_names), tuple(bound_outputs or ()))
-        cached = getattr(self, "_io_cache", None)
-        if cached is not None and cached[0] == key:
-            io, alias_names = cached[1], cached[2]
+        if self._io_cache is not None and self._io_cache[0] == key:
+            _, io, alias_names = self._io_cache
         else:
             self._io_cache = None
             io = self._session.io_binding()
