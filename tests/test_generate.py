@@ -17,7 +17,7 @@ import ortkv
 from ortkv.generate import builder, weights
 from ortkv.generate.assets import smollm2_gguf
 from ortkv.generate.cli import apply_overrides
-from ortkv.generate.config import GenAIConfig, load_config
+from ortkv.generate.config import GenAIConfig, Search, load_config
 from ortkv.generate.loop import Sampler, generate
 from ortkv.generate.models import write_genai_folder
 from ortkv.generate.reference import load_reference, top1_agreement
@@ -507,6 +507,44 @@ def test_last_token_gathers_each_rows_last_logits():
     value = ort.OrtValue.ortvalue_from_numpy(logits)
     got = LastToken(GenAIConfig().validate())(value, np.array([4, 0, 2]))
     np.testing.assert_array_equal(got, logits[[0, 1, 2], [4, 0, 2]])
+
+
+def test_greedy_token_is_numpy_argmax_of_each_rows_last_logits():
+    import onnxruntime as ort
+
+    from ortkv.generate.runners import GreedyToken
+
+    rng = np.random.default_rng(1)
+    logits = rng.standard_normal((4, 5, 9)).astype(np.float32)
+    logits[1, 0, [2, 6]] = 50.0  # a tie: the lowest id wins, as numpy's argmax
+    index = np.array([4, 0, 2, 3])
+    pick = GreedyToken(GenAIConfig().validate())
+    got = pick(ort.OrtValue.ortvalue_from_numpy(logits), index)
+    want = logits[np.arange(4), index].argmax(-1)
+    assert got.dtype == np.int64 and want[1] == 2
+    np.testing.assert_array_equal(got, want)
+    logits[2, 2, 5] = np.nan  # the NaN is in row 2's last position: refused, naming the row
+    with pytest.raises(ortkv.OrtkvError, match="logits of row 2 hold NaN"):
+        pick(ort.OrtValue.ortvalue_from_numpy(logits), index)
+    logits[2, 2, 5] = 0.0
+    logits[2, 0, 5] = np.nan  # not a last position: ignored
+    np.testing.assert_array_equal(pick(ort.OrtValue.ortvalue_from_numpy(logits), index), want)
+
+
+def test_genai_own_greedy_loop_gives_the_sampled_tokens(slice_models, monkeypatch):
+    """The CUDA path of the GenAI baseline (Note [Greedy on the device]: its own generate_next_token loop),
+    forced on the CPU: the same tokens as ortkv's sampler over GenAI's logits, batch 1 and ragged batch 2."""
+    cfg, paths = slice_models
+    prompts = [[504, 3575, 282, 4649, 314], [504, 3575, 282]]
+    for batch in ([prompts[0]], prompts):
+        runs = []
+        for native in (False, True):
+            monkeypatch.setattr(GenAIRunner, "greedy_on_device", property(lambda self, n=native: n))
+            r = GenAIRunner(paths["genai"], cfg, share=True)
+            g = generate(r, batch, Search(max_length=64), 6, eos_id=-1, pad_id=cfg.model.pad_token_id)
+            r.close()
+            runs.append(g.new_ids)
+        assert runs[0] == runs[1] and len(runs[0][0]) == 6
 
 
 def test_bound_outputs_must_be_requested_non_cache_outputs(slice_models):

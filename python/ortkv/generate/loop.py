@@ -158,15 +158,21 @@ def generate(runner, prompt_ids: list[list[int]], search: Search, max_new_tokens
 
         device_memory = DeviceMemory(cfg)  # baseline: the model loaded, no caches yet
     runner.start(len(prompt_ids), search.max_length)
+    # Note [Greedy on the device]: a CUDA runner picks greedy tokens where its logits are (ArgMax on the
+    # device, or onnxruntime-genai's own greedy step), so a step returns [B] ids, not [B, V] float32 logits
+    on_device = sample.greedy and getattr(runner, "greedy_on_device", False)
     t0 = time.perf_counter()
-    logits = runner.prefill(ids, lengths)
+    if on_device:
+        chosen = runner.prefill_tokens(ids, lengths)
+    else:
+        logits = runner.prefill(ids, lengths)
     g.prefill_s = time.perf_counter() - t0
     if device_memory is not None:
         device_memory.sample()
     done = np.zeros(len(prompt_ids), bool)
     t0 = time.perf_counter()
     for step in range(budget):
-        nxt = sample(logits)
+        nxt = chosen if on_device else sample(logits)
         for b, tok in enumerate(nxt):
             if done[b]:
                 continue
@@ -180,7 +186,10 @@ def generate(runner, prompt_ids: list[list[int]], search: Search, max_new_tokens
         if done.all() or step == budget - 1:
             break
         t_step = time.perf_counter()
-        logits = runner.step(np.where(done, pad_id, nxt))
+        if on_device:
+            chosen = runner.step_tokens(np.where(done, pad_id, nxt))
+        else:
+            logits = runner.step(np.where(done, pad_id, nxt))
         g.step_s.append(time.perf_counter() - t_step)
         g.decode_steps += 1
         if device_memory is not None:

@@ -19,6 +19,7 @@ through IOBinding, onnxruntime-genai's in its own CUDA buffers; only the last to
 
 from __future__ import annotations
 
+import functools
 import json
 
 import numpy as np
@@ -62,8 +63,10 @@ def _device_id(cfg: GenAIConfig) -> int:
     return int(cfg.device.split(":")[1])
 
 
-def _last_token_model():
-    """[B, T, V] logits + [B] row index -> [B, V]: the rows' last tokens, gathered where the logits are."""
+def _last_token_model(greedy: bool = False):
+    """[B, T, V] logits + [B] row index -> [B, V]: the rows' last tokens, gathered where the logits are.
+    greedy: outputs instead next [B] int64 (ArgMax of that row: the lowest id among ties, as numpy's) and
+    nan [B] float (1.0 where the row holds a NaN, whose ArgMax would mean nothing)."""
     import onnx
     from onnx import TensorProto as TP
     from onnx import helper
@@ -81,9 +84,17 @@ def _last_token_model():
     inits = [helper.make_tensor("i0", TP.INT64, [], [0]), helper.make_tensor("i1", TP.INT64, [], [1]),
              helper.make_tensor("i2", TP.INT64, [1], [2]), helper.make_tensor("minus1", TP.INT64, [1], [-1]),
              helper.make_tensor("zero", TP.INT64, [], [0]), helper.make_tensor("one", TP.INT64, [], [1])]
+    outputs = [helper.make_tensor_value_info("last", TP.FLOAT, ["B", "V"])]
+    if greedy:
+        nodes += [helper.make_node("ArgMax", ["last"], ["next"], axis=1, keepdims=0, select_last_index=0),
+                  helper.make_node("IsNaN", ["last"], ["isnan"]),
+                  helper.make_node("Cast", ["isnan"], ["isnan_f"], to=TP.FLOAT),
+                  helper.make_node("ReduceMax", ["isnan_f"], ["nan"], axes=[1], keepdims=0)]
+        outputs = [helper.make_tensor_value_info("next", TP.INT64, ["B"]),
+                   helper.make_tensor_value_info("nan", TP.FLOAT, ["B"])]
     graph = helper.make_graph(nodes, "last_token", [helper.make_tensor_value_info("logits", TP.FLOAT, ["B", "T", "V"]),
                                                     helper.make_tensor_value_info("index", TP.INT64, ["B"])],
-                              [helper.make_tensor_value_info("last", TP.FLOAT, ["B", "V"])], inits)
+                              outputs, inits)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10)
 
 
@@ -107,6 +118,46 @@ class LastToken:
         return io.get_outputs()[0].numpy()
 
 
+# Note [Greedy on the device]
+# With greedy search (do_sample false; Note [Sampling semantics]) a CUDA runner returns the next token ids, not
+# logits: ortkv and the copy model run GreedyToken (each row's last position gathered, ArgMax with the lowest
+# id among ties, as numpy's argmax, and an IsNaN flag per row) on the logits where the decoder left them, so
+# 16 bytes a row reach the host instead of [B, V] float32 (V = 49,152: 6.3 MB at batch 32) and the host runs
+# no argmax; onnxruntime-genai runs its own loop (generate_next_token: its model run and its greedy pick on
+# its device), as its users would. Sampling still brings [B, V] logits to the host, where Sampler keeps
+# onnxruntime-genai's semantics. On the CPU every runner returns logits: a host argmax is what a device pick
+# would be there. (Measured per step on the H200 host before this: the [B, V] copy + numpy argmax, and a
+# ctypes.util.find_library lookup of libcudart for the device-memory sample, 2.9 ms each time: a
+# subprocess. _cuda_library is cached now.)
+class GreedyToken:
+    """Greedy search on the device (Note [Greedy on the device]): [B, T, V] logits + [B] row index -> the
+    ArgMax of each row's last-token logits, [B] int64; only 16 bytes a row cross to the host, not [B, V]
+    float32 (6.3 MB at batch 32), and the host does no argmax."""
+
+    def __init__(self, cfg: GenAIConfig):
+        import onnxruntime as ort
+
+        so = ort.SessionOptions()
+        so.log_severity_level = 3
+        self.sess = ort.InferenceSession(_last_token_model(greedy=True).SerializeToString(), so,
+                                         providers=providers_for(cfg))
+        self.io = self.sess.io_binding()
+
+    def __call__(self, logits_value, index: np.ndarray) -> np.ndarray:
+        io = self.io
+        io.bind_ortvalue_input("logits", logits_value)
+        io.bind_cpu_input("index", np.ascontiguousarray(index, np.int64))
+        io.bind_output("next", "cpu")
+        io.bind_output("nan", "cpu")
+        self.sess.run_with_iobinding(io)
+        nxt, nan = (v.numpy() for v in io.get_outputs())
+        if nan.any():
+            b = int(np.flatnonzero(nan)[0])
+            raise OrtkvError(f"the logits of row {b} hold NaN: the model produced no usable distribution")
+        return nxt.astype(np.int64)
+
+
+@functools.cache
 def _cuda_library():
     """ctypes handle of the CUDA runtime (or None): for cudaMemGetInfo; torch and pynvml are not needed."""
     import ctypes
@@ -234,7 +285,12 @@ class OrtkvRunner:
         self.arena_cache = None
         self._io = None
         self.last_token = LastToken(cfg) if self.device != "cpu" else None
+        self.greedy_token = GreedyToken(cfg) if self.device != "cpu" else None
         _check_layers(cfg, path, len(self.sess.caches) // 2)
+
+    @property
+    def greedy_on_device(self) -> bool:  # Note [Greedy on the device]
+        return self.device != "cpu"
 
     def start(self, batch: int, max_length: int) -> None:
         cfg, d = self.cfg, self.cfg.model.decoder
@@ -304,6 +360,9 @@ class OrtkvRunner:
             logits = self.logits_all(ids)
             self.lengths = lengths.astype(np.int64).copy()
             return logits[np.arange(len(ids)), lengths - 1]
+        return self.last_token(self._prefill_device(ids, lengths), lengths - 1)
+
+    def _prefill_device(self, ids: np.ndarray, lengths: np.ndarray):
         import onnxruntime as ort
 
         self._ensure(ids.shape[1])
@@ -313,21 +372,38 @@ class OrtkvRunner:
                                    "positions": np.zeros(len(ids), np.int64)},
                       run_options=self._prefill_ro, bound_outputs={"logits": out})
         self.lengths = lengths.astype(np.int64).copy()
-        return self.last_token(out, lengths - 1)
+        return out
+
+    def prefill_tokens(self, ids: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        """Greedy: each row's next token [B] from the prompt, chosen on the device."""
+        return self.greedy_token(self._prefill_device(ids, lengths), lengths - 1)
 
     def step(self, next_ids: np.ndarray) -> np.ndarray:
-        self._ensure(int(self.lengths.max()) + 1)
         if self.device == "cpu":
+            self._ensure(int(self.lengths.max()) + 1)
             (logits,) = self.sess.run(["logits"], {"input_ids": next_ids.reshape(-1, 1), "positions": self.lengths})
             self.lengths += 1
             return logits[:, -1]
+        return self._step_device(next_ids).numpy()[:, -1]
+
+    def _step_device(self, next_ids: np.ndarray):
+        self._ensure(int(self.lengths.max()) + 1)
         io = self._io
         io["input_ids"].update_inplace(np.ascontiguousarray(next_ids.reshape(-1, 1), np.int64))
         io["positions"].update_inplace(self.lengths)
         self.sess.run(["logits"], {"input_ids": io["input_ids"], "positions": io["positions"]},
                       run_options=self._decode_ro, bound_outputs={"logits": io["logits"]})
         self.lengths += 1
-        return io["logits"].numpy()[:, -1]
+        return io["logits"]
+
+    def step_tokens(self, next_ids: np.ndarray) -> np.ndarray:
+        """Greedy: one decode step, then each row's next token [B], chosen on the device."""
+        return self.greedy_token(self._step_device(next_ids), self._zero_index(len(next_ids)))
+
+    def _zero_index(self, batch: int) -> np.ndarray:
+        if getattr(self, "_zeros", None) is None or len(self._zeros) != batch:
+            self._zeros = np.zeros(batch, np.int64)
+        return self._zeros
 
     def kv_bytes(self) -> int:
         return self.arena_cache.committed_bytes if self.arena_cache is not None else self._dense_bytes
@@ -370,6 +446,7 @@ class CopyRunner:
         self.sess = ort.InferenceSession(str(path), _session_options(cfg), providers=providers_for(cfg))
         self.out_names = [o.name for o in self.sess.get_outputs()]
         self.last_token = LastToken(cfg) if self.device != "cpu" else None
+        self.greedy_token = GreedyToken(cfg) if self.device != "cpu" else None
         _check_layers(cfg, path, sum(i.name.startswith("past_key_values.") for i in self.sess.get_inputs()) // 2)
 
     def start(self, batch: int, max_length: int) -> None:
@@ -379,9 +456,16 @@ class CopyRunner:
         self.mask = None
         self.lengths = None
 
-    def _run(self, feeds):
+    @property
+    def greedy_on_device(self) -> bool:  # Note [Greedy on the device]
+        return self.device != "cpu"
+
+    def _run(self, feeds, greedy: bool = False):
         if self.device != "cpu":
-            return self._run_device(feeds)
+            logits = self._run_device(feeds)
+            B, T = logits.shape()[:2]
+            pick = self.greedy_token if greedy else self.last_token
+            return pick(logits, np.full(B, T - 1, np.int64))
         results = dict(zip(self.out_names, self.sess.run(None, {**feeds, **self.past})))
         for i in range(self.layers):
             pk, pv, ok, ov = genai_names(i)
@@ -405,20 +489,25 @@ class CopyRunner:
         for i in range(self.layers):
             pk, pv, ok, ov = genai_names(i)
             self.past[pk], self.past[pv] = results[ok], results[ov]
-        logits = results["logits"]
-        B, T = logits.shape()[:2]
-        return self.last_token(logits, np.full(B, T - 1, np.int64))
+        return results["logits"]
 
-    def prefill(self, ids, lengths):
+    def prefill(self, ids, lengths, greedy: bool = False):
         ids, self.mask, pos = _left_pad(ids, lengths, self.pad)
         self.lengths = lengths.astype(np.int64).copy()
-        return self._run({"input_ids": ids, "attention_mask": self.mask, "position_ids": pos})
+        return self._run({"input_ids": ids, "attention_mask": self.mask, "position_ids": pos}, greedy)
 
-    def step(self, next_ids):
+    def step(self, next_ids, greedy: bool = False):
         self.mask = np.concatenate([self.mask, np.ones((len(next_ids), 1), np.int64)], axis=1)
         pos = self.lengths.reshape(-1, 1)
         self.lengths = self.lengths + 1
-        return self._run({"input_ids": next_ids.reshape(-1, 1), "attention_mask": self.mask, "position_ids": pos})
+        return self._run({"input_ids": next_ids.reshape(-1, 1), "attention_mask": self.mask, "position_ids": pos},
+                         greedy)
+
+    def prefill_tokens(self, ids, lengths):
+        return self.prefill(ids, lengths, greedy=True)
+
+    def step_tokens(self, next_ids):
+        return self.step(next_ids, greedy=True)
 
     def kv_bytes(self) -> int:
         item = np.dtype(self.dtype).itemsize
@@ -496,6 +585,24 @@ class GenAIRunner:
             self.gen.append_tokens(next_ids.reshape(-1, 1).astype(np.int32))
         self.tokens += 1
         return np.asarray(self.gen.get_logits()).reshape(self.batch, -1)
+
+    @property
+    def greedy_on_device(self) -> bool:  # Note [Greedy on the device]: GenAI's own loop on CUDA
+        return self.cfg.device != "cpu" and self.greedy
+
+    def prefill_tokens(self, ids, lengths):
+        if (lengths != lengths[0]).any():
+            ids, _, _ = _left_pad(ids, lengths, self.pad)
+        self.gen.append_tokens(ids.astype(np.int32))
+        self.tokens = ids.shape[1]
+        self.gen.generate_next_token()  # picks from the prompt's logits (already computed): no model run
+        return np.asarray(self.gen.get_next_tokens(), np.int64).reshape(-1)
+
+    def step_tokens(self, next_ids):
+        # next_ids are the tokens this generator chose last (the loop pads rows that are done, as GenAI does)
+        self.gen.generate_next_token()  # one model run on them, then GenAI's own greedy pick on the device
+        self.tokens += 1
+        return np.asarray(self.gen.get_next_tokens(), np.int64).reshape(-1)
 
     def kv_bytes(self) -> int:
         held = self.max_length if self.share else self.tokens
