@@ -524,7 +524,7 @@ def test_greedy_token_is_numpy_argmax_of_each_rows_last_logits():
     assert got.dtype == np.int64 and want[1] == 2
     np.testing.assert_array_equal(got, want)
     logits[2, 2, 5] = np.nan  # the NaN is in row 2's last position: refused, naming the row
-    with pytest.raises(ortkv.OrtkvError, match="logits of row 2 hold NaN"):
+    with pytest.raises(ortkv.OrtkvError, match="logits of row 2 hold NaN at token 5"):
         pick(ort.OrtValue.ortvalue_from_numpy(logits), index)
     logits[2, 2, 5] = 0.0
     logits[2, 0, 5] = np.nan  # not a last position: ignored

@@ -1,0 +1,65 @@
+"""Where a CUDA decode step's time goes: every CUDA kernel of N greedy decode steps of the ortkv runner (and
+optionally the copy model), grouped by kernel name, from CUPTI through torch.profiler (it records every kernel
+of the process, ORT's included). Needs a GPU and torch.
+
+    python benchmarks/profile_decode_cuda.py --batch 8 --steps 32 [--graph] [--max-length 2048]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--prompt-tokens", type=int, default=16)
+    p.add_argument("--max-length", type=int, default=2048)
+    p.add_argument("--graph", action="store_true", help="decode as a CUDA graph (kernels still listed by CUPTI)")
+    p.add_argument("--rows", type=int, default=25)
+    a = p.parse_args()
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from ortkv.generate.config import GenAIConfig, set_device
+    from ortkv.generate.models import model_path
+    from ortkv.generate.runners import OrtkvRunner
+
+    cfg = GenAIConfig()
+    set_device(cfg, "cuda:0", cuda_graph=a.graph)
+    cfg = cfg.validate()
+    r = OrtkvRunner(model_path(cfg, "ortkv"), cfg)
+    r.start(a.batch, a.max_length)
+    ids = np.full((a.batch, a.prompt_tokens), 504, np.int64)
+    tok = r.prefill_tokens(ids, np.full(a.batch, a.prompt_tokens))
+    for _ in range(8):  # warm-up (and graph capture)
+        tok = r.step_tokens(tok)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(a.steps):
+            tok = r.step_tokens(tok)
+        wall = (time.perf_counter() - t0) / a.steps
+    def dt(e):  # self device time (us); torch renamed self_cuda_time_total
+        return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+
+    dev = sorted(prof.key_averages(), key=lambda e: -dt(e))
+    total = sum(dt(e) for e in dev)
+    print(f"batch {a.batch}, graph {a.graph}: wall {wall * 1e3:.3f} ms/step, CUDA kernel time {total / a.steps / 1e3:.3f} "
+          f"ms/step, kernels/step {sum(e.count for e in dev if dt(e) > 0) / a.steps:.0f}")
+    print(f"{'us/step':>9} {'calls/step':>10}  kernel")
+    for e in dev[: a.rows]:
+        t = dt(e)
+        if t <= 0:
+            break
+        print(f"{t / a.steps:9.1f} {e.count / a.steps:10.1f}  {e.key[:110]}")
+    r.close()
+
+
+if __name__ == "__main__":
+    main()
