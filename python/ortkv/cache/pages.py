@@ -467,7 +467,7 @@ class PageCache:
                 n, ids = int(val), None
             else:
                 ids = np.asarray(val)
-                if ids.ndim != 1 or not (ids.size == 0 or np.issubdtype(ids.dtype, np.integer)):
+                if ids.ndim != 1 or not (ids.size == 0 or ids.dtype.kind in "iu"):  # (np.issubdtype: 10 us a call)
                     raise CacheProtocolError(f"admit: tokens of sequence {seq_id} must be a count or 1-D "
                                              f"integer ids, got dtype {ids.dtype} shape {ids.shape}")
                 n = int(ids.size)
