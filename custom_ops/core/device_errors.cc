@@ -71,6 +71,102 @@ int ortkv_core_take_device_error(char* msg, size_t cap) {
 }
 
 namespace {
+void ClearWords(ortkv_device_error* words) {
+  // clear both words: the codes first, then the numbers
+  for (int i = 0; i < 2; ++i) *reinterpret_cast<volatile int32_t*>(&words[i].code) = 0;
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  for (int i = 0; i < 2; ++i)
+    std::memset(reinterpret_cast<char*>(words + i) + 2 * sizeof(int32_t), 0, sizeof(*words) - 2 * sizeof(int32_t));
+}
+
+// The paged ops' reports (fields: Note [Paged CUDA] in ortkv/paged_cuda.h); label.tensor holds the
+// pool, directory and page table names separated by newlines.
+int FinishPaged(ortkv_device_error* words, const ortkv_device_error& e, int code, const Label& label, char* msg,
+                size_t cap) {
+  std::string names[3] = {"pool", "directory", "page_table"};
+  {
+    size_t at = 0;
+    for (int i = 0; i < 3; ++i) {
+      const size_t nl = label.tensor.find('\n', at);
+      names[i] = label.tensor.substr(at, nl == std::string::npos ? std::string::npos : nl - at);
+      if (nl == std::string::npos) break;
+      at = nl + 1;
+    }
+  }
+  const bool update = label.op == "PagedCacheUpdate";
+  const char* what = update ? "position" : "start";
+  const char* tail = update ? " Nothing was written." : " The output of that run is not valid (refused pages were not read).";
+  static const char* kFormats[8] = {"F16", "BF16", "INT8", "FP8_E4M3", "INT4", "INT2", "INT4_KC", "INT2_KC"};
+  ortkv::Code c = ortkv::Code::kInvalidArgument;
+  std::ostringstream m;
+  m << label.op << " node '" << label.node << "': ";
+  switch (code) {
+    case ORTKV_DERR_NEGATIVE:
+      m << what << " " << e.position << " for row " << e.row << " is negative; positions start at 0." << tail;
+      break;
+    case ORTKV_DERR_CAPACITY:
+      c = ortkv::Code::kCapacity;
+      m << "row " << e.row << ": " << what << " " << e.position << " + tokens " << e.n << " = " << e.position + e.n
+        << " exceeds the page table's capacity of " << e.capacity << " tokens ('" << names[2] << "')." << tail
+        << " Remedy: widen the page table.";
+      break;
+    case ORTKV_DERR_PAGE: {
+      const int problem = static_cast<int>(e.last & 0xFF), fmt = static_cast<int>((e.last >> 8) & 0xFF);
+      const uint64_t off = e.last >> 16;
+      const int64_t id = static_cast<int64_t>(e.first);
+      m << "row " << e.row << " (" << what << " " << e.position << ", " << e.n << " tokens) needs page " << e.hit_addr
+        << " of its page table '" << names[2] << "' but ";
+      switch (problem) {
+        case 1: m << "the entry is " << id << " (no page). Remedy: allocate the page and write its id into the page table before the run."; break;
+        case 2: m << "page id " << id << " is outside the directory '" << names[1] << "'. Remedy: grow the directory or fix the page table."; break;
+        case 3: m << "directory '" << names[1] << "' gives page " << id << " format " << fmt << ", not a page format (0 F16 .. 7 INT2_KC). Remedy: fix the directory entry."; break;
+        case 4: m << "page " << id << " is " << (fmt < 8 ? kFormats[fmt] : "?") << ", which cannot pack this head size. Remedy: store such pages as F16/BF16/INT8/FP8_E4M3."; break;
+        case 5: m << "directory '" << names[1] << "' places page " << id << " (" << (fmt < 8 ? kFormats[fmt] : "?") << ") at offset " << off << ", which is not a multiple of 16 or not inside the pool '" << names[0] << "'. Remedy: fix the directory entry or bind the whole pool."; break;
+        default: m << "page " << id << " is " << (fmt < 8 ? kFormats[fmt] : "?") << ": its keys are scaled per channel over the whole page, so key rows cannot be written alone. Remedy: fill the page as F16/BF16 and requantize it when full (paged_requantize)."; break;
+      }
+      m << tail;
+      break;
+    }
+    case ORTKV_DERR_SHARED_ROW:
+      m << "rows " << e.hit_addr << " and " << e.row << " both write row " << e.last << " of page " << e.first
+        << " (a page shared by two sequences). Remedy: give each writing sequence its own copy of the page (copy on write)." << tail;
+      break;
+    case ORTKV_DERR_ENCODE: {
+      const int r = static_cast<int>(e.last & 0xFF), kv = static_cast<int>((e.last >> 8) & 0xFF);
+      const int fmt = static_cast<int>((e.last >> 16) & 0xFF);
+      m << "'" << (kv ? "value" : "key") << "' [row " << e.row << ", position " << e.position << ", head " << e.hit_addr
+        << "] into page " << e.first << " (" << (fmt < 8 ? kFormats[fmt] : "?") << "): "
+        << (r == 1 ? "holds inf or NaN; the scaled formats refuse non-finite values (store the page as F16/BF16, or fix the values)."
+                   : "needs a scale or minimum beyond float16 (|x| too large); store the page as BF16.")
+        << tail;
+      break;
+    }
+    default: {
+      const bool ro = code == ORTKV_DERR_READONLY;
+      c = ro ? ortkv::Code::kReadOnly : ortkv::Code::kUncommitted;
+      char lab[128] = {0};
+      uintptr_t hit = 0;
+      uint64_t hit_len = 0;
+      ortkv_core_find_protected(ORTKV_DEVICE_CUDA, 0, static_cast<uintptr_t>(e.hit_addr), 1, 0, &hit, &hit_len, lab,
+                                sizeof(lab));
+      m << "row " << e.row << " token " << e.position << " would write into the page layer [0x" << std::hex << e.first
+        << ", 0x" << e.last << ") of '" << names[0] << "', which overlaps the " << (ro ? "write-protected" : "uncommitted")
+        << " range [0x" << e.hit_addr << std::dec << ", +" << hit_len << " bytes) '" << lab << "'." << tail
+        << " Remedy: " << (ro ? "give the sequence its own copy of the page (copy on write)." : "commit the page's slot before the run.");
+      break;
+    }
+  }
+  m << " (found on the device by the CUDA kernel and reported after the run; Note [CUDA deferred errors])";
+  const std::string text = ortkv::Status(c, m.str()).Tagged();
+  if (msg != nullptr && cap > 0) {
+    const size_t n = std::min(cap - 1, text.size());
+    std::memcpy(msg, text.data(), n);
+    msg[n] = '\0';
+  }
+  ClearWords(words);
+  return code;
+}
+
 int TakeFrom(ortkv_device_error* words, char* msg, size_t cap) {
   ortkv_device_error* w = words;  // CacheUpdate's word first, then CacheAttention's
   int32_t code = *reinterpret_cast<volatile int32_t*>(&w->code);
@@ -88,6 +184,7 @@ int TakeFrom(ortkv_device_error* words, char* msg, size_t cap) {
     if (e.label >= 0 && static_cast<size_t>(e.label) < l.all.size()) label = l.all[e.label];
   }
   std::ostringstream m;
+  if (label.op.rfind("Paged", 0) == 0) return FinishPaged(words, e, code, label, msg, cap);
   const bool update = label.op == "CacheUpdate";
   const char* what = update ? "position" : "start";
   const char* tail = update ? " Nothing was written" : " The output of that run is not valid (reads were clamped to the cache)";

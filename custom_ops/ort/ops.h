@@ -10,7 +10,7 @@ namespace ortkv_ort {
 void AppendCacheUpdateOps(std::vector<const OrtCustomOp*>* ops);
 // CacheAttention for the CPU EP (its CUDA kernel belongs to a later issue).
 void AppendCacheAttentionOps(std::vector<const OrtCustomOp*>* ops);
-// PagedCacheUpdate and PagedCacheAttention for the CPU EP (paged_ops.cc).
+// PagedCacheUpdate and PagedCacheAttention for the CPU EP, and the CUDA EP in CUDA builds (paged_ops.cc).
 void AppendPagedOps(std::vector<const OrtCustomOp*>* ops);
 
 inline std::vector<const OrtCustomOp*> AllOps() {

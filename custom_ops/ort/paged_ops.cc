@@ -1,4 +1,5 @@
-// PagedCacheUpdate and PagedCacheAttention, domain "ortkv", opset 1 (CPU). The physical form (pool,
+// PagedCacheUpdate and PagedCacheAttention, domain "ortkv", opset 1 (CPU; and CUDA in CUDA builds: Note
+// [Paged CUDA] in ortkv/paged_cuda.h, every input in device memory, positions / starts included). The physical form (pool,
 // directory, page table) is Note [Paged cache physical form] in ortkv/paged.h.
 //
 //   updated_pool = PagedCacheUpdate(pool, directory, page_table, key, value, position)
@@ -20,6 +21,8 @@
 #include "ort_util.h"
 #include "ortkv/core.h"
 #include "ortkv/paged.h"
+#include "ortkv/paged_cuda.h"
+#include "cuda_util.h"
 
 namespace ortkv_ort {
 namespace {
@@ -30,6 +33,7 @@ using ortkv::TensorArg;
 
 struct PagedKernel {
   NodeNames names;
+  int32_t label = -1;  // CUDA: Note [CUDA deferred errors]
   ortkv::PagedAttrs attrs;
   int64_t num_heads = 0;  // attention only
   float scale = 0.0f;     // attention only
@@ -255,11 +259,159 @@ OrtCustomOp MakeAttention() {
 const OrtCustomOp kPagedCacheUpdateCpu = MakeUpdate();
 const OrtCustomOp kPagedCacheAttentionCpu = MakeAttention();
 
+// ---- CUDA (Note [Paged CUDA] in ortkv/paged_cuda.h) ------------------------------------------------------
+#if defined(ORTKV_WITH_CUDA)
+int32_t PagedLabel(const char* op, const NodeNames& n, size_t pool, size_t dir, size_t table) {
+  const std::string names = n.inputs[pool] + "\n" + n.inputs[dir] + "\n" + n.inputs[table];
+  return ortkv_core_register_label(op, n.node.c_str(), names.c_str());
+}
+
+// The protected ranges overlapping the whole pool on its device (the kernel checks each written page
+// layer against them; the page ids are on the device).
+Status CollectPoolRanges(const PagedKernel& k, const ortkv::PagedPool& p, int device_id, ortkv::PagedRangeCheck* out) {
+  out->count = 0;
+  if (ortkv_core_protected_count() == 0 || p.pool_bytes == 0) return Status::Ok();
+  const uintptr_t lo = reinterpret_cast<uintptr_t>(p.pool), hi = lo + p.pool_bytes;
+  std::vector<std::pair<uintptr_t, uintptr_t>> windows{{lo, hi}};
+  while (!windows.empty()) {
+    const auto w = windows.back();
+    windows.pop_back();
+    if (w.first >= w.second) continue;
+    uintptr_t hit = 0;
+    uint64_t hit_len = 0;
+    const int kind =
+        ortkv_core_find_protected(ORTKV_DEVICE_CUDA, device_id, w.first, w.second - w.first, 0, &hit, &hit_len, nullptr, 0);
+    if (kind == 0) continue;
+    if (out->count == ortkv::kPagedMaxRanges) {
+      std::ostringstream m;
+      m << "PagedCacheUpdate node '" << k.names.node << "': more than " << ortkv::kPagedMaxRanges
+        << " write-protected or uncommitted ranges overlap the pool '" << k.names.inputs[0] << "' on cuda:" << device_id
+        << "; the CUDA kernel checks at most " << ortkv::kPagedMaxRanges << ". Nothing was written. Remedy: commit "
+        << "the slabs further, or bind a pool with fewer protected ranges";
+      return Status(Code::kInvalidArgument, m.str());
+    }
+    out->lo[out->count] = hit;
+    out->hi[out->count] = hit + hit_len;
+    out->kind[out->count] = kind;
+    ++out->count;
+    windows.push_back({w.first, std::max(w.first, std::min<uintptr_t>(w.second, hit))});
+    windows.push_back({std::max(w.first, std::min<uintptr_t>(w.second, hit + hit_len)), w.second});
+  }
+  return Status::Ok();
+}
+
+OrtStatus* UpdateComputeCuda(void* op_kernel, OrtKernelContext* ctx) {
+  const auto& k = *static_cast<const PagedKernel*>(op_kernel);
+  ORTKV_RETURN_IF_ORT_ERROR(TakeDeviceError());  // a previous launch's report (Note [CUDA deferred errors])
+  TensorArg in[6];
+  int device_type = ORTKV_DEVICE_CUDA, device_id = 0;
+  ORTKV_RETURN_IF_ORT_ERROR(ReadInputs(ctx, k, 6, in, &device_type, &device_id));
+  ortkv::PagedUpdateCudaView view;
+  ORTKV_RETURN_IF_ORT_ERROR(ToOrtStatus(ortkv::PlanPagedCacheUpdateCuda(k.names.node, in[0], in[1], in[2], in[3], in[4],
+                                                                        in[5], k.attrs, &view)));
+  OrtValue* out = nullptr;
+  ORTKV_RETURN_IF_ORT_ERROR(g_api->KernelContext_GetOutput(ctx, 0, in[0].dims.data(), in[0].dims.size(), &out));
+  void* out_data = nullptr;
+  ORTKV_RETURN_IF_ORT_ERROR(g_api->GetTensorMutableData(out, &out_data));
+  if (out_data != in[0].data) {
+    std::ostringstream m;
+    m << "PagedCacheUpdate node '" << k.names.node << "': output '" << k.names.outputs[0] << "' at " << Hex(out_data)
+      << " is not the storage of the pool '" << k.names.inputs[0] << "' at " << Hex(in[0].data)
+      << "; the updated pool MUST alias the pool and ortkv never copies a cache, so nothing was written. "
+      << "Remedy: bind ONE buffer to both names through IOBinding (bind_ortvalue_input('" << k.names.inputs[0]
+      << "', v) and bind_ortvalue_output('" << k.names.outputs[0] << "', v) with the same OrtValue v), or run the "
+      << "model through ortkv.MutableCacheSession.";
+    return ToOrtStatus(Status(Code::kAlias, m.str()));
+  }
+  if (view.rows() == 0) return nullptr;
+  view.label = k.label;
+  void* stream = nullptr;
+  ORTKV_RETURN_IF_ORT_ERROR(g_api->KernelContext_GetGPUComputeStream(ctx, &stream));
+  view.error_word = ortkv::CudaErrorWord(stream);
+  DeviceScratch flag;
+  ORTKV_RETURN_IF_ORT_ERROR(flag.Alloc(ctx, device_id, 16));
+  view.flag = flag.ptr;
+  ortkv::CoreLease lease;  // ranges collected and the launch as one (Note [Arena lease])
+  ORTKV_RETURN_IF_ORT_ERROR(ToOrtStatus(CollectPoolRanges(k, view.p, device_id, &view.ranges)));
+  return ToOrtStatus(ortkv::PagedCacheUpdateCuda(view, stream));
+}
+
+OrtStatus* AttnComputeCuda(void* op_kernel, OrtKernelContext* ctx) {
+  const auto& k = *static_cast<const PagedKernel*>(op_kernel);
+  ORTKV_RETURN_IF_ORT_ERROR(TakeDeviceError());
+  TensorArg in[5];
+  int device_type = ORTKV_DEVICE_CUDA, device_id = 0;
+  for (size_t i = 0; i < 5; ++i) {
+    const OrtValue* v = nullptr;
+    ORTKV_RETURN_IF_ORT_ERROR(g_api->KernelContext_GetInput(ctx, i, &v));
+    ORTKV_RETURN_IF_ORT_ERROR(
+        ReadTensor(v, k.names.inputs[i], &in[i], i == 1 ? &device_type : nullptr, i == 1 ? &device_id : nullptr));
+  }
+  OrtValue* out = nullptr;
+  ORTKV_RETURN_IF_ORT_ERROR(g_api->KernelContext_GetOutput(ctx, 0, in[0].dims.data(), in[0].dims.size(), &out));
+  void* out_data = nullptr;
+  ORTKV_RETURN_IF_ORT_ERROR(g_api->GetTensorMutableData(out, &out_data));
+  ortkv::PagedAttentionCudaView view;
+  ORTKV_RETURN_IF_ORT_ERROR(ToOrtStatus(ortkv::PlanPagedCacheAttentionCuda(k.names.node, in[0], in[1], in[2], in[3],
+                                                                           in[4], k.num_heads, k.attrs, k.scale, out_data,
+                                                                           CachedSmCount(device_id), &view)));
+  if (view.units() == 0) return nullptr;
+  view.label = k.label;
+  void* stream = nullptr;
+  ORTKV_RETURN_IF_ORT_ERROR(g_api->KernelContext_GetGPUComputeStream(ctx, &stream));
+  view.error_word = ortkv::CudaErrorWord(stream);
+  // one allocation: the flag (first 256 bytes), then the split-K partials
+  DeviceScratch scratch;
+  ORTKV_RETURN_IF_ORT_ERROR(scratch.Alloc(ctx, device_id, 256 + view.partial_bytes()));
+  view.flag = scratch.ptr;
+  view.partial = view.splits > 1 ? reinterpret_cast<float*>(static_cast<char*>(scratch.ptr) + 256) : nullptr;
+  ortkv::CoreLease lease;  // the pool is read here (Note [Arena lease])
+  return ToOrtStatus(ortkv::PagedCacheAttentionCuda(view, stream));
+}
+
+OrtStatus* UpdateCreateCuda(const OrtCustomOp* op, const OrtApi* api, const OrtKernelInfo* info, void** kernel) {
+  ORTKV_RETURN_IF_ORT_ERROR(UpdateCreate(op, api, info, kernel));
+  auto* k = static_cast<PagedKernel*>(*kernel);
+  k->label = PagedLabel("PagedCacheUpdate", k->names, 0, 1, 2);
+  return nullptr;
+}
+
+OrtStatus* AttnCreateCuda(const OrtCustomOp* op, const OrtApi* api, const OrtKernelInfo* info, void** kernel) {
+  ORTKV_RETURN_IF_ORT_ERROR(AttnCreate(op, api, info, kernel));
+  auto* k = static_cast<PagedKernel*>(*kernel);
+  k->label = PagedLabel("PagedCacheAttention", k->names, 1, 2, 3);
+  return nullptr;
+}
+
+OrtCustomOp MakeUpdateCuda() {
+  OrtCustomOp op = MakeUpdate();
+  op.GetExecutionProviderType = [](const OrtCustomOp*) -> const char* { return "CUDAExecutionProvider"; };
+  op.CreateKernelV2 = UpdateCreateCuda;
+  op.KernelComputeV2 = UpdateComputeCuda;
+  return op;
+}
+
+OrtCustomOp MakeAttentionCuda() {
+  OrtCustomOp op = MakeAttention();
+  op.GetExecutionProviderType = [](const OrtCustomOp*) -> const char* { return "CUDAExecutionProvider"; };
+  op.CreateKernelV2 = AttnCreateCuda;
+  op.KernelComputeV2 = AttnComputeCuda;
+  return op;
+}
+
+const OrtCustomOp kPagedCacheUpdateCuda = MakeUpdateCuda();
+const OrtCustomOp kPagedCacheAttentionCuda = MakeAttentionCuda();
+#endif
+
 }  // namespace
 
 void AppendPagedOps(std::vector<const OrtCustomOp*>* ops) {
   ops->push_back(&kPagedCacheUpdateCpu);
   ops->push_back(&kPagedCacheAttentionCpu);
+#if defined(ORTKV_WITH_CUDA)
+  ops->push_back(&kPagedCacheUpdateCuda);
+  ops->push_back(&kPagedCacheAttentionCuda);
+#endif
 }
 
 }  // namespace ortkv_ort

@@ -107,7 +107,9 @@ class CoreLease {
 // it is taken; sessions running concurrently on other streams share the word (best effort: two
 // reports at the same instant may mix their numbers).
 enum { ORTKV_DERR_NONE = 0, ORTKV_DERR_NEGATIVE = 1, ORTKV_DERR_CAPACITY = 2, ORTKV_DERR_READONLY = 3,
-       ORTKV_DERR_UNCOMMITTED = 4 };
+       ORTKV_DERR_UNCOMMITTED = 4,
+       // the paged ops only (fields: Note [Paged CUDA] in ortkv/paged_cuda.h)
+       ORTKV_DERR_PAGE = 5, ORTKV_DERR_SHARED_ROW = 6, ORTKV_DERR_ENCODE = 7 };
 typedef struct ortkv_device_error {
   int32_t claim;      // reserved (0)
   int32_t code;       // ORTKV_DERR_*, written last (after a system fence); 0 while nothing is reported
@@ -125,7 +127,8 @@ typedef struct ortkv_device_error {
 ORTKV_CORE_API void ortkv_core_add_device_error(ortkv_device_error* host);
 // The first pair added, or NULL when none was (no CUDA launch yet).
 ORTKV_CORE_API ortkv_device_error* ortkv_core_device_error(void);
-// op: "CacheUpdate" / "CacheAttention"; node: the node name; tensor: the cache input's name. Returns
+// op: "CacheUpdate" / "CacheAttention" / "PagedCacheUpdate" / "PagedCacheAttention"; node: the node name;
+// tensor: the cache input's name (the paged ops: "pool\ndirectory\npage_table" names). Returns
 // an id for ortkv_device_error.label (equal strings give equal ids).
 ORTKV_CORE_API int32_t ortkv_core_register_label(const char* op, const char* node, const char* tensor);
 // If an error was reported: formats "[ortkv:E_...] message" into msg (at most cap - 1 characters and a

@@ -1,0 +1,116 @@
+// PagedCacheUpdate and PagedCacheAttention on CUDA (CUDA builds): plans and launches.
+//
+// Note [Paged CUDA]
+// ~~~~~~~~~~~~~~~~~
+// Same inputs, attributes and physical form as the CPU ops (Note [Paged cache physical form] in
+// ortkv/paged.h), every input in DEVICE memory: pool, directory, page table, key/value/query and the
+// positions / starts. The host plans only what needs no data (shapes, types, attributes, the alias
+// pointer); everything the CPU plan checks on the values (positions, page ids, directory entries, *_KC
+// key writes, a (page, row) written twice, rows a scaled format cannot encode, write-protected and
+// uncommitted ranges) is checked on the device, so a decode step can be captured as a CUDA graph.
+//
+// PagedCacheUpdate is three stream-ordered steps: a memset of an 8-byte device flag (ORT's allocator,
+// freed to the same stream), a check kernel (one thread per (token, K/V, head) row: every check above,
+// the first failure in the CPU plan's order kept with atomicMin on the flag), and a store kernel (one
+// warp per row). The store kernel reads the flag first: if any check failed, NO block stores a byte and
+// block 0's thread 0 reports the first failure into the CacheUpdate error word (Note [CUDA deferred
+// errors]). Otherwise each warp encodes its row with the codec arithmetic of codecs.h (min / max /
+// absmax reduced across the warp with the CPU's tie order, so even the sign of a zero minimum matches):
+// the bytes equal the CPU op's bytes exactly.
+//
+// PagedCacheAttention is Note [CacheAttention CUDA]'s kernel over pages: a block serves one (row, KV
+// head, query token), up to kAttnCudaHeads query heads and one key chunk (split-K from the page
+// table's capacity, ~4 blocks per SM). Each key row is read by D / 8 threads, 8 channels each, decoded
+// in registers by the key's page's own format (a 16-, 8-, 4- or 2-byte load plus its scales; *_KC keys
+// with their per-channel scales); nothing is staged. Before reading, a block checks `start` and every
+// page its chunk spans (in parallel, one page per thread); a block with a bad page reads nothing of it
+// (its output / partial is empty) and records (row, page) with atomicMin in a flag the epilogue kernel
+// (the split-K combine, or a one-block report kernel when splits == 1) turns into one report in the
+// CacheAttention word. Start is clamped to [0, capacity - T] as in the dense kernel.
+//
+// Device report fields for the paged codes (ortkv_device_error): ORTKV_DERR_PAGE: row, position
+// (position / start), n (tokens), hit_addr = page index in the row's table, first = page id, last =
+// problem | format << 8 | offset << 16 (problem: kPageNone...kPageKeysPerChannel below).
+// ORTKV_DERR_SHARED_ROW: row (the later row), position (its token), hit_addr = the earlier row, first =
+// page id, last = row inside the page. ORTKV_DERR_ENCODE: row, position (the token), hit_addr = head,
+// first = page id, last = RowResult | kv << 8 | format << 16. ORTKV_DERR_READONLY / _UNCOMMITTED as for
+// CacheUpdate (position = the token).
+#pragma once
+#include <cstdint>
+#include <string>
+
+#include "ortkv/paged.h"
+
+namespace ortkv {
+
+enum PagedProblem : int32_t {
+  kPageOk = 0,
+  kPageNone = 1,            // the table entry is negative (no page)
+  kPageOutside = 2,         // page id >= directory rows
+  kPageBadFormat = 3,       // directory format not a page format
+  kPageHeadSize = 4,        // the format cannot pack this head size
+  kPageBadSlot = 5,         // offset not 16-aligned or the slot not inside the pool
+  kPageKeysPerChannel = 6,  // PagedCacheUpdate: keys into a *_KC page
+};
+
+constexpr int kPagedMaxRanges = 32;
+struct PagedRangeCheck {
+  int count = 0;
+  uint64_t lo[kPagedMaxRanges] = {}, hi[kPagedMaxRanges] = {};
+  int32_t kind[kPagedMaxRanges] = {};  // ORTKV_RANGE_*
+};
+
+struct PagedUpdateCudaView {
+  PagedPool p;                     // device pointers
+  const void* key = nullptr;       // [B, T, Hkv * D]
+  const void* value = nullptr;
+  int32_t elem_type = 0;
+  const int64_t* positions = nullptr;  // DEVICE memory
+  int64_t position_stride = 0;
+  int64_t B = 0, T = 0;
+  PagedRangeCheck ranges;
+  int32_t label = -1;
+  void* error_word = nullptr;      // device pointer of the word pair (may be null)
+  void* flag = nullptr;            // 8 bytes of device scratch
+  int64_t rows() const { return B * T * 2 * p.shape.kv_heads; }
+};
+
+struct PagedAttentionCudaView {
+  PagedPool p;
+  const void* q = nullptr;
+  void* out = nullptr;
+  int32_t elem_type = 0;
+  const int64_t* start = nullptr;  // DEVICE memory
+  int64_t start_stride = 0;
+  int64_t B = 0, T = 0, Hq = 0, Hkv = 0, D = 0;
+  float scale = 1.0f;
+  int64_t splits = 1;
+  bool vec = false;                // D % 8 == 0 and the query / output 16-byte aligned
+  float* partial = nullptr;        // splits > 1: partial_bytes()
+  void* flag = nullptr;            // 8 bytes of device scratch
+  int32_t label = -1;
+  void* error_word = nullptr;
+  int64_t units() const { return B * Hkv * T; }
+  int64_t group() const { return Hq / Hkv; }
+  size_t partial_bytes() const {
+    return splits > 1 ? static_cast<size_t>(units() * group() * splits * (D + 2)) * sizeof(float) : 0;
+  }
+};
+
+// Host plans: shapes, types and attributes only (the values are on the device).
+Status PlanPagedCacheUpdateCuda(const std::string& node, const TensorArg& pool, const TensorArg& directory,
+                                const TensorArg& page_table, const TensorArg& key, const TensorArg& value,
+                                const TensorArg& position, const PagedAttrs& attrs, PagedUpdateCudaView* view);
+Status PlanPagedCacheAttentionCuda(const std::string& node, const TensorArg& q, const TensorArg& pool,
+                                   const TensorArg& directory, const TensorArg& page_table, const TensorArg& start,
+                                   int64_t num_heads, const PagedAttrs& attrs, float scale, void* out, int sm_count,
+                                   PagedAttentionCudaView* view);
+
+#if defined(ORTKV_WITH_CUDA)
+// memset(flag) + check + store on `stream`. view.flag must be set when rows() > 0.
+Status PagedCacheUpdateCuda(const PagedUpdateCudaView& view, void* stream);
+// memset(flag) + attention + combine / report on `stream`.
+Status PagedCacheAttentionCuda(const PagedAttentionCudaView& view, void* stream);
+#endif
+
+}  // namespace ortkv

@@ -1,0 +1,918 @@
+// CUDA PagedCacheUpdate and PagedCacheAttention: Note [Paged CUDA] in ortkv/paged_cuda.h.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <sstream>
+#include <string>
+
+#include "cpu/paged_common.h"
+#include "ortkv/cache_attention.h"
+#include "ortkv/core.h"
+#include "ortkv/paged_cuda.h"
+
+namespace ortkv {
+
+using codecs::PageFormat;
+
+// ---- host plans -----------------------------------------------------------------------------------
+Status PlanPagedCacheUpdateCuda(const std::string& node, const TensorArg& pool, const TensorArg& directory,
+                                const TensorArg& page_table, const TensorArg& key, const TensorArg& value,
+                                const TensorArg& position, const PagedAttrs& attrs, PagedUpdateCudaView* view) {
+  const std::string op = "PagedCacheUpdate";
+  std::ostringstream m;
+  const auto logical = [](int32_t t) { return t == kFloat32 || t == kFloat16 || t == kBFloat16; };
+  if (!logical(key.elem_type) || key.elem_type != value.elem_type) {
+    m << "key '" << key.name << "' and value '" << value.name << "' must both be float32, float16 or bfloat16 (got "
+      << ElemTypeName(key.elem_type) << " and " << ElemTypeName(value.elem_type) << ")";
+    return paged::Bad(op, node, m.str());
+  }
+  if (key.dims.size() != 3 || key.dims != value.dims) {
+    m << "key '" << key.name << "' and value '" << value.name << "' must be equal [batch, tokens, kv_heads * head_size]; "
+      << "got ranks " << key.dims.size() << " and " << value.dims.size();
+    return paged::Bad(op, node, m.str());
+  }
+  const int64_t B = key.dims[0], T = key.dims[1], W = key.dims[2];
+  if (attrs.kv_num_heads < 1 || W % attrs.kv_num_heads != 0 || W == 0) {
+    m << "key '" << key.name << "' width " << W << " must be kv_num_heads (" << attrs.kv_num_heads << ") * head_size";
+    return paged::Bad(op, node, m.str());
+  }
+  ORTKV_RETURN_IF_ERR(
+      paged::ResolvePool(op, node, pool, directory, page_table, attrs, B, W / attrs.kv_num_heads, &view->p));
+  if (position.elem_type != kInt64 || position.dims.size() > 1 || (position.dims.size() == 1 && position.dims[0] != B)) {
+    m << "position '" << position.name << "' must be an int64 scalar or a vector of " << B << " positions";
+    return paged::Bad(op, node, m.str());
+  }
+  if (view->p.max_pages < 1 && B * T > 0) {
+    m << "page table '" << page_table.name << "' has no columns: " << T << " tokens per row cannot be placed";
+    return Status(Code::kCapacity, op + " node '" + node + "': " + m.str());
+  }
+  view->key = key.data;
+  view->value = value.data;
+  view->elem_type = key.elem_type;
+  view->positions = static_cast<const int64_t*>(position.data);
+  view->position_stride = position.dims.size() == 1 ? 1 : 0;
+  view->B = B;
+  view->T = T;
+  return Status::Ok();
+}
+
+Status PlanPagedCacheAttentionCuda(const std::string& node, const TensorArg& q, const TensorArg& pool,
+                                   const TensorArg& directory, const TensorArg& page_table, const TensorArg& start,
+                                   int64_t num_heads, const PagedAttrs& attrs, float scale, void* out, int sm_count,
+                                   PagedAttentionCudaView* view) {
+  const std::string op = "PagedCacheAttention";
+  std::ostringstream m;
+  if (q.elem_type != kFloat32 && q.elem_type != kFloat16 && q.elem_type != kBFloat16) {
+    m << "query '" << q.name << "' must be float32, float16 or bfloat16 (got " << ElemTypeName(q.elem_type) << ")";
+    return paged::Bad(op, node, m.str());
+  }
+  if (q.dims.size() != 3) {
+    m << "query '" << q.name << "' must be [batch, tokens, num_heads * head_size]; got rank " << q.dims.size();
+    return paged::Bad(op, node, m.str());
+  }
+  const int64_t kv = attrs.kv_num_heads;
+  if (num_heads <= 0 || kv <= 0 || num_heads % kv != 0 || num_heads / kv > 64) {
+    m << "num_heads " << num_heads << " must be a positive multiple of kv_num_heads " << kv
+      << " (at most 64 query heads per KV head)";
+    return paged::Bad(op, node, m.str());
+  }
+  const int64_t B = q.dims[0], T = q.dims[1], W = q.dims[2];
+  if (W <= 0 || W % num_heads != 0) {
+    m << "query '" << q.name << "' width " << W << " must be num_heads (" << num_heads << ") * head_size";
+    return paged::Bad(op, node, m.str());
+  }
+  const int64_t D = W / num_heads;
+  if (D > kAttnCudaMaxHeadSize) {
+    m << "head size " << D << " exceeds the CUDA kernel's " << kAttnCudaMaxHeadSize
+      << "; run this node on the CPU provider";
+    return paged::Bad(op, node, m.str());
+  }
+  ORTKV_RETURN_IF_ERR(paged::ResolvePool(op, node, pool, directory, page_table, attrs, B, D, &view->p));
+  if (start.elem_type != kInt64 || start.dims.size() > 1 || (start.dims.size() == 1 && start.dims[0] != B)) {
+    m << "start '" << start.name << "' must be an int64 scalar or a vector of " << B << " start positions";
+    return paged::Bad(op, node, m.str());
+  }
+  const int64_t cap = view->p.max_pages * attrs.page_size;
+  if (T > cap && B > 0) {
+    m << op << " node '" << node << "': " << T << " query tokens exceed the page table's capacity of "
+      << view->p.max_pages << " pages x " << attrs.page_size << " tokens = " << cap << " ('" << page_table.name
+      << "'). Remedy: widen the page table";
+    return Status(Code::kCapacity, m.str());
+  }
+  view->q = q.data;
+  view->out = out;
+  view->elem_type = q.elem_type;
+  view->start = static_cast<const int64_t*>(start.data);
+  view->start_stride = start.dims.size() == 1 ? 1 : 0;
+  view->B = B;
+  view->T = T;
+  view->Hq = num_heads;
+  view->Hkv = kv;
+  view->D = D;
+  view->scale = scale > 0 ? scale : 1.0f / std::sqrt(static_cast<float>(D));
+  const uintptr_t align = reinterpret_cast<uintptr_t>(q.data) | reinterpret_cast<uintptr_t>(out);
+  view->vec = D % 8 == 0 && align % 16 == 0;
+  // Note [CacheAttention CUDA]: ~4 blocks per SM, splits from the CAPACITY (start is on the device)
+  const int64_t head_blocks = (view->group() + kAttnCudaHeads - 1) / kAttnCudaHeads;
+  const int64_t blocks = view->units() * head_blocks;
+  const int64_t target = 4 * static_cast<int64_t>(std::max(sm_count, 1));
+  view->splits = 1;
+  if (blocks > 0 && blocks < target) {
+    const int64_t by_keys = std::max<int64_t>(1, cap / kAttnCudaMinChunk);
+    view->splits = std::min<int64_t>({(target + blocks - 1) / blocks, by_keys, kAttnCudaMaxSplits});
+  }
+  return Status::Ok();
+}
+
+namespace {
+
+constexpr unsigned long long kNoError = ~0ull;
+// flag keys: class << 60 | detail; the smallest key is the first failure in the CPU plan's order
+constexpr unsigned long long kClassRow = 0, kClassShared = 1, kClassEncode = 2, kClassRange = 3;
+__device__ __forceinline__ unsigned long long Key(unsigned long long cls, unsigned long long detail) {
+  return (cls << 60) | (detail & ((1ull << 60) - 1));
+}
+
+// ---- pages on the device ----------------------------------------------------------------------------
+__device__ __forceinline__ int PageProblem(const PagedPool& p, int64_t id, bool write) {
+  if (id < 0) return kPageNone;
+  if (id >= p.num_pages) return kPageOutside;
+  const int64_t f = p.directory[2 * id];
+  if (f < 0 || f >= codecs::kNumPageFormats) return kPageBadFormat;
+  const PageFormat fmt = static_cast<PageFormat>(f);
+  if (p.shape.head_size % codecs::HeadSizeMultiple(fmt) != 0) return kPageHeadSize;
+  const int64_t off = p.directory[2 * id + 1];
+  const uint64_t slot = static_cast<uint64_t>(p.num_layers) * p.layouts[f].page_bytes;
+  if (off < 0 || off % 16 != 0 || static_cast<uint64_t>(off) > p.pool_bytes ||
+      slot > p.pool_bytes - static_cast<uint64_t>(off))
+    return kPageBadSlot;
+  if (write && codecs::KeysPerChannel(fmt)) return kPageKeysPerChannel;
+  return kPageOk;
+}
+
+__device__ __forceinline__ int64_t TableAt(const PagedPool& p, int64_t b, int64_t pi) {
+  return p.page_table[b * p.max_pages + pi];
+}
+
+// The layer's page bytes of a validated page id.
+__device__ __forceinline__ uint8_t* LayerBase(const PagedPool& p, int64_t id, int* fmt) {
+  const int f = static_cast<int>(p.directory[2 * id]);
+  *fmt = f;
+  return p.pool + p.directory[2 * id + 1] + static_cast<uint64_t>(p.layer) * p.layouts[f].page_bytes;
+}
+
+__device__ __forceinline__ float LoadLogical(int32_t elem, const void* base, int64_t i) {
+  if (elem == kFloat32) return static_cast<const float*>(base)[i];
+  const uint16_t h = static_cast<const uint16_t*>(base)[i];
+  return elem == kFloat16 ? codecs::F16BitsToF32(h) : codecs::BF16BitsToF32(h);
+}
+
+__device__ void WriteReport(ortkv_device_error* err, int32_t label, int code, int64_t row, int64_t position, int64_t n,
+                            int64_t capacity, uint64_t hit, uint64_t first, uint64_t last) {
+  if (err == nullptr) return;
+  err->label = label;
+  err->row = static_cast<int32_t>(row);
+  err->position = position;
+  err->n = n;
+  err->capacity = capacity;
+  err->hit_addr = hit;
+  err->first = first;
+  err->last = last;
+  __threadfence_system();
+  *reinterpret_cast<volatile int32_t*>(&err->code) = code;
+}
+
+__device__ __forceinline__ uint64_t PageDetail(const PagedPool& p, int64_t id, int problem) {
+  uint64_t f = 0, off = 0;
+  if (id >= 0 && id < p.num_pages) {
+    f = static_cast<uint64_t>(p.directory[2 * id]) & 0xFFu;
+    off = static_cast<uint64_t>(p.directory[2 * id + 1]) & ((1ull << 48) - 1);
+  }
+  return static_cast<uint64_t>(problem) | (f << 8) | (off << 16);
+}
+
+// ---- PagedCacheUpdate --------------------------------------------------------------------------------
+struct UpdateArgs {
+  PagedUpdateCudaView v;
+};
+
+__device__ __forceinline__ int64_t Pos(const PagedUpdateCudaView& v, int64_t b) {
+  return v.positions[b * v.position_stride];
+}
+__device__ __forceinline__ bool PosOk(const PagedUpdateCudaView& v, int64_t pos) {
+  return pos >= 0 && pos <= v.p.max_pages * v.p.shape.page_size - v.T;
+}
+
+// The (valid) page id of unit u's token, or -1 when its row or page is bad (reported by the row check).
+__device__ __forceinline__ int64_t UnitPage(const PagedUpdateCudaView& v, int64_t u, int64_t* tok) {
+  const int64_t b = u / v.T, t = u % v.T, pos = Pos(v, b);
+  if (!PosOk(v, pos)) return -1;
+  *tok = pos + t;
+  const int64_t id = TableAt(v.p, b, *tok / v.p.shape.page_size);
+  return PageProblem(v.p, id, true) == kPageOk ? id : -1;
+}
+
+// RowScales (codecs.h) over a row of the source, loaded element by element.
+__device__ codecs::RowResult SourceRowScales(const PagedUpdateCudaView& v, PageFormat f, const void* src, int64_t first,
+                                             int32_t n) {
+  float lo = 0.0f, hi = 0.0f, amax = 0.0f;
+  for (int32_t c = 0; c < n; ++c) {
+    const float x = LoadLogical(v.elem_type, src, first + c);
+    if (!(x - x == 0.0f)) return codecs::RowResult::kNonFinite;
+    if (c == 0) lo = hi = x;
+    lo = x < lo ? x : lo;
+    hi = x > hi ? x : hi;
+    const float a = x < 0.0f ? -x : x;
+    amax = a > amax ? a : amax;
+  }
+  const int ns = codecs::ScalesPerRow(f);
+  if (ns == 1) return codecs::F16IsFinite(codecs::F16Ceil(amax / codecs::QMax(f))) ? codecs::RowResult::kOk
+                                                                                      : codecs::RowResult::kScaleOverflow;
+  const uint16_t m = codecs::F16Floor(lo);
+  if (!codecs::F16IsFinite(m)) return codecs::RowResult::kScaleOverflow;
+  const float range = hi - codecs::F16BitsToF32(m);
+  if (!(range - range == 0.0f)) return codecs::RowResult::kScaleOverflow;
+  return codecs::F16IsFinite(codecs::F16Ceil(range / codecs::QMax(f))) ? codecs::RowResult::kOk
+                                                                        : codecs::RowResult::kScaleOverflow;
+}
+
+__device__ __forceinline__ int RangeHit(const PagedRangeCheck& r, uint64_t first, uint64_t last) {
+  for (int i = 0; i < r.count; ++i)
+    if (first < r.hi[i] && r.lo[i] < last) return i + 1;
+  return 0;
+}
+
+// One thread per row job i = ((b * T + t) * 2 + kv) * Hkv + h: every check of Note [PagedCacheUpdate validation].
+__global__ void PagedUpdateCheckKernel(const UpdateArgs args) {
+  const PagedUpdateCudaView& v = args.v;
+  unsigned long long* flag = static_cast<unsigned long long*>(v.flag);
+  const int64_t Hkv = v.p.shape.kv_heads, ps = v.p.shape.page_size, D = v.p.shape.head_size;
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i >= v.B * v.T * 2 * Hkv) return;
+  const int64_t h = i % Hkv, kv = (i / Hkv) % 2, u = i / (2 * Hkv);
+  const int64_t b = u / v.T, t = u % v.T;
+  if (t == 0 && kv == 0 && h == 0) {  // the row: position, then every page its T tokens touch
+    const int64_t pos = Pos(v, b);
+    if (!PosOk(v, pos)) {
+      atomicMin(flag, Key(kClassRow, static_cast<unsigned long long>(b) << 28));
+    } else {
+      for (int64_t pi = pos / ps; pi <= (pos + v.T - 1) / ps; ++pi) {
+        if (PageProblem(v.p, TableAt(v.p, b, pi), true) != kPageOk) {
+          atomicMin(flag, Key(kClassRow, (static_cast<unsigned long long>(b) << 28) | static_cast<unsigned long long>(pi + 1)));
+          break;
+        }
+      }
+    }
+  }
+  int64_t tok = 0;
+  const int64_t id = UnitPage(v, u, &tok);
+  if (id < 0) return;
+  if (kv == 0 && h == 0) {
+    // a (page, row) written twice: the first later unit that repeats an earlier one
+    const int64_t mine = id * ps + tok % ps;
+    for (int64_t w = 0; w < u; ++w) {
+      int64_t tw = 0;
+      const int64_t idw = UnitPage(v, w, &tw);
+      if (idw == id && tw % ps == tok % ps) {
+        (void)mine;
+        atomicMin(flag, Key(kClassShared, static_cast<unsigned long long>(u)));
+        break;
+      }
+    }
+    if (v.ranges.count > 0) {
+      int f = 0;
+      const uint8_t* base = LayerBase(v.p, id, &f);
+      const uint64_t first = reinterpret_cast<uint64_t>(base);
+      if (RangeHit(v.ranges, first, first + v.p.layouts[f].page_bytes))
+        atomicMin(flag, Key(kClassRange, static_cast<unsigned long long>(u)));
+    }
+  }
+  const PageFormat f = static_cast<PageFormat>(v.p.directory[2 * id]);
+  if (codecs::ScalesPerRow(f) == 0) return;
+  const codecs::RowResult r = SourceRowScales(v, codecs::RowFormat(f), kv ? v.value : v.key, ((b * v.T + t) * Hkv + h) * D,
+                                              static_cast<int32_t>(D));
+  if (r != codecs::RowResult::kOk) atomicMin(flag, Key(kClassEncode, static_cast<unsigned long long>(i)));
+}
+
+// Block 0's thread 0 of the store kernel, when the flag holds a failure: the report.
+__device__ void ReportUpdate(const PagedUpdateCudaView& v, unsigned long long key) {
+  ortkv_device_error* err = static_cast<ortkv_device_error*>(v.error_word);  // [0]: the update word
+  const int64_t cap = v.p.max_pages * v.p.shape.page_size, ps = v.p.shape.page_size, Hkv = v.p.shape.kv_heads;
+  const unsigned long long cls = key >> 60, detail = key & ((1ull << 60) - 1);
+  if (cls == kClassRow) {
+    const int64_t b = static_cast<int64_t>(detail >> 28), sub = static_cast<int64_t>(detail & ((1ull << 28) - 1));
+    const int64_t pos = Pos(v, b);
+    if (sub == 0) {
+      WriteReport(err, v.label, pos < 0 ? ORTKV_DERR_NEGATIVE : ORTKV_DERR_CAPACITY, b, pos, v.T, cap, 0, 0, 0);
+      return;
+    }
+    const int64_t pi = sub - 1, id = TableAt(v.p, b, pi);
+    WriteReport(err, v.label, ORTKV_DERR_PAGE, b, pos, v.T, cap, static_cast<uint64_t>(pi), static_cast<uint64_t>(id),
+                PageDetail(v.p, id, PageProblem(v.p, id, true)));
+    return;
+  }
+  if (cls == kClassShared) {
+    const int64_t u = static_cast<int64_t>(detail);
+    int64_t tok = 0;
+    const int64_t id = UnitPage(v, u, &tok);
+    int64_t first_row = 0;
+    for (int64_t w = 0; w < u; ++w) {
+      int64_t tw = 0;
+      if (UnitPage(v, w, &tw) == id && tw % ps == tok % ps) {
+        first_row = w / v.T;
+        break;
+      }
+    }
+    WriteReport(err, v.label, ORTKV_DERR_SHARED_ROW, u / v.T, tok, v.T, cap, static_cast<uint64_t>(first_row),
+                static_cast<uint64_t>(id), static_cast<uint64_t>(tok % ps));
+    return;
+  }
+  if (cls == kClassEncode) {
+    const int64_t i = static_cast<int64_t>(detail);
+    const int64_t h = i % Hkv, kv = (i / Hkv) % 2, u = i / (2 * Hkv);
+    int64_t tok = 0;
+    const int64_t id = UnitPage(v, u, &tok);
+    const PageFormat f = static_cast<PageFormat>(v.p.directory[2 * id]);
+    const codecs::RowResult r = SourceRowScales(v, codecs::RowFormat(f), kv ? v.value : v.key,
+                                                (u * Hkv + h) * v.p.shape.head_size, v.p.shape.head_size);
+    WriteReport(err, v.label, ORTKV_DERR_ENCODE, u / v.T, tok, v.T, cap, static_cast<uint64_t>(h),
+                static_cast<uint64_t>(id),
+                static_cast<uint64_t>(r) | (static_cast<uint64_t>(kv) << 8) | (static_cast<uint64_t>(f) << 16));
+    return;
+  }
+  const int64_t u = static_cast<int64_t>(detail);
+  int64_t tok = 0;
+  const int64_t id = UnitPage(v, u, &tok);
+  int f = 0;
+  const uint64_t first = reinterpret_cast<uint64_t>(LayerBase(v.p, id, &f));
+  const uint64_t last = first + v.p.layouts[f].page_bytes;
+  const int hit = RangeHit(v.ranges, first, last);
+  const int code = hit && v.ranges.kind[hit - 1] == ORTKV_RANGE_UNCOMMITTED ? ORTKV_DERR_UNCOMMITTED : ORTKV_DERR_READONLY;
+  WriteReport(err, v.label, code, u / v.T, tok, v.T, cap, hit ? v.ranges.lo[hit - 1] : 0, first, last);
+}
+
+// Warp reductions with the CPU's tie order (the first channel wins a tie: -0.0 vs 0.0 as RowScales).
+__device__ __forceinline__ void ReduceMin(float* v, int* idx) {
+  for (int off = 16; off > 0; off >>= 1) {
+    const float ov = __shfl_xor_sync(0xffffffffu, *v, off);
+    const int oi = __shfl_xor_sync(0xffffffffu, *idx, off);
+    if (ov < *v || (ov == *v && oi < *idx)) {
+      *v = ov;
+      *idx = oi;
+    }
+  }
+}
+__device__ __forceinline__ void ReduceMax(float* v, int* idx) {
+  for (int off = 16; off > 0; off >>= 1) {
+    const float ov = __shfl_xor_sync(0xffffffffu, *v, off);
+    const int oi = __shfl_xor_sync(0xffffffffu, *idx, off);
+    if (ov > *v || (ov == *v && oi < *idx)) {
+      *v = ov;
+      *idx = oi;
+    }
+  }
+}
+
+constexpr int kStoreWarps = 4;
+
+// One warp per row job (same index as the check kernel): codecs::EncodeRow's arithmetic, lanes over
+// the payload bytes.
+__global__ void __launch_bounds__(kStoreWarps * 32) PagedUpdateStoreKernel(const UpdateArgs args) {
+  const PagedUpdateCudaView& v = args.v;
+  const unsigned long long key = *static_cast<const volatile unsigned long long*>(v.flag);
+  if (key != kNoError) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) ReportUpdate(v, key);
+    return;
+  }
+  const int lane = threadIdx.x & 31;
+  const int64_t i = blockIdx.x * static_cast<int64_t>(kStoreWarps) + (threadIdx.x >> 5);
+  if (i >= v.B * v.T * 2 * static_cast<int64_t>(v.p.shape.kv_heads)) return;  // whole warps leave together
+  const int64_t Hkv = v.p.shape.kv_heads, ps = v.p.shape.page_size;
+  const int32_t D = v.p.shape.head_size;
+  const int64_t h = i % Hkv, kv = (i / Hkv) % 2, u = i / (2 * Hkv);
+  int64_t tok = 0;
+  const int64_t id = UnitPage(v, u, &tok);  // valid: the check passed
+  int fi = 0;
+  uint8_t* base = LayerBase(v.p, id, &fi);
+  const PageFormat f = codecs::RowFormat(static_cast<PageFormat>(fi));
+  const codecs::PageLayout& lay = v.p.layouts[fi];
+  const uint64_t row = static_cast<uint64_t>(h) * ps + static_cast<uint64_t>(tok % ps);
+  uint8_t* payload = base + (kv ? lay.v_payload : lay.k_payload) + row * lay.row_bytes;
+  uint16_t* scales = reinterpret_cast<uint16_t*>(base + (kv ? lay.v_scales : lay.k_scales) + row * lay.scale_row_bytes);
+  const void* src = kv ? v.value : v.key;
+  const int64_t first = (u * Hkv + h) * D;
+  // scales (the check kernel proved them finite)
+  float lo = INFINITY, hi = -INFINITY, amax = 0.0f;
+  int ilo = 0x7fffffff, ihi = 0x7fffffff;
+  for (int c = lane; c < D; c += 32) {
+    const float x = LoadLogical(v.elem_type, src, first + c);
+    if (x < lo || ilo == 0x7fffffff) {
+      lo = x;
+      ilo = c;
+    }
+    if (x > hi || ihi == 0x7fffffff) {
+      hi = x;
+      ihi = c;
+    }
+    const float a = x < 0.0f ? -x : x;
+    amax = a > amax ? a : amax;
+  }
+  ReduceMin(&lo, &ilo);
+  ReduceMax(&hi, &ihi);
+  for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+  uint16_t sc[2] = {0, 0};
+  const int ns = codecs::ScalesPerRow(f);
+  if (ns == 1) {
+    sc[0] = codecs::F16Ceil(amax / codecs::QMax(f));
+  } else if (ns == 2) {
+    sc[1] = codecs::F16Floor(lo);
+    sc[0] = codecs::F16Ceil((hi - codecs::F16BitsToF32(sc[1])) / codecs::QMax(f));
+  }
+  const float s = codecs::F16BitsToF32(sc[0]), mn = codecs::F16BitsToF32(sc[1]);
+  switch (f) {
+    case PageFormat::kF16:
+    case PageFormat::kBF16: {
+      uint16_t* out = reinterpret_cast<uint16_t*>(payload);
+      for (int c = lane; c < D; c += 32) {
+        const float x = LoadLogical(v.elem_type, src, first + c);
+        out[c] = f == PageFormat::kF16 ? codecs::F32ToF16Bits(x) : codecs::F32ToBF16Bits(x);
+      }
+      break;
+    }
+    case PageFormat::kInt8:
+      for (int c = lane; c < D; c += 32) {
+        float q = s > 0.0f ? rintf(__fdiv_rn(LoadLogical(v.elem_type, src, first + c), s)) : 0.0f;
+        q = q > 127.0f ? 127.0f : (q < -127.0f ? -127.0f : q);
+        payload[c] = static_cast<uint8_t>(static_cast<int8_t>(q));
+      }
+      break;
+    case PageFormat::kFp8E4M3:
+      for (int c = lane; c < D; c += 32)
+        payload[c] = s > 0.0f ? codecs::F32ToE4M3(__fdiv_rn(LoadLogical(v.elem_type, src, first + c), s)) : 0u;
+      break;
+    default: {  // INT4, INT2 (and the V rows of the *_KC formats, RowFormat above)
+      const int bits = codecs::PayloadBits(f), per_byte = 8 / bits;
+      const float qmax = codecs::QMax(f);
+      for (int bb = lane; bb < D / per_byte; bb += 32) {
+        uint32_t byte = 0;
+        for (int j = 0; j < per_byte; ++j) {
+          float q = s > 0.0f ? rintf(__fdiv_rn(__fsub_rn(LoadLogical(v.elem_type, src, first + bb * per_byte + j), mn), s))
+                             : 0.0f;
+          q = q > qmax ? qmax : (q < 0.0f ? 0.0f : q);
+          byte |= static_cast<uint32_t>(q) << (bits * j);
+        }
+        payload[bb] = static_cast<uint8_t>(byte);
+      }
+      break;
+    }
+  }
+  if (lane < ns) scales[lane] = sc[lane];
+}
+
+// ---- PagedCacheAttention -----------------------------------------------------------------------------
+constexpr int kWarps = 4;
+constexpr int kThreads = kWarps * 32;
+constexpr int kEPT = 8;
+constexpr int kUnroll = 4;
+
+__device__ __forceinline__ float ToF(float x) { return x; }
+__device__ __forceinline__ float ToF(__half x) { return __half2float(x); }
+__device__ __forceinline__ float ToF(__nv_bfloat16 x) { return __bfloat162float(x); }
+template <typename T>
+__device__ __forceinline__ T FromF(float x);
+template <>
+__device__ __forceinline__ float FromF<float>(float x) { return x; }
+template <>
+__device__ __forceinline__ __half FromF<__half>(float x) { return __float2half_rn(x); }
+template <>
+__device__ __forceinline__ __nv_bfloat16 FromF<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+
+__device__ __forceinline__ float H(uint32_t bits16) { return __half2float(__ushort_as_half(static_cast<unsigned short>(bits16))); }
+__device__ __forceinline__ float Bf(uint32_t bits16) { return __uint_as_float(bits16 << 16); }
+
+// Channels [d0, d0 + 8) of row `tok` of (kv, head) of a page layer at `base` in format fmt, in registers.
+// VEC: D % 8 == 0 (every load below is then aligned); else element by element (zeros past D).
+template <bool VEC>
+__device__ __forceinline__ void Decode8(const uint8_t* base, int fmt, const codecs::PageLayout& lay, int kv, int head,
+                                        int tok, int ps, int d0, int D, float* f) {
+  const uint64_t row = static_cast<uint64_t>(head) * ps + tok;
+  const uint8_t* payload = base + (kv ? lay.v_payload : lay.k_payload) + row * lay.row_bytes;
+  const bool kc = kv == 0 && (fmt == static_cast<int>(PageFormat::kInt4KC) || fmt == static_cast<int>(PageFormat::kInt2KC));
+  const uint16_t* sc = reinterpret_cast<const uint16_t*>(
+      kc ? base + lay.k_scales + static_cast<uint64_t>(head) * D * lay.scale_row_bytes
+         : base + (kv ? lay.v_scales : lay.k_scales) + row * lay.scale_row_bytes);
+  if constexpr (VEC) {
+    switch (static_cast<PageFormat>(fmt)) {
+      case PageFormat::kF16:
+      case PageFormat::kBF16: {
+        const uint4 w = __ldg(reinterpret_cast<const uint4*>(payload + 2 * d0));
+        const uint32_t x[4] = {w.x, w.y, w.z, w.w};
+        const bool half = fmt == static_cast<int>(PageFormat::kF16);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          f[2 * i] = half ? H(x[i] & 0xFFFFu) : Bf(x[i] & 0xFFFFu);
+          f[2 * i + 1] = half ? H(x[i] >> 16) : Bf(x[i] >> 16);
+        }
+        return;
+      }
+      case PageFormat::kInt8:
+      case PageFormat::kFp8E4M3: {
+        const uint2 w = __ldg(reinterpret_cast<const uint2*>(payload + d0));
+        const float s = H(__ldg(sc));
+        const bool i8 = fmt == static_cast<int>(PageFormat::kInt8);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          const uint32_t byte = ((i < 4 ? w.x : w.y) >> (8 * (i & 3))) & 0xFFu;
+          f[i] = (i8 ? static_cast<float>(static_cast<int8_t>(byte)) : codecs::E4M3ToF32(static_cast<uint8_t>(byte))) * s;
+        }
+        return;
+      }
+      default: {  // INT4, INT2, *_KC
+        const int bits = codecs::PayloadBits(static_cast<PageFormat>(fmt));
+        const uint32_t w = bits == 4 ? __ldg(reinterpret_cast<const uint32_t*>(payload + d0 / 2))
+                                     : static_cast<uint32_t>(__ldg(reinterpret_cast<const uint16_t*>(payload + d0 / 4)));
+        const uint32_t mask = (1u << bits) - 1u;
+        if (kc) {
+          const uint4 a = __ldg(reinterpret_cast<const uint4*>(sc + 2 * d0));
+          const uint4 c = __ldg(reinterpret_cast<const uint4*>(sc + 2 * d0 + 8));
+          const uint32_t p[8] = {a.x, a.y, a.z, a.w, c.x, c.y, c.z, c.w};  // (s_c, m_c) per word
+#pragma unroll
+          for (int i = 0; i < 8; ++i)
+            f[i] = static_cast<float>((w >> (bits * i)) & mask) * H(p[i] & 0xFFFFu) + H(p[i] >> 16);
+        } else {
+          const uint32_t p = __ldg(reinterpret_cast<const uint32_t*>(sc));
+          const float s = H(p & 0xFFFFu), m = H(p >> 16);
+#pragma unroll
+          for (int i = 0; i < 8; ++i) f[i] = static_cast<float>((w >> (bits * i)) & mask) * s + m;
+        }
+        return;
+      }
+    }
+  } else {
+#pragma unroll
+  for (int i = 0; i < kEPT; ++i) {
+    const int c = d0 + i;
+    if (c >= D) {
+      f[i] = 0.0f;
+      continue;
+    }
+    switch (static_cast<PageFormat>(fmt)) {
+      case PageFormat::kF16: f[i] = H(reinterpret_cast<const uint16_t*>(payload)[c]); break;
+      case PageFormat::kBF16: f[i] = Bf(reinterpret_cast<const uint16_t*>(payload)[c]); break;
+      case PageFormat::kInt8: f[i] = static_cast<float>(static_cast<int8_t>(payload[c])) * H(sc[0]); break;
+      case PageFormat::kFp8E4M3: f[i] = codecs::E4M3ToF32(payload[c]) * H(sc[0]); break;
+      default: {
+        const int bits = codecs::PayloadBits(static_cast<PageFormat>(fmt));
+        const uint32_t q = (payload[(c * bits) / 8] >> ((c * bits) % 8)) & ((1u << bits) - 1u);
+        f[i] = kc ? static_cast<float>(q) * H(sc[2 * c]) + H(sc[2 * c + 1]) : static_cast<float>(q) * H(sc[0]) + H(sc[1]);
+      }
+    }
+  }
+  }
+}
+
+template <typename T, bool VEC>
+__device__ __forceinline__ void LoadQ(const T* row, int d0, int D, float* f) {
+  if (VEC && d0 < D) {
+    const T* p = row + d0;
+#pragma unroll
+    for (int i = 0; i < kEPT; ++i) f[i] = ToF(p[i]);
+    return;
+  }
+#pragma unroll
+  for (int i = 0; i < kEPT; ++i) f[i] = d0 + i < D ? ToF(row[d0 + i]) : 0.0f;
+}
+
+struct AttnArgs {
+  PagedAttentionCudaView v;
+  int64_t head_blocks;
+  int tpk;
+};
+
+__device__ __forceinline__ int64_t ClampedStart(const PagedAttentionCudaView& v, int64_t b, bool* bad) {
+  int64_t st = v.start[b * v.start_stride];
+  const int64_t hi = v.p.max_pages * v.p.shape.page_size - v.T;
+  *bad = st < 0 || st > hi;
+  return st < 0 ? 0 : (st > hi ? hi : st);
+}
+
+template <typename T, bool VEC, int GM>
+__global__ void __launch_bounds__(kThreads) PagedAttentionKernel(const AttnArgs args) {
+  const PagedAttentionCudaView& a = args.v;
+  __shared__ float s_m[kWarps][GM];
+  __shared__ float s_l[kWarps][GM];
+  __shared__ float s_acc[kWarps][GM][kAttnCudaMaxHeadSize];
+
+  const int64_t S = a.splits;
+  int64_t blk = blockIdx.x;
+  const int64_t split = blk % S;
+  blk /= S;
+  const int64_t hb = blk % args.head_blocks;
+  const int64_t unit = blk / args.head_blocks;
+  const int64_t t = unit % a.T;
+  const int64_t hk = (unit / a.T) % a.Hkv;
+  const int64_t b = unit / (a.T * a.Hkv);
+  const int64_t G = a.Hq / a.Hkv;
+  const int64_t g0 = hb * GM;
+  const int gn = static_cast<int>(G - g0 < GM ? G - g0 : GM);
+  const int D = static_cast<int>(a.D);
+  const int ps = a.p.shape.page_size;
+  unsigned long long* flag = static_cast<unsigned long long*>(a.flag);
+
+  bool bad_start = false;
+  const int64_t st = ClampedStart(a, b, &bad_start);
+  if (bad_start && threadIdx.x == 0) atomicMin(flag, Key(kClassRow, static_cast<unsigned long long>(b) << 28));
+  const int64_t L = st + t + 1;
+  int64_t chunk = (L + S - 1) / S;
+  if (chunk < kAttnCudaMinChunk) chunk = kAttnCudaMinChunk;
+  const int64_t j0 = split * chunk < L ? split * chunk : L;
+  const int64_t j1 = j0 + chunk < L ? j0 + chunk : L;
+
+  // every page of [j0, j1) is checked before any is read (Note [Paged CUDA])
+  int bad = 0;
+  if (j1 > j0) {
+    for (int64_t pi = j0 / ps + threadIdx.x; pi <= (j1 - 1) / ps; pi += kThreads) {
+      if (PageProblem(a.p, TableAt(a.p, b, pi), false) != kPageOk) {
+        atomicMin(flag, Key(kClassRow, (static_cast<unsigned long long>(b) << 28) | static_cast<unsigned long long>(pi + 1)));
+        bad = 1;
+      }
+    }
+  }
+  const bool skip = __syncthreads_or(bad) != 0;
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int tpk = args.tpk;
+  const int sub = lane & (tpk - 1);
+  const int kg = tid / tpk;
+  const int nkg = kThreads / tpk;
+  const int d0 = sub * kEPT;
+
+  const T* qp = static_cast<const T*>(a.q) + ((b * a.T + t) * a.Hq + hk * G + g0) * a.D;
+  float qf[GM][kEPT];
+#pragma unroll
+  for (int g = 0; g < GM; ++g) {
+    if (g < gn) {
+      LoadQ<T, VEC>(qp + g * a.D, d0, D, qf[g]);
+#pragma unroll
+      for (int i = 0; i < kEPT; ++i) qf[g][i] *= a.scale;
+    } else {
+#pragma unroll
+      for (int i = 0; i < kEPT; ++i) qf[g][i] = 0.0f;
+    }
+  }
+  float m[GM], l[GM], acc[GM][kEPT];
+#pragma unroll
+  for (int g = 0; g < GM; ++g) {
+    m[g] = -INFINITY;
+    l[g] = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kEPT; ++i) acc[g][i] = 0.0f;
+  }
+  const int64_t jend = skip ? j0 : j1;  // a chunk with a bad page reads nothing
+  for (int64_t base = j0; base < jend; base += static_cast<int64_t>(nkg) * kUnroll) {
+    float kf[kUnroll][kEPT], vf[kUnroll][kEPT];
+    bool ok[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t j = base + static_cast<int64_t>(u) * nkg + kg;
+      ok[u] = j < jend;
+      if (ok[u]) {
+        int fmt = 0;
+        const uint8_t* pg = LayerBase(a.p, TableAt(a.p, b, j / ps), &fmt);
+        const codecs::PageLayout& lay = a.p.layouts[fmt];
+        const int r = static_cast<int>(j % ps);
+        if (d0 < D) {
+          Decode8<VEC>(pg, fmt, lay, 0, static_cast<int>(hk), r, ps, d0, D, kf[u]);
+          Decode8<VEC>(pg, fmt, lay, 1, static_cast<int>(hk), r, ps, d0, D, vf[u]);
+        } else {
+#pragma unroll
+          for (int i = 0; i < kEPT; ++i) kf[u][i] = vf[u][i] = 0.0f;
+        }
+      } else {
+#pragma unroll
+        for (int i = 0; i < kEPT; ++i) kf[u][i] = vf[u][i] = 0.0f;
+      }
+    }
+    float sc[GM][kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+#pragma unroll
+      for (int g = 0; g < GM; ++g) {
+        float s = 0.0f;
+#pragma unroll
+        for (int i = 0; i < kEPT; ++i) s = fmaf(qf[g][i], kf[u][i], s);
+        for (int off = tpk >> 1; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+        sc[g][u] = ok[u] ? s : -INFINITY;
+      }
+    }
+    if (!ok[0]) continue;
+#pragma unroll
+    for (int g = 0; g < GM; ++g) {
+      float mb = sc[g][0];
+#pragma unroll
+      for (int u = 1; u < kUnroll; ++u) mb = fmaxf(mb, sc[g][u]);
+      const float mn = fmaxf(m[g], mb);
+      const float corr = __expf(m[g] - mn);
+      l[g] *= corr;
+#pragma unroll
+      for (int i = 0; i < kEPT; ++i) acc[g][i] *= corr;
+      m[g] = mn;
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) sc[g][u] = __expf(sc[g][u] - mn);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      if (!ok[u]) break;
+#pragma unroll
+      for (int g = 0; g < GM; ++g) {
+        const float p = sc[g][u];
+        l[g] += p;
+#pragma unroll
+        for (int i = 0; i < kEPT; ++i) acc[g][i] = fmaf(p, vf[u][i], acc[g][i]);
+      }
+    }
+  }
+
+  // merge the key groups (as the dense kernel)
+#pragma unroll
+  for (int g = 0; g < GM; ++g) {
+    float mw = m[g];
+    for (int off = 16; off >= tpk; off >>= 1) mw = fmaxf(mw, __shfl_xor_sync(0xffffffffu, mw, off));
+    if (lane == 0) s_m[warp][g] = mw;
+  }
+  __syncthreads();
+#pragma unroll
+  for (int g = 0; g < GM; ++g) {
+    float mb = s_m[0][g];
+#pragma unroll
+    for (int w = 1; w < kWarps; ++w) mb = fmaxf(mb, s_m[w][g]);
+    const float fct = m[g] == -INFINITY ? 0.0f : __expf(m[g] - mb);
+    float lw = l[g] * fct;
+    float aw[kEPT];
+#pragma unroll
+    for (int i = 0; i < kEPT; ++i) aw[i] = acc[g][i] * fct;
+    for (int off = 16; off >= tpk; off >>= 1) {
+      lw += __shfl_xor_sync(0xffffffffu, lw, off);
+#pragma unroll
+      for (int i = 0; i < kEPT; ++i) aw[i] += __shfl_xor_sync(0xffffffffu, aw[i], off);
+    }
+    if (lane < tpk) {
+#pragma unroll
+      for (int i = 0; i < kEPT; ++i)
+        if (d0 + i < D) s_acc[warp][g][d0 + i] = aw[i];
+      if (lane == 0) s_l[warp][g] = lw;
+    }
+  }
+  __syncthreads();
+  for (int x = tid; x < gn * D; x += kThreads) {
+    const int g = x / D, d = x % D;
+    float lb = 0.0f, ab = 0.0f, mb = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      lb += s_l[w][g];
+      ab += s_acc[w][g][d];
+      mb = fmaxf(mb, s_m[w][g]);
+    }
+    const int64_t head = hk * G + g0 + g;
+    if (S == 1) {
+      T* o = static_cast<T*>(a.out) + ((b * a.T + t) * a.Hq + head) * a.D;
+      o[d] = FromF<T>(lb > 0.0f ? ab / lb : 0.0f);  // a refused row's output is 0 (reported)
+    } else {
+      float* p = a.partial + ((unit * G + g0 + g) * S + split) * (a.D + 2);
+      p[d] = ab;
+      if (d == 0) {
+        p[a.D] = mb;
+        p[a.D + 1] = lb;
+      }
+    }
+  }
+}
+
+// Block 0's thread 0 of the epilogue: the attention's report (word [1]).
+__device__ void ReportAttention(const PagedAttentionCudaView& a, unsigned long long key) {
+  ortkv_device_error* err = a.error_word ? static_cast<ortkv_device_error*>(a.error_word) + 1 : nullptr;
+  const int64_t cap = a.p.max_pages * a.p.shape.page_size;
+  const unsigned long long detail = key & ((1ull << 60) - 1);
+  const int64_t b = static_cast<int64_t>(detail >> 28), sub = static_cast<int64_t>(detail & ((1ull << 28) - 1));
+  const int64_t st = a.start[b * a.start_stride];
+  if (sub == 0) {
+    WriteReport(err, a.label, st < 0 ? ORTKV_DERR_NEGATIVE : ORTKV_DERR_CAPACITY, b, st, a.T, cap, 0, 0, 0);
+    return;
+  }
+  const int64_t pi = sub - 1, id = TableAt(a.p, b, pi);
+  WriteReport(err, a.label, ORTKV_DERR_PAGE, b, st, a.T, cap, static_cast<uint64_t>(pi), static_cast<uint64_t>(id),
+              PageDetail(a.p, id, PageProblem(a.p, id, false)));
+}
+
+// One block per (unit, query head): merges the S chunks (splits > 1); block 0 also reports.
+template <typename T>
+__global__ void PagedCombineKernel(const AttnArgs args) {
+  const PagedAttentionCudaView& a = args.v;
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    const unsigned long long key = *static_cast<const volatile unsigned long long*>(a.flag);
+    if (key != kNoError) ReportAttention(a, key);
+  }
+  if (a.splits <= 1) return;
+  const int64_t G = a.Hq / a.Hkv;
+  const int64_t uh = blockIdx.x;
+  const int64_t g = uh % G, unit = uh / G;
+  const int64_t t = unit % a.T, hk = (unit / a.T) % a.Hkv, b = unit / (a.T * a.Hkv);
+  const int64_t S = a.splits;
+  const float* p = a.partial + uh * S * (a.D + 2);
+  float mx = -INFINITY;
+  for (int64_t c = 0; c < S; ++c) mx = fmaxf(mx, p[c * (a.D + 2) + a.D]);
+  T* o = static_cast<T*>(a.out) + ((b * a.T + t) * a.Hq + hk * G + g) * a.D;
+  for (int d = threadIdx.x; d < a.D; d += blockDim.x) {
+    float den = 0.0f, num = 0.0f;
+    for (int64_t c = 0; c < S; ++c) {
+      const float* pc = p + c * (a.D + 2);
+      const float mc = pc[a.D];
+      if (mc == -INFINITY) continue;  // an empty chunk, or one refused for a bad page
+      const float w = __expf(mc - mx);
+      den += w * pc[a.D + 1];
+      num += w * pc[d];
+    }
+    o[d] = FromF<T>(den > 0.0f ? num / den : 0.0f);
+  }
+}
+
+template <typename T, bool VEC>
+cudaError_t LaunchAttnT(const AttnArgs& a, int gm, int64_t blocks, cudaStream_t stream) {
+  switch (gm) {
+    case 1: PagedAttentionKernel<T, VEC, 1><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(a); break;
+    case 2: PagedAttentionKernel<T, VEC, 2><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(a); break;
+    case 3: PagedAttentionKernel<T, VEC, 3><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(a); break;
+    case 4: PagedAttentionKernel<T, VEC, 4><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(a); break;
+    default: PagedAttentionKernel<T, VEC, 8><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(a); break;
+  }
+  return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t LaunchAttn(const AttnArgs& a, int gm, int64_t blocks, cudaStream_t stream) {
+  cudaError_t e = a.v.vec ? LaunchAttnT<T, true>(a, gm, blocks, stream) : LaunchAttnT<T, false>(a, gm, blocks, stream);
+  if (e != cudaSuccess) return e;
+  const int64_t G = a.v.group();
+  const unsigned combine_blocks = a.v.splits > 1 ? static_cast<unsigned>(a.v.units() * G) : 1u;
+  const int threads = static_cast<int>(std::min<int64_t>(256, (a.v.D + 31) / 32 * 32));
+  PagedCombineKernel<T><<<combine_blocks, threads, 0, stream>>>(a);
+  return cudaGetLastError();
+}
+
+Status LaunchError(const char* op, cudaError_t e) {
+  return Status(Code::kRuntime, std::string(op) + " CUDA launch failed: " + cudaGetErrorName(e) + ": " +
+                                    cudaGetErrorString(e));
+}
+
+}  // namespace
+
+Status PagedCacheUpdateCuda(const PagedUpdateCudaView& v, void* stream_ptr) {
+  if (v.rows() == 0) return Status::Ok();
+  if (v.flag == nullptr) return Status(Code::kRuntime, "PagedCacheUpdate CUDA: no flag workspace");
+  cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
+  UpdateArgs a{v};
+  cudaError_t e = cudaMemsetAsync(v.flag, 0xFF, sizeof(unsigned long long), stream);
+  if (e != cudaSuccess) return LaunchError("PagedCacheUpdate", e);
+  const int64_t rows = v.rows();
+  const int64_t check_blocks = (rows + 127) / 128, store_blocks = (rows + kStoreWarps - 1) / kStoreWarps;
+  if (store_blocks > 0x7fffffff) return Status(Code::kInvalidArgument, "PagedCacheUpdate CUDA: too many rows for one launch; split the batch");
+  PagedUpdateCheckKernel<<<static_cast<unsigned>(check_blocks), 128, 0, stream>>>(a);
+  e = cudaGetLastError();
+  if (e != cudaSuccess) return LaunchError("PagedCacheUpdate", e);
+  PagedUpdateStoreKernel<<<static_cast<unsigned>(store_blocks), kStoreWarps * 32, 0, stream>>>(a);
+  e = cudaGetLastError();
+  return e == cudaSuccess ? Status::Ok() : LaunchError("PagedCacheUpdate", e);
+}
+
+Status PagedCacheAttentionCuda(const PagedAttentionCudaView& v, void* stream_ptr) {
+  if (v.units() == 0) return Status::Ok();
+  if (v.flag == nullptr || (v.splits > 1 && v.partial == nullptr))
+    return Status(Code::kRuntime, "PagedCacheAttention CUDA: no workspace");
+  const int64_t G = v.group();
+  const int gm = G <= 4 ? static_cast<int>(G) : 8;
+  AttnArgs a;
+  a.v = v;
+  a.head_blocks = (G + gm - 1) / gm;
+  int tpk = 1;
+  while (tpk * kEPT < v.D) tpk *= 2;
+  a.tpk = tpk;
+  const int64_t blocks = v.units() * a.head_blocks * v.splits;
+  if (blocks > 0x7fffffff)
+    return Status(Code::kInvalidArgument, "PagedCacheAttention CUDA: " + std::to_string(blocks) +
+                                              " blocks exceed the grid limit; split the batch");
+  cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
+  cudaError_t e = cudaMemsetAsync(v.flag, 0xFF, sizeof(unsigned long long), stream);
+  if (e != cudaSuccess) return LaunchError("PagedCacheAttention", e);
+  switch (v.elem_type) {
+    case kFloat16: e = LaunchAttn<__half>(a, gm, blocks, stream); break;
+    case kBFloat16: e = LaunchAttn<__nv_bfloat16>(a, gm, blocks, stream); break;
+    default: e = LaunchAttn<float>(a, gm, blocks, stream); break;
+  }
+  return e == cudaSuccess ? Status::Ok() : LaunchError("PagedCacheAttention", e);
+}
+
+}  // namespace ortkv

@@ -1,0 +1,460 @@
+"""PagedCacheUpdate / PagedCacheAttention on the CUDA execution provider (Note [Paged CUDA]) against the
+numpy oracle (ortkv.reference.paged) and the CPU op over the same pool bytes, every input (positions /
+starts, directory, page table included) in device memory: every format alone and all mixed in a shuffled
+pool, page sizes 16 / 64, ragged rows, T = 1 and 5, GQA, head sizes 64 / 128, an 8K-token split-K case,
+poisoned bytes past each row's length, every refusal reported through the device error word with the pool
+bytes unchanged, CUDA update bytes == CPU update bytes, and a CUDA-graph replay. Skipped with a reason
+where there is no CUDA provider or device."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+from onnx import TensorProto as TP
+from onnx import helper
+
+import ortkv
+from ortkv.reference.codecs import PageFormat
+from ortkv.reference.paged import paged_cache_attention_ref, paged_cache_update_ref
+from test_paged_ops import (ALL, DIRECT, NP, ONNX, _model, build_pool, poison_rows, run_update,  # noqa: F401
+                            table_for)
+
+pytestmark = pytest.mark.cuda
+
+
+def _cuda_reason():
+    import onnxruntime as ort
+
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        return "onnxruntime has no CUDAExecutionProvider (the CPU wheel); install onnxruntime-gpu"
+    try:
+        ort.OrtValue.ortvalue_from_numpy(np.zeros(1, np.float32), "cuda", 0)
+    except Exception as exc:  # noqa: BLE001 - any failure means no usable device
+        return f"no CUDA device usable by onnxruntime ({exc})"
+    try:
+        from ortkv import _ortkv
+
+        _ortkv.cuda_take_error()
+    except Exception as exc:  # noqa: BLE001
+        return f"ortkv extension unavailable ({exc})"
+    return None
+
+
+_REASON = _cuda_reason()
+if _REASON is not None:
+    pytest.skip(_REASON, allow_module_level=True)
+
+import onnxruntime as ort  # noqa: E402
+
+from ortkv import _ortkv  # noqa: E402
+
+RAW = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
+TOL = {"float32": 2e-4, "float16": 2e-3, "bfloat16": 1.6e-2}
+
+
+def _session(model, graph=False):
+    so = ort.SessionOptions()
+    so.log_severity_level = 4
+    so.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
+    so.register_custom_ops_library(ortkv.get_library_path())
+    opts = {"enable_cuda_graph": "1"} if graph else {}
+    return ort.InferenceSession(model.SerializeToString(), so, providers=[("CUDAExecutionProvider", opts)])
+
+
+@functools.lru_cache(maxsize=None)
+def update_session(dtype, layer, num_layers, kv_heads, page_size):
+    node = helper.make_node("PagedCacheUpdate", ["pool", "directory", "page_table", "key", "value", "position"],
+                            ["pool_out"], name="upd", domain="ortkv", layer=layer, num_layers=num_layers,
+                            kv_num_heads=kv_heads, page_size=page_size)
+    vi = helper.make_tensor_value_info
+    return _session(_model(node, [vi("pool", TP.UINT8, ["P"]), vi("directory", TP.INT64, ["N", 2]),
+                                  vi("page_table", TP.INT32, ["B", "M"]), vi("key", ONNX[dtype], ["B", "T", "W"]),
+                                  vi("value", ONNX[dtype], ["B", "T", "W"]), vi("position", TP.INT64, ["B"])],
+                           [vi("pool_out", TP.UINT8, ["P"])]))
+
+
+@functools.lru_cache(maxsize=None)
+def attention_session(dtype, num_heads, kv_heads, layer, num_layers, page_size):
+    node = helper.make_node("PagedCacheAttention", ["query", "pool", "directory", "page_table", "start"], ["out"],
+                            name="attn", domain="ortkv", num_heads=num_heads, kv_num_heads=kv_heads, layer=layer,
+                            num_layers=num_layers, page_size=page_size)
+    vi = helper.make_tensor_value_info
+    return _session(_model(node, [vi("query", ONNX[dtype], ["B", "T", "W"]), vi("pool", TP.UINT8, ["P"]),
+                                  vi("directory", TP.INT64, ["N", 2]), vi("page_table", TP.INT32, ["B", "M"]),
+                                  vi("start", TP.INT64, ["B"])],
+                           [vi("out", ONNX[dtype], ["B", "T", "W"])]))
+
+
+def _dev(arr):
+    arr = np.ascontiguousarray(arr)
+    if arr.dtype == NP["bfloat16"]:
+        arr = arr.view(np.uint16)
+    return ort.OrtValue.ortvalue_from_numpy(arr, "cuda", 0)
+
+
+def _bind(io, name, value, onnx_type, shape, output=False):
+    (io.bind_output if output else io.bind_input)(name, "cuda", 0, onnx_type, list(shape), value.data_ptr())
+
+
+def cuda_update(pool, directory, table, key, value, position, *, layer, num_layers, kv_heads, page_size,
+                dtype="float32"):
+    """One run on the device; returns (pool bytes after, the deferred error or None)."""
+    sess = update_session(dtype, layer, num_layers, kv_heads, page_size)
+    io = sess.io_binding()
+    pos = np.broadcast_to(np.asarray(position, np.int64), (table.shape[0],)).copy()
+    pv = _dev(pool)
+    vals = {"directory": (_dev(directory), TP.INT64, directory.shape), "page_table": (_dev(table), TP.INT32, table.shape),
+            "key": (_dev(key), ONNX[dtype], key.shape), "value": (_dev(value), ONNX[dtype], value.shape),
+            "position": (_dev(pos), TP.INT64, pos.shape)}
+    _bind(io, "pool", pv, TP.UINT8, pool.shape)
+    for name, (v, t, shape) in vals.items():
+        _bind(io, name, v, t, shape)
+    _bind(io, "pool_out", pv, TP.UINT8, pool.shape, output=True)
+    sess.run_with_iobinding(io)
+    return pv.numpy(), _ortkv.cuda_take_error()
+
+
+def cuda_attention(q, pool, directory, table, start, *, num_heads, kv_heads, layer, num_layers, page_size,
+                   dtype="float32"):
+    sess = attention_session(dtype, num_heads, kv_heads, layer, num_layers, page_size)
+    io = sess.io_binding()
+    st = np.broadcast_to(np.asarray(start, np.int64), (q.shape[0],)).copy()
+    out = _dev(np.zeros(q.shape, RAW[dtype]))
+    keep = [(_dev(q), "query", ONNX[dtype], q.shape), (_dev(pool), "pool", TP.UINT8, pool.shape),
+            (_dev(directory), "directory", TP.INT64, directory.shape), (_dev(table), "page_table", TP.INT32, table.shape),
+            (_dev(st), "start", TP.INT64, st.shape)]
+    for v, name, t, shape in keep:
+        _bind(io, name, v, t, shape)
+    _bind(io, "out", out, ONNX[dtype], q.shape, output=True)
+    sess.run_with_iobinding(io)
+    got = out.numpy()
+    if dtype == "bfloat16":
+        got = (got.astype(np.uint32) << 16).view(np.float32)
+    return got.astype(np.float32), keep[1][0].numpy(), _ortkv.cuda_take_error()
+
+
+def _rand(rng, shape, dtype):
+    return rng.standard_normal(shape).astype(np.float32).astype(NP[dtype])
+
+
+def _logical_arg(x, dtype):
+    return x.view(np.uint16) if dtype == "bfloat16" else x
+
+
+# ---- PagedCacheAttention -------------------------------------------------------------------------------------
+def _attn_case(rng, formats, *, B, T, lengths, NL=2, H=3, G=3, PS=16, D=64, layer=1, dtype="float16", poison=True):
+    pages_per_row = [-(-n // PS) for n in lengths]
+    fmts = [formats[i % len(formats)] for i in range(sum(pages_per_row))]
+    fmts = [fmts[i] for i in rng.permutation(len(fmts))]
+    pool, directory = build_pool(rng, fmts, num_layers=NL, kv_heads=H, page_size=PS, head_size=D)
+    ids = list(rng.permutation(len(fmts)))
+    table = table_for([[int(ids.pop()) for _ in range(n)] for n in pages_per_row], max(pages_per_row) + 2)
+    start = np.array(lengths) - T
+    clean = pool.copy()
+    if poison:
+        poison_rows(pool, directory, table, lengths, num_layers=NL, kv_heads=H, page_size=PS, head_size=D)
+    q = _rand(rng, (B, T, H * G * D), dtype)
+    got, after, err = cuda_attention(q, pool, directory, table, start, num_heads=H * G, kv_heads=H, layer=layer,
+                                     num_layers=NL, page_size=PS, dtype=dtype)
+    assert err is None, err
+    assert after.tobytes() == pool.tobytes()  # read only
+    want = paged_cache_attention_ref(_logical_arg(q, dtype), clean, directory, table, start, num_heads=H * G,
+                                     kv_num_heads=H, layer=layer, num_layers=NL, page_size=PS,
+                                     logical="bfloat16" if dtype == "bfloat16" else None)
+    assert np.isfinite(got).all(), "a poisoned row past a sequence's length was read"
+    np.testing.assert_allclose(got, want, rtol=TOL[dtype], atol=TOL[dtype])
+    return got
+
+
+@pytest.mark.parametrize("fmt", ALL, ids=lambda f: f.name)
+@pytest.mark.parametrize("PS", [16, 64])
+@pytest.mark.parametrize("T", [1, 5])
+def test_attention_each_format_alone(rng, fmt, PS, T):
+    _attn_case(rng, [fmt], B=3, T=T, lengths=[PS * 2 + 5, 3 * PS, T], PS=PS)
+
+
+@pytest.mark.parametrize("T", [1, 5])
+@pytest.mark.parametrize("D", [64, 128])
+def test_attention_every_format_in_one_pool_shuffled(rng, T, D):
+    _attn_case(rng, ALL, B=3, T=T, lengths=[130, 37, 64], PS=16, D=D)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_attention_logical_types(rng, dtype):
+    _attn_case(rng, ALL, B=2, T=2, lengths=[50, 20], dtype=dtype)
+
+
+@pytest.mark.parametrize("heads", [(3, 3), (2, 4), (1, 9), (2, 8)], ids=lambda h: f"{h[0]}kv_g{h[1]}")
+def test_attention_gqa(rng, heads):
+    H, G = heads
+    _attn_case(rng, [PageFormat.F16, PageFormat.INT8, PageFormat.INT4], B=2, T=3, lengths=[40, 9], H=H, G=G, PS=16)
+
+
+def test_attention_unaligned_head_size_plain_loads(rng):
+    """D = 20: not a multiple of 8, the element-by-element decode."""
+    _attn_case(rng, [PageFormat.F16, PageFormat.INT8, PageFormat.INT4], B=2, T=3, lengths=[45, 7], PS=4, D=20, H=2,
+               G=2)
+
+
+@pytest.mark.parametrize("B", [1, 4])
+def test_attention_split_k_8k_tokens(rng, B):
+    """>= 8K tokens per row over pages of every format: many key chunks per unit, merged by the combine."""
+    lengths = [8300, 17, 4096, 8193][:B]
+    _attn_case(rng, ALL, B=B, T=1, lengths=lengths, PS=64, NL=1, layer=0)
+
+
+def _attn_refusal_case(rng):
+    NL, H, PS, D = 1, 2, 16, 64
+    pool, directory = build_pool(rng, [PageFormat.F16, PageFormat.INT8, PageFormat.INT4], num_layers=NL, kv_heads=H,
+                                 page_size=PS, head_size=D)
+    table = table_for([[0, 1], [2]], 3)
+    q = _rand(rng, (2, 1, H * D), "float16")
+    return pool, directory, table, q, dict(num_heads=H, kv_heads=H, layer=0, num_layers=NL, page_size=PS)
+
+
+@pytest.mark.parametrize("case", ["missing", "outside", "format", "offset", "start", "negative"])
+def test_attention_refusals_are_reported(rng, case):
+    pool, directory, table, q, kw = _attn_refusal_case(rng)
+    start = np.array([20, 5])
+    frag = {"missing": "the entry is -1 (no page)", "outside": "page id 7 is outside the directory 'directory'",
+            "format": "format 9, not a page format", "offset": "at offset 3, which is not a multiple of 16",
+            "start": "exceeds the page table's capacity of 48 tokens ('page_table')", "negative": "is negative"}[case]
+    if case == "missing":
+        table[1, 0] = -1
+    elif case == "outside":
+        table[1, 0] = 7
+    elif case == "format":
+        directory[2, 0] = 9
+    elif case == "offset":
+        directory[2, 1] = 3
+    elif case == "start":
+        start[1] = 48
+    else:
+        start[1] = -2
+    before = pool.copy()
+    out, after, err = cuda_attention(q, pool, directory, table, start, dtype="float16", **kw)
+    assert err is not None and "PagedCacheAttention node 'attn'" in err and "row 1" in err, err
+    assert frag in err, err
+    assert after.tobytes() == before.tobytes()
+    assert _ortkv.cuda_take_error() is None  # taken once
+    assert np.isfinite(out).all()
+    # row 0 is good and its output right
+    want = paged_cache_attention_ref(q[:1], before, directory, table[:1], start[:1], num_heads=kw["num_heads"],
+                                     kv_num_heads=kw["kv_heads"], layer=0, num_layers=1, page_size=kw["page_size"])
+    np.testing.assert_allclose(out[:1], want, rtol=2e-3, atol=2e-3)
+
+
+# ---- PagedCacheUpdate ----------------------------------------------------------------------------------------
+def _update_case(rng, formats, *, B, T, positions, NL=2, H=3, PS=16, D=64, layer=1, dtype="float16"):
+    n_pages = [-(-(p + T) // PS) for p in positions]
+    fmts = [formats[i % len(formats)] for i in range(sum(n_pages))]
+    pool, directory = build_pool(rng, fmts, num_layers=NL, kv_heads=H, page_size=PS, head_size=D)
+    ids = list(rng.permutation(len(fmts)))
+    table = table_for([[int(ids.pop()) for _ in range(n)] for n in n_pages], max(n_pages) + 1)
+    key, value = _rand(rng, (B, T, H * D), dtype), _rand(rng, (B, T, H * D), dtype)
+    return pool, directory, table, key, value, np.array(positions), dict(layer=layer, num_layers=NL, kv_heads=H,
+                                                                         page_size=PS)
+
+
+@pytest.mark.parametrize("fmt", DIRECT, ids=lambda f: f.name)
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_update_bytes_equal_cpu_and_reference(rng, fmt, dtype):
+    """Ragged rows crossing page boundaries: the CUDA bytes equal the CPU op's and the oracle's exactly."""
+    pool, directory, table, key, value, pos, kw = _update_case(rng, [fmt], B=3, T=5, positions=[0, 14, 33],
+                                                               dtype=dtype)
+    got, err = cuda_update(pool, directory, table, key, value, pos, dtype=dtype, **kw)
+    assert err is None, err
+    cpu = pool.copy()
+    run_update(cpu, directory, table, key, value, pos, dtype=dtype, **kw)
+    assert got.tobytes() == cpu.tobytes()
+    want = paged_cache_update_ref(pool, directory, table, _logical_arg(key, dtype), _logical_arg(value, dtype), pos,
+                                  kv_num_heads=kw["kv_heads"], layer=kw["layer"], num_layers=kw["num_layers"],
+                                  page_size=kw["page_size"], logical="bfloat16" if dtype == "bfloat16" else None)
+    assert got.tobytes() == want.tobytes()
+    assert got.tobytes() != pool.tobytes()
+
+
+@pytest.mark.parametrize("PS,D,T", [(16, 64, 1), (64, 128, 1), (64, 128, 5), (16, 128, 40)])
+def test_update_all_direct_formats_mixed(rng, PS, D, T):
+    pool, directory, table, key, value, pos, kw = _update_case(rng, DIRECT, B=4, T=T, positions=[0, 3, PS - 1, 2 * PS],
+                                                               PS=PS, D=D)
+    got, err = cuda_update(pool, directory, table, key, value, pos, **kw)
+    assert err is None, err
+    cpu = pool.copy()
+    run_update(cpu, directory, table, key, value, pos, dtype="float16", **kw)
+    assert got.tobytes() == cpu.tobytes()
+
+
+def test_update_zero_rows_and_signed_zero_minimum_match_cpu(rng):
+    """Rows of zeros (both signs) and constant rows: the warp reductions keep the CPU's tie order."""
+    pool, directory, table, key, value, pos, kw = _update_case(rng, DIRECT, B=2, T=3, positions=[0, 5],
+                                                               dtype="float32")
+    key[0, 0] = 0.0
+    key[0, 1] = -0.0
+    key[0, 1, ::3] = 0.0
+    value[1, 2] = 1.5
+    got, err = cuda_update(pool, directory, table, key, value, pos, dtype="float32", **kw)
+    assert err is None, err
+    cpu = pool.copy()
+    run_update(cpu, directory, table, key, value, pos, dtype="float32", **kw)
+    assert got.tobytes() == cpu.tobytes()
+
+
+def _update_refusal(rng, mutate, fragment, code="E_INPUT", formats=(PageFormat.INT8, PageFormat.F16, PageFormat.INT4)):
+    """Rows 0..2 at positions 0, 15 (crossing a page), 4, two tokens each; `mutate` breaks one thing (and may
+    return new positions). The pool bytes must come back unchanged and the report name the problem."""
+    pool, directory, table, key, value, pos, kw = _update_case(rng, list(formats), B=3, T=2, positions=[0, 15, 4],
+                                                               NL=1, layer=0)
+    pos = mutate(pool, directory, table, key, value, pos)
+    pos = pos if pos is not None else np.array([0, 15, 4])
+    before = pool.copy()
+    after, err = cuda_update(pool, directory, table, key, value, pos, **kw)
+    assert err is not None and "PagedCacheUpdate node 'upd'" in err, err
+    assert f"[ortkv:{code}]" in err and fragment in err and "Nothing was written" in err, err
+    assert after.tobytes() == before.tobytes(), "a refused update changed the pool"
+    assert _ortkv.cuda_take_error() is None
+
+
+def test_update_refuses_missing_page(rng):
+    def m(pool, d, t, k, v, p):
+        t[2, 0] = -1
+    _update_refusal(rng, m, "row 2 (position 4, 2 tokens) needs page 0 of its page table 'page_table' but the entry is -1")
+
+
+def test_update_refuses_page_outside_directory(rng):
+    def m(pool, d, t, k, v, p):
+        t[1, 1] = 99
+    _update_refusal(rng, m, "page id 99 is outside the directory 'directory'")
+
+
+def test_update_refuses_bad_offset_and_format(rng):
+    def m(pool, d, t, k, v, p):
+        d[int(t[0, 0]), 1] = 8
+    _update_refusal(rng, m, "at offset 8, which is not a multiple of 16")
+
+    def m2(pool, d, t, k, v, p):
+        d[int(t[0, 0]), 0] = 8
+    _update_refusal(rng, m2, "format 8, not a page format")
+
+
+def test_update_refuses_keys_into_kc_page(rng):
+    def m(pool, d, t, k, v, p):
+        d[int(t[1, 0]), 0] = int(PageFormat.INT4_KC)
+    _update_refusal(rng, m, "INT4_KC: its keys are scaled per channel", formats=[PageFormat.F16])  # F16 slots hold it
+
+
+def test_update_refuses_capacity_and_negative_position(rng):
+    # the table has 3 columns of 16 tokens
+    _update_refusal(rng, lambda *a: np.array([0, 15, 47]), "position 47 + tokens 2 = 49 exceeds the page table's "
+                                                           "capacity of 48 tokens", code="E_CAPACITY")
+    _update_refusal(rng, lambda *a: np.array([0, -1, 4]), "position -1 for row 1 is negative")
+
+
+def test_update_refuses_shared_page_row(rng):
+    def m(pool, d, t, k, v, p):
+        t[2, 0] = t[0, 0]  # rows 0 and 2 both write page t[0, 0] rows 0..1 / 4..5: make them collide
+        return np.array([0, 15, 0])
+    _update_refusal(rng, m, "rows 0 and 2 both write row 0 of page")
+
+
+def test_update_refuses_non_finite_after_valid_rows(rng):
+    def m(pool, d, t, k, v, p):
+        v[2, 1, 70] = np.inf  # head 1 of row 2's second token; earlier rows are valid
+    _update_refusal(rng, m, "'value' [row 2, position 5, head 1]", formats=[PageFormat.INT8])
+
+
+def test_update_refuses_unaliased_output(rng):
+    pool, directory, table, key, value, pos, kw = _update_case(rng, [PageFormat.INT8], B=1, T=1, positions=[0])
+    sess = update_session("float16", kw["layer"], kw["num_layers"], kw["kv_heads"], kw["page_size"])
+    io = sess.io_binding()
+    pv, other = _dev(pool), _dev(np.zeros_like(pool))
+    _bind(io, "pool", pv, TP.UINT8, pool.shape)
+    for name, arr, t in [("directory", directory, TP.INT64), ("page_table", table, TP.INT32),
+                         ("key", key, TP.FLOAT16), ("value", value, TP.FLOAT16),
+                         ("position", pos.astype(np.int64), TP.INT64)]:
+        v = _dev(arr)
+        io.bind_ortvalue_input(name, v)
+    _bind(io, "pool_out", other, TP.UINT8, pool.shape, output=True)
+    with pytest.raises(Exception, match=r"E_ALIAS.*is not the storage of the pool 'pool'"):
+        sess.run_with_iobinding(io)
+    assert pv.numpy().tobytes() == pool.tobytes()
+
+
+def test_update_refuses_write_into_protected_range(rng):
+    pool, directory, table, key, value, pos, kw = _update_case(rng, [PageFormat.INT8], B=1, T=1, positions=[3])
+    sess = update_session("float16", kw["layer"], kw["num_layers"], kw["kv_heads"], kw["page_size"])
+    io = sess.io_binding()
+    pv = _dev(pool)
+    _bind(io, "pool", pv, TP.UINT8, pool.shape)
+    for name, arr in [("directory", directory), ("page_table", table), ("key", key), ("value", value),
+                      ("position", pos.astype(np.int64))]:
+        io.bind_ortvalue_input(name, _dev(arr))
+    _bind(io, "pool_out", pv, TP.UINT8, pool.shape, output=True)
+    rid = _ortkv.protect_range(1, 0, pv.data_ptr(), pool.nbytes, "shared prefix", 1)
+    try:
+        sess.run_with_iobinding(io)
+        err = _ortkv.cuda_take_error()
+    finally:
+        _ortkv.unprotect_range(rid)
+    assert err is not None and "[ortkv:E_READONLY]" in err and "'shared prefix'" in err, err
+    assert pv.numpy().tobytes() == pool.tobytes()
+
+
+# ---- update then attention, and a CUDA graph ----------------------------------------------------------------
+def _decode_model(H, G, PS, NL):
+    vi = helper.make_tensor_value_info
+    nodes = [helper.make_node("PagedCacheUpdate", ["pool", "directory", "page_table", "k", "v", "position"],
+                              ["pool_out"], name="upd", domain="ortkv", layer=0, num_layers=NL, kv_num_heads=H,
+                              page_size=PS),
+             helper.make_node("PagedCacheAttention", ["q", "pool_out", "directory", "page_table", "position"], ["out"],
+                              name="attn", domain="ortkv", num_heads=H * G, kv_num_heads=H, layer=0, num_layers=NL,
+                              page_size=PS)]
+    g = helper.make_graph(nodes, "decode", [vi("pool", TP.UINT8, ["P"]), vi("directory", TP.INT64, ["N", 2]),
+                                            vi("page_table", TP.INT32, ["B", "M"]),
+                                            vi("k", TP.FLOAT16, ["B", 1, H * 64]), vi("v", TP.FLOAT16, ["B", 1, H * 64]),
+                                            vi("position", TP.INT64, ["B"]), vi("q", TP.FLOAT16, ["B", 1, H * G * 64])],
+                          [vi("pool_out", TP.UINT8, ["P"]), vi("out", TP.FLOAT16, ["B", 1, H * G * 64])])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("ortkv", 1)],
+                             ir_version=10)
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "cuda_graph"])
+def test_decode_loop_update_then_attention(rng, graph):
+    """Twelve decode steps of two rows over F16 and INT8 pages, every input updated IN PLACE in the same
+    device buffers (positions too), so a captured graph replays with new values; each step's output matches
+    the oracle over the pool the oracle updated."""
+    H, G, PS, NL, D, B, steps = 3, 3, 16, 1, 64, 2, 12
+    fmts = [PageFormat.F16, PageFormat.INT8, PageFormat.F16, PageFormat.INT8]
+    pool, directory = build_pool(rng, fmts, num_layers=NL, kv_heads=H, page_size=PS, head_size=D)
+    table = table_for([[0, 1], [2, 3]], 2)
+    pos = np.array([10, 3], np.int64)
+    sess = _session(_decode_model(H, G, PS, NL), graph=graph)
+    ref = pool.copy()
+    k0, v0, q0 = (np.zeros((B, 1, w), np.float16) for w in (H * D, H * D, H * G * D))
+    dv = {"pool": _dev(pool), "directory": _dev(directory), "page_table": _dev(table), "k": _dev(k0), "v": _dev(v0),
+          "position": _dev(pos), "q": _dev(q0), "out": _dev(q0)}
+    io = sess.io_binding()
+    types = {"pool": TP.UINT8, "directory": TP.INT64, "page_table": TP.INT32, "position": TP.INT64}
+    for name, val in dv.items():
+        if name == "out":
+            continue
+        arr_shape = val.shape()
+        _bind(io, name, val, types.get(name, TP.FLOAT16), arr_shape)
+    _bind(io, "pool_out", dv["pool"], TP.UINT8, pool.shape, output=True)
+    _bind(io, "out", dv["out"], TP.FLOAT16, q0.shape, output=True)
+    for step in range(steps):
+        k, v, q = (_rand(rng, a.shape, "float16") for a in (k0, v0, q0))
+        p = pos + step
+        for name, arr in (("k", k), ("v", v), ("q", q), ("position", p)):
+            dv[name].update_inplace(np.ascontiguousarray(arr))
+        sess.run_with_iobinding(io)
+        assert _ortkv.cuda_take_error() is None
+        ref = paged_cache_update_ref(ref, directory, table, k, v, p, layer=0, num_layers=NL, kv_num_heads=H,
+                                     page_size=PS)
+        want = paged_cache_attention_ref(q, ref, directory, table, p, num_heads=H * G, kv_num_heads=H, layer=0,
+                                         num_layers=NL, page_size=PS)
+        got = dv["out"].numpy().astype(np.float32)
+        np.testing.assert_allclose(got, want, rtol=2e-3, atol=2e-3, err_msg=f"step {step}")
+        assert dv["pool"].numpy().tobytes() == ref.tobytes(), f"step {step}: pool bytes differ from the oracle's"
