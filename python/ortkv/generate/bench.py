@@ -110,8 +110,9 @@ def main(argv=None) -> int:
                    "the same run (Note [CPU baseline]); default variants: ortkv")
     p.add_argument("--llamacpp-bin", metavar="PATH", help=f"the llama.cpp driver (default: ${LLAMACPP_ENV}, else the "
                    "one benchmarks/llamacpp/build.sh built in the ortkv cache, else that script is run)")
-    p.add_argument("--weights", choices=["float32", "q4"], help="the ortkv weights (default: the config's; with "
-                   "--cpu-baseline: q4, the GGUF's own 4-bit blocks)")
+    p.add_argument("--weights", choices=["float32", "q4", "q8"], nargs="+", help="the ortkv weights (default: the "
+                   "config's; with --cpu-baseline: q4, the GGUF's own 4-bit blocks; --cpu-baseline takes several, e.g. "
+                   "q4 q8, each an ortkv variant of its own in the same alternating runs)")
     p.add_argument("--repeats", type=int, default=3, help="--cpu-baseline: runs of each variant per cell, "
                    "alternating (default 3; medians)")
     p.add_argument("--threads", type=int, help="--cpu-baseline: threads for ortkv (intra_op_num_threads) and "
@@ -119,6 +120,8 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     if a.cpu_baseline:
         return cpu_baseline(p, a)
+    if a.weights and len(a.weights) > 1:
+        p.error(f"--weights {' '.join(a.weights)}: several weights only with --cpu-baseline; give one")
     cuda = a.device != "cpu"
     grid = CUDA_GRID if cuda else {"prompt_tokens": [16, 512], "new_tokens": [256, 1024], "max_length": [2048, 8192],
                                    "batch": [1, 4]}
@@ -149,7 +152,7 @@ def main(argv=None) -> int:
         for v in a.variants:
             runner, overrides = worker_overrides(a.device, v, ml, nt)
             if a.weights:
-                overrides["ortkv.weights"] = a.weights
+                overrides["ortkv.weights"] = a.weights[0]
             try:
                 r = run_worker(runner, None, overrides, prompts)
             except OrtkvError as exc:  # one failing cell is reported in the table, the grid goes on
@@ -248,17 +251,22 @@ def cpu_baseline(p, a) -> int:
             setattr(a, key, default)
     if a.quick:
         a.prompt_tokens, a.new_tokens, a.max_length, a.batch, a.repeats = [16], [64], [2048], [1], 1
-    variants = list(a.variants or ["ortkv"])
-    weights = a.weights or "q4"
+    weights_list = list(dict.fromkeys(a.weights or ["q4"]))
+    # one column per (runner, weights); named "ortkv q8" etc. when several weights run
+    plain = list(a.variants or ["ortkv"])
+    variants = [f"{v} {w}" if len(weights_list) > 1 else v for w in weights_list for v in plain]
+    weights_of = {(f"{v} {w}" if len(weights_list) > 1 else v): (v, w) for w in weights_list for v in plain}
+    weights = " ".join(weights_list)
     threads = a.threads or len(os.sched_getaffinity(0))
     exe = find_llamacpp(a.llamacpp_bin, log=lambda m: print(m, file=sys.stderr))
     from .models import build_models, gguf_path, tokenizer_for
 
-    cfg = GenAIConfig()
-    cfg.ortkv.weights = weights
-    cfg.validate()
+    for w in weights_list:
+        cfg = GenAIConfig()
+        cfg.ortkv.weights = w
+        cfg.validate()
+        build_models(cfg, sorted({"genai" if v.startswith("genai") else v for v in plain}))  # once, before any timing
     tok = tokenizer_for(cfg)
-    build_models(cfg, sorted({"genai" if v.startswith("genai") else v for v in variants}))  # once, before any timing
     gguf = str(gguf_path(cfg))
     load0 = os.getloadavg()[0]
     cells = list(itertools.product(a.prompt_tokens, a.new_tokens, a.max_length, a.batch))
@@ -271,10 +279,11 @@ def cpu_baseline(p, a) -> int:
                 if v == "llama.cpp":
                     r = run_llamacpp(gguf, pt, nt, ml, b, exe=exe, threads=threads)
                 else:
-                    overrides = {"search.max_length": ml, "ortkv.max_new_tokens": nt, "ortkv.weights": weights,
+                    runner, w = weights_of[v]
+                    overrides = {"search.max_length": ml, "ortkv.max_new_tokens": nt, "ortkv.weights": w,
                                  "ortkv.intra_op_num_threads": threads}
                     try:
-                        r = run_worker(v, None, overrides, prompts)
+                        r = run_worker(runner, None, overrides, prompts)
                     except OrtkvError as exc:
                         r = {"error": str(exc).strip().splitlines()[-1][:300]}
                     for k in ("texts", "prompt_ids", "prompts", "rss_per_step", "kv_bytes_per_step"):
