@@ -54,6 +54,22 @@ class LlamaConfig:
 # MatMulNBits' and GatherBlockQuantized's 8-bit symmetric one (uint8 q + 128, default zero point 128), so
 # it is carried exactly too (q8_from_gguf); MatMulNBits bits 8 with accuracy_level 4 is the fastest LM
 # head measured (~1.5 ms against ~16 ms for float32 MatMul and ~3.6 ms at 4 bits).
+
+# Note [8-bit from Q4_1]
+# weights "q8" puts every Q4_1 block on MatMulNBits' 8-bit grid (bits 8, block 32, uint8 zero points,
+# accuracy_level 4: the VNNI kernels the Q8_0 LM head already uses), so that x @ W is ONE node: no
+# blocksum(x) @ M term, no Reshape / ReduceSum / MatMul / Add per projection (480 of the 1,119 nodes of a
+# SmolLM2 q4 decode step; 639 left). A Q4_1 block's 16 levels m + d q (q = 0..15) with m <= 0 <= m + 15 d
+# (its levels straddle 0, as ggml's Q4_1 blocks of these weights do) become s = d / 17, c = 17 q,
+# z = round(-17 m / d): the levels land exactly on the 256-level grid and only the minimum moves, by at most
+# s / 2 = d / 34 (Q4_1's own rounding step is d). Other blocks get the plain asymmetric 8-bit rule over
+# their levels' range with 0 in it (error <= s / 2 too). Teacher-forced top-1 agreement with llama.cpp:
+# 216/224 = 96.4 %, as float32 weights (q4 as shipped: 215-217/224; requantizing to 4-bit zero points gave
+# 74 %). Costs: 1.85x the projection bytes (123 MB instead of 66 MB per token, + the 30 MB LM head either
+# way; the machine reads ~24 GB/s, benchmarks/results/weight_bound.md) and ffn_down at level 4 as well (MLAS has no fast 8-bit kernel at level 0). With
+# com.microsoft.SkipSimplifiedLayerNormalization as well (Note [Fused decoder layer]) agreement fell to
+# 211/224 = 94.2 %, under the 95 % bar, so q8 keeps Add + SimplifiedLayerNormalization like q4. Measured
+# speed against q4 and llama.cpp: benchmarks/results/q8_cpu.md.
 BLOCK = 32
 WEIGHT_FORMATS = ("float32", "q4", "q8")
 
@@ -166,10 +182,10 @@ class LlamaWeights:
     config: LlamaConfig
     embed: np.ndarray  # [vocab, hidden]
     final_norm: np.ndarray  # [hidden]
-    # MatMul weights as float32 [in, out], or Q4Weight for weights="q4"
+    # MatMul weights as float32 [in, out], or Q4Weight for weights="q4" / "q8"
     layers: list[dict] = field(default_factory=list)
     format: str = "float32"
-    embed_q: Q4Weight | None = None  # weights="q4": the tied embedding / LM head, 8-bit blocks
+    embed_q: Q4Weight | None = None  # weights="q4" / "q8": the tied embedding / LM head, 8-bit blocks
 
 
 def _reader(path):
@@ -243,7 +259,9 @@ def read_config(reader) -> LlamaConfig:
 
 def load(path, layers: int | None = None, log=None, fmt: str = "float32") -> tuple[LlamaWeights, SmolTokenizer]:
     """Read the GGUF: matrices dequantized to float32, or (fmt="q4") kept 4-bit in MatMulNBits' fast form
-    (+ the Q4_1 minimums) with the embedding / LM head as 8-bit blocks (Note [Fast 4-bit path]); norms are float32 either way. ``layers`` limits the blocks read (tests)."""
+    (+ the Q4_1 minimums), or (fmt="q8") the Q4_1 blocks on the 8-bit grid (Note [8-bit from Q4_1]); q4 and
+    q8 carry the embedding / LM head as 8-bit blocks (Note [Fast 4-bit path]); norms are float32 either way.
+    ``layers`` limits the blocks read (tests)."""
     if fmt not in WEIGHT_FORMATS:
         raise OrtkvError(f"weights format {fmt!r}: one of {', '.join(repr(f) for f in WEIGHT_FORMATS)}")
     import gguf
