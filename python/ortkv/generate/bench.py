@@ -113,6 +113,9 @@ def main(argv=None) -> int:
     p.add_argument("--weights", choices=["float32", "q4", "q8"], nargs="+", help="the ortkv weights (default: the "
                    "config's; with --cpu-baseline: q4, the GGUF's own 4-bit blocks; --cpu-baseline takes several, e.g. "
                    "q4 q8, each an ortkv variant of its own in the same alternating runs)")
+    p.add_argument("--cache-layout", choices=["BNSH", "BSNH", "SBNH"], help="--cpu-baseline: the ortkv caches' layout "
+                   "(default: the config's, BNSH on the CPU; BSNH takes K / V flat, 60 nodes fewer per SmolLM2 step: "
+                   "Note [CacheUpdate flat values])")
     p.add_argument("--repeats", type=int, default=3, help="--cpu-baseline: runs of each variant per cell, "
                    "alternating (default 3; medians)")
     p.add_argument("--threads", type=int, help="--cpu-baseline: threads for ortkv (intra_op_num_threads) and "
@@ -261,9 +264,12 @@ def cpu_baseline(p, a) -> int:
     exe = find_llamacpp(a.llamacpp_bin, log=lambda m: print(m, file=sys.stderr))
     from .models import build_models, gguf_path, tokenizer_for
 
+    layout = {"ortkv.cache_layout": a.cache_layout} if a.cache_layout else {}
     for w in weights_list:
         cfg = GenAIConfig()
         cfg.ortkv.weights = w
+        if a.cache_layout:
+            cfg.ortkv.cache_layout = a.cache_layout
         cfg.validate()
         build_models(cfg, sorted({"genai" if v.startswith("genai") else v for v in plain}))  # once, before any timing
     tok = tokenizer_for(cfg)
@@ -281,7 +287,7 @@ def cpu_baseline(p, a) -> int:
                 else:
                     runner, w = weights_of[v]
                     overrides = {"search.max_length": ml, "ortkv.max_new_tokens": nt, "ortkv.weights": w,
-                                 "ortkv.intra_op_num_threads": threads}
+                                 "ortkv.intra_op_num_threads": threads, **layout}
                     try:
                         r = run_worker(runner, None, overrides, prompts)
                     except OrtkvError as exc:
@@ -294,7 +300,7 @@ def cpu_baseline(p, a) -> int:
                       file=sys.stderr)
         rows.append({"prompt_tokens": pt, "new_tokens": nt, "max_length": ml, "batch": b, "runs": runs,
                      "median": {v: summarize(rs) for v, rs in runs.items()}})
-    meta = {"weights": weights, "threads": threads, "repeats": a.repeats, "llamacpp_bin": exe, "gguf": gguf,
+    meta = {"weights": weights, "cache_layout": a.cache_layout or "default", "threads": threads, "repeats": a.repeats, "llamacpp_bin": exe, "gguf": gguf,
             "load_avg_start": load0, "load_avg_end": os.getloadavg()[0], "variants": variants}
     out = Path(a.out) / time.strftime("bench_cpu_%Y%m%d_%H%M%S")
     out.mkdir(parents=True, exist_ok=True)
@@ -323,7 +329,8 @@ def summarize(runs: list[dict]) -> dict:
 
 def markdown_cpu_baseline(rows, variants, meta) -> str:
     lines = [f"# ortkv bench --cpu-baseline llamacpp ({platform.node()}, {time.strftime('%Y-%m-%d %H:%M')})", "",
-             f"ortkv weights {meta['weights']}, {meta['threads']} threads for every variant, {meta['repeats']} "
+             f"ortkv weights {meta['weights']}, cache layout {meta.get('cache_layout', 'default')}, {meta['threads']} "
+             f"threads for every variant, {meta['repeats']} "
              "alternating runs per variant and cell, medians; vs llama.cpp: the variant's median over llama.cpp's "
              f"(same GGUF); load average (1 min) {meta['load_avg_start']:.1f} at the start, "
              f"{meta['load_avg_end']:.1f} at the end", "",
