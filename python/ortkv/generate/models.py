@@ -34,7 +34,9 @@ def model_dir(cfg: GenAIConfig) -> Path:
     weights = "f16" if cfg.dtype == "float16" else WEIGHTS_TAG.get(cfg.ortkv.weights, cfg.ortkv.weights)
     tag = BUILD_TAG.format(weights=weights)
     if cfg.cache_layout != "BNSH":
-        tag += "-" + cfg.cache_layout.lower()
+        # "-bsnh2": the BSNH graphs take K / V flat since Note [CacheUpdate flat values]; an older "-bsnh" build
+        # (with a Reshape per K / V) is not reused for them
+        tag += "-" + {"BSNH": "bsnh2"}.get(cfg.cache_layout, cfg.cache_layout.lower())
     if cfg.ortkv.gguf:
         tag += "-" + Path(cfg.ortkv.gguf).stem
     return cache_dir() / "models" / tag
