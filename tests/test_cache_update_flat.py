@@ -89,3 +89,41 @@ def test_the_graph_checker_accepts_flat_values_and_names_a_wrong_width():
     assert "dim 2 of 'values' [2, 1, 16] is 16, expected 24 (flat values [batch, n, width] need width 3 x 8)" in text
     bnsh = check(flat_model(-2), dims={"d0": 2, "d1": 3, "d2": 16, "d3": 8, "b": 2, "n": 1, "w": 24})
     assert "has rank 3 but 'cache'" in " ".join(f.message for f in bnsh.findings)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("np_type, onnx_type", [(np.float32, TP.FLOAT), (np.float16, TP.FLOAT16)])
+def test_flat_values_on_cuda(np_type, onnx_type):
+    """The CUDA CacheUpdate reads flat values the same way (the shape is reinterpreted before its plan); a wrong
+    width is refused before any launch, the device cache unchanged."""
+    import onnxruntime as ort
+
+    model = flat_model(1)
+    for vi in list(model.graph.input)[:2] + list(model.graph.output):
+        vi.type.tensor_type.elem_type = onnx_type
+    so = ort.SessionOptions()
+    so.log_severity_level = 4
+    so.add_session_config_entry("session.disable_cpu_ep_fallback", "1")  # CacheUpdate must run on CUDA
+    so.register_custom_ops_library(__import__("ortkv").get_library_path())
+    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CUDAExecutionProvider"])
+    rng = np.random.default_rng(3)
+    cache = rng.standard_normal((2, 16, 3, 8)).astype(np_type)
+    values = rng.standard_normal((2, 4, 24)).astype(np_type)
+    position = np.array([3, 12])
+    want = cache_update_ref(cache, values.reshape(2, 4, 3, 8), position, seq_axis=1)
+    cache_v = ort.OrtValue.ortvalue_from_numpy(cache, "cuda", 0)
+
+    def run(vals):
+        io = sess.io_binding()
+        io.bind_ortvalue_input("cache", cache_v)
+        io.bind_ortvalue_output("updated_cache", cache_v)
+        io.bind_ortvalue_input("values", ort.OrtValue.ortvalue_from_numpy(vals, "cuda", 0))
+        io.bind_cpu_input("position", position)
+        sess.run_with_iobinding(io)
+
+    run(values)
+    np.testing.assert_array_equal(cache_v.numpy(), want)
+    with pytest.raises(Exception, match=r"flat values \[batch, n, width\] for the cache 'cache' \(sequence axis 1\) "
+                                        r"need width 3 x 8 = 24"):
+        run(rng.standard_normal((2, 1, 16)).astype(np_type))
+    np.testing.assert_array_equal(cache_v.numpy(), want)
