@@ -1,6 +1,7 @@
 """Decode speed of the 4-bit CPU weight path (issue 12): ortkv with float32 weights against ortkv, the copy
 model and onnxruntime-genai share-buffer with q4 weights (MatMulNBits / GatherBlockQuantized, Note [Fast
-4-bit path] in python/ortkv/generate/weights.py), on SmolLM2-135M, batch 1, greedy.
+4-bit path] in python/ortkv/generate/weights.py) and ortkv with q8 weights (the same Q4_1 blocks on the 8-bit
+grid, Note [8-bit from Q4_1]), on SmolLM2-135M, batch 1, greedy.
 
 Each run is its own process (`ortkv generate --json` worker); the variants ALTERNATE within a round and the
 figures are medians over the rounds, so that other load on a shared machine spreads over all variants.
@@ -25,7 +26,7 @@ from ortkv.generate.models import build_models, human_size, model_dir, tree_size
 
 PROMPT = "Once upon a time, there was a little robot who"
 # (runner, weights): ortkv float32 is the baseline of the ratios
-VARIANTS = [("ortkv", "float32"), ("ortkv", "q4"), ("copy", "q4"), ("genai-share", "q4")]
+VARIANTS = [("ortkv", "float32"), ("ortkv", "q4"), ("ortkv", "q8"), ("copy", "q4"), ("genai-share", "q4")]
 MODEL_VARIANT = {"ortkv": "ortkv", "copy": "copy", "genai-share": "genai"}
 # the same prompt and settings on a quiet machine of this kind (issue 12), for reference only
 LLAMA_CPP_TOK_S = 72.0

@@ -107,6 +107,31 @@ def test_cpu_baseline_reads_the_hook_variable_and_reports_a_failing_driver(fakes
     assert bench_mod.find_llamacpp(None) == str(bad)
 
 
+def test_cpu_baseline_runs_several_weights_as_variants_of_their_own(fakes):
+    """--weights q4 q8: one ortkv column per weights ("ortkv q4", "ortkv q8"), alternating with llama.cpp in
+    every repeat, each decoder built once before the timing."""
+    assert bench_mod.main(["--cpu-baseline", "llamacpp", "--llamacpp-bin", str(fakes["driver"]), "--threads", "2",
+                           "--max-length", "2048", "--batch", "1", "--weights", "q4", "q8", "--cache-layout", "BSNH",
+                           "--out", str(fakes["out"])]) == 0
+    workers = [c for c in fakes["calls"] if c[0] == "worker"]
+    assert [(w[1], w[2]["ortkv.weights"]) for w in workers] == [("ortkv", "q4"), ("ortkv", "q8")] * 3
+    assert all(w[2]["ortkv.cache_layout"] == "BSNH" for w in workers)
+    assert len(fakes["log"].read_text().splitlines()) == 3  # llama.cpp once per repeat
+    assert fakes["built"] == [("q4", ["ortkv"]), ("q8", ["ortkv"])]
+    table, data = _table(fakes["out"])
+    # ortkv q4 runs 40, 44, 50 (every other run) -> 44; q8 50, 40, 44 -> 44; llama.cpp 31, 32, 33 -> 32
+    assert "| 16 | 256 | 2048 | 1 | ortkv q4 | 44.0 | 1.38 | 40.0, 44.0, 50.0 |" in table
+    assert "| 16 | 256 | 2048 | 1 | ortkv q8 | 44.0 | 1.38 | 50.0, 40.0, 44.0 |" in table
+    assert "ortkv weights q4 q8, cache layout BSNH, 2 threads" in table and data["meta"]["variants"] == ["ortkv q4", "ortkv q8"]
+
+
+def test_bench_refuses_several_weights_without_the_cpu_baseline(fakes, capsys):
+    with pytest.raises(SystemExit):
+        bench_mod.main(["--weights", "q4", "q8"])
+    assert "--weights q4 q8: several weights only with --cpu-baseline; give one" in capsys.readouterr().err
+    assert fakes["calls"] == []
+
+
 def test_cpu_baseline_driver_resolution_errors(fakes, monkeypatch, tmp_path):
     with pytest.raises(ortkv.OrtkvError, match=r"--llamacpp-bin .*missing: no executable there"):
         bench_mod.find_llamacpp(str(tmp_path / "missing"))

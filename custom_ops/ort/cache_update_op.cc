@@ -125,6 +125,42 @@ Status CheckWriteProtection(const CacheUpdateKernel& k, const CacheUpdateView& v
   return Status::Ok();
 }
 
+// Note [CacheUpdate flat values]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// For a cache of rank >= 4 whose sequence axis is 1 (BSNH [batch, capacity, heads, head_size]), `values` may
+// also come flat, [batch, n, heads * head_size]: a projection's own output. Its bytes are exactly those of
+// [batch, n, heads, head_size] (row-major), so the op reads it with the cache's trailing dims and nothing is
+// copied or moved; a decoder then needs no Reshape per K / V per layer (issue 12: at one token per step
+// ORT's cost per node is a large share of the step). Any other layout would need a transposition of the
+// new tokens, so it takes values in the cache's rank only. Only the shape is reinterpreted here, before
+// PlanCacheUpdate validates everything else, so the CPU and CUDA kernels are unchanged.
+Status UnflattenValues(const CacheUpdateKernel& k, const TensorArg& cache, TensorArg* values) {
+  const int64_t rank = static_cast<int64_t>(cache.dims.size());
+  if (rank < 4 || values->dims.size() != 3) return Status::Ok();  // same rank, or a mismatch Plan reports
+  const int64_t axis = k.seq_axis < 0 ? k.seq_axis + rank : k.seq_axis;
+  if (axis != 1) return Status::Ok();  // PlanCacheUpdate reports the rank mismatch
+  int64_t width = 1;
+  std::ostringstream dims, listed;
+  for (int64_t i = 2; i < rank; ++i) {
+    width *= cache.dims[i];
+    dims << (i > 2 ? " x " : "") << cache.dims[i];
+    listed << ", " << cache.dims[i];
+  }
+  if (values->dims[2] != width) {
+    std::ostringstream m;
+    m << "CacheUpdate node '" << k.names.node << "': input '" << values->name << "' has shape [" << values->dims[0]
+      << ", " << values->dims[1] << ", " << values->dims[2] << "]: flat values [batch, n, width] for the cache '"
+      << cache.name << "' (sequence axis 1) need width " << dims.str() << " = " << width << ", the cache's "
+      << "elements per token. Nothing was written. Remedy: pass values of width " << width
+      << ", or in the cache's rank [batch, n" << listed.str() << "]";
+    return Status(Code::kInvalidArgument, m.str());
+  }
+  std::vector<int64_t> full{values->dims[0], values->dims[1]};
+  full.insert(full.end(), cache.dims.begin() + 2, cache.dims.end());
+  values->dims = full;
+  return Status::Ok();
+}
+
 struct ParallelCopy {
   const CacheUpdateView* view;
   int64_t chunk;
@@ -150,6 +186,7 @@ OrtStatus* Compute(void* op_kernel, OrtKernelContext* ctx) {
 #if defined(ORTKV_WITH_CUDA)
   if (k.cuda) ORTKV_RETURN_IF_ORT_ERROR(TakeDeviceError());  // a previous launch's report (Note [CUDA deferred errors])
 #endif
+  ORTKV_RETURN_IF_ORT_ERROR(ToOrtStatus(UnflattenValues(k, cache, &values)));  // Note [CacheUpdate flat values]
   CacheUpdateView view;
   ORTKV_RETURN_IF_ORT_ERROR(ToOrtStatus(
       k.cuda ? ortkv::PlanCacheUpdateDevice(k.names.node, cache, values, position, k.seq_axis, &view)

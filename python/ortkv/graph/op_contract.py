@@ -76,7 +76,8 @@ def _add(c: OpContract) -> None:
 _add(OpContract(
     DOMAIN, "CacheUpdate",
     inputs=(Port("cache", FLOATS, "rank >= 3, e.g. BNSH [batch, heads, capacity, head_size]"),
-            Port("values", FLOATS, "the cache's shape except n >= 1 along the sequence axis"),
+            Port("values", FLOATS, "the cache's shape except n >= 1 along the sequence axis; for a cache of rank "
+                 ">= 4 with seq_axis 1 (BSNH) also flat [batch, n, heads * head_size]"),
             Port("position", (TensorProto.INT64,), "scalar or [batch]")),
     outputs=(Port("updated_cache", FLOATS, "the cache's shape"),),
     must_alias=((0, 0),),

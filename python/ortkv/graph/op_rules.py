@@ -16,6 +16,8 @@ PagedCacheUpdate / PagedCacheAttention (Note [Paged cache physical form] in cust
 
 from __future__ import annotations
 
+import math
+
 from onnx import TensorProto, helper
 
 from .dims import ShapeConflict, ValueType, elem_name, list_dims
@@ -113,7 +115,14 @@ def cache_update(ctx, node, label, ins):
                   f"rank-{rank} cache; the sequence axis must be 0 (SBNH) or in [1, {rank - 1}] (-2 for BNSH, "
                   f"1 for BSNH)")
         return [cache]
-    if cache.rank is not None and values.rank is not None:
+    flat = (cache.rank is not None and values.rank == 3 and cache.rank >= 4 and axis == 1 and seq_axis != 0)
+    if flat:  # [batch, n, heads * head_size] for a BSNH cache (Note [CacheUpdate flat values] in cache_update_op.cc)
+        _meet_dim(ctx, label, op, vname, values, 0, cname, cache, 0, "the batch")
+        trailing = [ctx.table.resolve(d) for d in (cache.shape or [])[2:]]
+        if trailing and all(isinstance(d, int) for d in trailing):
+            _meet_value(ctx, label, op, vname, values, 2, math.prod(trailing),
+                        f"flat values [batch, n, width] need width {' x '.join(map(str, trailing))}")
+    elif cache.rank is not None and values.rank is not None:
         if values.rank != cache.rank:
             ctx.error("op-input", label, f"{op} node '{label}': input '{vname}' {list_dims(values.shape)} has "
                       f"rank {values.rank} but '{cname}' {list_dims(cache.shape)} has rank {cache.rank}; they "
@@ -124,7 +133,7 @@ def cache_update(ctx, node, label, ins):
                 _meet_dim(ctx, label, op, vname, values, i, cname, cache, i,
                           f"only the sequence axis {axis} may differ")
     values = ctx.type_of(vname)
-    n = values.shape[axis] if values.shape is not None else None
+    n = values.shape[1 if flat else axis] if values.shape is not None else None
     if isinstance(n, int) and n < 1:
         ctx.error("op-input", label, f"{op} node '{label}': input '{vname}' {list_dims(values.shape)} holds {n} "
                   f"tokens along the sequence axis {axis}; n must be >= 1")
