@@ -28,6 +28,7 @@ with com.microsoft.GroupQueryAttention on the same shapes, for both ortkv kernel
 
     python benchmarks/bench_cache_attention_cuda.py [--rounds 3] [--reps 20] [--lengths 1024,8192,...]
                                                     [--batches 1,8,64] [--heads 9/3/64,32/8/128]
+                                                    [--copy auto|torch|cupy|cudart]
                                                     [--out benchmarks/results/cache_attention_cuda.md]
 """
 
@@ -193,11 +194,42 @@ def _memcpy_cudart(nbytes, reps):
         rt.cudaFree(dst)
 
 
-def memcpy_case(nbytes=1 << 30):
+_FILL = {}
+
+
+def fill_random(values):
+    """Fills device OrtValues (float16) with a 64 MiB block of standard-normal values, repeated, by
+    device-to-device cudaMemcpy through libcudart: realistic scores for the online softmax (zeros
+    would make every score equal and the running max never move). Returns False if libcudart is
+    not available (the caches then hold whatever the allocator gave)."""
+    if "rt" not in _FILL:
+        try:
+            _FILL["rt"] = _libcudart()
+        except RuntimeError:
+            _FILL["rt"] = None
+        block = np.random.default_rng(1).standard_normal(32 << 20).astype(np.float16)  # 64 MiB
+        _FILL["src"] = _dev(None, value=block)
+    rt, src = _FILL["rt"], _FILL["src"]
+    if rt is None:
+        return False
+    block = 64 << 20
+    for v in values:
+        n, dst, off = 2 * math.prod(v.shape()), v.data_ptr(), 0
+        while off < n:
+            c = min(block, n - off)
+            rc = rt.cudaMemcpy(ctypes.c_void_p(dst + off), ctypes.c_void_p(src.data_ptr()), ctypes.c_size_t(c), 3)
+            if rc != 0:
+                raise RuntimeError(f"cudaMemcpy (cache fill) failed with cudaError {rc}")
+            off += c
+    return True
+
+
+def memcpy_case(nbytes=1 << 30, backend="auto"):
     """A device-to-device cudaMemcpyAsync of nbytes timed with CUDA events: (read + write) bytes per
-    second, and the backend used. torch, then cupy, then ctypes to libcudart."""
+    second, and the backend used. auto: torch, then cupy, then ctypes to libcudart."""
     errors = []
-    for name, fn in (("torch", _memcpy_torch), ("cupy", _memcpy_cupy), ("libcudart (ctypes)", _memcpy_cudart)):
+    backends = {"torch": _memcpy_torch, "cupy": _memcpy_cupy, "cudart": _memcpy_cudart}
+    for name, fn in backends.items() if backend == "auto" else [(backend, backends[backend])]:
         try:
             fn(nbytes, 1)
         except Exception as exc:  # noqa: BLE001 - try the next backend, report all if none works
@@ -247,6 +279,9 @@ def attention_case(kind, Hq, Hkv, D, L, B, shared=None):
                 outs.append(helper.make_tensor_value_info(f"{c}{i}_out", TP.FLOAT16, [B, Hkv, L, D]))
                 feeds[f"{c}{i}"] = _dev([B, Hkv, L, D])
             outs.append(helper.make_tensor_value_info(f"o{i}", TP.FLOAT16, [B, 1, Hq * D]))
+    if shared is None:
+        caches = [v for name, v in feeds.items() if name[0] in "kvp" and name != "kn"]
+        _FILL["filled"] = fill_random(caches)
     sess = _session(_model(nodes, ins, outs))
     io = sess.io_binding()
     for name, value in feeds.items():
@@ -297,13 +332,15 @@ def main() -> int:
     ap.add_argument("--heads", default=",".join(f"{q}/{k}/{d}" for q, k, d in HEADS),
                     help="Hq/Hkv/D shapes, comma-separated")
     ap.add_argument("--max-gib", type=float, default=40.0, help="skip shapes whose R cache pairs exceed this")
+    ap.add_argument("--copy", choices=["auto", "torch", "cupy", "cudart"], default="auto",
+                    help="how to run the cudaMemcpy reference (auto: the first that works, in this order)")
     ap.add_argument("--out")
     args = ap.parse_args()
     import onnxruntime as ort
 
     heads = [tuple(int(x) for x in h.split("/")) for h in args.heads.split(",")]
     ident_fn, ident_keep = identity_case()  # also loads the CUDA provider (and its libcudart)
-    memcpy_fn, memcpy_backend = memcpy_case()
+    memcpy_fn, memcpy_backend = memcpy_case(backend=args.copy)
     idents, copies = [], []
     for _ in range(args.rounds):
         idents.append(ident_fn(args.reps))
@@ -341,12 +378,14 @@ def main() -> int:
     cmd = " ".join(["python", "benchmarks/bench_cache_attention_cuda.py"] + sys.argv[1:])
     lines = [f"# CUDA CacheAttention decode vs device-to-device copy (onnxruntime {ort.__version__}, float16, BSNH)",
              "", f"Command: `{cmd}` (CUDA graph replays; see the script's docstring).", "",
-             f"Device-to-device cudaMemcpy ({memcpy_backend}, 1 GiB, CUDA events, read + write counted): "
+             f"Device-to-device cudaMemcpy (through {memcpy_backend}, 1 GiB, CUDA events, read + write counted): "
              f"**{copy_bw / 1e9:.0f} GB/s** = {copy_bw / 2e9:.0f} GB/s copied (rounds: "
              f"{', '.join(f'{c / 1e9:.0f}' for c in copies)}). ORT Identity, same size and count: "
              f"{ident_bw / 1e9:.0f} GB/s. Host load (1 min): {os.getloadavg()[0]:.2f}.", "",
              "v2: the default kernel (Note [CacheAttention CUDA v2]); v1: `ORTKV_CUDA_ATTENTION=v1`; "
-             "GB/s = bytes of K and V read per node / time; x / copy = that over the copy's read + write bytes/s.",
+             "GB/s = bytes of K and V read per node / time; x / copy = that over the copy's read + write bytes/s. "
+             + ("Caches hold standard-normal float16 values (a 64 MiB block repeated)."
+                if _FILL.get("filled") else "Caches were NOT filled (no libcudart): their contents are arbitrary."),
              ""]
     lines += _fmt_table(rows, copy_bw)
     return emit("\n".join(lines), args.out)
