@@ -307,6 +307,11 @@ __global__ void __launch_bounds__(kThreads) AttentionKernel(const Args a) {
 // partials' m is in base 2 (the v2 kernel's scores carry log2(e), Note [CacheAttention CUDA v2]).
 template <typename T, bool LOG2>
 __global__ void CombineKernel(const Args a) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // launched as a programmatic dependent of the v2 attention (Note [CacheAttention CUDA v2 waves]):
+  // wait for that grid to complete and its partials to be visible (a no-op for a plain launch)
+  if (LOG2) asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
   const int64_t G = a.Hq / a.Hkv;
   const int64_t uh = blockIdx.x;  // unit * G + g
   const int64_t g = uh % G, unit = uh / G;
@@ -405,6 +410,9 @@ template <typename T, int TPK, int GM>
 __global__ void __launch_bounds__(kThreads) AttentionKernelV2(const Args a) {
   __shared__ __align__(16) unsigned char smem[kRingBytes];
   uint4* ring = reinterpret_cast<uint4*>(smem);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" :::);  // the combine may be scheduled (it waits)
+#endif
   constexpr int kNkg = kThreads / TPK;  // key groups per block
   constexpr int64_t kPerIt = static_cast<int64_t>(kNkg) * kU;  // keys per iteration
 
@@ -616,21 +624,32 @@ __global__ void __launch_bounds__(kThreads) AttentionKernelV2(const Args a) {
   }
 }
 
-// The SM count of the current device (cached per device; 0 if the query fails).
-int CurrentSmCount() {
-  static std::atomic<int> cache[64];
+// The current device's SM count and compute capability major (cached per device; 0 if a query fails).
+struct DeviceInfo {
+  int sms = 0, major = 0;
+};
+DeviceInfo CurrentDevice() {
+  static std::atomic<int> sms[64], majors[64];
   int dev = 0;
   if (cudaGetDevice(&dev) != cudaSuccess) {
     (void)cudaGetLastError();
-    return 0;
+    return {};
   }
-  if (dev < 0 || dev >= 64) return CudaSmCount(dev);
-  int n = cache[dev].load(std::memory_order_relaxed);
-  if (n == 0) {
-    n = CudaSmCount(dev);
-    cache[dev].store(n, std::memory_order_relaxed);
+  DeviceInfo d;
+  if (dev >= 0 && dev < 64 && (d.sms = sms[dev].load(std::memory_order_relaxed)) != 0) {
+    d.major = majors[dev].load(std::memory_order_relaxed);
+    return d;
   }
-  return n;
+  d.sms = CudaSmCount(dev);
+  if (cudaDeviceGetAttribute(&d.major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) {
+    (void)cudaGetLastError();
+    d.major = 0;
+  }
+  if (dev >= 0 && dev < 64) {
+    majors[dev].store(d.major, std::memory_order_relaxed);
+    sms[dev].store(d.sms, std::memory_order_relaxed);
+  }
+  return d;
 }
 
 // Note [CacheAttention CUDA v2 waves]
@@ -642,9 +661,14 @@ int CurrentSmCount() {
 // (from the occupancy calculator, for this kernel) x SMs. The workspace for S covers S' (the partial
 // index uses S'), S' does not depend on `start` (graph-stable), and with S' = 1 the block writes the
 // output itself (no combine launch).
+// On sm_90+ the combine is launched as a programmatic dependent (PDL): every attention block
+// triggers at its start, so the combine grid is scheduled while the attention runs and its blocks
+// wait in griddepcontrol.wait until the attention grid has completed with its partials visible;
+// the launch gap between the two kernels is hidden. Such launches are captured into CUDA graphs as
+// programmatic edges. If the launch is refused, it falls back to a plain launch.
 int64_t WaveSplits(int64_t planned, int64_t base, int per_sm) {
   if (planned <= 1 || base <= 0) return 1;
-  const int64_t resident = static_cast<int64_t>(per_sm) * CurrentSmCount();
+  const int64_t resident = static_cast<int64_t>(per_sm) * CurrentDevice().sms;
   if (resident <= 0) return planned;
   return std::max<int64_t>(1, std::min<int64_t>(planned, resident / base));
 }
@@ -675,7 +699,22 @@ cudaError_t LaunchOne(const CacheAttentionCudaView& v, Args a, cudaStream_t stre
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess || a.splits == 1) return e;
   const int threads = static_cast<int>(std::min<int64_t>(256, (v.D + 31) / 32 * 32));
-  CombineKernel<T, true><<<static_cast<unsigned>(v.units() * v.group()), threads, 0, stream>>>(a);
+  const unsigned combine_blocks = static_cast<unsigned>(v.units() * v.group());
+  if (CurrentDevice().major >= 9) {
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(combine_blocks);
+    cfg.blockDim = dim3(threads);
+    cfg.dynamicSmemBytes = 0;
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    if (cudaLaunchKernelEx(&cfg, CombineKernel<T, true>, a) == cudaSuccess) return cudaSuccess;
+    (void)cudaGetLastError();  // refused: a plain launch below
+  }
+  CombineKernel<T, true><<<combine_blocks, threads, 0, stream>>>(a);
   return cudaGetLastError();
 }
 
