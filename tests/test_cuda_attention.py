@@ -232,11 +232,12 @@ def test_unknown_kernel_name_is_refused(rng, monkeypatch):
     monkeypatch.setenv("ORTKV_CUDA_ATTENTION", "v3")
     sess = _session(cache_attention_model(Hq, Hkv, 1, TP.FLOAT16))
     io = sess.io_binding()
-    kd, vd = _dev(k, TP.FLOAT16), _dev(v, TP.FLOAT16)
-    _bind(io, "q", _dev(q, TP.FLOAT16), TP.FLOAT16, q.shape)
+    qd, kd, vd = _dev(q, TP.FLOAT16), _dev(k, TP.FLOAT16), _dev(v, TP.FLOAT16)  # kept alive: bound by pointer
+    _bind(io, "q", qd, TP.FLOAT16, q.shape)
     _bind(io, "k", kd, TP.FLOAT16, k.shape)
     _bind(io, "v", vd, TP.FLOAT16, v.shape)
-    io.bind_ortvalue_input("start", ort.OrtValue.ortvalue_from_numpy(start, "cuda", 0))
+    sd = ort.OrtValue.ortvalue_from_numpy(start, "cuda", 0)
+    io.bind_ortvalue_input("start", sd)
     io.bind_output("out", "cuda", 0)
     with pytest.raises(Exception, match=r"ORTKV_CUDA_ATTENTION='v3' is not a CacheAttention CUDA kernel; "
                                         r"set v1 or v2, or unset it"):
