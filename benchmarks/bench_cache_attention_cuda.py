@@ -1,14 +1,23 @@
 """CUDA CacheAttention decode against the GPU's measured device-to-device copy bandwidth, side by side
-with com.microsoft.GroupQueryAttention on the same shapes, with ORT only (no torch, no cupy).
+with com.microsoft.GroupQueryAttention on the same shapes, for both ortkv kernels (A/B in one run).
 
-  copy      : an ORT Identity node on the CUDA EP copying a 1 GiB float16 buffer into another one
-              (cudaMemcpyAsync D2D inside ORT), counted as bytes read + written per call.
+  copy      : cudaMemcpyAsync device-to-device of a 1 GiB buffer, --reps copies between two CUDA events
+              (through torch or cupy when present, else ctypes to the libcudart that onnxruntime's CUDA
+              provider loaded). A copy of n bytes reads n and writes n bytes of HBM, so its figure is
+              2n / time: the memory traffic the device sustains. The attention kernels only read, so
+              "x / copy" compares bytes read per second with that traffic (a kernel at 100 % moves as
+              many bytes per second as the copy does). For continuity the table header also gives
+              ORT's Identity node on a 1 GiB float16 buffer, counted the same way, and n / time.
   attention : R nodes of one kind in one model, each over its own cache pair, so one call reads
               R pairs one after the other like a model's layers (R chosen so that the pairs hold
               >= 256 MiB: the K/V come from HBM, not from the 50 MB L2). Decode: one new token per row,
               every row holding L keys (start = L - 1). GB/s = bytes of K and V read per node
               (2 * B * Hkv * L * D * 2) / time per node.
-                ortkv : ortkv CacheAttention (seq_axis 1, BSNH caches [B, L, Hkv, D]).
+                v2    : ortkv CacheAttention (seq_axis 1, BSNH caches [B, L, Hkv, D]), default kernel
+                        (Note [CacheAttention CUDA v2]).
+                v1    : the same model and caches in a second session run with ORTKV_CUDA_ATTENTION=v1
+                        (the first kernel; the variable is read at each launch, so it is set before
+                        each of that session's calls, capture included).
                 gqa   : com.microsoft.GroupQueryAttention, BNSH past/present bound to ONE buffer of
                         L tokens (GenAI's share-buffer decode: seqlens_k = L - 1, the new key/value
                         written at slot L - 1 by the op).
@@ -17,13 +26,17 @@ with com.microsoft.GroupQueryAttention on the same shapes, with ORT only (no tor
   Each figure is the median over --rounds rounds (the kinds alternate inside a round) of the median
   of --reps timed calls after a warm-up.
 
-    python benchmarks/bench_cache_attention_cuda.py [--rounds 3] [--reps 20]
+    python benchmarks/bench_cache_attention_cuda.py [--rounds 3] [--reps 20] [--lengths 1024,8192,...]
+                                                    [--batches 1,8,64] [--heads 9/3/64,32/8/128]
+                                                    [--copy auto|torch|cupy|cudart]
                                                     [--out benchmarks/results/cache_attention_cuda.md]
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import glob
 import math
 import os
 import statistics
@@ -42,6 +55,8 @@ import ortkv  # noqa: E402
 from ortkv.graph import make_cache_attention  # noqa: E402
 
 HEADS = [(9, 3, 64), (32, 8, 128)]  # SmolLM2-135M; a Llama-8B-like layer
+KERNEL_ENV = "ORTKV_CUDA_ATTENTION"
+KINDS = ("v2", "v1", "gqa")
 LENGTHS = [1024, 8192, 32768, 131072]
 BATCHES = [1, 8, 64]
 POOL_BYTES = 256 << 20
@@ -83,7 +98,8 @@ def _time(sess, io, reps):
     return statistics.median(times)
 
 
-def copy_case(nbytes=1 << 30):
+def identity_case(nbytes=1 << 30):
+    """ORT's Identity on the CUDA EP over nbytes: (read + write) bytes per second."""
     n = nbytes // 2
     model = _model([helper.make_node("Identity", ["x"], ["y"])],
                    [helper.make_tensor_value_info("x", TP.FLOAT16, [n])],
@@ -96,22 +112,157 @@ def copy_case(nbytes=1 << 30):
     return lambda reps: 2 * nbytes / _time(sess, io, reps), (x, y, sess)
 
 
-def attention_case(kind, Hq, Hkv, D, L, B):
+def _memcpy_torch(nbytes, reps):
+    import torch
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("torch has no CUDA device")
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # warm-up
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        dst.copy_(src)  # cudaMemcpyAsync device-to-device
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3
+
+
+def _memcpy_cupy(nbytes, reps):
+    import cupy
+
+    src = cupy.empty(nbytes, dtype=cupy.uint8)
+    dst = cupy.empty_like(src)
+    dst[...] = src
+    start, end = cupy.cuda.Event(), cupy.cuda.Event()
+    start.record()
+    for _ in range(reps):
+        cupy.cuda.runtime.memcpyAsync(dst.data.ptr, src.data.ptr, nbytes, 3, 0)  # 3: device to device
+    end.record()
+    end.synchronize()
+    return cupy.cuda.get_elapsed_time(start, end) / 1e3
+
+
+def _libcudart():
+    """The CUDA runtime onnxruntime's CUDA provider loaded (a loaded soname resolves to it), else one
+    from the nvidia-* wheels or the system."""
+    names = ["libcudart.so.13", "libcudart.so.12", "libcudart.so"]
+    import onnxruntime as ort
+
+    roots = [os.path.dirname(ort.__file__)] + [os.path.join(p, "nvidia") for p in sys.path if p]
+    for root in roots:
+        names += sorted(glob.glob(os.path.join(root, "**", "libcudart.so*"), recursive=True))
+    errors = []
+    for name in names:
+        try:
+            return ctypes.CDLL(name)
+        except OSError as exc:
+            errors.append(str(exc))
+    raise RuntimeError("no libcudart found (tried " + ", ".join(names[:3]) + " and the nvidia wheels)")
+
+
+def _memcpy_cudart(nbytes, reps):
+    rt = _libcudart()
+    vp = ctypes.c_void_p
+
+    def check(rc, what):
+        if rc != 0:
+            raise RuntimeError(f"{what} failed with cudaError {rc}")
+
+    src, dst, ev0, ev1 = vp(), vp(), vp(), vp()
+    check(rt.cudaMalloc(ctypes.byref(src), ctypes.c_size_t(nbytes)), "cudaMalloc")
+    check(rt.cudaMalloc(ctypes.byref(dst), ctypes.c_size_t(nbytes)), "cudaMalloc")
+    try:
+        check(rt.cudaEventCreate(ctypes.byref(ev0)), "cudaEventCreate")
+        check(rt.cudaEventCreate(ctypes.byref(ev1)), "cudaEventCreate")
+        copy = lambda: check(rt.cudaMemcpyAsync(dst, src, ctypes.c_size_t(nbytes), 3, vp(0)),  # noqa: E731
+                             "cudaMemcpyAsync")
+        copy()  # warm-up
+        check(rt.cudaEventRecord(ev0, vp(0)), "cudaEventRecord")
+        for _ in range(reps):
+            copy()
+        check(rt.cudaEventRecord(ev1, vp(0)), "cudaEventRecord")
+        check(rt.cudaEventSynchronize(ev1), "cudaEventSynchronize")
+        ms = ctypes.c_float()
+        check(rt.cudaEventElapsedTime(ctypes.byref(ms), ev0, ev1), "cudaEventElapsedTime")
+        rt.cudaEventDestroy(ev0)
+        rt.cudaEventDestroy(ev1)
+        return ms.value / 1e3
+    finally:
+        rt.cudaFree(src)
+        rt.cudaFree(dst)
+
+
+_FILL = {}
+
+
+def fill_random(values):
+    """Fills device OrtValues (float16) with a 64 MiB block of standard-normal values, repeated, by
+    device-to-device cudaMemcpy through libcudart: realistic scores for the online softmax (zeros
+    would make every score equal and the running max never move). Returns False if libcudart is
+    not available (the caches then hold whatever the allocator gave)."""
+    if "rt" not in _FILL:
+        try:
+            _FILL["rt"] = _libcudart()
+        except RuntimeError:
+            _FILL["rt"] = None
+        block = np.random.default_rng(1).standard_normal(32 << 20).astype(np.float16)  # 64 MiB
+        _FILL["src"] = _dev(None, value=block)
+    rt, src = _FILL["rt"], _FILL["src"]
+    if rt is None:
+        return False
+    block = 64 << 20
+    for v in values:
+        n, dst, off = 2 * math.prod(v.shape()), v.data_ptr(), 0
+        while off < n:
+            c = min(block, n - off)
+            rc = rt.cudaMemcpy(ctypes.c_void_p(dst + off), ctypes.c_void_p(src.data_ptr()), ctypes.c_size_t(c), 3)
+            if rc != 0:
+                raise RuntimeError(f"cudaMemcpy (cache fill) failed with cudaError {rc}")
+            off += c
+    return True
+
+
+def memcpy_case(nbytes=1 << 30, backend="auto"):
+    """A device-to-device cudaMemcpyAsync of nbytes timed with CUDA events: (read + write) bytes per
+    second, and the backend used. auto: torch, then cupy, then ctypes to libcudart."""
+    errors = []
+    backends = {"torch": _memcpy_torch, "cupy": _memcpy_cupy, "cudart": _memcpy_cudart}
+    for name, fn in backends.items() if backend == "auto" else [(backend, backends[backend])]:
+        try:
+            fn(nbytes, 1)
+        except Exception as exc:  # noqa: BLE001 - try the next backend, report all if none works
+            errors.append(f"{name}: {type(exc).__name__}: {exc}")
+            continue
+        return (lambda reps, fn=fn: 2 * nbytes * reps / fn(nbytes, reps)), name
+    raise RuntimeError("no way to time a device-to-device cudaMemcpy: " + "; ".join(errors))
+
+
+def attention_case(kind, Hq, Hkv, D, L, B, shared=None):
+    """A timing function for one kind (v2, v1: ortkv; gqa) and what must stay alive. v1 reuses v2's
+    device buffers (`shared`: the second value returned for v2) in a session of its own."""
     pair = 2 * B * L * Hkv * D * 2
     R = max(1, min(16, math.ceil(POOL_BYTES / pair)))
     nodes, ins, outs, keep = [], [], [], []
-    q = _dev(None, value=np.random.default_rng(0).standard_normal((B, 1, Hq * D)).astype(np.float16))
-    feeds = {"q": q}
+    ortkv_kind = kind in ("v1", "v2")
+    if shared is not None:
+        feeds = shared[1]
+    else:
+        q = _dev(None, value=np.random.default_rng(0).standard_normal((B, 1, Hq * D)).astype(np.float16))
+        feeds = {"q": q}
     ins.append(helper.make_tensor_value_info("q", TP.FLOAT16, [B, 1, Hq * D]))
-    if kind == "ortkv":
-        feeds["start"] = _dev(None, value=np.full(B, L - 1, np.int64))
+    if ortkv_kind:
+        if shared is None:
+            feeds["start"] = _dev(None, value=np.full(B, L - 1, np.int64))
         ins.append(helper.make_tensor_value_info("start", TP.INT64, [B]))
         for i in range(R):
             nodes.append(make_cache_attention("q", f"k{i}", f"v{i}", "start", f"o{i}", name=f"a{i}", num_heads=Hq,
                                               kv_num_heads=Hkv, seq_axis=1))
             for c in "kv":
                 ins.append(helper.make_tensor_value_info(f"{c}{i}", TP.FLOAT16, [B, L, Hkv, D]))
-                feeds[f"{c}{i}"] = _dev([B, L, Hkv, D])
+                if shared is None:
+                    feeds[f"{c}{i}"] = _dev([B, L, Hkv, D])
             outs.append(helper.make_tensor_value_info(f"o{i}", TP.FLOAT16, [B, 1, Hq * D]))
     else:
         feeds["kn"] = _dev(None, value=np.zeros((B, 1, Hkv * D), np.float16))
@@ -128,6 +279,9 @@ def attention_case(kind, Hq, Hkv, D, L, B):
                 outs.append(helper.make_tensor_value_info(f"{c}{i}_out", TP.FLOAT16, [B, Hkv, L, D]))
                 feeds[f"{c}{i}"] = _dev([B, Hkv, L, D])
             outs.append(helper.make_tensor_value_info(f"o{i}", TP.FLOAT16, [B, 1, Hq * D]))
+    if shared is None:
+        caches = [v for name, v in feeds.items() if name[0] in "kvp" and name != "kn"]
+        _FILL["filled"] = fill_random(caches)
     sess = _session(_model(nodes, ins, outs))
     io = sess.io_binding()
     for name, value in feeds.items():
@@ -142,7 +296,31 @@ def attention_case(kind, Hq, Hkv, D, L, B):
         keep.append(o)
         io.bind_ortvalue_output(f"o{i}", o)
     keep += [feeds, sess]
-    return lambda reps: pair * R / _time(sess, io, reps), (R, keep)
+
+    def run(reps):
+        if ortkv_kind:  # the kernel is chosen at each launch (the capture included): set it every time
+            os.environ[KERNEL_ENV] = kind
+        try:
+            return pair * R / _time(sess, io, reps)
+        finally:
+            os.environ.pop(KERNEL_ENV, None)
+
+    return run, (keep, feeds)
+
+
+def _fmt_table(rows, copy_bw):
+    gb = lambda x: f"{x / 1e9:.0f}" if x else "-"  # noqa: E731
+    pct = lambda x: f"{x / copy_bw:.0%}" if x else "-"  # noqa: E731
+    ratio = lambda x, y: f"{x / y:.2f}" if x and y else "-"  # noqa: E731
+    lines = ["| Hq/Hkv/D | keys L | batch | K+V MiB per node | v2 GB/s | v2 / copy | v1 GB/s | v1 / copy | "
+             "GQA GB/s | GQA / copy | v2 / v1 | v2 / GQA | note |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for Hq, Hkv, D, L, B, med, note in rows:
+        a, o, g = med.get("v2"), med.get("v1"), med.get("gqa")
+        mib = 2 * B * L * Hkv * D * 2 / (1 << 20)
+        lines.append(f"| {Hq}/{Hkv}/{D} | {L} | {B} | {mib:.1f} | {gb(a)} | {pct(a)} | {gb(o)} | {pct(o)} | "
+                     f"{gb(g)} | {pct(g)} | {ratio(a, o)} | {ratio(a, g)} | {note} |")
+    return lines
 
 
 def main() -> int:
@@ -151,57 +329,65 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--lengths", default=",".join(map(str, LENGTHS)))
     ap.add_argument("--batches", default=",".join(map(str, BATCHES)))
-    ap.add_argument("--max-gib", type=float, default=60.0, help="skip shapes whose R cache pairs exceed this")
+    ap.add_argument("--heads", default=",".join(f"{q}/{k}/{d}" for q, k, d in HEADS),
+                    help="Hq/Hkv/D shapes, comma-separated")
+    ap.add_argument("--max-gib", type=float, default=40.0, help="skip shapes whose R cache pairs exceed this")
+    ap.add_argument("--copy", choices=["auto", "torch", "cupy", "cudart"], default="auto",
+                    help="how to run the cudaMemcpy reference (auto: the first that works, in this order)")
     ap.add_argument("--out")
     args = ap.parse_args()
     import onnxruntime as ort
 
-    copy_fn, copy_keep = copy_case()
-    copies = [copy_fn(args.reps) for _ in range(args.rounds)]
-    copy_bw = statistics.median(copies)
+    heads = [tuple(int(x) for x in h.split("/")) for h in args.heads.split(",")]
+    ident_fn, ident_keep = identity_case()  # also loads the CUDA provider (and its libcudart)
+    memcpy_fn, memcpy_backend = memcpy_case(backend=args.copy)
+    idents, copies = [], []
+    for _ in range(args.rounds):
+        idents.append(ident_fn(args.reps))
+        copies.append(memcpy_fn(args.reps))
+    del ident_keep
+    copy_bw, ident_bw = statistics.median(copies), statistics.median(idents)
     rows = []
-    for Hq, Hkv, D in HEADS:
+    for Hq, Hkv, D in heads:
         for L in map(int, args.lengths.split(",")):
             for B in map(int, args.batches.split(",")):
                 pair = 2 * B * L * Hkv * D * 2
                 if pair * max(1, min(16, math.ceil(POOL_BYTES / pair))) > args.max_gib * (1 << 30):
-                    rows.append((Hq, Hkv, D, L, B, None, None, "skipped: too large"))
+                    rows.append((Hq, Hkv, D, L, B, {}, "skipped: over --max-gib"))
                     continue
-                res = {"ortkv": [], "gqa": []}
+                res = {k: [] for k in KINDS}
                 note = ""
                 fns = {}
-                for kind in ("ortkv", "gqa"):
+                for kind in KINDS:
                     try:
-                        fns[kind] = attention_case(kind, Hq, Hkv, D, L, B)
+                        fns[kind] = attention_case(kind, Hq, Hkv, D, L, B,
+                                                   shared=fns["v2"][1] if kind == "v1" and "v2" in fns else None)
                     except Exception as exc:  # noqa: BLE001 - reported in the table
                         note += f"{kind}: {type(exc).__name__}: {str(exc).splitlines()[0][:120]} "
                 for _ in range(args.rounds):
-                    for kind, (fn, _) in fns.items():
+                    for kind, (fn, _) in list(fns.items()):
                         try:
                             res[kind].append(fn(args.reps))
                         except Exception as exc:  # noqa: BLE001
                             note += f"{kind}: {type(exc).__name__}: {str(exc).splitlines()[0][:120]} "
-                            fns = {k: v for k, v in fns.items() if k != kind}
-                            break
+                            del fns[kind]
                 fns.clear()
-                med = {k: statistics.median(v) if v else None for k, v in res.items()}
-                rows.append((Hq, Hkv, D, L, B, med["ortkv"], med["gqa"], note.strip()))
+                med = {k: statistics.median(v) for k, v in res.items() if v}
+                rows.append((Hq, Hkv, D, L, B, med, note.strip()))
                 print(rows[-1], flush=True)
-    lines = [f"# CUDA CacheAttention decode vs device-to-device copy ({ort.__version__}, float16, BSNH)", "",
-             "Command: `python benchmarks/bench_cache_attention_cuda.py "
-             f"--rounds {args.rounds} --reps {args.reps}` (CUDA graph replays; see the script's docstring).", "",
-             f"Device-to-device copy (ORT Identity, 1 GiB, read + write): **{copy_bw / 1e9:.0f} GB/s** "
-             f"(rounds: {', '.join(f'{c / 1e9:.0f}' for c in copies)}).", "",
-             "| Hq/Hkv/D | keys L | batch | ortkv GB/s | ortkv / copy | GQA GB/s | GQA / copy | ortkv / GQA | note |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
-    for Hq, Hkv, D, L, B, a, g, note in rows:
-        f = lambda x: f"{x / 1e9:.0f}" if x else "-"  # noqa: E731
-        r = lambda x: f"{x / copy_bw:.0%}" if x else "-"  # noqa: E731
-        lines.append(f"| {Hq}/{Hkv}/{D} | {L} | {B} | {f(a)} | {r(a)} | {f(g)} | {r(g)} | "
-                     f"{(a / g):.2f} |" if a and g else
-                     f"| {Hq}/{Hkv}/{D} | {L} | {B} | {f(a)} | {r(a)} | {f(g)} | {r(g)} | - |")
-        lines[-1] += f" {note} |"
-    del copy_keep
+    cmd = " ".join(["python", "benchmarks/bench_cache_attention_cuda.py"] + sys.argv[1:])
+    lines = [f"# CUDA CacheAttention decode vs device-to-device copy (onnxruntime {ort.__version__}, float16, BSNH)",
+             "", f"Command: `{cmd}` (CUDA graph replays; see the script's docstring).", "",
+             f"Device-to-device cudaMemcpy (through {memcpy_backend}, 1 GiB, CUDA events, read + write counted): "
+             f"**{copy_bw / 1e9:.0f} GB/s** = {copy_bw / 2e9:.0f} GB/s copied (rounds: "
+             f"{', '.join(f'{c / 1e9:.0f}' for c in copies)}). ORT Identity, same size and count: "
+             f"{ident_bw / 1e9:.0f} GB/s. Host load (1 min): {os.getloadavg()[0]:.2f}.", "",
+             "v2: the default kernel (Note [CacheAttention CUDA v2]); v1: `ORTKV_CUDA_ATTENTION=v1`; "
+             "GB/s = bytes of K and V read per node / time; x / copy = that over the copy's read + write bytes/s. "
+             + ("Caches hold standard-normal float16 values (a 64 MiB block repeated)."
+                if _FILL.get("filled") else "Caches were NOT filled (no libcudart): their contents are arbitrary."),
+             ""]
+    lines += _fmt_table(rows, copy_bw)
     return emit("\n".join(lines), args.out)
 
 

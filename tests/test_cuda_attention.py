@@ -138,7 +138,7 @@ def test_attention_matches_oracle(rng, onnx_type, layout, T, heads):
     assert _ortkv.cuda_take_error() is None
 
 
-@pytest.mark.parametrize("D", [40, 128, 256])  # 40: the unaligned (scalar-load) path
+@pytest.mark.parametrize("D", [36, 40, 128, 256])  # 36: 72-byte rows, the unaligned (scalar-load) v1 path
 def test_attention_head_sizes(rng, D):
     B, C, Hq, Hkv, T = 2, 97, 6, 2, 3
     start = np.array([5, 94])
@@ -186,6 +186,64 @@ def test_attention_bad_start_is_clamped_and_reported(rng, bad):
     assert _ortkv.cuda_take_error() is None  # taken once
     # a good row's output is still right
     _check(out[:1], q[:1], k[:1], v[:1], start[:1], Hq, Hkv, 1, TP.FLOAT16)
+
+
+# --- the two kernels (Note [CacheAttention CUDA v2]; ORTKV_CUDA_ATTENTION=v1 selects the first) ----
+KERNEL_CASES = {  # onnx_type, layout, B, C, Hq, Hkv, D, T, start
+    "f16-BSNH-16K-split-g3": (TP.FLOAT16, 1, 8, 16384, 9, 3, 64, 1, [16383, 10, 5000, 16000, 1, 8191, 12345, 300]),
+    "bf16-BNSH-8K-d128-g4": (TP.BFLOAT16, 2, 2, 8192, 32, 8, 128, 1, [8191, 3000]),
+    "f16-SBNH-d256-g16": (TP.FLOAT16, 0, 3, 2048, 16, 1, 256, 1, [2047, 0, 777]),
+    "f16-BSNH-d40-g6-T6": (TP.FLOAT16, 1, 2, 700, 12, 2, 40, 6, [0, 694]),
+    "bf16-BSNH-d96-g5": (TP.BFLOAT16, 1, 2, 1000, 5, 1, 96, 1, [999, 500]),
+    "f16-BSNH-prefill-300": (TP.FLOAT16, 1, 1, 1500, 4, 4, 64, 300, [1100]),
+    # on a 132-SM H200, 15 units: the plan's 36 splits trimmed to the 35 that fit in one wave
+    "f16-BSNH-16K-B5-wave": (TP.FLOAT16, 1, 5, 16384, 9, 3, 64, 1, [16383, 4000, 9, 12000, 256]),
+    # 300 units: the plan's 2 splits trimmed to 1 (the block writes the output, no combine)
+    "f16-BSNH-B100-no-split": (TP.FLOAT16, 1, 100, 600, 9, 3, 64, 1, [(37 * i) % 600 for i in range(100)]),
+}
+
+
+@pytest.mark.parametrize("case", KERNEL_CASES.values(), ids=KERNEL_CASES.keys())
+def test_both_kernels_match_oracle_and_each_other(rng, monkeypatch, case):
+    """One session run with each kernel (the variable is read at every launch): split chunks with
+    empty tails, head sizes 40 / 96 (threads past D idle) / 128 / 256, head blocks (16 heads per KV
+    head), groups of 5 and 6 heads (partly used blocks of 8), prefill, v2's one-wave split counts
+    (Note [CacheAttention CUDA v2 waves]); NaN-poisoned tails."""
+    onnx_type, layout, B, C, Hq, Hkv, D, T, start = case
+    start = np.array(start)
+    q, k, v = _poisoned_case(rng, onnx_type, layout, B, C, Hq, Hkv, D, T, start)
+    sess = _session(cache_attention_model(Hq, Hkv, layout, onnx_type))
+    outs = {}
+    for kernel in ("v1", "v2"):
+        monkeypatch.setenv("ORTKV_CUDA_ATTENTION", kernel)
+        outs[kernel], k_after, v_after = _run_attention(sess, onnx_type, q, k, v, start)
+        _check(outs[kernel], q, k, v, start, Hq, Hkv, layout, onnx_type)
+        assert k_after.tobytes() == k.tobytes() and v_after.tobytes() == v.tobytes()
+        assert _ortkv.cuda_take_error() is None
+    # both accumulate in float32: they may differ by a rounding of the output type, not more
+    scale = np.abs(outs["v1"]).max()
+    assert np.abs(outs["v1"] - outs["v2"]).max() <= RTOL[onnx_type] / 2 * scale
+
+
+def test_unknown_kernel_name_is_refused(rng, monkeypatch):
+    B, C, Hq, Hkv, D, T = 2, 64, 4, 2, 64, 1
+    start = np.array([3, 63])
+    q, k, v = _poisoned_case(rng, TP.FLOAT16, 1, B, C, Hq, Hkv, D, T, start)
+    monkeypatch.setenv("ORTKV_CUDA_ATTENTION", "v3")
+    sess = _session(cache_attention_model(Hq, Hkv, 1, TP.FLOAT16))
+    io = sess.io_binding()
+    qd, kd, vd = _dev(q, TP.FLOAT16), _dev(k, TP.FLOAT16), _dev(v, TP.FLOAT16)  # kept alive: bound by pointer
+    _bind(io, "q", qd, TP.FLOAT16, q.shape)
+    _bind(io, "k", kd, TP.FLOAT16, k.shape)
+    _bind(io, "v", vd, TP.FLOAT16, v.shape)
+    sd = ort.OrtValue.ortvalue_from_numpy(start, "cuda", 0)
+    io.bind_ortvalue_input("start", sd)
+    io.bind_output("out", "cuda", 0)
+    with pytest.raises(Exception, match=r"ORTKV_CUDA_ATTENTION='v3' is not a CacheAttention CUDA kernel; "
+                                        r"set v1 or v2, or unset it"):
+        sess.run_with_iobinding(io)
+    assert _host(kd, TP.FLOAT16).tobytes() == k.tobytes() and _host(vd, TP.FLOAT16).tobytes() == v.tobytes()
+    assert _ortkv.cuda_take_error() is None
 
 
 # --- CacheUpdate -> CacheAttention models ------------------------------------------------------

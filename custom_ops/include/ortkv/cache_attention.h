@@ -83,6 +83,8 @@ void CacheAttentionCombine(const CacheAttentionView& view);
 // block writes the output directly. Prefill uses the same kernel (one unit per query token).
 // `start` is read on the device and clamped to [0, capacity - T], so a bad start never reads outside
 // the cache; the bad value is reported through Note [CUDA deferred errors].
+// For float16 / bfloat16 with aligned rows the loop above is replaced by a cp.async pipeline and the
+// split count trimmed to one wave: Note [CacheAttention CUDA v2] in kernels/cuda/cache_attention.cu.
 constexpr int kAttnCudaHeads = 8;          // query heads per block (a larger group takes several blocks)
 constexpr int64_t kAttnCudaMinChunk = 256;  // a split reads at least this many keys
 constexpr int64_t kAttnCudaMaxSplits = 512;

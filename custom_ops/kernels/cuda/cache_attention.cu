@@ -4,7 +4,10 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <string>
 
 #include "ortkv/cache_attention.h"
@@ -36,6 +39,13 @@ template <>
 __device__ __forceinline__ __half FromF<__half>(float x) { return __float2half_rn(x); }
 template <>
 __device__ __forceinline__ __nv_bfloat16 FromF<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+
+// 2^x in one instruction (ex2.approx: relative error ~2^-22; 2^-inf = +0).
+__device__ __forceinline__ float Exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
 
 // Loads elements [d0, d0 + 8) of a row (zeros past D). VEC: one or two aligned 16-byte loads.
 template <typename T, bool VEC>
@@ -293,9 +303,15 @@ __global__ void __launch_bounds__(kThreads) AttentionKernel(const Args a) {
   }
 }
 
-// One block per (unit, query head): merges the S chunks' (acc, m, l) into the output.
-template <typename T>
+// One block per (unit, query head): merges the S chunks' (acc, m, l) into the output. LOG2: the
+// partials' m is in base 2 (the v2 kernel's scores carry log2(e), Note [CacheAttention CUDA v2]).
+template <typename T, bool LOG2>
 __global__ void CombineKernel(const Args a) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // launched as a programmatic dependent of the v2 attention (Note [CacheAttention CUDA v2 waves]):
+  // wait for that grid to complete and its partials to be visible (a no-op for a plain launch)
+  if (LOG2) asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
   const int64_t G = a.Hq / a.Hkv;
   const int64_t uh = blockIdx.x;  // unit * G + g
   const int64_t g = uh % G, unit = uh / G;
@@ -311,13 +327,417 @@ __global__ void CombineKernel(const Args a) {
       const float* pc = p + c * (a.D + 2);
       const float mc = pc[a.D];
       if (mc == -INFINITY) continue;  // an empty chunk (chunk 0 never is)
-      const float w = __expf(mc - mx);
+      const float w = LOG2 ? Exp2(mc - mx) : __expf(mc - mx);
       den += w * pc[a.D + 1];
       num += w * pc[d];
     }
     o[d] = FromF<T>(num / den);
   }
 }
+
+// Note [CacheAttention CUDA v2]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// The decode kernel for float16 / bfloat16 caches with 16-byte aligned rows (view.vec), head size
+// <= 256: the default; ORTKV_CUDA_ATTENTION=v1 selects the first kernel (AttentionKernel above) for
+// A/B runs, and float32 or unaligned caches always take it. Same units, head blocks, split chunks,
+// workspace layout and clamping as Note [CacheAttention CUDA] (the plan is shared); what changes is
+// how a block streams its chunk, because decode must keep HBM busy and the first kernel did not: it
+// loaded 4 keys, waited for them, computed, and only then loaded the next 4, so a warp had nothing in
+// flight while it computed, and half of the device's bandwidth went unused (1.5 TB/s at 8K x 8).
+//   * Each thread copies its own 16-byte pieces of K and V (8 elements of one key row, TPK threads
+//     per row as before, 4 keys per thread per stage) with cp.async into a PRIVATE slot of a
+//     3-stage shared-memory ring ([stage][key][K|V][thread], so a warp's slots are contiguous: no
+//     bank conflicts). It reads back only what it copied itself, so cp.async.wait_group alone orders
+//     copy and use: no __syncthreads in the loop. While stage i is computed, stages i+1 and i+2 are
+//     in flight (32 KiB per block, ~4 blocks per SM by shared memory: 128 KiB in flight per SM).
+//   * The slot refilled in iteration i is the one consumed in iteration i-1 (its values were used
+//     by then), never the one being read.
+//   * Scores are in base 2: q is pre-scaled by scale * log2(e), so each weight is one ex2.approx.
+//     The partials' m is in base 2 too, hence CombineKernel<T, true>.
+//   * The online softmax rescales (l, acc) only when a head's running max grows: after the first
+//     keys of a chunk it rarely does, and a warp where no thread needs it skips the 9 multiplies per
+//     head (exact: m is always the max of the scores seen).
+// The ring is reused for the end-of-block merge (after wait_group 0 and a barrier), so the block
+// stays within 48 KiB of static shared memory.
+namespace v2 {
+
+constexpr int kU = 4;       // keys per thread (key group) per stage
+constexpr int kStages = 3;  // ring depth: kStages - 1 stages in flight while one is computed
+constexpr int kSlotWords = kU * 2 * kThreads;  // uint4 words per stage
+constexpr int kRingBytes = kStages * kSlotWords * 16;
+
+template <int GM>
+struct Merge {
+  float m[kWarps][GM];
+  float l[kWarps][GM];
+  float acc[kWarps][GM][kAttnCudaMaxHeadSize];
+};
+static_assert(sizeof(Merge<kAttnCudaHeads>) <= kRingBytes, "the merge arrays must fit in the ring");
+static_assert(kRingBytes <= 48 * 1024, "static shared memory limit");
+
+__device__ __forceinline__ void CpAsync16(void* smem, const void* gmem) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void CpAsyncWait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+__device__ __forceinline__ void Unpack8(const uint4& w, float* f, const __half*) {
+  const __half2* h = reinterpret_cast<const __half2*>(&w);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 x = __half22float2(h[i]);
+    f[2 * i] = x.x;
+    f[2 * i + 1] = x.y;
+  }
+}
+__device__ __forceinline__ void Unpack8(const uint4& w, float* f, const __nv_bfloat16*) {
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&w);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 x = __bfloat1622float2(h[i]);
+    f[2 * i] = x.x;
+    f[2 * i + 1] = x.y;
+  }
+}
+
+// One block: unit (b, hk, t), head block hb, key chunk `split` (as AttentionKernel). T is __half or
+// __nv_bfloat16; TPK (threads per key row) is 8, 16 or 32 with TPK * 8 >= D; rows are 16-byte aligned.
+template <typename T, int TPK, int GM>
+__global__ void __launch_bounds__(kThreads) AttentionKernelV2(const Args a) {
+  __shared__ __align__(16) unsigned char smem[kRingBytes];
+  uint4* ring = reinterpret_cast<uint4*>(smem);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" :::);  // the combine may be scheduled (it waits)
+#endif
+  constexpr int kNkg = kThreads / TPK;  // key groups per block
+  constexpr int64_t kPerIt = static_cast<int64_t>(kNkg) * kU;  // keys per iteration
+
+  const int64_t S = a.splits;
+  int64_t blk = blockIdx.x;
+  const int64_t split = blk % S;
+  blk /= S;
+  const int64_t hb = blk % a.head_blocks;
+  const int64_t unit = blk / a.head_blocks;
+  const int64_t t = unit % a.T;
+  const int64_t hk = (unit / a.T) % a.Hkv;
+  const int64_t b = unit / (a.T * a.Hkv);
+  const int64_t G = a.Hq / a.Hkv;
+  const int64_t g0 = hb * GM;
+  const int gn = static_cast<int>(G - g0 < GM ? G - g0 : GM);
+  const int D = static_cast<int>(a.D);
+
+  if (blockIdx.x == 0 && threadIdx.x == 0) ReportStart(a);
+  int64_t st = a.start[b * a.start_stride];
+  const int64_t hi = a.C - a.T;
+  if (st < 0 || st > hi) st = st < 0 ? 0 : hi;
+  const int64_t L = st + t + 1;  // keys [0, L)
+  int64_t chunk = (L + S - 1) / S;
+  if (chunk < kAttnCudaMinChunk) chunk = kAttnCudaMinChunk;
+  const int64_t j0 = split * chunk < L ? split * chunk : L;
+  const int64_t j1 = j0 + chunk < L ? j0 + chunk : L;
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int sub = lane & (TPK - 1);
+  const int kg = tid / TPK;
+  const int d0 = sub * kEPT;
+  const bool dv = d0 < D;  // this thread holds real elements of a row (D < TPK * 8 leaves some idle)
+
+  // the group's query heads in registers, pre-scaled into base 2
+  const float qscale = a.scale * 1.4426950408889634f;
+  const T* qp = static_cast<const T*>(a.q) + ((b * a.T + t) * a.Hq + hk * G + g0) * a.D;
+  float qf[GM][kEPT];
+#pragma unroll
+  for (int g = 0; g < GM; ++g) {
+    if (g < gn) {
+      Raw<T> r = LoadRow<T, true>(qp + g * a.D, d0, D);
+      ToFloats<T>(r, qf[g]);
+#pragma unroll
+      for (int i = 0; i < kEPT; ++i) qf[g][i] *= qscale;
+    } else {
+#pragma unroll
+      for (int i = 0; i < kEPT; ++i) qf[g][i] = 0.0f;
+    }
+  }
+  float m[GM], l[GM], acc[GM][kEPT];
+#pragma unroll
+  for (int g = 0; g < GM; ++g) {
+    m[g] = -INFINITY;
+    l[g] = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kEPT; ++i) acc[g][i] = 0.0f;
+  }
+
+  // the next stage to copy: its first key (u = 0) and that key's K / V pieces; stages are copied in
+  // order, so these pointers just advance (no 64-bit multiply per key)
+  const int64_t ts = a.tok_stride;
+  int64_t jn = j0 + kg;
+  const T* kn = static_cast<const T*>(a.k) + b * a.row_stride + hk * a.head_stride + d0 + jn * ts;
+  const T* vn = static_cast<const T*>(a.v) + b * a.row_stride + hk * a.head_stride + d0 + jn * ts;
+  const int64_t n_it = (j1 - j0 + kPerIt - 1) / kPerIt;  // the same for every thread of the block
+  int stage_in = 0;  // ring slot of the next stage to copy
+  // copies the next stage: keys jn + u * kNkg, u < kU, those < j1 (none once past the chunk)
+  auto issue = [&]() {
+    if (dv) {
+      uint4* slot = ring + stage_in * kSlotWords + tid;
+#pragma unroll
+      for (int u = 0; u < kU; ++u) {
+        if (jn + u * kNkg < j1) {
+          CpAsync16(slot + (2 * u) * kThreads, kn + u * kNkg * ts);
+          CpAsync16(slot + (2 * u + 1) * kThreads, vn + u * kNkg * ts);
+        }
+      }
+    }
+    CpAsyncCommit();  // one group per stage, empty ones included: the wait below counts groups
+    jn += kPerIt;
+    kn += kPerIt * ts;
+    vn += kPerIt * ts;
+    stage_in = stage_in + 1 == kStages ? 0 : stage_in + 1;
+  };
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) issue();
+
+  int64_t jc = j0 + kg;  // the first key (u = 0) of the stage being computed
+  int stage = 0;
+  for (int64_t it = 0; it < n_it; ++it, jc += kPerIt, stage = stage + 1 == kStages ? 0 : stage + 1) {
+    CpAsyncWait<kStages - 2>();  // stages 0..it have landed (it + kStages - 1 groups were committed)
+    issue();                     // refills the slot consumed in iteration it - 1
+    const uint4* slot = ring + stage * kSlotWords + tid;
+    bool ok[kU];
+    float sc[GM][kU];
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      ok[u] = jc + u * kNkg < j1;
+      float kf[kEPT];
+      if (ok[u] && dv) {
+        Unpack8(slot[(2 * u) * kThreads], kf, static_cast<const T*>(nullptr));
+      } else {
+#pragma unroll
+        for (int i = 0; i < kEPT; ++i) kf[i] = 0.0f;
+      }
+#pragma unroll
+      for (int g = 0; g < GM; ++g) {
+        float s = 0.0f;
+#pragma unroll
+        for (int i = 0; i < kEPT; ++i) s = fmaf(qf[g][i], kf[i], s);
+#pragma unroll
+        for (int off = TPK >> 1; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+        sc[g][u] = ok[u] ? s : -INFINITY;
+      }
+    }
+    if (!ok[0]) continue;  // no key of this group in this iteration (ok[u] implies ok[0])
+#pragma unroll
+    for (int g = 0; g < GM; ++g) {
+      float mb = sc[g][0];
+#pragma unroll
+      for (int u = 1; u < kU; ++u) mb = fmaxf(mb, sc[g][u]);
+      if (mb > m[g]) {  // the running max grows: rescale (0 on the first keys: m = -inf)
+        const float corr = Exp2(m[g] - mb);
+        l[g] *= corr;
+#pragma unroll
+        for (int i = 0; i < kEPT; ++i) acc[g][i] *= corr;
+        m[g] = mb;
+      }
+#pragma unroll
+      for (int u = 0; u < kU; ++u) sc[g][u] = Exp2(sc[g][u] - m[g]);  // 0 for a masked key
+    }
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      if (!ok[u]) break;
+      float vf[kEPT];
+      if (dv) {
+        Unpack8(slot[(2 * u + 1) * kThreads], vf, static_cast<const T*>(nullptr));
+      } else {
+#pragma unroll
+        for (int i = 0; i < kEPT; ++i) vf[i] = 0.0f;
+      }
+#pragma unroll
+      for (int g = 0; g < GM; ++g) {
+        const float p = sc[g][u];
+        l[g] += p;
+#pragma unroll
+        for (int i = 0; i < kEPT; ++i) acc[g][i] = fmaf(p, vf[i], acc[g][i]);
+      }
+    }
+  }
+  CpAsyncWait<0>();  // only empty groups can be left; the ring becomes the merge arrays below
+  __syncthreads();
+  Merge<GM>& mg = *reinterpret_cast<Merge<GM>*>(smem);
+
+  // merge the key groups as AttentionKernel does, in base 2
+#pragma unroll
+  for (int g = 0; g < GM; ++g) {
+    float mw = m[g];
+#pragma unroll
+    for (int off = 16; off >= TPK; off >>= 1) mw = fmaxf(mw, __shfl_xor_sync(0xffffffffu, mw, off));
+    if (lane == 0) mg.m[warp][g] = mw;
+  }
+  __syncthreads();
+#pragma unroll
+  for (int g = 0; g < GM; ++g) {
+    float mb = mg.m[0][g];
+#pragma unroll
+    for (int w = 1; w < kWarps; ++w) mb = fmaxf(mb, mg.m[w][g]);
+    const float f = m[g] == -INFINITY ? 0.0f : Exp2(m[g] - mb);
+    float lw = l[g] * f;
+    float aw[kEPT];
+#pragma unroll
+    for (int i = 0; i < kEPT; ++i) aw[i] = acc[g][i] * f;
+#pragma unroll
+    for (int off = 16; off >= TPK; off >>= 1) {
+      lw += __shfl_xor_sync(0xffffffffu, lw, off);
+#pragma unroll
+      for (int i = 0; i < kEPT; ++i) aw[i] += __shfl_xor_sync(0xffffffffu, aw[i], off);
+    }
+    if (lane < TPK) {
+#pragma unroll
+      for (int i = 0; i < kEPT; ++i)
+        if (d0 + i < D) mg.acc[warp][g][d0 + i] = aw[i];
+      if (lane == 0) mg.l[warp][g] = lw;
+    }
+  }
+  __syncthreads();
+  for (int x = tid; x < gn * D; x += kThreads) {
+    const int g = x / D, d = x % D;
+    float lb = 0.0f, ab = 0.0f, mb = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      lb += mg.l[w][g];
+      ab += mg.acc[w][g][d];
+      mb = fmaxf(mb, mg.m[w][g]);
+    }
+    const int64_t head = hk * G + g0 + g;
+    if (S == 1) {
+      T* o = static_cast<T*>(a.out) + ((b * a.T + t) * a.Hq + head) * a.D;
+      o[d] = FromF<T>(ab / lb);
+    } else {
+      float* p = a.partial + ((unit * G + g0 + g) * S + split) * (a.D + 2);
+      p[d] = ab;
+      if (d == 0) {
+        p[a.D] = mb;
+        p[a.D + 1] = lb;
+      }
+    }
+  }
+}
+
+// The current device's SM count and compute capability major (cached per device; 0 if a query fails).
+struct DeviceInfo {
+  int sms = 0, major = 0;
+};
+DeviceInfo CurrentDevice() {
+  static std::atomic<int> sms[64], majors[64];
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return {};
+  }
+  DeviceInfo d;
+  if (dev >= 0 && dev < 64 && (d.sms = sms[dev].load(std::memory_order_relaxed)) != 0) {
+    d.major = majors[dev].load(std::memory_order_relaxed);
+    return d;
+  }
+  d.sms = CudaSmCount(dev);
+  if (cudaDeviceGetAttribute(&d.major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) {
+    (void)cudaGetLastError();
+    d.major = 0;
+  }
+  if (dev >= 0 && dev < 64) {
+    majors[dev].store(d.major, std::memory_order_relaxed);
+    sms[dev].store(d.sms, std::memory_order_relaxed);
+  }
+  return d;
+}
+
+// Note [CacheAttention CUDA v2 waves]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// The plan's split count S aims at ~4 blocks per SM, rounding up: at 32/8/128 x 8K x batch 8 that is
+// 64 units x 9 = 576 blocks where 528 fit at once, and the last 48 then run alone, half of the time
+// at a fraction of the bandwidth. v2 takes the largest S' <= S that still fits in ONE wave: S' =
+// max(1, min(S, resident / base)), where base = units x head blocks and resident = blocks per SM
+// (from the occupancy calculator, for this kernel) x SMs. The workspace for S covers S' (the partial
+// index uses S'), S' does not depend on `start` (graph-stable), and with S' = 1 the block writes the
+// output itself (no combine launch).
+// On sm_90+ the combine is launched as a programmatic dependent (PDL): every attention block
+// triggers at its start, so the combine grid is scheduled while the attention runs and its blocks
+// wait in griddepcontrol.wait until the attention grid has completed with its partials visible;
+// the launch gap between the two kernels is hidden. Such launches are captured into CUDA graphs as
+// programmatic edges. If the launch is refused, it falls back to a plain launch.
+int64_t WaveSplits(int64_t planned, int64_t base, int per_sm) {
+  if (planned <= 1 || base <= 0) return 1;
+  const int64_t resident = static_cast<int64_t>(per_sm) * CurrentDevice().sms;
+  if (resident <= 0) return planned;
+  return std::max<int64_t>(1, std::min<int64_t>(planned, resident / base));
+}
+
+// 48 KiB of shared memory per block: ask for the largest shared-memory carveout once per kernel, so
+// that the SM's L1/shared split leaves room for 4 blocks (cp.async.cg bypasses L1 anyway), then ask
+// the occupancy calculator how many blocks fit per SM. Both are hints: a failure is cleared and the
+// launch goes on (neither is a stream operation, so both are allowed while ORT captures a graph).
+template <typename T, int TPK, int GM>
+cudaError_t LaunchOne(const CacheAttentionCudaView& v, Args a, cudaStream_t stream) {
+  static const int per_sm = [] {
+    if (cudaFuncSetAttribute(AttentionKernelV2<T, TPK, GM>, cudaFuncAttributePreferredSharedMemoryCarveout,
+                             cudaSharedmemCarveoutMaxShared) != cudaSuccess) {
+      (void)cudaGetLastError();
+    }
+    int n = 0;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, AttentionKernelV2<T, TPK, GM>, kThreads, 0) !=
+            cudaSuccess ||
+        n < 1) {
+      (void)cudaGetLastError();
+      n = 4;  // the plan's own assumption
+    }
+    return n;
+  }();
+  const int64_t base = v.units() * a.head_blocks;
+  a.splits = WaveSplits(v.splits, base, per_sm);  // Note [CacheAttention CUDA v2 waves]
+  AttentionKernelV2<T, TPK, GM><<<static_cast<unsigned>(base * a.splits), kThreads, 0, stream>>>(a);
+  cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess || a.splits == 1) return e;
+  const int threads = static_cast<int>(std::min<int64_t>(256, (v.D + 31) / 32 * 32));
+  const unsigned combine_blocks = static_cast<unsigned>(v.units() * v.group());
+  if (CurrentDevice().major >= 9) {
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(combine_blocks);
+    cfg.blockDim = dim3(threads);
+    cfg.dynamicSmemBytes = 0;
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    if (cudaLaunchKernelEx(&cfg, CombineKernel<T, true>, a) == cudaSuccess) return cudaSuccess;
+    (void)cudaGetLastError();  // refused: a plain launch below
+  }
+  CombineKernel<T, true><<<combine_blocks, threads, 0, stream>>>(a);
+  return cudaGetLastError();
+}
+
+template <typename T, int TPK>
+cudaError_t LaunchTpk(const CacheAttentionCudaView& v, const Args& a, int gm, cudaStream_t stream) {
+  switch (gm) {
+    case 1: return LaunchOne<T, TPK, 1>(v, a, stream);
+    case 2: return LaunchOne<T, TPK, 2>(v, a, stream);
+    case 3: return LaunchOne<T, TPK, 3>(v, a, stream);
+    case 4: return LaunchOne<T, TPK, 4>(v, a, stream);
+    default: return LaunchOne<T, TPK, 8>(v, a, stream);
+  }
+}
+
+// The attention and, when it splits the keys, the base-2 combine.
+template <typename T>
+cudaError_t Launch(const CacheAttentionCudaView& v, const Args& a, int gm, cudaStream_t stream) {
+  if (v.D <= 64) return LaunchTpk<T, 8>(v, a, gm, stream);
+  if (v.D <= 128) return LaunchTpk<T, 16>(v, a, gm, stream);
+  return LaunchTpk<T, 32>(v, a, gm, stream);
+}
+
+}  // namespace v2
 
 template <typename T, bool VEC, int GM>
 cudaError_t LaunchGM(const Args& a, int64_t blocks, cudaStream_t stream) {
@@ -344,8 +764,19 @@ cudaError_t Launch(const CacheAttentionCudaView& v, const Args& a, cudaStream_t 
   cudaError_t e = v.vec ? LaunchT<T, true>(a, gm, blocks, stream) : LaunchT<T, false>(a, gm, blocks, stream);
   if (e != cudaSuccess || v.splits == 1) return e;
   const int threads = static_cast<int>(std::min<int64_t>(256, (v.D + 31) / 32 * 32));
-  CombineKernel<T><<<static_cast<unsigned>(v.units() * G), threads, 0, stream>>>(a);
+  CombineKernel<T, false><<<static_cast<unsigned>(v.units() * G), threads, 0, stream>>>(a);
   return cudaGetLastError();
+}
+
+// ORTKV_CUDA_ATTENTION: unset, empty or "v2" = Note [CacheAttention CUDA v2] where it applies; "v1" =
+// the first kernel everywhere (for A/B measurements). Read at every launch (a captured CUDA graph
+// keeps the kernel of its capture).
+Status AttentionKernelChoice(bool* v1) {
+  const char* e = std::getenv("ORTKV_CUDA_ATTENTION");
+  *v1 = e != nullptr && std::strcmp(e, "v1") == 0;
+  if (e == nullptr || *e == '\0' || *v1 || std::strcmp(e, "v2") == 0) return Status::Ok();
+  return Status(Code::kInvalidArgument, std::string("ORTKV_CUDA_ATTENTION='") + e +
+                                            "' is not a CacheAttention CUDA kernel; set v1 or v2, or unset it");
 }
 
 }  // namespace
@@ -385,11 +816,17 @@ Status CacheAttentionCuda(const CacheAttentionCudaView& v, void* stream_ptr) {
     return Status(Code::kInvalidArgument, "CacheAttention CUDA: " + std::to_string(blocks) +
                                               " blocks exceed the grid limit; split the batch");
   }
+  bool v1 = false;
+  ORTKV_RETURN_IF_ERR(AttentionKernelChoice(&v1));
+  const bool v2 = !v1 && v.vec && v.D <= kAttnCudaMaxHeadSize &&
+                  (v.elem_type == kFloat16 || v.elem_type == kBFloat16);  // Note [CacheAttention CUDA v2]
   cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
   cudaError_t e;
   switch (v.elem_type) {
-    case kFloat16: e = Launch<__half>(v, a, stream); break;
-    case kBFloat16: e = Launch<__nv_bfloat16>(v, a, stream); break;
+    case kFloat16: e = v2 ? v2::Launch<__half>(v, a, gm, stream) : Launch<__half>(v, a, stream); break;
+    case kBFloat16:
+      e = v2 ? v2::Launch<__nv_bfloat16>(v, a, gm, stream) : Launch<__nv_bfloat16>(v, a, stream);
+      break;
     default: e = Launch<float>(v, a, stream); break;
   }
   if (e != cudaSuccess) {
