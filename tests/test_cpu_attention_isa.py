@@ -4,9 +4,10 @@ in-register block path (Note [PagedCacheAttention in registers]).
 The library carries each attention task three times (AVX-512, AVX2 + FMA + F16C, baseline x86-64) and
 runs the best the CPU has; ORTKV_CPU_ISA forces a narrower one. The process decides once, so the forced
 copies run the attention test files in a child pytest with the variable set; a bad value is refused
-with E_INPUT in a child process too. The paged cases here sit where the in-register path has its edges:
+with E_INPUT in a child process too. The paged cases sit where the gathered blocks have their edges:
 blocks that end at a format change, page sizes that do not divide the 64-key block, lengths that are
-not multiples of 16 (the scalar tail of the scores), scales folded into scores and weights."""
+not multiples of 16 (the scalar tail of the scores), F16 / BF16 rows read in place next to blocks of
+decoded rows."""
 
 from __future__ import annotations
 
@@ -123,7 +124,7 @@ def test_isa_the_cpu_lacks_is_refused_else_runs():
     assert f"its best is {sup[-1]}" in line, line
 
 
-# ---- the paged kernel's in-register blocks (Note [PagedCacheAttention in registers]) ------------------------
+# ---- the paged kernel's gathered blocks (Note [PagedCacheAttention in registers]) ---------------------------
 @pytest.mark.parametrize("fmt", ALL, ids=lambda f: f.name)
 @pytest.mark.parametrize("D,PS", [(64, 24), (32, 8), (128, 40)])
 def test_paged_attention_block_edges_each_format(rng, fmt, D, PS):
@@ -136,7 +137,8 @@ def test_paged_attention_block_edges_each_format(rng, fmt, D, PS):
 @pytest.mark.parametrize("PS", [16, 24])
 def test_paged_attention_format_runs_end_blocks(rng, PS):
     """A recency-like mix (runs of INT4 pages between F16 pages, every other format sprinkled in): each
-    format change ends a block early, so blocks of every length 1-64 occur."""
+    format change ends a block early, so blocks of many lengths under 64 occur, read in place (F16, BF16)
+    and decoded (the rest) one after the other in one task."""
     fmts = [PageFormat.F16] + [PageFormat.INT4] * 5 + [PageFormat.INT8, PageFormat.F16, PageFormat.INT2_KC] + ALL
     _attn_case(rng, fmts, B=2, T=1, lengths=[700, 333], PS=PS, D=64, H=3, G=3)
 

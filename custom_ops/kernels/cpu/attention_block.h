@@ -142,24 +142,15 @@ ORTKV_INLINE float Softmax(const State& s, int64_t g, int64_t n) {
 
 // Note [CPU attention row sources]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-// BlockRows reads the keys and values of a block through a row source: Chunk(j, i) gives channels
-// [16 i, 16 i + 16) of row j of the block as floats in a vector register, decoded from whatever the
-// rows are stored as (float32 here; float16, bfloat16, int8, e4m3 and 4 / 2-bit codes in
-// paged_attention_task.inc, converted with F16C / AVX-512 where the CPU has it). A quantized row is
-// x = a_j * code + b_j with one scale a_j and one offset b_j per row (Note [Page formats]); the
-// kernel never forms x: it folds a_j and b_j into the score and the softmax weight,
-//   q . x_j = a_j (q . code_j) + b_j sum(q)      sum_j p_j x_j = sum_j (p_j a_j) code_j + sum_j p_j b_j,
-// so decoding a row costs only the conversion of its codes to float. kScaled / kOffset say whether a
-// source has a_j / b_j; A(j) / B(j) read them (a block's rows, decoded once per block by the caller).
+// BlockRows (attention_block_rows.inc) reads the keys and values of a block through a row source:
+// Chunk(j, i) gives channels [16 i, 16 i + 16) of row j of the block as floats in a vector register,
+// converted from whatever the rows are stored as: float32 here (a dense cache, or rows a paged block
+// decoded into a buffer), float16 and bfloat16 page rows in paged_attention_task.inc (F16C /
+// AVX-512 conversions where the CPU has them; Note [PagedCacheAttention in registers]).
 struct F32Rows {  // rows of float32 with a stride of ts floats (a dense cache, or decoded rows)
-  static constexpr bool kScaled = false, kOffset = false;
   const float* p;
   int64_t ts;
   ORTKV_INLINE V16 Chunk(int64_t j, int i) const { return Load(p + j * ts + 16 * i); }
-  ORTKV_INLINE float A(int64_t) const { return 1.0f; }
-  ORTKV_INLINE float B(int64_t) const { return 0.0f; }
-  ORTKV_INLINE const float* AVec() const { return nullptr; }
-  ORTKV_INLINE const float* BVec() const { return nullptr; }
 };
 
 // Any head size: the same steps with plain loops.
@@ -215,10 +206,10 @@ inline CpuIsa BestCpuIsa() {
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("fma") &&
-      __builtin_cpu_supports("avx2"))
+      __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c"))
     return CpuIsa::kAvx512;
-  // F16C has no __builtin_cpu_supports name in GCC 12; every CPU with AVX2 and FMA has it (Haswell on)
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return CpuIsa::kAvx2;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
+    return CpuIsa::kAvx2;
   return CpuIsa::kBaseline;
 }
 

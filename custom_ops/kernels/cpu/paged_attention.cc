@@ -80,33 +80,6 @@ ORTKV_INLINE V16 Codes16(const uint8_t* p) {
   return ToFloat((Widen(d) >> sh) & ((1u << BITS) - 1u));
 }
 
-// 16 codes of BITS (4 or 2) bits as Codes16, the 8 or 4 bytes loaded by one scalar load into a vector
-// register (no stack round trip).
-template <int BITS>
-ORTKV_INLINE V16 PackedCodes16(const uint8_t* p) {
-  typedef uint64_t V2q __attribute__((vector_size(16)));
-  uint64_t x;
-  if constexpr (BITS == 4) {
-    memcpy(&x, p, 8);
-  } else {
-    uint32_t y;
-    memcpy(&y, p, 4);
-    x = y;
-  }
-  const V2q t = {x, 0};
-  const V16b b = reinterpret_cast<const V16b&>(t);
-  V16b d;
-  V16w sh;
-  if constexpr (BITS == 4) {
-    d = __builtin_shufflevector(b, b, 0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
-    sh = V16w{0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4};
-  } else {
-    d = __builtin_shufflevector(b, b, 0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-    sh = V16w{0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6};
-  }
-  return ToFloat((Widen(d) >> sh) & ((1u << BITS) - 1u));
-}
-
 // 32 INT4 codes from one 16-byte load, as two vectors of 16 channels. Codes16<4>'s 8-byte memcpy into a
 // zeroed vector costs a stack round trip per 16 channels (measured: INT4 pages decoded at half INT2's
 // speed although they read twice the bytes, benchmarks/results/paged_attention_cpu.md).
