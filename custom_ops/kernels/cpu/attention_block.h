@@ -1,7 +1,8 @@
 // The CPU attention block kernel shared by CacheAttention (cache_attention.cc) and PagedCacheAttention
 // (paged_attention.cc): 16-float vectors, the online softmax over one block of keys for the G query
 // heads of a KV-head group, and the split-K merge. Private to the CPU kernels; every helper is
-// always inlined, so it compiles inside each target_clones version of the callers' RunTask.
+// always inlined, so it compiles inside each instruction-set copy of the callers' RunTask
+// (Note [CPU attention ISA dispatch]).
 #pragma once
 #include <algorithm>
 #include <cmath>
@@ -26,8 +27,9 @@ namespace attn_cpu {
 // Note [CacheAttention vectors]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // The hot loops use GCC vector extensions of 16 floats, not intrinsics: one source that the
-// target_clones of RunTask compile to one zmm register (AVX-512), two ymm (AVX2 + FMA) or four xmm
-// (baseline SSE2), so one build runs everywhere at the width the CPU has. V16u is the unaligned,
+// instruction-set copies of RunTask (Note [CPU attention ISA dispatch]) compile to one zmm register
+// (AVX-512), two ymm (AVX2 + FMA) or four xmm (baseline SSE2), so one build runs everywhere at the
+// width the CPU has (only float16 page rows use F16C / AVX-512 intrinsics, paged_attention_task.inc). V16u is the unaligned,
 // may_alias view used to load and store rows of the caches, the query and the accumulators. Head
 // sizes 16, 32, 48, 64 (SmolLM2), 80, 96, 128 and 256 take this path; others take plain loops the
 // compiler vectorizes (BlockAny).
