@@ -6,6 +6,12 @@
               float32 element, although numpy makes two passes). The reference is the highest of them.
               For information, also a read-only figure (np.sum on one and two threads): attention only
               reads, and on small VMs one core's reads alone get about half of what a copy moves.
+  read kernel: a STREAM-like READ kernel (sum of a 256 MiB float32 array with 8 independent vector
+              accumulators), compiled here with the system C compiler (-O2 -march=native) and called
+              through ctypes on one thread and on two (halves, the GIL released): the bytes a core
+              pair can read, the quantity attention needs. Decode attention's "% of read" is against
+              its two-thread figure; "% of copy" against the numpy copy reference (read + write bytes,
+              STREAM's count). Without a C compiler the read kernel is skipped (reported as "-").
   attention : one CacheAttention node through ORT (CPU EP, IOBinding, caches bound in place),
               SmolLM2-135M shapes (9 query heads, 3 KV heads, head size 64, float32, BNSH caches),
               one new token (decode) over L = 2K / 8K / 16K keys, batch 1 and 4. GB/s = bytes of K and
@@ -42,7 +48,7 @@ import numpy as np
 from _report import emit  # benchmarks/ is on sys.path when a script runs
 
 HQ, HKV, D = 9, 3, 64
-CASES = [(1, 2048), (1, 8192), (1, 16384), (4, 2048), (4, 8192), (4, 16384)]  # (batch, keys)
+CASES = [(1, 2048), (1, 8192), (1, 16384), (1, 32768), (4, 2048), (4, 8192), (4, 16384)]  # (batch, keys)
 COLD_BYTES = 256 << 20
 OLD_DIR = "OLD_DIR"
 
@@ -93,7 +99,65 @@ def bandwidth(passes: int = 9) -> dict:
     t5 = _median_time(lambda: list(pool.map(lambda s: src[s].sum(), [slice(0, half), slice(half, n)])), passes)
     pool.shutdown()
     res["read_1t"], res["read_2t"] = src.nbytes / t4 / 1e9, src.nbytes / t5 / 1e9
+    del src, dst, c
+    res.update(read_bandwidth(passes))
     return res
+
+
+_READ_C = r"""
+#include <stddef.h>
+typedef float v16 __attribute__((vector_size(64)));
+float ortkv_bench_read(const float* p, size_t n) {  /* n: a multiple of 128 floats, p 64-byte aligned */
+  v16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, a4 = {0}, a5 = {0}, a6 = {0}, a7 = {0};
+  for (size_t i = 0; i < n; i += 128) {
+    const v16* q = (const v16*)(p + i);
+    a0 += q[0]; a1 += q[1]; a2 += q[2]; a3 += q[3]; a4 += q[4]; a5 += q[5]; a6 += q[6]; a7 += q[7];
+  }
+  v16 s = ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7));
+  float t = 0;
+  for (int i = 0; i < 16; ++i) t += s[i];
+  return t;
+}
+"""
+
+
+def read_kernel():
+    """The STREAM-like read kernel as a Python callable f(array_slice) -> float, or None without a compiler."""
+    import ctypes
+    import shutil
+    import tempfile
+
+    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if cc is None:
+        return None
+    d = tempfile.mkdtemp(prefix="ortkv_read_")
+    src, lib = os.path.join(d, "read.c"), os.path.join(d, "read.so")
+    with open(src, "w") as f:
+        f.write(_READ_C)
+    r = subprocess.run([cc, "-O2", "-march=native", "-shared", "-fPIC", src, "-o", lib], capture_output=True)
+    if r.returncode != 0:
+        return None
+    fn = ctypes.CDLL(lib).ortkv_bench_read
+    fn.restype = ctypes.c_float
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    return lambda a: fn(a.ctypes.data, a.size)
+
+
+def read_bandwidth(passes: int = 9) -> dict:
+    """GB/s read by the read kernel over 256 MiB on one thread and on two (halves); {} without a compiler."""
+    fn = read_kernel()
+    if fn is None:
+        return {}
+    n = (256 << 20) // 4
+    raw = np.ones(n + 16, np.float32)
+    off = (-raw.ctypes.data % 64) // 4
+    src = raw[off:off + n]  # 64-byte aligned
+    half = n // 2
+    t1 = _median_time(lambda: fn(src), passes)
+    pool = concurrent.futures.ThreadPoolExecutor(2)
+    t2 = _median_time(lambda: list(pool.map(fn, [src[:half], src[half:]])), passes)
+    pool.shutdown()
+    return {"kread_1t": src.nbytes / t1 / 1e9, "kread_2t": src.nbytes / t2 / 1e9}
 
 
 def _model():
@@ -113,7 +177,7 @@ def _model():
                              ir_version=10)
 
 
-def attention(lib: str, threads: int, passes: int = 15) -> dict:
+def attention(lib: str, threads: int, passes: int = 15, cases=None) -> dict:
     import onnxruntime as ort
 
     so = ort.SessionOptions()
@@ -125,7 +189,7 @@ def attention(lib: str, threads: int, passes: int = 15) -> dict:
     sess = ort.InferenceSession(_model().SerializeToString(), so, providers=["CPUExecutionProvider"])
     rng = np.random.default_rng(0)
     res = {}
-    for b, keys in CASES:
+    for b, keys in cases or CASES:
         per_layer = 2 * b * HKV * keys * D * 4
         layers = max(3, math.ceil(COLD_BYTES / per_layer))
         kvs = []
@@ -159,14 +223,24 @@ def attention(lib: str, threads: int, passes: int = 15) -> dict:
     return res
 
 
-def measure(lib: str, threads: list[int]) -> dict:
-    return {"bandwidth": bandwidth(), "attention": {str(t): attention(lib, t) for t in threads}}
+def measure(lib: str, threads: list[int], cases=None) -> dict:
+    return {"bandwidth": bandwidth(), "attention": {str(t): attention(lib, t, cases=cases) for t in threads}}
 
 
-def _child(lib: str, threads: str) -> dict:
+def _parse_cases(text: str | None):
+    return [tuple(int(x) for x in c.split("x")) for c in text.split(",")] if text else None
+
+
+def _child(lib: str, threads: str, cases: str | None) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", "--lib", lib, "--threads", threads]
+    if cases:
+        cmd += ["--cases", cases]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
+
+
+def _gbs(x) -> str:
+    return "-" if x is None else f"{x:.1f} GB/s"
 
 
 def _med(results: list[dict], *path) -> float:
@@ -186,11 +260,12 @@ def main(argv=None) -> int:
                    help="what the --compare library is, for the report (e.g. 'commit abc123')")
     p.add_argument("--threads", default="2,1", help="ORT intra-op thread counts, comma-separated (default 2,1)")
     p.add_argument("--rounds", type=int, default=3, help="fresh processes per library, alternating (default 3)")
+    p.add_argument("--cases", help="BATCHxKEYS,... (default: all of " + ",".join(f"{b}x{k}" for b, k in CASES) + ")")
     p.add_argument("--out", help="also write the Markdown report to this file")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.child:
-        print(json.dumps(measure(a.lib, [int(x) for x in a.threads.split(",")])))
+        print(json.dumps(measure(a.lib, [int(x) for x in a.threads.split(",")], _parse_cases(a.cases))))
         return 0
     import onnxruntime as ort
 
@@ -200,13 +275,17 @@ def main(argv=None) -> int:
     if a.compare:
         libs = {"old": os.path.join(a.compare, "libortkv.so"), **libs}
     runs: dict[str, list] = {k: [] for k in libs}
+    load0 = os.getloadavg()[0]
     for r in range(a.rounds):
         for name, lib in libs.items():
-            runs[name].append(_child(lib, a.threads))
+            runs[name].append(_child(lib, a.threads, a.cases))
             print(f"round {r + 1}/{a.rounds} {name}: done", file=sys.stderr)
     allruns = [x for v in runs.values() for x in v]
     bw = {k: _med(allruns, "bandwidth", k) for k in ("copy_1t", "copy_2t", "triad_1t", "reference", "read_1t", "read_2t")}
+    for k in ("kread_1t", "kread_2t"):
+        bw[k] = _med(allruns, "bandwidth", k) if all(k in r["bandwidth"] for r in allruns) else None
     ref = bw["reference"]
+    rref = bw["kread_2t"]
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
     report = [f"# bench_cache_attention_cpu ({platform.node()}, {cpu}, {os.cpu_count()} CPUs, "
               f"onnxruntime {ort.__version__}, {time.strftime('%Y-%m-%d %H:%M')})", "",
@@ -216,23 +295,25 @@ def main(argv=None) -> int:
               f"({' / '.join(libs)}); every figure is the median over rounds of per-round medians. The machine "
               "is shared with other builds (see the load average at the end), so single figures move by 10-30 %;"
               " ORT pool threads sleep rather than spin while idle (session.intra_op.allow_spinning 0).", "",
-              "## Measured memory bandwidth (numpy, 256 MiB arrays, median over all rounds)", "",
-              "| copy, 1 thread | copy, 2 threads | triad, 1 thread (STREAM count) | **reference** (highest) | "
-              "read only (np.sum), 1 thread | read only, 2 threads |",
-              "|---:|---:|---:|---:|---:|---:|",
+              "## Measured memory bandwidth (256 MiB arrays, median over all rounds)", "",
+              "| numpy copy, 1 thread | copy, 2 threads | triad, 1 thread (STREAM count) | **copy reference** (highest) | "
+              "np.sum, 1 thread | np.sum, 2 threads | read kernel, 1 thread | **read kernel, 2 threads** |",
+              "|---:|---:|---:|---:|---:|---:|---:|---:|",
               f"| {bw['copy_1t']:.1f} GB/s | {bw['copy_2t']:.1f} GB/s | {bw['triad_1t']:.1f} GB/s | **{ref:.1f} GB/s** | "
-              f"{bw['read_1t']:.1f} GB/s | {bw['read_2t']:.1f} GB/s |", ""]
+              f"{bw['read_1t']:.1f} GB/s | {bw['read_2t']:.1f} GB/s | {_gbs(bw['kread_1t'])} | **{_gbs(bw['kread_2t'])}** |",
+              ""]
     for threads in a.threads.split(","):
         report += [f"## CacheAttention decode, {HQ} query heads / {HKV} KV heads x {D}, float32 BNSH, "
                    f"ORT intra-op threads {threads}", "",
-                   "GB/s = K+V bytes read per call / time per call; % = of the reference bandwidth above. cold: "
+                   "GB/s = K+V bytes read per call / time per call; % copy = of the copy reference (read + write "
+                   "bytes), % read = of the two-thread read kernel (read bytes). cold: "
                    "rotating over a model's worth of layers (>= 256 MiB of K/V, read from DRAM); hot: one layer "
                    "repeated.", ""]
         head = "| case | K+V bytes/call | layers (cold) |"
         sep = "|---|---:|---:|"
         for name in libs:
-            head += f" {name} cold us | {name} cold GB/s | {name} cold % | {name} hot GB/s |"
-            sep += "---:|---:|---:|---:|"
+            head += f" {name} cold us | {name} cold GB/s | {name} cold % copy | {name} cold % read | {name} hot GB/s |"
+            sep += "---:|---:|---:|---:|---:|"
         report += [head, sep]
         first = next(iter(runs.values()))[0]["attention"][threads]
         for case, info in first.items():
@@ -241,10 +322,12 @@ def main(argv=None) -> int:
                 cold_us = _med(runs[name], "attention", threads, case, "cold_us")
                 cold = _med(runs[name], "attention", threads, case, "cold_gbs")
                 hot = _med(runs[name], "attention", threads, case, "hot_gbs")
-                row += f" {cold_us:.0f} | {cold:.1f} | {100 * cold / ref:.0f} % | {hot:.1f} |"
+                pr = f"{100 * cold / rref:.0f} %" if rref else "-"
+                row += f" {cold_us:.0f} | {cold:.1f} | {100 * cold / ref:.0f} % | {pr} | {hot:.1f} |"
             report.append(row)
         report.append("")
-    report += [f"load average at the end: {os.getloadavg()[0]:.1f} (1 min) on {os.cpu_count()} CPUs", ""]
+    report += [f"load average (1 min) on {os.cpu_count()} CPUs: {load0:.1f} at the start, "
+               f"{os.getloadavg()[0]:.1f} at the end", ""]
     return emit("\n".join(report), a.out)
 
 

@@ -8,8 +8,13 @@ one format, each sequence's pages scattered over the pool in shuffled order (a r
 churn). Each round times every variant once (median time per call of a pass >= 50 ms), alternating
 dense and paged within the round; the report gives the median over rounds and the ratio to dense.
 The machine may be shared: alternating rounds keep a slow moment from landing on one variant only.
+"x dense" is the median over rounds of each round's paged / dense time ratio (the two measured next
+to each other); "% read" compares the bytes read per second with the two-thread STREAM-like read
+kernel of bench_cache_attention_cpu.py, measured in this script before and after the rounds (these
+calls are hot: one layer repeated, so small cases can sit partly in the caches and exceed 100 %).
 
-    python benchmarks/bench_paged_attention.py [--rounds 5] [--threads 2]
+    python benchmarks/bench_paged_attention.py [--rounds 5] [--threads 2] [--lib LIB]
+                                               [--cases 1x2048,4x8192] [--page-sizes 16,64]
                                                [--out benchmarks/results/paged_attention_cpu.md]
 """
 
@@ -19,7 +24,9 @@ import argparse
 import math
 import os
 import platform
+import shlex
 import statistics
+import sys
 import time
 
 import numpy as np
@@ -42,6 +49,9 @@ def _time(fn, min_time: float = 0.05) -> float:
     return (time.perf_counter() - t0) / reps
 
 
+LIB = None  # --lib: the custom-op library to load (default: the installed ortkv's)
+
+
 def _session(node, inputs, outputs, threads):
     import onnxruntime as ort
     from onnx import helper
@@ -52,7 +62,7 @@ def _session(node, inputs, outputs, threads):
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("ortkv", 1)],
                           ir_version=10)
     so = ort.SessionOptions()
-    so.register_custom_ops_library(ortkv.get_library_path())
+    so.register_custom_ops_library(LIB or ortkv.get_library_path())
     so.intra_op_num_threads = threads
     so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     return ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
@@ -115,14 +125,25 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--formats", default=",".join(f.name for f in PageFormat))
+    p.add_argument("--lib", help="the custom-op library (default: the installed one)")
+    p.add_argument("--cases", help="BATCHxKEYS,... (default " + ",".join(f"{b}x{k}" for b, k in CASES) + ")")
+    p.add_argument("--page-sizes", default=",".join(str(x) for x in PAGE_SIZES))
     p.add_argument("--out")
     a = p.parse_args(argv)
+    global LIB
+    LIB = a.lib
+    from bench_cache_attention_cpu import read_bandwidth
+
     formats = [PageFormat[x] for x in a.formats.split(",")]
+    cases = [tuple(int(x) for x in c.split("x")) for c in a.cases.split(",")] if a.cases else CASES
+    page_sizes = [int(x) for x in a.page_sizes.split(",")]
+    load0 = os.getloadavg()[0]
+    bw0 = read_bandwidth(5).get("kread_2t")
     rng = np.random.default_rng(0)
     dense = dense_session(a.threads)
-    paged = {ps: paged_session(ps, a.threads) for ps in PAGE_SIZES}
+    paged = {ps: paged_session(ps, a.threads) for ps in page_sizes}
     rows = []
-    for B, L in CASES:
+    for B, L in cases:
         tokens = rng.standard_normal((2, B, HKV, L, D), dtype=np.float32)
         q = ort.OrtValue.ortvalue_from_numpy(rng.standard_normal((B, 1, HQ * D), dtype=np.float32))
         st = ort.OrtValue.ortvalue_from_numpy(np.full(B, L - 1, np.int64))
@@ -135,7 +156,7 @@ def main(argv=None) -> int:
             io.bind_ortvalue_input(name, v)
         io.bind_ortvalue_output("out", out)
         variants["dense f32"] = (dense, io, 2 * B * HKV * L * D * 4)
-        for ps in PAGE_SIZES:
+        for ps in page_sizes:
             for fmt in formats:
                 pool, directory, table = build_pool(int(fmt), ps, tokens, rng)
                 io = paged[ps].io_binding()
@@ -151,24 +172,32 @@ def main(argv=None) -> int:
         for _ in range(a.rounds):
             for k, (sess, io, _) in variants.items():
                 times[k].append(_time(lambda s=sess, i=io: s.run_with_iobinding(i)))
-        t_dense = statistics.median(times["dense f32"])
         for k, (_, _, nbytes) in variants.items():
             t = statistics.median(times[k])
-            rows.append((B, L, k, t * 1e6, nbytes / 2**20, nbytes / t / 1e9, t / t_dense))
+            ratio = statistics.median(x / d for x, d in zip(times[k], times["dense f32"]))
+            rows.append((B, L, k, t * 1e6, nbytes / 2**20, nbytes / t / 1e9, ratio))
         del keep, variants
+    bw1 = read_bandwidth(5).get("kread_2t")
+    bws = [x for x in (bw0, bw1) if x]
+    rbw = statistics.mean(bws) if bws else None
     lines = [
         "# PagedCacheAttention vs dense CacheAttention (CPU)",
         "",
-        f"Command: `python benchmarks/bench_paged_attention.py --rounds {a.rounds} --threads {a.threads}`  ",
+        f"Command: `python benchmarks/bench_paged_attention.py {' '.join(shlex.quote(x) for x in (argv or sys.argv[1:]))}`  ",
         f"Machine: {platform.machine()}, {os.cpu_count()} cores, ORT {ort.__version__}, intra-op threads "
-        f"{a.threads}. SmolLM2-135M heads (Hq 9, Hkv 3, D 64), one decode token over L keys; median over "
-        f"{a.rounds} alternating rounds. KV MiB: bytes of K and V (dense float32) or of the pages read.",
+        f"{a.threads}, {time.strftime('%Y-%m-%d %H:%M')}. SmolLM2-135M heads (Hq 9, Hkv 3, D 64), one decode token "
+        f"over L keys; median over {a.rounds} alternating rounds. KV MiB: bytes of K and V (dense float32) or of the "
+        f"pages read. x dense: median over rounds of the round's paged / dense ratio.  ",
+        "Read kernel (two threads, 256 MiB): "
+        + (" / ".join(f"{x:.1f}" for x in bws) + " GB/s before / after the rounds" if bws else "no C compiler")
+        + f". Load average (1 min) on {os.cpu_count()} CPUs: {load0:.1f} at the start, {os.getloadavg()[0]:.1f} at the end.",
         "",
-        "| batch | L | variant | us / call | KV MiB | GB/s | x dense |",
-        "|---:|---:|:---|---:|---:|---:|---:|",
+        "| batch | L | variant | us / call | KV MiB | GB/s | % read | x dense |",
+        "|---:|---:|:---|---:|---:|---:|---:|---:|",
     ]
     for B, L, k, us, mib, gbs, ratio in rows:
-        lines.append(f"| {B} | {L} | {k} | {us:.1f} | {mib:.2f} | {gbs:.1f} | {ratio:.2f} |")
+        pr = f"{100 * gbs / rbw:.0f} %" if rbw else "-"
+        lines.append(f"| {B} | {L} | {k} | {us:.1f} | {mib:.2f} | {gbs:.1f} | {pr} | {ratio:.2f} |")
     return emit("\n".join(lines), a.out)
 
 

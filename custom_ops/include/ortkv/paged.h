@@ -35,12 +35,13 @@
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // The structure of CacheAttention's CPU kernel (Note [CacheAttention CPU split-K]): one unit is a (row,
 // KV head, query token) serving the group's G query heads, keys in blocks with an online softmax,
-// split-K when units are too few for the threads. A block never crosses a page: a task walks its key
-// range page by page and, inside a page, in runs of at most kAttnBlockKeys rows; each run's K and V
-// rows are decoded by the page's own format (PageView::DecodeRow's arithmetic, 16 channels per vector
-// when head_size is a multiple of 16) into a per-thread buffer of kAttnBlockKeys x head_size floats per
-// K and V (2 x 16 KiB at head_size 64: L1/L2), and the dense block kernel runs over that buffer. Nothing
-// the size of the cache is ever materialized; rows past a sequence's valid length are never read.
+// split-K when units are too few for the threads. A block gathers up to kAttnBlockKeys rows over the
+// pages it spans while they share one format; F16 / BF16 rows are converted in registers where the block
+// kernel reads them, rows of the scaled formats are decoded by the page's own format (PageView::DecodeRow's
+// arithmetic, 16 channels per vector when head_size is a multiple of 16) into a per-thread buffer of
+// kAttnBlockKeys x head_size floats per K and V (Note [PagedCacheAttention in registers] in
+// kernels/cpu/paged_attention_task.inc). Nothing the size of the cache is ever materialized; rows past a
+// sequence's valid length are never read.
 // The query and the output have the logical type (float32, float16 or bfloat16); arithmetic is float32.
 #pragma once
 #include <cstdint>

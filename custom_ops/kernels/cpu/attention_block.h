@@ -1,14 +1,19 @@
 // The CPU attention block kernel shared by CacheAttention (cache_attention.cc) and PagedCacheAttention
 // (paged_attention.cc): 16-float vectors, the online softmax over one block of keys for the G query
 // heads of a KV-head group, and the split-K merge. Private to the CPU kernels; every helper is
-// always inlined, so it compiles inside each target_clones version of the callers' RunTask.
+// always inlined, so it compiles inside each instruction-set copy of the callers' RunTask
+// (Note [CPU attention ISA dispatch]).
 #pragma once
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <limits>
+#include <string>
 
 #include "ortkv/cache_attention.h"
+#include "ortkv/status.h"
 
 #define ORTKV_INLINE inline __attribute__((always_inline))
 
@@ -22,8 +27,9 @@ namespace attn_cpu {
 // Note [CacheAttention vectors]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // The hot loops use GCC vector extensions of 16 floats, not intrinsics: one source that the
-// target_clones of RunTask compile to one zmm register (AVX-512), two ymm (AVX2 + FMA) or four xmm
-// (baseline SSE2), so one build runs everywhere at the width the CPU has. V16u is the unaligned,
+// instruction-set copies of RunTask (Note [CPU attention ISA dispatch]) compile to one zmm register
+// (AVX-512), two ymm (AVX2 + FMA) or four xmm (baseline SSE2), so one build runs everywhere at the
+// width the CPU has (only float16 page rows use F16C / AVX-512 intrinsics, paged_attention_task.inc). V16u is the unaligned,
 // may_alias view used to load and store rows of the caches, the query and the accumulators. Head
 // sizes 16, 32, 48, 64 (SmolLM2), 80, 96, 128 and 256 take this path; others take plain loops the
 // compiler vectorizes (BlockAny).
@@ -136,49 +142,18 @@ ORTKV_INLINE float Softmax(const State& s, int64_t g, int64_t n) {
   return alpha;
 }
 
-// One block of n keys (rows k, v with stride ts) for all G heads, head size DV * 16.
-template <int DV>
-ORTKV_INLINE void BlockVec(const State& s, int64_t G, const float* k, const float* v, int64_t ts, int64_t n) {
-  constexpr int D = DV * 16;
-  for (int64_t g = 0; g < G; ++g) {  // scores: the head's query stays in registers, the block's keys in L1
-    V16 qv[DV];
-    for (int i = 0; i < DV; ++i) qv[i] = Load(s.qs + g * D + 16 * i);
-    float* sc = s.sc + g * kAttnBlockKeys;
-    int64_t j = 0;
-    for (; j + 16 <= n; j += 16) {  // Note [CacheAttention score transpose]
-      V16 a[16];
-      for (int x = 0; x < 16; ++x) {
-        const float* kj = k + (j + x) * ts;
-        a[x] = qv[0] * Load(kj);
-        for (int i = 1; i < DV; ++i) a[x] += qv[i] * Load(kj + 16 * i);
-      }
-      Store(sc + j, Sum16(a));
-    }
-    for (; j < n; ++j) {
-      const float* kj = k + j * ts;
-      V16 a = qv[0] * Load(kj);
-      for (int i = 1; i < DV; ++i) a += qv[i] * Load(kj + 16 * i);
-      sc[j] = Sum(a);
-    }
-  }
-  for (int64_t g = 0; g < G; ++g) {  // weights, then acc += p_j v_j: the head's accumulator in registers
-    const float alpha = Softmax(s, g, n);
-    const float* p = s.sc + g * kAttnBlockKeys;
-    V16 av[DV], bv[DV];  // two sets of accumulators: even and odd keys, two independent FMA chains
-    for (int i = 0; i < DV; ++i) av[i] = Load(s.acc + g * D + 16 * i) * alpha, bv[i] = V16{};
-    int64_t j = 0;
-    for (; j + 2 <= n; j += 2) {
-      const float* vj = v + j * ts;
-      for (int i = 0; i < DV; ++i) {
-        av[i] += p[j] * Load(vj + 16 * i);
-        bv[i] += p[j + 1] * Load(vj + ts + 16 * i);
-      }
-    }
-    if (j < n)
-      for (int i = 0; i < DV; ++i) av[i] += p[j] * Load(v + j * ts + 16 * i);
-    for (int i = 0; i < DV; ++i) Store(s.acc + g * D + 16 * i, av[i] + bv[i]);
-  }
-}
+// Note [CPU attention row sources]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// BlockRows (attention_block_rows.inc) reads the keys and values of a block through a row source:
+// Chunk(j, i) gives channels [16 i, 16 i + 16) of row j of the block as floats in a vector register,
+// converted from whatever the rows are stored as: float32 here (a dense cache, or rows a paged block
+// decoded into a buffer), float16 and bfloat16 page rows in paged_attention_task.inc (F16C /
+// AVX-512 conversions where the CPU has them; Note [PagedCacheAttention in registers]).
+struct F32Rows {  // rows of float32 with a stride of ts floats (a dense cache, or decoded rows)
+  const float* p;
+  int64_t ts;
+  ORTKV_INLINE V16 Chunk(int64_t j, int i) const { return Load(p + j * ts + 16 * i); }
+};
 
 // Any head size: the same steps with plain loops.
 ORTKV_INLINE void BlockAny(const State& s, int64_t G, int64_t D, const float* k, const float* v, int64_t ts,
@@ -207,6 +182,76 @@ ORTKV_INLINE void BlockAny(const State& s, int64_t G, int64_t D, const float* k,
       for (int64_t d = 0; d < D; ++d) ag[d] += p[j] * vj[d];
     }
   }
+}
+
+// Note [CPU attention ISA dispatch]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// The wheel runs on any x86-64, so each op's task function is compiled three times from one source
+// (cache_attention_task.inc, paged_attention_task.inc), each copy under its own `#pragma GCC target`:
+//   kAvx512   AVX-512 F/BW/VL/DQ + F16C + FMA: one zmm per 16 floats, float16 rows by vcvtph2ps zmm
+//   kAvx2     AVX2 + FMA + F16C: two ymm per 16 floats, vcvtph2ps ymm
+//   kBaseline x86-64 (SSE2): four xmm per 16 floats, float16 converted on bits
+// The vector helpers above carry no target of their own and are always inlined, so each copy gets
+// them at its width (GCC lowers the generic vectors after inlining). The plan picks the copy once
+// per process: the best the CPU reports (__builtin_cpu_supports), or the one named by the
+// environment variable ORTKV_CPU_ISA (baseline, avx2, avx512), read at the first attention plan of
+// the process. The override exists so that the tests run the narrower copies on a wide machine
+// (tests/test_cpu_attention_isa.py) and so that a suspected miscompile can be ruled out in the field;
+// a value the CPU cannot run, or a misspelt one, is refused with E_INPUT rather than ignored.
+enum class CpuIsa : int { kBaseline = 0, kAvx2 = 1, kAvx512 = 2 };
+
+inline const char* CpuIsaName(CpuIsa i) {
+  return i == CpuIsa::kAvx512 ? "avx512" : i == CpuIsa::kAvx2 ? "avx2" : "baseline";
+}
+
+inline CpuIsa BestCpuIsa() {
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("fma") &&
+      __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c"))
+    return CpuIsa::kAvx512;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
+    return CpuIsa::kAvx2;
+  return CpuIsa::kBaseline;
+}
+
+struct CpuIsaChoice {
+  CpuIsa isa;
+  std::string error;  // empty: ORTKV_CPU_ISA is unset or valid
+};
+
+// Decided once per process (Note [CPU attention ISA dispatch]).
+inline const CpuIsaChoice& CpuIsaOnce() {
+  using Choice = CpuIsaChoice;
+  static const Choice choice = [] {
+    const CpuIsa best = BestCpuIsa();
+    const char* env = std::getenv("ORTKV_CPU_ISA");
+    if (env == nullptr || *env == 0) return Choice{best, ""};
+    CpuIsa want;
+    if (std::strcmp(env, "baseline") == 0) {
+      want = CpuIsa::kBaseline;
+    } else if (std::strcmp(env, "avx2") == 0) {
+      want = CpuIsa::kAvx2;
+    } else if (std::strcmp(env, "avx512") == 0) {
+      want = CpuIsa::kAvx512;
+    } else {
+      return Choice{best, std::string("environment variable ORTKV_CPU_ISA='") + env +
+                              "' is not one of baseline, avx2, avx512; unset it to use the best this CPU has (" +
+                              CpuIsaName(best) + ")"};
+    }
+    if (static_cast<int>(want) > static_cast<int>(best))
+      return Choice{best, std::string("environment variable ORTKV_CPU_ISA=") + env +
+                              " asks for instructions this CPU lacks (its best is " + CpuIsaName(best) +
+                              "); unset it or choose " + CpuIsaName(best) + " or narrower"};
+    return Choice{want, ""};
+  }();
+  return choice;
+}
+
+// For the plans: refuses a bad ORTKV_CPU_ISA; `where` names the op and node.
+inline Status CheckCpuIsa(const std::string& where) {
+  const CpuIsaChoice& c = CpuIsaOnce();
+  return c.error.empty() ? Status::Ok() : Status(Code::kInvalidArgument, where + ": " + c.error);
 }
 
 // Note [CacheAttention CPU split-K]: split the keys only while units are too few to fill the threads,

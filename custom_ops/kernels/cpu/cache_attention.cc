@@ -20,57 +20,22 @@ Status Bad(const std::string& node, const std::string& what) {
   return Status(Code::kInvalidArgument, "CacheAttention node '" + node + "': " + what);
 }
 
-template <int DV>
-ORTKV_INLINE void KeysVec(const State& s, int64_t G, const float* k, const float* v, int64_t ts, int64_t j0,
-                          int64_t j1) {
-  for (int64_t jb = j0; jb < j1; jb += kAttnBlockKeys)
-    BlockVec<DV>(s, G, k + jb * ts, v + jb * ts, ts, std::min(kAttnBlockKeys, j1 - jb));
-}
-
-// One task (see CacheAttentionView): keys [j0, j1) of one unit, compiled for AVX-512, for AVX2 + FMA
-// and for the baseline ISA; the loader picks the best the CPU has (GCC target_clones).
-__attribute__((target_clones("avx512f", "arch=haswell", "default"))) void RunTask(const CacheAttentionView& a,
-                                                                                  int64_t task, float* scratch) {
-  const int64_t G = a.group(), D = a.D, S = a.splits;
-  const int64_t unit = task / S, split = task % S;
-  const int64_t t = unit % a.T;
-  const int64_t hk = (unit / a.T) % a.Hkv;
-  const int64_t b = unit / (a.T * a.Hkv);
-  const int64_t L = a.start[b * a.start_stride] + t + 1;  // keys [0, start + t]
-  const int64_t chunk = (L + S - 1) / S;
-  const int64_t j0 = std::min(L, split * chunk), j1 = std::min(L, j0 + chunk);
-  const float* k = a.k + b * a.row_stride + hk * a.head_stride;
-  const float* v = a.v + b * a.row_stride + hk * a.head_stride;
-  const float* q = a.q + (b * a.T + t) * a.Hq * D + hk * G * D;  // the group's G query heads
-  float* qs = scratch + G * kAttnBlockKeys;
-  // split > 1: acc, m and l are the task's partial (read by CacheAttentionCombine); else scratch
-  float* acc = S > 1 ? a.partial + task * G * (D + 2) : qs + G * D;
-  State s{qs, scratch, acc, acc + G * D, acc + G * D + G};
-  for (int64_t i = 0; i < G * D; ++i) qs[i] = q[i] * a.scale;
-  std::fill(acc, acc + G * D, 0.0f);
-  std::fill(s.m, s.m + G, -std::numeric_limits<float>::infinity());
-  std::fill(s.l, s.l + G, 0.0f);
-  const int64_t ts = a.tok_stride;
-  switch (D) {
-    case 16: KeysVec<1>(s, G, k, v, ts, j0, j1); break;
-    case 32: KeysVec<2>(s, G, k, v, ts, j0, j1); break;
-    case 48: KeysVec<3>(s, G, k, v, ts, j0, j1); break;
-    case 64: KeysVec<4>(s, G, k, v, ts, j0, j1); break;
-    case 80: KeysVec<5>(s, G, k, v, ts, j0, j1); break;
-    case 96: KeysVec<6>(s, G, k, v, ts, j0, j1); break;
-    case 128: KeysVec<8>(s, G, k, v, ts, j0, j1); break;
-    case 256: KeysVec<16>(s, G, k, v, ts, j0, j1); break;
-    default:
-      for (int64_t jb = j0; jb < j1; jb += kAttnBlockKeys)
-        BlockAny(s, G, D, k + jb * ts, v + jb * ts, ts, std::min(kAttnBlockKeys, j1 - jb));
-  }
-  if (S > 1) return;
-  float* out = a.out + (b * a.T + t) * a.Hq * D + hk * G * D;
-  for (int64_t g = 0; g < G; ++g) {
-    const float inv = 1.0f / s.l[g];
-    for (int64_t d = 0; d < D; ++d) out[g * D + d] = acc[g * D + d] * inv;
-  }
-}
+// Note [CPU attention ISA dispatch]: the task three times, AVX-512, AVX2 + FMA + F16C, baseline.
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
+namespace isa_avx512 {
+#include "cache_attention_task.inc"
+}  // namespace isa_avx512
+#pragma GCC pop_options
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+namespace isa_avx2 {
+#include "cache_attention_task.inc"
+}  // namespace isa_avx2
+#pragma GCC pop_options
+namespace isa_baseline {
+#include "cache_attention_task.inc"
+}  // namespace isa_baseline
 
 }  // namespace
 
@@ -146,6 +111,7 @@ Status PlanCacheAttention(const std::string& node, const TensorArg& q, const Ten
   }
   Shapes sh;
   ORTKV_RETURN_IF_ERR(CheckShapes(node, q, k, v, start, num_heads, kv_num_heads, seq_axis, &sh));
+  ORTKV_RETURN_IF_ERR(attn_cpu::CheckCpuIsa("CacheAttention node '" + node + "'"));
   const int64_t B = sh.B, T = sh.T, C = sh.C, D = sh.D, stride = sh.start_stride;
   const int64_t* s = static_cast<const int64_t*>(start.data);
   int64_t max_keys = 0;
@@ -233,7 +199,13 @@ Status PlanCacheAttentionCuda(const std::string& node, const TensorArg& q, const
 }
 
 void CacheAttentionCpu(const CacheAttentionView& a, int64_t begin, int64_t end, float* scratch) {
-  for (int64_t task = begin; task < end; ++task) RunTask(a, task, scratch);
+  void (*run)(const CacheAttentionView&, int64_t, float*) = isa_baseline::RunTask;
+  switch (attn_cpu::CpuIsaOnce().isa) {  // the plan refused a bad ORTKV_CPU_ISA
+    case attn_cpu::CpuIsa::kAvx512: run = isa_avx512::RunTask; break;
+    case attn_cpu::CpuIsa::kAvx2: run = isa_avx2::RunTask; break;
+    case attn_cpu::CpuIsa::kBaseline: break;
+  }
+  for (int64_t task = begin; task < end; ++task) run(a, task, scratch);
 }
 
 void CacheAttentionCombine(const CacheAttentionView& a) {

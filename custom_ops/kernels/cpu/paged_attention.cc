@@ -12,6 +12,8 @@
 #include "ortkv/paged.h"
 #include "paged_common.h"
 
+#include <immintrin.h>  // F16C / AVX-512 conversions, used only inside their #pragma GCC target regions
+
 
 namespace ortkv {
 namespace {
@@ -168,71 +170,28 @@ ORTKV_INLINE void DecodeRun(const PageView& pg, int kv, int32_t head, int32_t r,
   }
 }
 
-// Keys [j0, j1) of (row b, KV head hk) in blocks of at most kAttnBlockKeys, each gathered from as many
-// pages as it spans. DV == 0: any head size.
-template <int DV>
-ORTKV_INLINE void Keys(const PagedAttentionView& a, const State& s, int64_t b, int64_t hk, int64_t j0, int64_t j1,
-                       float* kbuf, float* vbuf) {
-  const int64_t G = a.group(), D = a.D, ps = a.p.shape.page_size;
-  for (int64_t j = j0; j < j1;) {
-    int64_t n = 0;
-    while (n < kAttnBlockKeys && j + n < j1) {
-      const int64_t tok = j + n, r = tok % ps;
-      const int64_t cnt = std::min(std::min(ps - r, kAttnBlockKeys - n), j1 - tok);
-      const PageView pg = a.p.Page(a.p.PageId(b, tok));
-      DecodeRun(pg, 0, static_cast<int32_t>(hk), static_cast<int32_t>(r), cnt, D, kbuf + n * D);
-      DecodeRun(pg, 1, static_cast<int32_t>(hk), static_cast<int32_t>(r), cnt, D, vbuf + n * D);
-      n += cnt;
-    }
-    if constexpr (DV == 0) {
-      BlockAny(s, G, D, kbuf, vbuf, D, n);
-    } else {
-      BlockVec<DV>(s, G, kbuf, vbuf, a.D, n);  // the decoded rows: stride D
-    }
-    j += n;
-  }
-}
-
-__attribute__((target_clones("avx512f", "arch=haswell", "default"))) void RunTask(const PagedAttentionView& a,
-                                                                                  int64_t task, float* scratch) {
-  const int64_t G = a.group(), D = a.D, S = a.splits, KB = kAttnBlockKeys;
-  const int64_t unit = task / S, split = task % S;
-  const int64_t t = unit % a.T;
-  const int64_t hk = (unit / a.T) % a.Hkv;
-  const int64_t b = unit / (a.T * a.Hkv);
-  const int64_t L = a.start[b * a.start_stride] + t + 1;  // keys [0, start + t]
-  const int64_t chunk = (L + S - 1) / S;
-  const int64_t j0 = std::min(L, split * chunk), j1 = std::min(L, j0 + chunk);
-  const int64_t qi = (b * a.T + t) * a.Hq * D + hk * G * D;  // the group's G query heads
-  float* qs = scratch + G * KB;
-  float* own = qs + G * D;  // acc, m, l when splits == 1
-  float* kbuf = own + G * (D + 2);
-  float* vbuf = kbuf + KB * D;
-  float* acc = S > 1 ? a.partial + task * G * (D + 2) : own;
-  State s{qs, scratch, acc, acc + G * D, acc + G * D + G};
-  paged::LoadRow(a.elem_type, a.q, qi, G * D, qs);
-  for (int64_t i = 0; i < G * D; ++i) qs[i] *= a.scale;
-  std::fill(acc, acc + G * D, 0.0f);
-  std::fill(s.m, s.m + G, -std::numeric_limits<float>::infinity());
-  std::fill(s.l, s.l + G, 0.0f);
-  switch (D) {
-    case 16: Keys<1>(a, s, b, hk, j0, j1, kbuf, vbuf); break;
-    case 32: Keys<2>(a, s, b, hk, j0, j1, kbuf, vbuf); break;
-    case 48: Keys<3>(a, s, b, hk, j0, j1, kbuf, vbuf); break;
-    case 64: Keys<4>(a, s, b, hk, j0, j1, kbuf, vbuf); break;
-    case 80: Keys<5>(a, s, b, hk, j0, j1, kbuf, vbuf); break;
-    case 96: Keys<6>(a, s, b, hk, j0, j1, kbuf, vbuf); break;
-    case 128: Keys<8>(a, s, b, hk, j0, j1, kbuf, vbuf); break;
-    case 256: Keys<16>(a, s, b, hk, j0, j1, kbuf, vbuf); break;
-    default: Keys<0>(a, s, b, hk, j0, j1, kbuf, vbuf);
-  }
-  if (S > 1) return;
-  for (int64_t g = 0; g < G; ++g) {
-    const float inv = 1.0f / s.l[g];
-    for (int64_t d = 0; d < D; ++d) acc[g * D + d] *= inv;
-  }
-  paged::StoreRow(a.elem_type, a.out, qi, G * D, acc);
-}
+// Note [CPU attention ISA dispatch]: the task three times, AVX-512, AVX2 + FMA + F16C, baseline.
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
+namespace isa_avx512 {
+#define ORTKV_ISA 2
+#include "paged_attention_task.inc"
+#undef ORTKV_ISA
+}  // namespace isa_avx512
+#pragma GCC pop_options
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+namespace isa_avx2 {
+#define ORTKV_ISA 1
+#include "paged_attention_task.inc"
+#undef ORTKV_ISA
+}  // namespace isa_avx2
+#pragma GCC pop_options
+namespace isa_baseline {
+#define ORTKV_ISA 0
+#include "paged_attention_task.inc"
+#undef ORTKV_ISA
+}  // namespace isa_baseline
 
 }  // namespace
 
@@ -266,6 +225,7 @@ Status PlanPagedCacheAttention(const std::string& node, const TensorArg& q, cons
     return paged::Bad(op, node, m.str());
   }
   const int64_t D = W / num_heads;
+  ORTKV_RETURN_IF_ERR(attn_cpu::CheckCpuIsa(op + " node '" + node + "'"));
   PagedPool& p = view->p;
   ORTKV_RETURN_IF_ERR(paged::ResolvePool(op, node, pool, directory, page_table, attrs, B, D, &p));
   if (start.elem_type != kInt64 || start.dims.size() > 1 || (start.dims.size() == 1 && start.dims[0] != B)) {
@@ -310,7 +270,13 @@ Status PlanPagedCacheAttention(const std::string& node, const TensorArg& q, cons
 }
 
 void PagedCacheAttentionCpu(const PagedAttentionView& a, int64_t begin, int64_t end, float* scratch) {
-  for (int64_t task = begin; task < end; ++task) RunTask(a, task, scratch);
+  void (*run)(const PagedAttentionView&, int64_t, float*) = isa_baseline::RunTask;
+  switch (attn_cpu::CpuIsaOnce().isa) {  // the plan refused a bad ORTKV_CPU_ISA
+    case attn_cpu::CpuIsa::kAvx512: run = isa_avx512::RunTask; break;
+    case attn_cpu::CpuIsa::kAvx2: run = isa_avx2::RunTask; break;
+    case attn_cpu::CpuIsa::kBaseline: break;
+  }
+  for (int64_t task = begin; task < end; ++task) run(a, task, scratch);
 }
 
 void PagedCacheAttentionCombine(const PagedAttentionView& a) {
