@@ -26,8 +26,9 @@ and tokens per GiB = tokens / committed bytes; the F16 column compares with F16 
 
 llama.cpp (benchmarks/llamacpp/llama_kv_quality.cpp, built by benchmarks/llamacpp/build.sh): the same GGUF
 (Q4_1 weights, multiplied as Q4_1 x Q8 activations, not dequantized), the same token ids (written to a file
-by this script, never re-tokenized), the same chunks, flash attention on for every KV type (llama.cpp needs
-it for a quantized V cache, and the f16 reference must take the same path). Its KV types are compared with
+by this script, never re-tokenized), the same chunks, flash attention on (llama.cpp needs it for a quantized V
+cache, and the f16 reference takes the same path) except for f32, which llama.cpp's flash attention would
+cast to f16: the f32 row runs the unfused attention. Its KV types are compared with
 llama.cpp's own f16 KV run (the engines' weights and kernels differ, so cross-engine KL mixes weights with
 cache; it is given once, llama.cpp f16 vs the ortkv float32 dense cache, as the size of that gap).
 """
@@ -331,6 +332,8 @@ def main(argv=None) -> int:
         print(f"paged_quality: {len(ids)} tokens; to run: {', '.join(todo) or 'nothing'}", file=sys.stderr, flush=True)
         runner = None
         for name in todo:
+            if not a.force and name != "dense" and store.get(name) is not None:
+                continue  # another process (--only) stored it meanwhile
             if name == "dense":
                 r = dense_run(dense_cfg, ids, a.chunk, dense_path, vocab)
                 r["kv_bytes"] = len(ids) * 2 * d.num_hidden_layers * d.num_key_value_heads * d.head_size * 4
@@ -445,8 +448,10 @@ def build_report(a, store: Store, d) -> str:
             f"(node-llama-cpp {LLAMACPP_VERSION}'s CPU build; "
             "benchmarks/llamacpp/llama_kv_quality.cpp), the same GGUF (SmolLM2-135M-Instruct Q4_1: llama.cpp "
             "multiplies the Q4_1 blocks with Q8-quantized activations, ortkv with their float32 dequantization), "
-            f"the same {n:,} token ids read from a file, {a.chunk} per llama_decode, flash attention on for every "
-            "type (llama.cpp needs it for a quantized V cache). Each engine's KV types are compared with that "
+            f"the same {n:,} token ids read from a file, {a.chunk} per llama_decode, flash attention on (llama.cpp "
+            "needs it for a quantized V cache) except for f32: llama.cpp casts an f32 K / V to f16 for its "
+            "flash-attention op (the f32 log-probs equal the f16 ones bit for bit), so the f32 row runs the "
+            "unfused attention, and its KL is the f16 flash-attention path's own error. Each engine's KV types are compared with that "
             "engine's own wide cache: here the reference is llama.cpp's f16 KV run (perplexity "
             f"{lref['ppl']:.4f}). The engines differ before any cache quantization: llama.cpp f16 vs ortkv float32 "
             f"dense, mean KL {lref.get('vs_ortkv_dense', {}).get('kl', float('nan')):.5f} nats. Bytes: llama.cpp's "
@@ -462,7 +467,8 @@ def build_report(a, store: Store, d) -> str:
             if r is None:
                 continue
             kq = r.get("kl_quarters", [0.0])[-1]
-            lines.append(f"| {r['kv']} | {r['ppl']:.4f} | {100 * (r['ppl'] / lref['ppl'] - 1):+.2f} % | {r['kl']:.5f} | "
+            kvl = r["kv"] + (" (flash attention off)" if not r.get("flash_attn", True) else "")
+            lines.append(f"| {kvl} | {r['ppl']:.4f} | {100 * (r['ppl'] / lref['ppl'] - 1):+.2f} % | {r['kl']:.5f} | "
                          f"{kq:.5f} | {r['kv_bytes'] / 2**20:.2f} MiB | {r['kv_bytes'] / lref['kv_bytes']:.3f}x | "
                          f"{n / r['kv_bytes'] * GIB:,.0f} | {r['seconds']:.0f} s |")
     rec = got["recency"]
