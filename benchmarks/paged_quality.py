@@ -417,12 +417,12 @@ def build_report(a, store: Store, d) -> str:
         "those bytes; vs F16 = bytes / F16 pages' bytes of the same tokens.",
         "",
         "| cache | perplexity | vs float32 | mean KL (nats) | KL, last quarter | KV bytes at "
-        f"{n:,} tokens | vs F16 | tokens/GiB | live page bytes | live vs F16 | pages per format | run |",
+        f"{n:,} tokens | vs F16 | tokens/GiB (x F16) | live page bytes | live vs F16 | pages per format | run |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|",
     ]
     db = dense["kv_bytes"]
     lines.append(f"| float32 dense (reference) | {dppl:.4f} | 0 | 0 | 0 | {db / 2**20:.2f} MiB | {db / f16_bytes:.3f}x | "
-                 f"{n / db * GIB:,.0f} | {db / 2**20:.2f} MiB | {db / f16_bytes:.3f}x | (dense) | "
+                 f"{n / db * GIB:,.0f} ({f16_bytes / db:.2f}x) | {db / 2**20:.2f} MiB | {db / f16_bytes:.3f}x | (dense) | "
                  f"{dense['seconds']:.0f} s |")
     missing = []
     for name in TABLE_ORDER[1:]:
@@ -433,7 +433,7 @@ def build_report(a, store: Store, d) -> str:
         pages = ", ".join(f"{k} {v}" for k, v in r["pages"].items() if v)
         lines.append(f"| {r['label']} | {r['ppl']:.4f} | {100 * (r['ppl'] / dppl - 1):+.2f} % | {r['kl']:.5f} | "
                      f"{r['kl_quarters'][-1]:.5f} | {r['committed'] / 2**20:.2f} MiB | {r['committed'] / f16_bytes:.3f}x | "
-                     f"{n / r['committed'] * GIB:,.0f} | {r['live'] / 2**20:.2f} MiB | {r['live'] / f16_bytes:.3f}x | "
+                     f"{n / r['committed'] * GIB:,.0f} ({f16_bytes / r['committed']:.2f}x) | {r['live'] / 2**20:.2f} MiB | {r['live'] / f16_bytes:.3f}x | "
                      f"{pages} | {r['seconds']:.0f} s |")
     if missing:
         lines += ["", f"Not run at {n:,} tokens yet: {', '.join(missing)} (see benchmarks/results/paged_quality.md "
@@ -459,7 +459,7 @@ def build_report(a, store: Store, d) -> str:
             "kv_heads x head_size) per layer and token.",
             "",
             "| llama.cpp KV (K and V) | perplexity | vs its f16 KV | mean KL vs its f16 KV (nats) | KL, last quarter | "
-            f"KV bytes at {n:,} tokens | vs f16 | tokens/GiB | run |",
+            f"KV bytes at {n:,} tokens | vs f16 | tokens/GiB (x f16) | run |",
             "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for name in ["llamacpp_f32", "llamacpp_f16", "llamacpp_q8_0", "llamacpp_q4_0"]:
@@ -470,7 +470,7 @@ def build_report(a, store: Store, d) -> str:
             kvl = r["kv"] + (" (flash attention off)" if not r.get("flash_attn", True) else "")
             lines.append(f"| {kvl} | {r['ppl']:.4f} | {100 * (r['ppl'] / lref['ppl'] - 1):+.2f} % | {r['kl']:.5f} | "
                          f"{kq:.5f} | {r['kv_bytes'] / 2**20:.2f} MiB | {r['kv_bytes'] / lref['kv_bytes']:.3f}x | "
-                         f"{n / r['kv_bytes'] * GIB:,.0f} | {r['seconds']:.0f} s |")
+                         f"{n / r['kv_bytes'] * GIB:,.0f} ({lref['kv_bytes'] / r['kv_bytes']:.2f}x) | {r['seconds']:.0f} s |")
     rec = got["recency"]
     if rec is not None:
         dp = 100 * (rec["ppl"] / dppl - 1)

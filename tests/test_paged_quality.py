@@ -73,7 +73,7 @@ def test_report_from_stored_rows(tmp_path):
     s.put("recency", _row("recency 1+4 F16, rest INT4", 4.06, 0.01, int(0.34 * f16), int(0.3 * f16),
                           {"F16": 5, "INT4": 59}))
     text = pq.build_report(a, s, d)
-    assert "| INT4 | 5.0000 | +25.00 % | 0.30000 |" in text
+    assert "| INT4 | 5.0000 | +25.00 % | 0.30000 |" in text and f"| 0.250x | {4 * n / f16 * 2**30:,.0f} (4.00x) |" in text
     assert "| float32 dense (reference) | 4.0000 |" in text and "| 2.000x |" in text
     assert "+1.50 % perplexity (within 2 %" in text and "0.340x the F16 bytes committed" in text
     assert text.rstrip().splitlines()[-3].endswith(": met.")
@@ -86,7 +86,7 @@ def test_report_from_stored_rows(tmp_path):
     s.put("llamacpp_q4_0", {"ppl": 4.29, "kl": 0.1, "kl_quarters": [0.1] * 4, "kv": "q4_0", "kv_bytes": 281,
                             "seconds": 1.0})
     text = pq.build_report(a, s, d)
-    assert "| q4_0 | 4.2900 | +10.00 % | 0.10000 | 0.10000 | 0.00 MiB | 0.281x |" in text
+    assert f"| q4_0 | 4.2900 | +10.00 % | 0.10000 | 0.10000 | 0.00 MiB | 0.281x | {n / 281 * 2**30:,.0f} (3.56x) |" in text
     assert "mean KL 0.00700 nats" in text
 
 
