@@ -449,9 +449,10 @@ def build_report(a, store: Store, d) -> str:
             "benchmarks/llamacpp/llama_kv_quality.cpp), the same GGUF (SmolLM2-135M-Instruct Q4_1: llama.cpp "
             "multiplies the Q4_1 blocks with Q8-quantized activations, ortkv with their float32 dequantization), "
             f"the same {n:,} token ids read from a file, {a.chunk} per llama_decode, flash attention on (llama.cpp "
-            "needs it for a quantized V cache) except for f32: llama.cpp casts an f32 K / V to f16 for its "
-            "flash-attention op (the f32 log-probs equal the f16 ones bit for bit), so the f32 row runs the "
-            "unfused attention, and its KL is the f16 flash-attention path's own error. Each engine's KV types are compared with that "
+            "needs it for a quantized V cache)" + (
+                " except for f32: llama.cpp casts an f32 K / V to f16 for its flash-attention op (the f32 "
+                "log-probs equal the f16 ones bit for bit), so the f32 row runs the unfused attention, and its KL "
+                "is the f16 flash-attention path's own error" if got["llamacpp_f32"] else "") + ". Each engine's KV types are compared with that "
             "engine's own wide cache: here the reference is llama.cpp's f16 KV run (perplexity "
             f"{lref['ppl']:.4f}). The engines differ before any cache quantization: llama.cpp f16 vs ortkv float32 "
             f"dense, mean KL {lref.get('vs_ortkv_dense', {}).get('kl', float('nan')):.5f} nats. Bytes: llama.cpp's "
