@@ -469,3 +469,74 @@ def test_demotion_on_a_cuda_pool_stages_one_page_and_matches_a_cpu_requantize():
         _write(cpu, p, values)
         cpu.requantize(p, F.INT8)
         assert np.array_equal(cpu.slot_contents(p), demoted)
+
+
+def _as_host_staged(pool, monkeypatch):
+    """Run a CPU pool through its CUDA code paths (staged requantize, the device directory, the byte helpers):
+    _cuda_copy becomes a memmove between host addresses and the 'device' directory a second host array, so
+    the logic of Note [Page pool on CUDA] / [Requantize on CUDA] is checked here; the H200 runs the real one."""
+    import ctypes
+
+    import onnxruntime as ort
+
+    calls = []
+
+    def fake_copy(device, dst, src, nbytes, what):
+        calls.append((what, nbytes))
+        if nbytes:
+            ctypes.memmove(dst, src, nbytes)
+
+    monkeypatch.setattr(paged, "_cuda_copy", fake_copy)
+    pool.device = "cuda:0"
+    pool._fake_device_directory = np.full_like(pool.directory, -1)  # kept alive: the OrtValue borrows it
+    pool.directory_device = ort.OrtValue.ortvalue_from_numpy(pool._fake_device_directory)
+    for page in pool.live_pages:
+        pool._set_row(page, *pool.directory[page])
+    return calls
+
+
+@pytest.mark.parametrize("dst", [F.INT8, F.INT4, F.INT4_KC])
+def test_staged_requantize_path_equals_the_direct_one_on_the_host(monkeypatch, dst):
+    values = np.random.default_rng(11).standard_normal((L, 2, H, PS, D)).astype(np.float32)
+    with _pool() as direct, _pool() as staged:
+        for pool in (direct, staged):
+            keep = pool.alloc(F.F16)
+            _write(pool, keep, -values)
+            _write(pool, pool.alloc(F.F16), values)
+        calls = _as_host_staged(staged, monkeypatch)
+        keep_bytes = staged.slot_contents(keep)
+        for pool in (direct, staged):
+            pool.requantize(1, dst)
+        assert np.array_equal(direct.slot_contents(1), staged.slot_contents(1))
+        assert np.array_equal(direct.directory, staged.directory)
+        assert np.array_equal(staged.slot_contents(keep), keep_bytes)
+        assert staged.bytes_staged == staged.slot_bytes(F.F16) + staged.slot_bytes(dst) and direct.bytes_staged == 0
+        assert staged.bytes_copied == direct.bytes_copied == staged.slot_bytes(dst)
+        assert [c for c in calls if c[0] == "requantize"] == [("requantize", staged.slot_bytes(F.F16)),
+                                                              ("requantize", staged.slot_bytes(dst))]
+        assert not np.array_equal(staged._fake_device_directory, staged.directory)  # not uploaded yet
+        assert staged.directory_input() is staged.directory_device
+        assert np.array_equal(staged._fake_device_directory, staged.directory)
+        assert staged.directory_bytes_uploaded == 2 * 16  # rows 0 and 1: one copy of that span
+        staged.directory_input()
+        assert staged.directory_bytes_uploaded == 2 * 16
+
+
+def test_staged_requantize_refusal_writes_nothing_back(monkeypatch):
+    with _pool() as pool:
+        p = pool.alloc(F.F16)
+        values = np.ones((L, 2, H, PS, D), np.float32)
+        values[0, 1, 0, 2, 7] = np.nan
+        _write(pool, p, values)
+        calls = _as_host_staged(pool, monkeypatch)
+        before, directory = pool.slot_contents(p), pool.directory.copy()
+        pool.directory_input()
+        up = pool.directory_bytes_uploaded
+        with pytest.raises(CacheInputError, match="inf|NaN|finite"):
+            pool.requantize(p, F.INT4)
+        assert [c for c in calls if c[0] == "requantize"] == [("requantize", pool.slot_bytes(F.F16))]  # up, not back
+        assert pool.bytes_staged == pool.slot_bytes(F.F16) and pool.bytes_copied == 0
+        assert np.array_equal(pool.slot_contents(p), before) and np.array_equal(pool.directory, directory)
+        pool.directory_input()
+        assert pool.directory_bytes_uploaded == up  # no row changed
+        assert pool.offset_of(pool.alloc(F.INT4)) == pool.slabs[F.INT4].offset  # the refused slot went back
