@@ -434,3 +434,24 @@ def test_cli_paged_int8_on_cuda_reports_pages_and_committed_bytes(tmp_path):
     assert paged["committed_total"] == r["kv_bytes"] == sum(paged["committed_bytes"].values()) > 0
     assert paged["device"] == "cuda:0" and paged["bytes_staged"] == 0
     assert len(r["new_ids"][0]) == 24
+
+
+def test_float16_decoder_rewrites_onto_the_paged_ops():
+    """The CUDA paged decoder is the float16 ortkv decoder rewritten (paged_model_path passes cfg.dtype):
+    same nodes, float16 values into the paged ops, float32 logits."""
+    w, _ = weights.load(smollm2_gguf(), layers=2)
+    model = to_paged(builder.build(w, "ortkv", max_positions=256, cache_layout="BSNH", dtype="float16"),
+                     w.config.heads, w.config.kv_heads, 16)
+    ops = [n.op_type for n in model.graph.node]
+    assert ops.count("PagedCacheUpdate") == 2 and ops.count("PagedCacheAttention") == 2
+    assert "CacheUpdate" not in ops and "CacheAttention" not in ops
+    producer = {o: n for n in model.graph.node for o in n.output}
+    inits = {t.name: t.data_type for t in model.graph.initializer}
+    for n in model.graph.node:
+        if n.op_type == "PagedCacheUpdate":  # v = Split(MatMul(x, the fused float16 projection))
+            split = producer[n.input[4]]
+            matmul = producer[split.input[0]]
+            assert (split.op_type, matmul.op_type) == ("Split", "MatMul")
+            assert inits[matmul.input[1]] == onnx.TensorProto.FLOAT16
+    assert [o.type.tensor_type.elem_type for o in model.graph.output if o.name == "logits"] == [onnx.TensorProto.FLOAT]
+    assert alias_of(model, pool_output(1)) == POOL
