@@ -52,8 +52,9 @@ marks it dirty; ``directory_input()`` (called before each run) copies the dirty 
 in ONE host-to-device copy and returns the OrtValue. Nothing is copied on a step that opened no page and
 changed no format. Counted in ``directory_bytes_uploaded``. On the CPU ``directory_input()`` is the host
 array itself. Byte helpers that must work on both devices (``read_bytes``, ``write_bytes``,
-``copy_bytes``) are cudaMemcpy (libcudart through ctypes) followed by a device synchronize, between runs:
-ORT synchronizes its stream at the end of a run, so the pool is idle when the host touches it.
+``copy_bytes``) are cudaMemcpy (libcudart through ctypes) between two device synchronizes, between runs:
+the pool is idle when the host touches it, and the copy is complete before the next run is launched,
+whatever stream ORT launches it on.
 
 Note [Requantize on CUDA]
 ~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -104,13 +105,15 @@ def _cudart():
 
 
 def _cuda_copy(device: int, dst: int, src: int, nbytes: int, what: str) -> None:
-    """cudaMemcpy(dst, src, nbytes, cudaMemcpyDefault) then cudaDeviceSynchronize (Note [Page pool on CUDA])."""
+    """cudaMemcpy(dst, src, nbytes, cudaMemcpyDefault) between two cudaDeviceSynchronize calls (Note [Page pool on
+    CUDA]): the copy starts after every stream's work and is complete on return, whatever streams ORT uses."""
     import ctypes
 
     if nbytes == 0:
         return
     lib = _cudart()
     for call, args in (("cudaSetDevice", (ctypes.c_int(device),)),
+                       ("cudaDeviceSynchronize", ()),  # whatever stream ORT ran on is done with the pool
                        ("cudaMemcpy", (ctypes.c_void_p(dst), ctypes.c_void_p(src), ctypes.c_size_t(nbytes),
                                        ctypes.c_int(_MEMCPY_DEFAULT))),
                        ("cudaDeviceSynchronize", ())):

@@ -126,8 +126,8 @@ def paged_model_path(cfg: GenAIConfig, log=print):
 class PagedRunner:
     """The runner interface of runners.py (start / prefill / step / kv_bytes / close) on the paged
     decoder: a PagePool on one arena under the config's budget, one PagedKVCache for the batch, its policy
-    from the ``ortkv`` section (Note [Page policies] in ortkv.paged). CPU (float32 or float16) or CUDA
-    (Note [Paged decoder on CUDA])."""
+    from the ``ortkv`` section (Note [Page policies] in ortkv.paged). CPU (float32) or CUDA (float16 by default; Note [Paged
+    decoder on CUDA])."""
 
     name = "ortkv"
 
@@ -208,6 +208,13 @@ class PagedRunner:
         if self.cuda_graph and self.pool.committed_bytes != committed:
             self._new_decode_graph()  # Note [CUDA graph decode]: the captured update keeps its committed ranges
 
+    def _advance(self, lengths) -> None:
+        """The policy after a run; a requantize may commit a granule of its format's slab: a new capture too."""
+        committed = self.pool.committed_bytes
+        self.cache.advance(lengths)
+        if self.cuda_graph and self.pool.committed_bytes != committed:
+            self._new_decode_graph()
+
     def _table(self):
         """The page table on the device, copied up only when it changed (a page opened)."""
         table = self.cache.page_table
@@ -243,7 +250,7 @@ class PagedRunner:
                                    "page_table": self._table()},
                       run_options=self._prefill_ro, bound_outputs={"logits": out})
         self.lengths = lengths.astype(np.int64).copy()
-        self.cache.advance(self.lengths)
+        self._advance(self.lengths)
         return out
 
     def prefill(self, ids: np.ndarray, lengths: np.ndarray) -> np.ndarray:
@@ -251,7 +258,7 @@ class PagedRunner:
             return self.last_token(self._prefill_device(ids, lengths), lengths - 1)
         logits = self.logits_all(ids)
         self.lengths = lengths.astype(np.int64).copy()
-        self.cache.advance(self.lengths)
+        self._advance(self.lengths)
         return logits[np.arange(len(ids)), lengths - 1]
 
     def prefill_tokens(self, ids: np.ndarray, lengths: np.ndarray) -> np.ndarray:
@@ -268,7 +275,7 @@ class PagedRunner:
                                    "directory": directory, "page_table": self._table()},
                       run_options=self._decode_ro, bound_outputs={"logits": io["logits"]})
         self.lengths += 1
-        self.cache.advance(self.lengths)  # a requantize here stages one page (Note [Requantize on CUDA])
+        self._advance(self.lengths)  # a requantize here stages one page (Note [Requantize on CUDA])
         return io["logits"]
 
     def step(self, next_ids: np.ndarray) -> np.ndarray:
@@ -276,7 +283,7 @@ class PagedRunner:
             return self._step_device(next_ids).numpy()[:, -1]
         logits = self._run(next_ids.reshape(-1, 1), self.lengths)
         self.lengths += 1
-        self.cache.advance(self.lengths)
+        self._advance(self.lengths)
         return logits[:, -1]
 
     def step_tokens(self, next_ids: np.ndarray) -> np.ndarray:
@@ -291,7 +298,7 @@ class PagedRunner:
             block = ids[None, s:s + chunk]
             out.append(self._run(block, self.lengths)[0])
             self.lengths += block.shape[1]
-            self.cache.advance(self.lengths)
+            self._advance(self.lengths)
         return np.concatenate(out)
 
     def kv_bytes(self) -> int:
