@@ -126,8 +126,8 @@ def paged_model_path(cfg: GenAIConfig, log=print):
 class PagedRunner:
     """The runner interface of runners.py (start / prefill / step / kv_bytes / close) on the paged
     decoder: a PagePool on one arena under the config's budget, one PagedKVCache for the batch, its policy
-    from the ``ortkv`` section (Note [Page policies] in ortkv.paged). CPU (float32) or CUDA (float16 by default; Note [Paged
-    decoder on CUDA])."""
+    from the ``ortkv`` section (Note [Page policies] in ortkv.paged). CPU (float32) or CUDA (float16 by
+    default; Note [Paged decoder on CUDA])."""
 
     name = "ortkv"
 
