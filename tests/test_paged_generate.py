@@ -433,7 +433,7 @@ def test_cli_paged_int8_on_cuda_reports_pages_and_committed_bytes(tmp_path):
     assert paged["pages"]["INT8"] == -(-tokens // 16) == sum(paged["pages"].values())
     assert paged["committed_total"] == r["kv_bytes"] == sum(paged["committed_bytes"].values()) > 0
     assert paged["device"] == "cuda:0" and paged["bytes_staged"] == 0
-    assert len(r["new_ids"][0]) == 24
+    assert 1 <= len(r["new_ids"][0]) <= 24  # 24 unless the model ends with eos first
 
 
 def test_float16_decoder_rewrites_onto_the_paged_ops():
