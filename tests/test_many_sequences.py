@@ -667,3 +667,24 @@ def test_parallel_samples_on_cuda_share_the_prompt_pages():
     assert a == b and all(len(s) == 10 for s in a)
     assert copies == n - 1 and copied == copies * slot
     assert stats["device"] == "cuda:0" and stats["bytes_staged"] == 0
+
+
+@pytest.mark.cuda
+@on_cuda
+def test_cli_four_beams_on_cuda(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "ortkv.generate.cli", "--device", "cuda:0", "--cache", "paged", "--num-beams", "4",
+           "--num-return-sequences", "2", "--max-new-tokens", "8", "--max-length", "256", "--json", "--prompt",
+           "The capital of France is"]
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert (r["device"], r["dtype"]) == ("cuda:0", "float16")
+    assert len(r["sequences"]) == 2 and all(1 <= len(q["new_ids"]) <= 8 for q in r["sequences"])
+    assert r["sequences"][0]["score"] >= r["sequences"][1]["score"]
+    p = r["paged"]
+    assert p["device"] == "cuda:0" and p["bytes_copied"] == p["copies"] * (30 * 2 * 3 * 16 * 64 * 2)
+    assert r["kv_bytes"] > 0
