@@ -393,6 +393,7 @@ def test_directory_input_is_the_host_rows_on_the_device(device):
         assert np.array_equal(_device_directory(pool), pool.directory)
         assert pool.directory_bytes_uploaded == up  # nothing changed: nothing copied
         pool.free(pages[1])
+        _write(pool, pages[3], np.zeros((L, 2, H, PS, D), np.float32))  # fresh CUDA memory is not zeroed
         pool.requantize(pages[3], F.INT8)
         assert np.array_equal(_device_directory(pool), pool.directory)
         if device == "cpu":
@@ -430,6 +431,10 @@ def test_requantize_on_cuda_equals_cpu_byte_for_byte_and_counts_staged_bytes(dst
 @pytest.mark.cuda
 def test_requantize_refusal_on_cuda_leaves_the_device_bytes_untouched():
     with _pool(device="cuda:0") as pool:
+        spare = pool.alloc(F.INT8)  # commits the INT8 slab's granule; its slot is the one the refusal takes
+        spare_offset = pool.offset_of(spare)
+        fresh = pool.slot_contents(spare)
+        pool.free(spare)
         p = pool.alloc(F.F16)
         values = np.ones((L, 2, H, PS, D), np.float32)
         values[1, 0, 1, 3, 5] = np.inf
@@ -443,9 +448,8 @@ def test_requantize_refusal_on_cuda_leaves_the_device_bytes_untouched():
         assert np.array_equal(pool.slot_contents(p), before)
         assert pool.bytes_staged == pool.slot_bytes(F.F16)  # the source came up; nothing went back
         i8 = pool.alloc(F.INT8)
-        assert pool.offset_of(i8) == pool.slabs[F.INT8].offset
-        assert np.array_equal(pool.read_bytes(pool.offset_of(i8), pool.slot_bytes(F.INT8)),
-                              np.zeros(pool.slot_bytes(F.INT8), np.uint8))  # fresh memory: never written
+        assert pool.offset_of(i8) == spare_offset  # the slot the refused copy took went back to the free list
+        assert np.array_equal(pool.slot_contents(i8), fresh)  # and no byte of it was written
 
 
 @pytest.mark.cuda
