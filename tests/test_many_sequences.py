@@ -553,3 +553,138 @@ def test_a_small_pool_queues_and_preempts_without_changing_the_tokens(paged_path
         assert runner.pool.live_pages == []
     finally:
         runner.close()
+
+
+# ---- on CUDA: the pool in a CUDA arena, copy-on-write as a device-to-device copy -----------------------------
+def _cuda_why_not() -> str | None:
+    import onnxruntime as ort
+
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        return "onnxruntime has no CUDAExecutionProvider (install onnxruntime-gpu, docs/GPU.md)"
+    from ortkv.vmm import cuda_available
+
+    if not _ortkv.CUDA_BUILD:
+        return "ortkv was built without CUDA kernels (ORTKV_CUDA=OFF or no nvcc)"
+    ok, why = cuda_available()
+    return None if ok else f"no CUDA arena: {why}"
+
+
+on_cuda = pytest.mark.skipif(_cuda_why_not() is not None, reason=f"many sequences on CUDA skipped: {_cuda_why_not()}")
+
+
+@pytest.mark.cuda
+@on_cuda
+def test_store_copy_on_a_cuda_pool_is_one_device_slot_counted():
+    with PagePool(2, 3, 64, PS, np.float16, "cuda:0", Governor(64 << 20), max_pages=16) as pool:
+        store = PoolPageStore(pool)
+        src, dst, other = store.alloc(0), store.alloc(0), store.alloc(0)
+        n = pool.slot_bytes("f16")
+        rng = np.random.default_rng(3)
+        want, keep = (rng.integers(0, 256, n, dtype=np.uint8) for _ in range(2))
+        pool.write_bytes(pool.offset_of(src), want)
+        pool.write_bytes(pool.offset_of(other), keep)
+        store.copy(src, dst)
+        assert np.array_equal(pool.slot_contents(dst), want) and np.array_equal(pool.slot_contents(src), want)
+        assert np.array_equal(pool.slot_contents(other), keep)
+        assert pool.bytes_copied == n == store.bytes_copied and store.copies == 1 and pool.bytes_staged == 0
+        i8 = store.alloc(int(PageFormat.INT8))
+        with pytest.raises(CacheProtocolError, match="formats differ"):
+            store.copy(src, i8)
+        assert np.array_equal(pool.slot_contents(dst), want) and pool.bytes_copied == n
+
+
+def _full_cfg(device: str, **search):
+    from ortkv.generate.config import set_device
+
+    cfg = GenAIConfig()
+    cfg.ortkv.cache = "paged"
+    cfg.ortkv.kv_format = "f16"
+    cfg.search.max_length = 256
+    if device != "cpu":
+        set_device(cfg, device, False)
+    for k, v in search.items():
+        setattr(cfg.search, k, v)
+    return cfg.validate()
+
+
+@pytest.mark.cuda
+@on_cuda
+def test_four_beams_on_cuda_equal_four_beams_on_the_cpu():
+    """The same 4-beam search (README prompt, 12 tokens) on the CPU (float32 model, F16 pages) and on CUDA
+    (float16 model, F16 pages). Float16 weights and activations move log-probabilities by ~1e-2, so beams
+    can swap at a near tie: the best hypothesis must be the same tokens, or its score on each device within
+    0.05 of the other's best (a tie between two hypotheses, printed). Copy-on-write happens on the same
+    steps whenever the beams' tokens agree, counted as device-to-device slot copies."""
+    from ortkv.generate.models import tokenizer_for
+    from ortkv.generate.paged import paged_model_path
+
+    results = {}
+    for device in ("cpu", "cuda:0"):
+        cfg = _full_cfg(device)
+        prompt = tokenizer_for(cfg).encode("The capital of France is")
+        runner = MultiRunner(paged_model_path(cfg), cfg, max_sequences=4, max_length=128)
+        try:
+            stats = BeamStats()
+            hyps = beam_search(runner, prompt, 4, 12, num_return_sequences=4, eos_token_id=-1, stats=stats)
+            slot = runner.pool.slot_bytes("f16")
+            assert runner.pool.bytes_copied == runner.store.copies * slot == sum(stats.bytes_copied_per_step)
+            assert runner.pool.stats()["device"] == device and runner.pool.bytes_staged == 0
+            results[device] = (hyps, stats)
+        finally:
+            runner.close()
+    (cpu, cpu_stats), (gpu, gpu_stats) = results["cpu"], results["cuda:0"]
+    assert len(cpu) == len(gpu) == 4
+    if cpu[0].tokens == gpu[0].tokens:
+        assert abs(cpu[0].score - gpu[0].score) < 0.05
+        if [h.tokens for h in cpu] == [h.tokens for h in gpu]:
+            assert cpu_stats.copies_per_step == gpu_stats.copies_per_step
+    else:
+        print(f"4 beams: best hypothesis differs (cpu {cpu[0].tokens} {cpu[0].score:.4f}, cuda {gpu[0].tokens} "
+              f"{gpu[0].score:.4f})")
+        assert abs(cpu[0].score - gpu[0].score) < 0.05
+        assert gpu[0].tokens in [h.tokens for h in cpu] or cpu[0].tokens in [h.tokens for h in gpu]
+
+
+@pytest.mark.cuda
+@on_cuda
+def test_parallel_samples_on_cuda_share_the_prompt_pages():
+    """4 samples of one prompt on a CUDA pool: reproducible by seed, and the prompt's partly filled page is
+    copied (device to device) by 3 of the 4 writers, as on the CPU."""
+    from ortkv.generate.paged import paged_model_path
+
+    cfg = _full_cfg("cuda:0", do_sample=True, top_k=20, temperature=0.8)
+    prompt, n = [1, 504, 3458, 282, 4649, 314, 5, 9690, 28], 4  # 9 tokens: one partly filled page of 16
+    runs = []
+    for _ in range(2):
+        runner = MultiRunner(paged_model_path(cfg), cfg, max_sequences=n, max_length=128)
+        try:
+            samples = sample_many(prompt, runner, n, 10, search=cfg.search, seed=1, eos_token_id=-1)
+            slot = runner.pool.slot_bytes("f16")
+            runs.append((samples, runner.store.copies, runner.pool.bytes_copied, runner.pool.stats()))
+        finally:
+            runner.close()
+    (a, copies, copied, stats), (b, _, _, _) = runs
+    assert a == b and all(len(s) == 10 for s in a)
+    assert copies == n - 1 and copied == copies * slot
+    assert stats["device"] == "cuda:0" and stats["bytes_staged"] == 0
+
+
+@pytest.mark.cuda
+@on_cuda
+def test_cli_four_beams_on_cuda(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "ortkv.generate.cli", "--device", "cuda:0", "--cache", "paged", "--num-beams", "4",
+           "--num-return-sequences", "2", "--max-new-tokens", "8", "--max-length", "256", "--json", "--prompt",
+           "The capital of France is"]
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert (r["device"], r["dtype"]) == ("cuda:0", "float16")
+    assert len(r["sequences"]) == 2 and all(1 <= len(q["new_ids"]) <= 8 for q in r["sequences"])
+    assert r["sequences"][0]["score"] >= r["sequences"][1]["score"]
+    p = r["paged"]
+    assert p["device"] == "cuda:0" and p["bytes_copied"] == p["copies"] * (30 * 2 * 3 * 16 * 64 * 2)
+    assert r["kv_bytes"] > 0

@@ -232,14 +232,226 @@ def test_cli_json_reports_pages_per_format():
     assert paged["policy"].startswith("recency")
 
 
-def test_paged_cache_is_refused_on_cuda_until_its_ops_have_cuda_kernels():
-    """On CUDA, ORT would place the CPU-only paged ops on the CPU and copy the pool every step: refused."""
-    from ortkv.errors import OrtkvError
+def test_paged_cache_on_cuda_is_refused_only_without_cuda_kernels(monkeypatch):
+    """On CUDA without the CUDA paged kernels ORT would place the CPU ops on the CPU and copy the pool every
+    step: refused, naming the remedy. With them (a CUDA build) the config is valid."""
+    from ortkv.generate import config as config_module
     from ortkv.generate.config import GenAIConfig, set_device
 
     cfg = GenAIConfig()
     cfg.ortkv.cache = "paged"
     cfg.validate()  # the CPU is fine
     set_device(cfg, "cuda:0", False)
-    with pytest.raises(OrtkvError, match=r"ortkv.cache = 'paged' on cuda:0: .*CPU kernels only"):
+    monkeypatch.setattr(config_module, "_cuda_kernels", lambda: False)
+    with pytest.raises(OrtkvError, match=r"ortkv.cache = 'paged' on cuda:0: this build of ortkv has no CUDA kernels "
+                                         r"for PagedCacheUpdate / PagedCacheAttention .*reinstall ortkv with CUDA on"):
         cfg.validate()
+    monkeypatch.setattr(config_module, "_cuda_kernels", lambda: True)
+    assert cfg.validate().ortkv.cache == "paged" and cfg.dtype == "float16"
+
+
+def test_paged_runner_refuses_float16_on_the_cpu(slice_paths):
+    cfg = _slice_cfg(dtype="float16")
+    with pytest.raises(OrtkvError, match=r"ortkv.cache = 'paged' on the CPU runs float32 models; got dtype float16"):
+        PagedRunner(slice_paths["paged"], cfg)
+
+
+# ---- on CUDA (Note [Paged decoder on CUDA]): float16 model, pool in a CUDA arena -----------------------------
+def _cuda_why_not() -> str | None:
+    import onnxruntime as ort
+
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        return "onnxruntime has no CUDAExecutionProvider (install onnxruntime-gpu, docs/GPU.md)"
+    from ortkv.vmm import cuda_available
+
+    if not _ortkv.CUDA_BUILD:
+        return "ortkv was built without CUDA kernels (ORTKV_CUDA=OFF or no nvcc)"
+    ok, why = cuda_available()
+    return None if ok else f"no CUDA arena: {why}"
+
+
+README_PROMPT = "The capital of France is"
+
+
+def _cuda_cfg(cuda_graph: bool, paged: bool = True, **ortkv_keys) -> GenAIConfig:
+    from ortkv.generate.config import set_device
+
+    cfg = GenAIConfig()
+    set_device(cfg, "cuda:0", cuda_graph)
+    cfg.search.max_length = 512
+    if paged:
+        cfg.ortkv.cache = "paged"
+    for k, v in ortkv_keys.items():
+        setattr(cfg.ortkv, k, v)
+    return cfg.validate()
+
+
+def _logit_steps(runner, prompts, steps):
+    """Prefill then ``steps`` decode steps on the argmax; the [B, V] logits of each, stacked."""
+    lengths = np.array([len(p) for p in prompts])
+    ids = np.full((len(prompts), lengths.max()), 2, np.int64)
+    for b, p in enumerate(prompts):
+        ids[b, : len(p)] = p
+    runner.start(len(prompts), runner.cfg.search.max_length)
+    out = [runner.prefill(ids, lengths)]
+    for _ in range(steps):
+        out.append(runner.step(out[-1].argmax(-1)))
+    return np.stack(out)
+
+
+def _near_tie_or_equal(a, b, prompt, cfg_dense, what):
+    """a (paged) == b (dense), or the first difference is a near tie: the two picks within 0.125 in the dense
+    runner's float16 logits after the shared prefix (the rule of test_generate_cuda.py)."""
+    if a == b:
+        return None
+    k = next(j for j in range(min(len(a), len(b))) if a[j] != b[j])
+    from ortkv.generate.models import model_path
+
+    r = OrtkvRunner(model_path(cfg_dense, "ortkv"), cfg_dense)
+    try:
+        logits = _logit_steps(r, [list(prompt) + list(b[:k])], 0)[0, 0]
+    finally:
+        r.close()
+    margin = float(logits[b[k]] - logits[a[k]])
+    msg = f"{what}: first difference at token {k} (dense {b[k]}, paged {a[k]}, margin {margin:+.3f})"
+    print(msg)
+    assert abs(margin) <= 0.125, msg
+    return msg
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(_cuda_why_not() is not None, reason=f"paged CUDA generation skipped: {_cuda_why_not()}")
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "cuda_graph"])
+def test_cuda_f16_pages_greedy_equal_the_dense_cuda_path(graph):
+    """Issue 11 on CUDA: greedy tokens of --cache paged --kv-format f16 == the dense (arena) CUDA path's for
+    the README prompt, 32 tokens, or differ first at a near tie (_near_tie_or_equal)."""
+    from ortkv.generate.models import model_path, tokenizer_for
+
+    dense_cfg = _cuda_cfg(graph, paged=False)
+    ids = [tokenizer_for(dense_cfg).encode(README_PROMPT)]
+    r = OrtkvRunner(model_path(dense_cfg, "ortkv"), dense_cfg)
+    try:
+        want = generate(r, ids, dense_cfg.search, 32, -1, 2).new_ids[0]
+    finally:
+        r.close()
+    cfg = _cuda_cfg(graph, kv_format="f16")
+    r = make_runner("ortkv", cfg)
+    assert isinstance(r, PagedRunner) and r.greedy_on_device
+    try:
+        g = generate(r, ids, cfg.search, 32, -1, 2)
+        stats = r.paged_stats()
+    finally:
+        r.close()
+    got = g.new_ids[0]
+    assert len(got) == 32
+    _near_tie_or_equal(got, want, ids[0], dense_cfg, f"paged f16 (graph {graph}) vs dense")
+    assert stats["device"] == "cuda:0" and stats["bytes_staged"] == 0 and stats["bytes_copied"] == 0
+    tokens = len(ids[0]) + 31  # the last token is sampled, not written
+    assert stats["pages"]["F16"] == -(-tokens // 16) and g.kv_bytes == stats["committed_total"] > 0
+    assert stats["directory_bytes_uploaded"] >= 16 * stats["pages"]["F16"]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(_cuda_why_not() is not None, reason=f"paged CUDA generation skipped: {_cuda_why_not()}")
+def test_cuda_graph_paged_decode_equals_uncaptured_paged_decode():
+    """Same logits, bit for bit, with and without the CUDA graph, two rows of different lengths over three
+    pages each (new pages open, the directory and page table change, the arena commits, under capture)."""
+    prompts = [[504, 3575, 282, 4649, 314], [1, 504, 3575, 282, 4649, 314, 7042, 30, 198]]
+    runs = {}
+    for graph in (False, True):
+        cfg = _cuda_cfg(graph, kv_format="f16")
+        r = make_runner("ortkv", cfg)
+        try:
+            runs[graph] = _logit_steps(r, prompts, steps=40)
+            runs[graph, "stats"] = r.paged_stats()
+        finally:
+            r.close()
+    assert np.isfinite(runs[True]).all()
+    np.testing.assert_array_equal(runs[True], runs[False])
+    assert runs[True, "stats"]["pages"] == runs[False, "stats"]["pages"]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(_cuda_why_not() is not None, reason=f"paged CUDA generation skipped: {_cuda_why_not()}")
+def test_cuda_int8_pages_run_and_stay_close_to_f16_pages():
+    from ortkv.generate.models import tokenizer_for
+
+    tok = tokenizer_for(_cuda_cfg(False))
+    ids = [tok.encode(README_PROMPT)]
+    logits = {}
+    for fmt in ("f16", "int8"):
+        cfg = _cuda_cfg(False, kv_format=fmt)
+        r = make_runner("ortkv", cfg)
+        try:
+            logits[fmt] = _logit_steps(r, ids, steps=4)
+            stats = r.paged_stats()
+        finally:
+            r.close()
+        want = -(-(len(ids[0]) + 4) // 16)
+        assert stats["pages"][fmt.upper()] == want and sum(stats["pages"].values()) == want
+    assert np.isfinite(logits["int8"]).all()
+    # the prompt's logits (later steps may follow different tokens): int8 keys and values with per-row
+    # scales move float16 logits of magnitude ~10 by well under 1, and the first pick is the same
+    assert np.abs(logits["int8"][0] - logits["f16"][0]).max() < 1.0
+    assert (logits["int8"][0].argmax(-1) == logits["f16"][0].argmax(-1)).all()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(_cuda_why_not() is not None, reason=f"paged CUDA generation skipped: {_cuda_why_not()}")
+def test_cuda_recency_policy_requantizes_through_staged_pages():
+    """Pages leaving the recent window are requantized on the CUDA pool by staging one page each way
+    (Note [Requantize on CUDA]): bytes_staged = requantized pages x (F16 slot + INT4 slot)."""
+    cfg = _cuda_cfg(False, kv_policy={"sink_pages": 1, "recent_pages": 4, "recent": "f16", "old": "int4"},
+                    page_size=4)
+    r = make_runner("ortkv", cfg)
+    try:
+        out = _logit_steps(r, [[504, 3575, 282, 4649, 314]], steps=35)
+        stats = r.paged_stats()
+        pool = r.pool
+        slot_f16, slot_int4 = pool.slot_bytes("f16"), pool.slot_bytes("int4")
+    finally:
+        r.close()
+    tokens = 5 + 35
+    assert np.isfinite(out).all()
+    assert stats["pages"]["F16"] == 5 and stats["pages"]["INT4"] == -(-tokens // 4) - 5
+    assert stats["requantized_pages"] == stats["pages"]["INT4"]
+    assert stats["bytes_staged"] == stats["requantized_pages"] * (slot_f16 + slot_int4)
+    assert stats["bytes_copied"] == stats["requantized_pages"] * slot_int4
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(_cuda_why_not() is not None, reason=f"paged CUDA generation skipped: {_cuda_why_not()}")
+def test_cli_paged_int8_on_cuda_reports_pages_and_committed_bytes(tmp_path):
+    cmd = [sys.executable, "-m", "ortkv.generate.cli", "--device", "cuda:0", "--cache", "paged", "--kv-format", "int8",
+           "--max-new-tokens", "24", "--max-length", "1024", "--json", "--prompt", README_PROMPT]
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert (r["device"], r["dtype"]) == ("cuda:0", "float16")
+    paged = r["paged"]
+    tokens = len(r["prompt_ids"][0]) + len(r["new_ids"][0]) - 1
+    assert paged["pages"]["INT8"] == -(-tokens // 16) == sum(paged["pages"].values())
+    assert paged["committed_total"] == r["kv_bytes"] == sum(paged["committed_bytes"].values()) > 0
+    assert paged["device"] == "cuda:0" and paged["bytes_staged"] == 0
+    assert 1 <= len(r["new_ids"][0]) <= 24  # 24 unless the model ends with eos first
+
+
+def test_float16_decoder_rewrites_onto_the_paged_ops():
+    """The CUDA paged decoder is the float16 ortkv decoder rewritten (paged_model_path passes cfg.dtype):
+    same nodes, float16 values into the paged ops, float32 logits."""
+    w, _ = weights.load(smollm2_gguf(), layers=2)
+    model = to_paged(builder.build(w, "ortkv", max_positions=256, cache_layout="BSNH", dtype="float16"),
+                     w.config.heads, w.config.kv_heads, 16)
+    ops = [n.op_type for n in model.graph.node]
+    assert ops.count("PagedCacheUpdate") == 2 and ops.count("PagedCacheAttention") == 2
+    assert "CacheUpdate" not in ops and "CacheAttention" not in ops
+    producer = {o: n for n in model.graph.node for o in n.output}
+    inits = {t.name: t.data_type for t in model.graph.initializer}
+    for n in model.graph.node:
+        if n.op_type == "PagedCacheUpdate":  # v = Split(MatMul(x, the fused float16 projection))
+            split = producer[n.input[4]]
+            matmul = producer[split.input[0]]
+            assert (split.op_type, matmul.op_type) == ("Split", "MatMul")
+            assert inits[matmul.input[1]] == onnx.TensorProto.FLOAT16
+    assert [o.type.tensor_type.elem_type for o in model.graph.output if o.name == "logits"] == [onnx.TensorProto.FLOAT]
+    assert alias_of(model, pool_output(1)) == POOL

@@ -46,8 +46,9 @@ def _pool(**kw):
 def _write(pool, page, values):
     """values [L, 2, H, PS, D] encoded into page (its format) with the reference codec."""
     f = pool.format_of(page)
-    for layer in range(L):
-        pool.layer_bytes(page, layer)[:] = rc.encode_page(f, values[layer])
+    pb = pool.page_bytes(f)
+    for layer in range(L):  # write_bytes: a host-to-device copy on a CUDA pool
+        pool.write_bytes(pool.offset_of(page) + layer * pb, rc.encode_page(f, values[layer]))
 
 
 def _read(pool, page):
@@ -349,3 +350,197 @@ def test_policy_from_config_defaults():
     assert policy_from_config(kv_policy={"sink_pages": 1, "recent_pages": 4, "recent": "f16", "old": "int4"}) == \
         RecencyPolicy(1, 4, F.F16, F.INT4)
     assert policy_from_config(kv_page_formats=["int2"]) == ExplicitPolicy((F.INT2,))
+
+
+# ---- bytes on either device, the device directory, requantize on CUDA (Note [Page pool on CUDA],
+# ---- Note [Requantize on CUDA]) ------------------------------------------------------------------------------
+def _device_directory(pool):
+    d = pool.directory_input()
+    return d if isinstance(d, np.ndarray) else d.numpy()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_read_write_copy_bytes_and_their_refusals(device):
+    with _pool(device=device) as pool:
+        a, b = pool.alloc(F.INT8), pool.alloc(F.INT8)
+        n = pool.slot_bytes(F.INT8)
+        data = np.random.default_rng(5).integers(0, 256, n, dtype=np.uint8)
+        pool.write_bytes(pool.offset_of(a), data)
+        assert np.array_equal(pool.read_bytes(pool.offset_of(a), n), data)
+        assert np.array_equal(pool.slot_contents(a), data)
+        pool.copy_bytes(pool.offset_of(b), pool.offset_of(a), n)
+        assert np.array_equal(pool.slot_contents(b), data)
+        assert np.array_equal(pool.layer_bytes(b, 1), data[pool.page_bytes(F.INT8):])
+        before = pool.slot_contents(b)
+        with pytest.raises(OrtkvError, match=r"PagePool.write_bytes: \[\d+, \+\d+\) is outside the pool's \d+ bytes"):
+            pool.write_bytes(pool.pool_bytes - 4, np.zeros(8, np.uint8))
+        far = pool.slabs[F.F16].offset  # reserved, never committed
+        with pytest.raises(OrtkvError, match=r"PagePool.copy_bytes: \[\d+, \+\d+\) is not committed; touch only "
+                                             r"allocated pages"):
+            pool.copy_bytes(pool.offset_of(b), far, n)
+        with pytest.raises(OrtkvError, match=r"PagePool.read_bytes: .* is not committed"):
+            pool.read_bytes(far, 16)
+        assert np.array_equal(pool.slot_contents(b), before)
+        assert pool.bytes_copied == 0  # copy_bytes is counted by its caller (PoolPageStore.copy)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_directory_input_is_the_host_rows_on_the_device(device):
+    with _pool(device=device) as pool:
+        pages = [pool.alloc(F.F16) for _ in range(4)]
+        assert np.array_equal(_device_directory(pool), pool.directory)
+        up = pool.directory_bytes_uploaded
+        assert np.array_equal(_device_directory(pool), pool.directory)
+        assert pool.directory_bytes_uploaded == up  # nothing changed: nothing copied
+        pool.free(pages[1])
+        _write(pool, pages[3], np.zeros((L, 2, H, PS, D), np.float32))  # fresh CUDA memory is not zeroed
+        pool.requantize(pages[3], F.INT8)
+        assert np.array_equal(_device_directory(pool), pool.directory)
+        if device == "cpu":
+            assert pool.directory_input() is pool.directory and pool.directory_bytes_uploaded == 0
+        else:  # rows 1..3 changed: one copy of that span
+            assert pool.directory_bytes_uploaded == up + 3 * 16
+        assert pool.stats()["directory_bytes_uploaded"] == pool.directory_bytes_uploaded
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dst", [F.INT8, F.INT4, F.FP8_E4M3, F.INT4_KC])
+@pytest.mark.parametrize("logical", [np.float32, np.float16])
+def test_requantize_on_cuda_equals_cpu_byte_for_byte_and_counts_staged_bytes(dst, logical):
+    values = np.random.default_rng(7).standard_normal((L, 2, H, PS, D)).astype(np.float32)
+    slots = {}
+    for device in ("cpu", "cuda:0"):
+        with PagePool(L, H, D, PS, logical, device=device, max_pages=16) as pool:
+            keep = pool.alloc(F.F16)
+            p = pool.alloc(F.F16)
+            _write(pool, keep, -values)
+            _write(pool, p, values)
+            keep_bytes = pool.slot_contents(keep)
+            pool.requantize(p, dst)
+            assert pool.format_of(p) == dst and pool.bytes_copied == pool.slot_bytes(dst)
+            assert np.array_equal(pool.slot_contents(keep), keep_bytes)  # the neighbour is untouched
+            assert np.array_equal(_device_directory(pool), pool.directory)
+            staged = pool.slot_bytes(F.F16) + pool.slot_bytes(dst)
+            assert pool.bytes_staged == (staged if device != "cpu" else 0)
+            assert pool.stats()["bytes_staged"] == pool.bytes_staged
+            slots[device] = (pool.slot_contents(p), pool.offset_of(p))
+    assert slots["cpu"][1] == slots["cuda:0"][1]
+    assert np.array_equal(slots["cpu"][0], slots["cuda:0"][0])
+
+
+@pytest.mark.cuda
+def test_requantize_refusal_on_cuda_leaves_the_device_bytes_untouched():
+    with _pool(device="cuda:0") as pool:
+        spare = pool.alloc(F.INT8)  # commits the INT8 slab's granule; its slot is the one the refusal takes
+        spare_offset = pool.offset_of(spare)
+        fresh = pool.slot_contents(spare)
+        pool.free(spare)
+        p = pool.alloc(F.F16)
+        values = np.ones((L, 2, H, PS, D), np.float32)
+        values[1, 0, 1, 3, 5] = np.inf
+        _write(pool, p, values)
+        before = pool.slot_contents(p)
+        directory = pool.directory.copy()
+        with pytest.raises(CacheInputError, match="inf|NaN|finite"):
+            pool.requantize(p, F.INT8)
+        assert np.array_equal(pool.directory, directory) and pool.bytes_copied == 0
+        assert np.array_equal(_device_directory(pool), directory)
+        assert np.array_equal(pool.slot_contents(p), before)
+        assert pool.bytes_staged == pool.slot_bytes(F.F16)  # the source came up; nothing went back
+        i8 = pool.alloc(F.INT8)
+        assert pool.offset_of(i8) == spare_offset  # the slot the refused copy took went back to the free list
+        assert np.array_equal(pool.slot_contents(i8), fresh)  # and no byte of it was written
+
+
+@pytest.mark.cuda
+def test_demotion_on_a_cuda_pool_stages_one_page_and_matches_a_cpu_requantize():
+    values = np.random.default_rng(1).standard_normal((L, 2, H, PS, D)).astype(np.float32)
+    gov = Governor(2 * (2 << 20))  # two CUDA granules: one for INT8, one for F16
+    with PagePool(L, H, D, PS, np.float32, device="cuda:0", governor=gov, max_pages=256,
+                  demote_on_refusal=True) as pool:
+        pool.free(pool.alloc(F.INT8))  # the INT8 slab's granule is committed, its slot free
+        pages = [pool.alloc(F.F16) for _ in range(pool.granule // pool.slot_bytes(F.F16))]
+        _write(pool, pages[0], values)
+        assert pool.bytes_staged == 0
+        new = pool.alloc(F.F16)  # refused by the governor: pages[0] (oldest) is demoted, its F16 slot reused
+        assert pool.demoted_pages == 1 and pool.format_of(pages[0]) == F.INT8
+        assert pool.bytes_staged == pool.slot_bytes(F.F16) + pool.slot_bytes(F.INT8)
+        assert pool.format_of(new) == F.F16
+        assert np.array_equal(_device_directory(pool), pool.directory)
+        demoted = pool.slot_contents(pages[0])
+    with _pool() as cpu:
+        p = cpu.alloc(F.F16)
+        _write(cpu, p, values)
+        cpu.requantize(p, F.INT8)
+        assert np.array_equal(cpu.slot_contents(p), demoted)
+
+
+def _as_host_staged(pool, monkeypatch):
+    """Run a CPU pool through its CUDA code paths (staged requantize, the device directory, the byte helpers):
+    _cuda_copy becomes a memmove between host addresses and the 'device' directory a second host array, so
+    the logic of Note [Page pool on CUDA] / [Requantize on CUDA] is checked here; the H200 runs the real one."""
+    import ctypes
+
+    import onnxruntime as ort
+
+    calls = []
+
+    def fake_copy(device, dst, src, nbytes, what):
+        calls.append((what, nbytes))
+        if nbytes:
+            ctypes.memmove(dst, src, nbytes)
+
+    monkeypatch.setattr(paged, "_cuda_copy", fake_copy)
+    pool.device = "cuda:0"
+    pool._fake_device_directory = np.full_like(pool.directory, -1)  # kept alive: the OrtValue borrows it
+    pool.directory_device = ort.OrtValue.ortvalue_from_numpy(pool._fake_device_directory)
+    for page in pool.live_pages:
+        pool._set_row(page, *pool.directory[page])
+    return calls
+
+
+@pytest.mark.parametrize("dst", [F.INT8, F.INT4, F.INT4_KC])
+def test_staged_requantize_path_equals_the_direct_one_on_the_host(monkeypatch, dst):
+    values = np.random.default_rng(11).standard_normal((L, 2, H, PS, D)).astype(np.float32)
+    with _pool() as direct, _pool() as staged:
+        for pool in (direct, staged):
+            keep = pool.alloc(F.F16)
+            _write(pool, keep, -values)
+            _write(pool, pool.alloc(F.F16), values)
+        calls = _as_host_staged(staged, monkeypatch)
+        keep_bytes = staged.slot_contents(keep)
+        for pool in (direct, staged):
+            pool.requantize(1, dst)
+        assert np.array_equal(direct.slot_contents(1), staged.slot_contents(1))
+        assert np.array_equal(direct.directory, staged.directory)
+        assert np.array_equal(staged.slot_contents(keep), keep_bytes)
+        assert staged.bytes_staged == staged.slot_bytes(F.F16) + staged.slot_bytes(dst) and direct.bytes_staged == 0
+        assert staged.bytes_copied == direct.bytes_copied == staged.slot_bytes(dst)
+        assert [c for c in calls if c[0] == "requantize"] == [("requantize", staged.slot_bytes(F.F16)),
+                                                              ("requantize", staged.slot_bytes(dst))]
+        assert not np.array_equal(staged._fake_device_directory, staged.directory)  # not uploaded yet
+        assert staged.directory_input() is staged.directory_device
+        assert np.array_equal(staged._fake_device_directory, staged.directory)
+        assert staged.directory_bytes_uploaded == 2 * 16  # rows 0 and 1: one copy of that span
+        staged.directory_input()
+        assert staged.directory_bytes_uploaded == 2 * 16
+
+
+def test_staged_requantize_refusal_writes_nothing_back(monkeypatch):
+    with _pool() as pool:
+        p = pool.alloc(F.F16)
+        values = np.ones((L, 2, H, PS, D), np.float32)
+        values[0, 1, 0, 2, 7] = np.nan
+        _write(pool, p, values)
+        calls = _as_host_staged(pool, monkeypatch)
+        before, directory = pool.slot_contents(p), pool.directory.copy()
+        pool.directory_input()
+        up = pool.directory_bytes_uploaded
+        with pytest.raises(CacheInputError, match="inf|NaN|finite"):
+            pool.requantize(p, F.INT4)
+        assert [c for c in calls if c[0] == "requantize"] == [("requantize", pool.slot_bytes(F.F16))]  # up, not back
+        assert pool.bytes_staged == pool.slot_bytes(F.F16) and pool.bytes_copied == 0
+        assert np.array_equal(pool.slot_contents(p), before) and np.array_equal(pool.directory, directory)
+        pool.directory_input()
+        assert pool.directory_bytes_uploaded == up  # no row changed
+        assert pool.offset_of(pool.alloc(F.INT4)) == pool.slabs[F.INT4].offset  # the refused slot went back

@@ -39,6 +39,32 @@ demotion frees a wide slot that the refused request can borrow. The arena cannot
 the first demotion needs its narrower slot from that slab's free list, its committed granule tail or a
 grant, and when none is to be had the request fails with CapacityError naming the numbers. Pinned pages
 (sink pages, a page being filled) are never demoted.
+
+Note [Page pool on CUDA]
+~~~~~~~~~~~~~~~~~~~~~~~~
+``PagePool(device="cuda:N")`` puts the arena on the device (cuMem* VMM, 2 MiB granules): ``pool.pool``
+is then the arena's view object (``__cuda_array_interface__``), bound with MutableCacheSession.bind_cache
+exactly like a CUDA ArenaKVCache view. The kernels read the directory from device memory (Note [Paged
+CUDA]), so the pool keeps two copies of it: ``directory`` (host, int64 [max_pages, 2]), the one the pool's
+bookkeeping reads and writes, and ``directory_device`` (an OrtValue on the same device, fed to every run;
+its address never changes, as a CUDA graph needs). Every write of a host row (alloc, free, requantize)
+marks it dirty; ``directory_input()`` (called before each run) copies the dirty rows' span to the device
+in ONE host-to-device copy and returns the OrtValue. Nothing is copied on a step that opened no page and
+changed no format. Counted in ``directory_bytes_uploaded``. On the CPU ``directory_input()`` is the host
+array itself. Byte helpers that must work on both devices (``read_bytes``, ``write_bytes``,
+``copy_bytes``) are cudaMemcpy (libcudart through ctypes) between two device synchronizes, between runs:
+the pool is idle when the host touches it, and the copy is complete before the next run is launched,
+whatever stream ORT launches it on.
+
+Note [Requantize on CUDA]
+~~~~~~~~~~~~~~~~~~~~~~~~~
+There is no CUDA requantize kernel yet; the codecs' encoders run on the host (_ortkv.paged_requantize).
+A requantize on a CUDA pool therefore stages ONE page: the source slot (every layer) is copied to a small
+host buffer, paged_requantize converts it into the destination half of that buffer (same code, same bytes
+as on a CPU pool; nothing written on refusal), and the destination slot (every layer) is copied back.
+One page each way, never the cache; the bytes that cross the bus are counted in ``bytes_staged`` (and the
+destination slot in ``bytes_copied``, as on the CPU). This is an explicit, counted path, not a silent
+fallback: its cost is in ``stats()``, and a device kernel would replace it without changing the pool.
 """
 
 from __future__ import annotations
@@ -64,6 +90,37 @@ FORMAT_NAMES = {"f16": PageFormat.F16, "bf16": PageFormat.BF16, "int8": PageForm
 DEMOTE = {PageFormat.F16: PageFormat.INT8, PageFormat.BF16: PageFormat.INT8,
           PageFormat.INT8: PageFormat.INT4, PageFormat.FP8_E4M3: PageFormat.INT4}
 _ONNX_LOGICAL = {"float32": 1, "float16": 10, "bfloat16": 16}
+_MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: direction from the (unified) addresses
+
+
+def _cudart():
+    from .generate.runners import _cuda_library
+
+    lib = _cuda_library()
+    if lib is None:
+        raise OrtkvError("PagePool on CUDA: libcudart was not found (the nvidia-cuda-runtime wheel onnxruntime-gpu "
+                         "installs, or a CUDA toolkit); install onnxruntime-gpu or put libcudart.so on the "
+                         "library path")
+    return lib
+
+
+def _cuda_copy(device: int, dst: int, src: int, nbytes: int, what: str) -> None:
+    """cudaMemcpy(dst, src, nbytes, cudaMemcpyDefault) between two cudaDeviceSynchronize calls (Note [Page pool on
+    CUDA]): the copy starts after every stream's work and is complete on return, whatever streams ORT uses."""
+    import ctypes
+
+    if nbytes == 0:
+        return
+    lib = _cudart()
+    for call, args in (("cudaSetDevice", (ctypes.c_int(device),)),
+                       ("cudaDeviceSynchronize", ()),  # whatever stream ORT ran on is done with the pool
+                       ("cudaMemcpy", (ctypes.c_void_p(dst), ctypes.c_void_p(src), ctypes.c_size_t(nbytes),
+                                       ctypes.c_int(_MEMCPY_DEFAULT))),
+                       ("cudaDeviceSynchronize", ())):
+        rc = getattr(lib, call)(*args)
+        if rc != 0:
+            raise OrtkvError(f"PagePool.{what}: {call} returned CUDA error {rc} copying {nbytes} bytes "
+                             f"(0x{src:x} -> 0x{dst:x}) on cuda:{device}; the pool's bytes may be stale: close it")
 
 
 def parse_format(fmt, where: str = "page format") -> PageFormat:
@@ -148,6 +205,16 @@ class PagePool:
         self.granule = self.arena.granule
         self.pool = self.arena.view(np.uint8, (offset,))
         self.directory = np.full((self.max_pages, 2), -1, np.int64)
+        self.device = self.arena.device
+        self.device_index = 0 if self.device == "cpu" else int(self.device.split(":")[1])
+        self.directory_device = None  # Note [Page pool on CUDA]
+        self._dirty: tuple[int, int] | None = None  # [lo, hi) rows of the host directory not yet on the device
+        self.directory_bytes_uploaded = 0
+        self.bytes_staged = 0
+        if self.device != "cpu":
+            import onnxruntime as ort
+
+            self.directory_device = ort.OrtValue.ortvalue_from_numpy(self.directory, "cuda", self.device_index)
         self._free_pages = list(range(self.max_pages))  # heap
         self._slot: dict[int, tuple[PageFormat, int]] = {}  # page -> (slab, slot index)
         self._age: dict[int, int] = {}
@@ -200,16 +267,80 @@ class PagePool:
         live = sum(n * self.slabs[PageFormat[f]].slot_bytes for f, n in pages.items())
         return {"pages": pages, "live_bytes": live, "committed_bytes": self.committed_bytes_per_format(),
                 "committed_total": self.committed_bytes, "bytes_copied": self.bytes_copied,
-                "requantized_pages": self.requantized_pages, "demoted_pages": self.demoted_pages}
+                "requantized_pages": self.requantized_pages, "demoted_pages": self.demoted_pages,
+                "device": self.device, "bytes_staged": self.bytes_staged,
+                "directory_bytes_uploaded": self.directory_bytes_uploaded}
 
     def layer_bytes(self, page: int, layer: int) -> np.ndarray:
-        """The bytes of one layer of ``page`` (a view into the pool)."""
+        """The bytes of one layer of ``page`` (a view into the pool on the CPU, a host copy on CUDA)."""
         f = self.format_of(page)
         if not 0 <= layer < self.num_layers:
             raise OrtkvError(f"PagePool.layer_bytes: layer {layer} is outside [0, {self.num_layers})")
         pb = self.slabs[f].page_bytes
         start = self.offset_of(page) + layer * pb
-        return self.pool[start:start + pb]
+        if self.device == "cpu":
+            return self.pool[start:start + pb]
+        return self.read_bytes(start, pb)
+
+    def slot_contents(self, page: int) -> np.ndarray:
+        """A host copy of every layer of ``page`` (its whole slot)."""
+        f = self.format_of(page)
+        return self.read_bytes(self.offset_of(page), self.slabs[f].slot_bytes)
+
+    # -- bytes on either device (Note [Page pool on CUDA]) ----------------------------------------------
+    def _check_range(self, offset: int, nbytes: int, what: str) -> None:
+        if offset < 0 or nbytes < 0 or offset + nbytes > self.pool_bytes:
+            raise OrtkvError(f"PagePool.{what}: [{offset}, +{nbytes}) is outside the pool's {self.pool_bytes} bytes")
+        if nbytes and not self.arena.is_committed(offset, nbytes):
+            raise OrtkvError(f"PagePool.{what}: [{offset}, +{nbytes}) is not committed; touch only allocated pages")
+
+    def read_bytes(self, offset: int, nbytes: int) -> np.ndarray:
+        """A host copy of pool bytes [offset, offset + nbytes) (committed memory only)."""
+        self._check_range(offset, nbytes, "read_bytes")
+        if self.device == "cpu":
+            return np.array(self.pool[offset:offset + nbytes])
+        out = np.empty(nbytes, np.uint8)
+        _cuda_copy(self.device_index, out.ctypes.data, self.arena.base + offset, nbytes, "read_bytes")
+        return out
+
+    def write_bytes(self, offset: int, data) -> None:
+        """Pool bytes [offset, offset + len(data)) := data (host bytes; committed memory only)."""
+        data = np.ascontiguousarray(np.asarray(data).view(np.uint8).reshape(-1))
+        self._check_range(offset, data.size, "write_bytes")
+        if self.device == "cpu":
+            self.pool[offset:offset + data.size] = data
+        else:
+            _cuda_copy(self.device_index, self.arena.base + offset, data.ctypes.data, data.size, "write_bytes")
+
+    def copy_bytes(self, dst_offset: int, src_offset: int, nbytes: int) -> None:
+        """Pool bytes copied within the pool (a device-to-device copy on CUDA); the caller counts them."""
+        self._check_range(src_offset, nbytes, "copy_bytes")
+        self._check_range(dst_offset, nbytes, "copy_bytes")
+        if self.device == "cpu":
+            self.pool[dst_offset:dst_offset + nbytes] = self.pool[src_offset:src_offset + nbytes]
+        else:
+            base = self.arena.base
+            _cuda_copy(self.device_index, base + dst_offset, base + src_offset, nbytes, "copy_bytes")
+
+    def directory_input(self):
+        """The directory to feed a run: the host array on the CPU; on CUDA the device OrtValue, after one
+        host-to-device copy of the rows changed since the last call (Note [Page pool on CUDA])."""
+        if self.directory_device is None:
+            return self.directory
+        if self._dirty is not None:
+            lo, hi = self._dirty
+            row = self.directory.itemsize * 2
+            _cuda_copy(self.device_index, self.directory_device.data_ptr() + lo * row,
+                       self.directory[lo:hi].ctypes.data, (hi - lo) * row, "directory_input")
+            self.directory_bytes_uploaded += (hi - lo) * row
+            self._dirty = None
+        return self.directory_device
+
+    def _set_row(self, page: int, fmt: int, offset: int) -> None:
+        self.directory[page] = (fmt, offset)
+        if self.directory_device is not None:
+            lo, hi = self._dirty if self._dirty is not None else (page, page + 1)
+            self._dirty = (min(lo, page), max(hi, page + 1))
 
     # -- pages ---------------------------------------------------------------------------------------
     def alloc(self, fmt, *, pinned: bool = False) -> int:
@@ -224,7 +355,7 @@ class PagePool:
         where = self._take_slot(fmt, demote=self.demote_on_refusal)
         page = heapq.heappop(self._free_pages)
         self._slot[page] = where
-        self.directory[page] = (int(fmt), self.slabs[where[0]].slot_offset(where[1]))
+        self._set_row(page, int(fmt), self.slabs[where[0]].slot_offset(where[1]))
         self._age[page] = next(self._ages)
         if pinned:
             self._pinned.add(page)
@@ -234,7 +365,7 @@ class PagePool:
         self._check_page(page, "free")
         slab_fmt, slot = self._slot.pop(page)
         heapq.heappush(self.slabs[slab_fmt].free, slot)
-        self.directory[page] = (-1, -1)
+        self._set_row(page, -1, -1)
         self._age.pop(page, None)
         self._pinned.discard(page)
         heapq.heappush(self._free_pages, page)
@@ -257,21 +388,37 @@ class PagePool:
         dst = self._take_slot(fmt, demote=False)
         dst_offset = self.slabs[dst[0]].slot_offset(dst[1])
         try:
-            _native_requantize(self.pool, self.offset_of(page), int(src_fmt), dst_offset, int(fmt), self.num_layers,
-                               self.kv_heads, self.page_size, self.head_size, self.logical)
+            if self.device == "cpu":
+                _native_requantize(self.pool, self.offset_of(page), int(src_fmt), dst_offset, int(fmt),
+                                   self.num_layers, self.kv_heads, self.page_size, self.head_size, self.logical)
+            else:
+                self._staged_requantize(self.offset_of(page), src_fmt, dst_offset, fmt)
         except BaseException:
             heapq.heappush(self.slabs[dst[0]].free, dst[1])
             raise
         old = self._slot[page]
         self._slot[page] = dst
-        self.directory[page] = (int(fmt), dst_offset)
+        self._set_row(page, int(fmt), dst_offset)
         heapq.heappush(self.slabs[old[0]].free, old[1])
         self.bytes_copied += self.slabs[fmt].slot_bytes
         self.requantized_pages += 1
 
+    def _staged_requantize(self, src_offset: int, src_fmt: PageFormat, dst_offset: int, fmt: PageFormat) -> None:
+        """Note [Requantize on CUDA]: one page staged through a host buffer [source slot | destination slot]."""
+        ss, ds = self.slabs[src_fmt].slot_bytes, self.slabs[fmt].slot_bytes
+        at = -(-ss // 16) * 16  # the destination half, 16-byte aligned as the codecs want
+        buf = np.zeros(at + ds, np.uint8)
+        _cuda_copy(self.device_index, buf.ctypes.data, self.arena.base + src_offset, ss, "requantize")
+        self.bytes_staged += ss
+        _native_requantize(buf, 0, int(src_fmt), at, int(fmt), self.num_layers, self.kv_heads, self.page_size,
+                           self.head_size, self.logical)  # raises before the device is touched
+        _cuda_copy(self.device_index, self.arena.base + dst_offset, buf[at:].ctypes.data, ds, "requantize")
+        self.bytes_staged += ds
+
     def close(self) -> None:
         """Give the arena back (deferred while a session still binds the pool; Note [Arena exports])."""
         self.pool = None
+        self.directory_device = None
         self.arena.close_when_unused()
 
     def __enter__(self):

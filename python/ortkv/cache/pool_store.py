@@ -13,7 +13,8 @@ pages must be live and in the same format (the cache opens every page in its one
 only partly filled pages, never requantized, are copied), and the whole slot of ``src`` (every
 layer, K and V) is copied onto ``dst``'s slot. Rows past ``PageCopy.rows`` are copied too: they are
 past the writer's length, the paged ops never read them, and the next writes overwrite them; copying
-the slot whole keeps the copy one memcpy of a layout this module need not know. The bytes are
+the slot whole keeps the copy one memcpy of a layout this module need not know (on a CUDA pool, one
+device-to-device cudaMemcpy: PagePool.copy_bytes). The bytes are
 counted in the pool's own ``bytes_copied`` counter (with requantize's), so "zero bytes copied" is read
 from one place. The pool's refusal (its governor, or max_pages) is a ``CapacityError`` from ``alloc``,
 which PageCache's admission turns into eviction of cold cached pages or a Refusal (Note [Admission]).
@@ -61,7 +62,7 @@ class PoolPageStore:
                                      "copy-on-write copies a partly filled page into a new page of its own format")
         n = pool.slot_bytes(fs)
         so, do = pool.offset_of(src), pool.offset_of(dst)
-        pool.pool[do:do + n] = pool.pool[so:so + n]
+        pool.copy_bytes(do, so, n)  # a device-to-device copy on a CUDA pool (Note [Page pool on CUDA])
         pool.bytes_copied += n
         self.copies += 1
 

@@ -14,6 +14,13 @@ import numpy as np
 from ..errors import OrtkvError
 
 
+def _cuda_kernels() -> bool:
+    """Whether the op library has the CUDA paged kernels (Note [Paged CUDA])."""
+    from .. import _ortkv
+
+    return bool(getattr(_ortkv, "CUDA_BUILD", False))
+
+
 @dataclass
 class DecoderInputs:
     input_ids: str = "input_ids"
@@ -160,10 +167,12 @@ class GenAIConfig:
         if o.dtype not in DTYPES:
             raise OrtkvError(f"ortkv.dtype = {o.dtype!r}: one of {', '.join(map(repr, DTYPES))}")
         device = provider_device(self)  # checks model.decoder.session_options.provider_options
-        if o.cache == "paged" and device != "cpu":
-            raise OrtkvError(f"ortkv.cache = 'paged' on {device}: PagedCacheUpdate / PagedCacheAttention have CPU "
-                             "kernels only so far (onnxruntime would run them on the CPU and copy the page pool "
-                             "across every step); use cache 'arena' on CUDA, or run the paged cache on the CPU")
+        if o.cache == "paged" and device != "cpu" and not _cuda_kernels():
+            raise OrtkvError(f"ortkv.cache = 'paged' on {device}: this build of ortkv has no CUDA kernels for "
+                             "PagedCacheUpdate / PagedCacheAttention (built with ORTKV_CUDA=OFF or without nvcc; "
+                             "onnxruntime would run the CPU ones and copy the page pool across every step); "
+                             "reinstall ortkv with CUDA on, use cache 'arena' on CUDA, or run the paged cache on "
+                             "the CPU")
         if o.weights in ("q4", "q8") and self.dtype == "float16":
             raise OrtkvError(f"ortkv.weights = {o.weights!r} with ortkv.dtype float16 ({'auto on ' + device if o.dtype == 'auto' else 'set'}): "
                              "the 4-bit decoders are built in float32 only (q4 and q8 alike); use weights 'float32' (float16 models "

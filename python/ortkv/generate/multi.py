@@ -14,10 +14,16 @@ input_ids [B, T] with one T for the whole batch and writes every one of the T to
 are grouped by token count (``Placement.runs()``) and each group is one ORT run on the page_table rows
 and starts of that group: no padding token is ever written into a page. Before the first run the
 step's copy-on-write requests (``Placement.copies``) are executed on the pool (``PoolPageStore.copy``);
-they are the only KV bytes the cache layer ever moves. The runs of one step are independent (rows
+they are the only KV bytes the cache layer ever moves (on a CUDA pool: one device-to-device copy of a
+slot each, Note [Page pool on CUDA]). The runs of one step are independent (rows
 never share a page they write: admission gave every writer of a shared partly filled page its own
 copy), so their order does not matter. If a run fails, the step is cancelled (``PageCache.cancel``:
 pages it took go back) and the error propagates; nothing is half-admitted.
+
+On CUDA the same runs go through the CUDA execution provider: the pool in a
+CUDA arena, the directory the pool's device copy, input ids / starts / page-table rows fed from the host
+(small; ORT copies them up), logits [B, T, V] brought back to the host, where the samplers and the beam
+scores work in float64 as on the CPU. No CUDA graph here: the batch and T change from step to step.
 
 Note [Beam search on pages]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -90,10 +96,11 @@ class MultiRunner:
         from ..session import MutableCacheSession
         from ..vmm import Governor
         from .paged import POOL, _session_options
+        from .runners import providers_for
 
-        if cfg.device != "cpu" or cfg.dtype != "float32":
-            raise OrtkvError(f"the many-sequence path runs the paged decoder on the CPU in float32; got device "
-                             f"{cfg.device}, dtype {cfg.dtype}: use --device cpu")
+        if cfg.device == "cpu" and cfg.dtype != "float32":
+            raise OrtkvError(f"the many-sequence path runs the paged decoder on the CPU in float32; got dtype "
+                             f"{cfg.dtype}: use dtype float32 (or auto) on the CPU, float16 on CUDA")
         self.cfg = cfg
         d, o = cfg.model.decoder, cfg.ortkv
         self.fmt = write_format(cfg)
@@ -101,9 +108,9 @@ class MultiRunner:
         ps = o.page_size
         self.pages_per_seq = -(-self.max_length // ps)
         self.layers = d.num_hidden_layers
-        self.sess = MutableCacheSession(str(path), sess_options=_session_options(cfg),
-                                        providers=["CPUExecutionProvider"])
-        self.pool = PagePool(self.layers, d.num_key_value_heads, d.head_size, ps, np.float32, "cpu",
+        self.sess = MutableCacheSession(str(path), sess_options=_session_options(cfg), providers=providers_for(cfg))
+        self.pool = PagePool(self.layers, d.num_key_value_heads, d.head_size, ps,
+                             {"float32": np.float32, "float16": np.float16}[cfg.dtype], cfg.device,
                              Governor(budget_bytes or o.arena_budget_bytes),
                              max_pages=max_pages or max_sequences * self.pages_per_seq)
         self.store = PoolPageStore(self.pool)
@@ -136,7 +143,7 @@ class MultiRunner:
                 ids = np.stack([placement.tokens[r] for r in rows]).astype(np.int64)
                 (logits,) = self.sess.run(["logits"], {
                     "input_ids": ids, "positions": placement.start[rows],
-                    "directory": self.pool.directory,
+                    "directory": self.pool.directory_input(),  # Note [Page pool on CUDA]
                     "page_table": np.ascontiguousarray(placement.page_table[rows])})
                 self.runs += 1
                 self.tokens_computed += ids.size

@@ -108,52 +108,131 @@ def paged_model_path(cfg: GenAIConfig, log=print):
     weights, _ = load(gguf_path(cfg, log), log=log, fmt=cfg.ortkv.weights)
     log(f"ortkv: building the paged decoder ({cfg.ortkv.weights} weights, pages of {cfg.ortkv.page_size}) ...")
     c = weights.config
-    model = to_paged(build(weights, "ortkv", max_positions=MAX_POSITIONS, cache_layout="BSNH"), c.heads,
-                     c.kv_heads, cfg.ortkv.page_size)
+    model = to_paged(build(weights, "ortkv", max_positions=MAX_POSITIONS, cache_layout="BSNH", dtype=cfg.dtype),
+                     c.heads, c.kv_heads, cfg.ortkv.page_size)
     return save_decoder(model, root, name)
 
 
+# Note [Paged decoder on CUDA]
+# On cuda:N (float16 model, float16 pages unless a narrower format is asked) the runner keeps everything the
+# kernels read on the device (Note [Paged CUDA]): the pool in a CUDA arena (bound once per generation), the
+# directory as the pool's device OrtValue (rows copied up only when a page opens, changes format or is freed:
+# Note [Page pool on CUDA]), and input_ids [B, 1], positions [B], page_table [B, max_pages] and logits
+# [B, 1, V] as device OrtValues allocated at start() and written in place (OrtValue.update_inplace) before each
+# step. The page table's shape is fixed per generation ([batch, pages for max_length]), so every decode step
+# has one shape. With --cuda-graph the decode step is captured as in Note [CUDA graph decode]: the prefill runs
+# with gpu_graph_id -1, decode under a graph id of its own, and a new id (a fresh capture) after every arena
+# commit (the captured PagedCacheUpdate keeps the uncommitted ranges of its capture) and every start(). A
+# requantize (the policy, or demotion) runs between steps through one staged page (Note [Requantize on CUDA]).
+# Greedy picks run on the device (GreedyToken, Note [Greedy on the device]); sampling brings [B, V] logits back.
 class PagedRunner:
     """The runner interface of runners.py (start / prefill / step / kv_bytes / close) on the paged
     decoder: a PagePool on one arena under the config's budget, one PagedKVCache for the batch, its policy
-    from the ``ortkv`` section (Note [Page policies] in ortkv.paged)."""
+    from the ``ortkv`` section (Note [Page policies] in ortkv.paged). CPU (float32) or CUDA (float16 by
+    default; Note [Paged decoder on CUDA])."""
 
     name = "ortkv"
 
     def __init__(self, path, cfg: GenAIConfig):
         from ..session import MutableCacheSession
+        from .runners import GreedyToken, LastToken, providers_for
 
-        if cfg.device != "cpu" or cfg.dtype != "float32":
-            raise OrtkvError(f"ortkv.cache = 'paged' runs on the CPU in float32 (the paged kernels are CPU ones); "
-                             f"got device {cfg.device}, dtype {cfg.dtype}: use --device cpu, or cache 'arena'")
+        if cfg.device == "cpu" and cfg.dtype != "float32":
+            raise OrtkvError(f"ortkv.cache = 'paged' on the CPU runs float32 models; got dtype {cfg.dtype}: use "
+                             "dtype float32 (or auto) on the CPU, float16 on CUDA")
         self.cfg = cfg
+        self.device = cfg.device
+        self.dtype = {"float32": np.float32, "float16": np.float16}[cfg.dtype]
+        self.cuda_graph = self.device != "cpu" and cfg.cuda_graph
         self.layers = cfg.model.decoder.num_hidden_layers
         o = cfg.ortkv
         self.policy = policy_from_config(o.kv_format, o.kv_policy, o.kv_page_formats)
-        self.sess = MutableCacheSession(str(path), sess_options=_session_options(cfg),
-                                        providers=["CPUExecutionProvider"])
+        try:
+            self.sess = MutableCacheSession(str(path), sess_options=_session_options(cfg),
+                                            providers=providers_for(cfg, cuda_graph=self.cuda_graph))
+        except OrtkvError:
+            raise
+        except Exception as exc:  # ORT's own errors (a node it cannot capture in a CUDA graph)
+            if self.cuda_graph:
+                raise OrtkvError(f"onnxruntime cannot run the paged decoder as a CUDA graph on {self.device}: "
+                                 f"{str(exc).splitlines()[0][:400]}; run with --no-cuda-graph") from None
+            raise
         have = sum(1 for n in onnx.load(str(path), load_external_data=False).graph.node
                    if n.op_type == "PagedCacheAttention")
         if have != self.layers:
             raise OrtkvError(f"model.decoder.num_hidden_layers = {self.layers} but {path} has {have} layers of "
                              "paged attention; take the decoder's numbers from the model")
+        self.last_token = LastToken(cfg) if self.device != "cpu" else None
+        self.greedy_token = GreedyToken(cfg) if self.device != "cpu" else None
         self.pool = self.cache = None
+        self._io = None
+
+    @property
+    def greedy_on_device(self) -> bool:  # Note [Greedy on the device]
+        return self.device != "cpu"
 
     def start(self, batch: int, max_length: int) -> None:
         d, o = self.cfg.model.decoder, self.cfg.ortkv
         self._release()
         per_seq = -(-max_length // o.page_size)
-        self.pool = PagePool(self.layers, d.num_key_value_heads, d.head_size, o.page_size, np.float32, "cpu",
+        self.pool = PagePool(self.layers, d.num_key_value_heads, d.head_size, o.page_size, self.dtype, self.device,
                              Governor(o.arena_budget_bytes), max_pages=batch * per_seq,
                              demote_on_refusal=o.kv_demote_on_refusal)
         self.cache = PagedKVCache(self.pool, batch, per_seq, self.policy)
         self.sess.bind_cache(POOL, self.pool.pool)
         self.lengths = np.zeros(batch, np.int64)
+        if self.device != "cpu":  # Note [Paged decoder on CUDA]: fixed device buffers for the decode step
+            import onnxruntime as ort
+
+            dev = self.pool.device_index
+            new = lambda shape, t: ort.OrtValue.ortvalue_from_shape_and_type(shape, t, "cuda", dev)  # noqa: E731
+            self._io = {"input_ids": new([batch, 1], np.int64), "positions": new([batch], np.int64),
+                        "page_table": new(list(self.cache.page_table.shape), np.int32),
+                        "logits": new([batch, 1, self.cfg.model.vocab_size], np.float32)}
+            self._table_sent = None
+            self._prefill_ro = ort.RunOptions()
+            self._new_decode_graph()
+            if self.cuda_graph:
+                self._prefill_ro.add_run_config_entry("gpu_graph_id", "-1")
+
+    def _new_decode_graph(self) -> None:
+        import onnxruntime as ort
+
+        from .runners import _graph_ids
+
+        self._decode_ro = ort.RunOptions()
+        if self.cuda_graph:
+            self._decode_ro.add_run_config_entry("gpu_graph_id", str(next(_graph_ids)))
+
+    def _reserve(self, new_lengths) -> None:
+        committed = self.pool.committed_bytes
+        self.cache.reserve(new_lengths)
+        if self.cuda_graph and self.pool.committed_bytes != committed:
+            self._new_decode_graph()  # Note [CUDA graph decode]: the captured update keeps its committed ranges
+
+    def _advance(self, lengths) -> None:
+        """The policy after a run; a requantize may commit a granule of its format's slab: a new capture too."""
+        committed = self.pool.committed_bytes
+        self.cache.advance(lengths)
+        if self.cuda_graph and self.pool.committed_bytes != committed:
+            self._new_decode_graph()
+
+    def _table(self):
+        """The page table on the device, copied up only when it changed (a page opened)."""
+        table = self.cache.page_table
+        if self._table_sent is None or not np.array_equal(self._table_sent, table):
+            self._io["page_table"].update_inplace(table)
+            self._table_sent = table.copy()
+        return self._io["page_table"]
 
     def _run(self, ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        self.cache.reserve(positions + ids.shape[1])
-        (logits,) = self.sess.run(["logits"], {"input_ids": ids, "positions": positions,
-                                               "directory": self.pool.directory, "page_table": self.cache.page_table})
+        """Logits [B, T, V] on the host (CPU, or teacher forcing / logits_all on CUDA)."""
+        self._reserve(positions + ids.shape[1])
+        feeds = {"input_ids": np.ascontiguousarray(ids, np.int64), "positions": np.ascontiguousarray(positions),
+                 "directory": self.pool.directory_input(),
+                 "page_table": self.cache.page_table if self.device == "cpu" else self._table()}
+        ro = self._prefill_ro if self.device != "cpu" else None
+        (logits,) = self.sess.run(["logits"], feeds, run_options=ro)
         return logits
 
     def logits_all(self, ids: np.ndarray) -> np.ndarray:
@@ -161,17 +240,57 @@ class PagedRunner:
         tokens of every row (pads included) until the rows' lengths are set by prefill."""
         return self._run(ids, np.zeros(len(ids), np.int64))
 
+    def _prefill_device(self, ids: np.ndarray, lengths: np.ndarray):
+        import onnxruntime as ort
+
+        B, T = ids.shape
+        self._reserve(np.full(B, T, np.int64))
+        out = ort.OrtValue.ortvalue_from_shape_and_type([B, T, self.cfg.model.vocab_size], np.float32, "cuda",
+                                                        self.pool.device_index)
+        self.sess.run(["logits"], {"input_ids": np.ascontiguousarray(ids, np.int64),
+                                   "positions": np.zeros(B, np.int64), "directory": self.pool.directory_input(),
+                                   "page_table": self._table()},
+                      run_options=self._prefill_ro, bound_outputs={"logits": out})
+        self.lengths = lengths.astype(np.int64).copy()
+        self._advance(self.lengths)
+        return out
+
     def prefill(self, ids: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        if self.device != "cpu":
+            return self.last_token(self._prefill_device(ids, lengths), lengths - 1)
         logits = self.logits_all(ids)
         self.lengths = lengths.astype(np.int64).copy()
-        self.cache.advance(self.lengths)
+        self._advance(self.lengths)
         return logits[np.arange(len(ids)), lengths - 1]
 
+    def prefill_tokens(self, ids: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        """Greedy (CUDA): each row's next token [B] from the prompt, chosen on the device."""
+        return self.greedy_token(self._prefill_device(ids, lengths), lengths - 1)
+
+    def _step_device(self, next_ids: np.ndarray):
+        self._reserve(self.lengths + 1)
+        io = self._io
+        directory = self.pool.directory_input()
+        io["input_ids"].update_inplace(np.ascontiguousarray(next_ids.reshape(-1, 1), np.int64))
+        io["positions"].update_inplace(self.lengths)
+        self.sess.run(["logits"], {"input_ids": io["input_ids"], "positions": io["positions"],
+                                   "directory": directory, "page_table": self._table()},
+                      run_options=self._decode_ro, bound_outputs={"logits": io["logits"]})
+        self.lengths += 1
+        self._advance(self.lengths)  # a requantize here stages one page (Note [Requantize on CUDA])
+        return io["logits"]
+
     def step(self, next_ids: np.ndarray) -> np.ndarray:
+        if self.device != "cpu":
+            return self._step_device(next_ids).numpy()[:, -1]
         logits = self._run(next_ids.reshape(-1, 1), self.lengths)
         self.lengths += 1
-        self.cache.advance(self.lengths)
+        self._advance(self.lengths)
         return logits[:, -1]
+
+    def step_tokens(self, next_ids: np.ndarray) -> np.ndarray:
+        """Greedy (CUDA): one decode step, then each row's next token [B], chosen on the device."""
+        return self.greedy_token(self._step_device(next_ids), np.zeros(len(next_ids), np.int64))
 
     def teacher_forced(self, ids: np.ndarray, chunk: int) -> np.ndarray:
         """Logits [T, V] of one sequence ids [T], fed ``chunk`` tokens per run (the policy acts between
@@ -181,11 +300,14 @@ class PagedRunner:
             block = ids[None, s:s + chunk]
             out.append(self._run(block, self.lengths)[0])
             self.lengths += block.shape[1]
-            self.cache.advance(self.lengths)
+            self._advance(self.lengths)
         return np.concatenate(out)
 
     def kv_bytes(self) -> int:
         return self.pool.committed_bytes if self.pool is not None else 0
+
+    def kv_live_bytes(self) -> int:
+        return self.pool.stats()["live_bytes"] if self.pool is not None else 0
 
     def paged_stats(self) -> dict:
         s = self.pool.stats()
@@ -194,12 +316,14 @@ class PagedRunner:
         return s
 
     def _release(self) -> None:
+        self._io = None
         if self.pool is not None:
             self.sess.unbind_cache(POOL)
             self.pool.close()
             self.pool = self.cache = None
 
     def close(self) -> None:
+        self._io = None
         self.sess.close()
         if self.pool is not None:
             self.pool.close()  # deferred while a view is alive (Note [Arena exports])
