@@ -101,6 +101,9 @@ def _bind(io, name, value, onnx_type, shape, output=False):
 def cuda_update(pool, directory, table, key, value, position, *, layer, num_layers, kv_heads, page_size,
                 dtype="float32"):
     """One run on the device; returns (pool bytes after, the deferred error or None)."""
+    # the inputs are bound by raw device pointer with a declared type: ORT cannot see a mismatch (float16 data
+    # declared float32 once read past the arrays and garbled every value), so check it here
+    assert key.dtype == value.dtype and key.dtype in (np.dtype(NP[dtype]), np.dtype(RAW[dtype])), (key.dtype, dtype)
     sess = update_session(dtype, layer, num_layers, kv_heads, page_size)
     io = sess.io_binding()
     pos = np.broadcast_to(np.asarray(position, np.int64), (table.shape[0],)).copy()
@@ -280,7 +283,7 @@ def test_update_bytes_equal_cpu_and_reference(rng, fmt, dtype):
 def test_update_all_direct_formats_mixed(rng, PS, D, T):
     pool, directory, table, key, value, pos, kw = _update_case(rng, DIRECT, B=4, T=T, positions=[0, 3, PS - 1, 2 * PS],
                                                                PS=PS, D=D)
-    got, err = cuda_update(pool, directory, table, key, value, pos, **kw)
+    got, err = cuda_update(pool, directory, table, key, value, pos, dtype="float16", **kw)
     assert err is None, err
     cpu = pool.copy()
     run_update(cpu, directory, table, key, value, pos, dtype="float16", **kw)
@@ -310,7 +313,7 @@ def _update_refusal(rng, mutate, fragment, code="E_INPUT", formats=(PageFormat.I
     pos = mutate(pool, directory, table, key, value, pos)
     pos = pos if pos is not None else np.array([0, 15, 4])
     before = pool.copy()
-    after, err = cuda_update(pool, directory, table, key, value, pos, **kw)
+    after, err = cuda_update(pool, directory, table, key, value, pos, dtype="float16", **kw)
     assert err is not None and "PagedCacheUpdate node 'upd'" in err, err
     assert f"[ortkv:{code}]" in err and fragment in err and "Nothing was written" in err, err
     assert after.tobytes() == before.tobytes(), "a refused update changed the pool"

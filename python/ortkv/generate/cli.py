@@ -128,11 +128,13 @@ def summary(r: dict) -> str:
 
 
 def run_worker(variant: str, cfg_path: str | None, overrides: dict, prompts: list[str]) -> dict:
+    # the prompts go through stdin: 32 copies of a 1,024-token prompt passed as one argument exceeded the
+    # kernel's per-argument limit (E2BIG, "Argument list too long", at 128 KiB) in `ortkv bench --device cuda`
     cmd = [sys.executable, "-m", "ortkv.generate.cli", "--worker", variant, "--overrides", json.dumps(overrides),
-           "--prompts-json", json.dumps(prompts)]
+           "--prompts-json", "-"]
     if cfg_path:
         cmd += ["--config", cfg_path]
-    out = subprocess.run(cmd, capture_output=True, text=True)
+    out = subprocess.run(cmd, capture_output=True, text=True, input=json.dumps(prompts))
     if out.returncode != 0:
         raise OrtkvError(f"the {variant} worker failed ({out.returncode}):\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -293,7 +295,8 @@ def main(argv=None) -> int:
     err = lambda *x: print(*x, file=sys.stderr)  # noqa: E731
     try:
         cfg, overrides = config_from_args(a)
-        prompts = json.loads(a.prompts_json) if a.prompts_json else (a.prompt or [DEFAULT_PROMPT])
+        text = sys.stdin.read() if a.prompts_json == "-" else a.prompts_json
+        prompts = json.loads(text) if text else (a.prompt or [DEFAULT_PROMPT])
         if a.worker:
             r = run_one(cfg, a.worker, prompts, stream=False, log=err)
             print(json.dumps(r))
