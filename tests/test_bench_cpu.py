@@ -72,7 +72,7 @@ def test_cpu_baseline_alternates_and_reports_medians_and_ratios(fakes):
     assert [w[1] for w in workers] == ["ortkv"] * 6
     overrides = workers[0][2]
     assert overrides == {"search.max_length": 2048, "ortkv.max_new_tokens": 256, "ortkv.weights": "q4",
-                         "ortkv.intra_op_num_threads": 2}
+                         "ortkv.intra_op_num_threads": 2, "ortkv.warmup": True}  # as the driver warms up
     # one prompt of 16 tokens, the same in every row (as the driver prefills B copies of one prompt)
     prompts4 = workers[3][3]
     assert len(prompts4) == 4 and all(p == prompts4[0] for p in prompts4) and len(prompts4[0]) == 16
@@ -231,3 +231,38 @@ def test_q4_layers_keep_add_and_norm(two_layer_weights):
     ops = _op_counts(builder.build(w4, "ortkv", max_positions=64))
     assert ops["SkipSimplifiedLayerNormalization"] == 0 and ops["SimplifiedLayerNormalization"] == 2 * 2 + 1
     assert ops["MatMulNBits"] == 2 * 4 + 1 and ops["Split"] == 2 * 2
+
+
+def test_warmup_runs_an_untimed_generation_first(monkeypatch):
+    """ortkv.warmup (set by --cpu-baseline, Note [CPU baseline]): one untimed 2-token generation on the same
+    runner before the timed one, whose figures alone are reported; without it, one generation."""
+    import ortkv.generate.loop as loop
+    import ortkv.generate.models as models
+    import ortkv.generate.runners as runners
+    from ortkv.generate.cli import run_one
+    from ortkv.generate.config import GenAIConfig
+
+    calls = []
+
+    class Runner:
+        def close(self):
+            calls.append("close")
+
+    def fake_generate(runner, prompt_ids, search, max_new, eos, pad, seed=0, on_token=None):
+        calls.append(("generate", max_new))
+        return loop.Generation(prompt_ids=prompt_ids, new_ids=[[7] * max_new for _ in prompt_ids], decode_s=1.0,
+                               decode_steps=max_new - 1)
+
+    class Tok:
+        def decode(self, ids):
+            return "x" * len(ids)
+
+    monkeypatch.setattr(loop, "generate", fake_generate)
+    monkeypatch.setattr(runners, "make_runner", lambda variant, cfg, log=print: Runner())
+    monkeypatch.setattr(models, "tokenizer_for", lambda cfg, log=print: Tok())
+    for warm, want in ((False, [("generate", 5), "close"]), (True, [("generate", 2), ("generate", 5), "close"])):
+        calls.clear()
+        cfg = GenAIConfig()
+        cfg.ortkv.max_new_tokens, cfg.ortkv.warmup = 5, warm
+        r = run_one(cfg.validate(), "ortkv", [[1, 2, 3]], stream=False, log=lambda *a: None)
+        assert calls == want and r["new_ids"] == [[7] * 5] and r["decode_tok_s"] == 4.0

