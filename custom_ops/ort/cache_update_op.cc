@@ -99,30 +99,18 @@ Status CollectDeviceRanges(const CacheUpdateKernel& k, const CacheUpdateView& v,
 }
 
 Status CheckWriteProtection(const CacheUpdateKernel& k, const CacheUpdateView& v, int device_type,
-                            int device_id) {
-  if (ortkv_core_protected_count() == 0) return Status::Ok();  // the common case: one atomic read
-  for (int64_t pair = 0; pair < v.pairs(); ++pair) {
-    uintptr_t first = 0, last = 0;
-    ortkv::CacheUpdatePairSpan(v, pair, &first, &last);
-    uintptr_t hit = 0;
-    uint64_t hit_len = 0;
-    char label[128];
-    const int kind = ortkv_core_find_protected(device_type, device_id, first, last - first, 0, &hit, &hit_len, label,
-                                               sizeof(label));
-    if (kind != 0) {
-      std::ostringstream m;
-      m << "CacheUpdate node '" << k.names.node << "': row " << v.pair_row(pair) << " of '" << k.names.inputs[0]
-        << "' would write [" << Hex(reinterpret_cast<void*>(first)) << ", " << Hex(reinterpret_cast<void*>(last))
-        << ") which overlaps the " << (kind == ORTKV_RANGE_UNCOMMITTED ? "uncommitted" : "write-protected")
-        << " range [" << Hex(reinterpret_cast<void*>(hit)) << ", +" << hit_len << " bytes) '" << label
-        << "'. Nothing was written. Remedy: "
-        << (kind == ORTKV_RANGE_UNCOMMITTED
-                ? "commit the arena up to the last token before the run (Arena.commit)."
-                : "bind the owner's writable storage, or fork the sequence into its own pages.");
-      return Status(kind == ORTKV_RANGE_UNCOMMITTED ? Code::kUncommitted : Code::kReadOnly, m.str());
-    }
-  }
-  return Status::Ok();
+                            int device_id) {  // Note [Write-protection check] in ort_util.h
+  return CheckProtectedWrites(
+      device_type, device_id, v.pairs(),
+      [&](int64_t pair, uintptr_t* first, uintptr_t* last) { ortkv::CacheUpdatePairSpan(v, pair, first, last); },
+      [&](int64_t pair) {
+        std::ostringstream m;
+        m << "CacheUpdate node '" << k.names.node << "': row " << v.pair_row(pair) << " of '" << k.names.inputs[0]
+          << "' would write";
+        return std::make_pair(m.str(), std::string());
+      },
+      "commit the arena up to the last token before the run (Arena.commit).",
+      "bind the owner's writable storage, or fork the sequence into its own pages.");
 }
 
 // Note [CacheUpdate flat values]

@@ -1,6 +1,9 @@
 // Small helpers over ONNX Runtime's C API for the adapter folder (the only code that sees ORT headers).
 #pragma once
+#include <cstdint>
+#include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "onnxruntime_c_api.h"
@@ -41,6 +44,18 @@ OrtStatus* ReadTensor(const OrtValue* value, const std::string& name, ortkv::Ten
                       int* device_id);
 
 std::string Hex(const void* p);
+
+// Note [Write-protection check]
+// CacheUpdate and PagedCacheUpdate refuse, before any store, a write span [first, last) that overlaps a range
+// registered in ortkv_core as write-protected (a read-only shared prefix) or uncommitted (arena space not yet
+// backed). CheckProtectedWrites walks the op's spans, `span(i, &first, &last)` for i in [0, n), and on the first
+// hit builds the op's message: `before(i)` + " [first, last)" + `after(i)` + " which overlaps the <kind> range
+// [hit, +len bytes) '<label>'. Nothing was written. Remedy: " + the remedy for that kind. The common case (no
+// range registered) is one atomic read.
+ortkv::Status CheckProtectedWrites(int device_type, int device_id, int64_t n,
+                                   const std::function<void(int64_t, uintptr_t*, uintptr_t*)>& span,
+                                   const std::function<std::pair<std::string, std::string>(int64_t)>& words,
+                                   const char* uncommitted_remedy, const char* readonly_remedy);
 
 // Node name, input and output value names of a kernel, read once at kernel creation.
 struct NodeNames {

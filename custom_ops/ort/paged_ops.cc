@@ -71,29 +71,17 @@ void UpdateTask(void* user, size_t i) {
 }
 
 Status CheckWriteProtection(const PagedKernel& k, const ortkv::PagedUpdateView& v, int device_type, int device_id) {
-  if (ortkv_core_protected_count() == 0) return Status::Ok();
-  for (int64_t u = 0; u < v.units(); ++u) {
-    uintptr_t first = 0, last = 0;
-    ortkv::PagedUpdateUnitSpan(v, u, &first, &last);
-    uintptr_t hit = 0;
-    uint64_t hit_len = 0;
-    char label[128];
-    const int kind = ortkv_core_find_protected(device_type, device_id, first, last - first, 0, &hit, &hit_len, label,
-                                               sizeof(label));
-    if (kind != 0) {
-      std::ostringstream m;
-      m << "PagedCacheUpdate node '" << k.names.node << "': row " << u / v.T << " token " << u % v.T
-        << " would write into the page layer [" << Hex(reinterpret_cast<void*>(first)) << ", "
-        << Hex(reinterpret_cast<void*>(last)) << ") of '" << k.names.inputs[0] << "', which overlaps the "
-        << (kind == ORTKV_RANGE_UNCOMMITTED ? "uncommitted" : "write-protected") << " range ["
-        << Hex(reinterpret_cast<void*>(hit)) << ", +" << hit_len << " bytes) '" << label
-        << "'. Nothing was written. Remedy: "
-        << (kind == ORTKV_RANGE_UNCOMMITTED ? "commit the page's slot before the run."
-                                             : "give the sequence its own copy of the page (copy on write).");
-      return Status(kind == ORTKV_RANGE_UNCOMMITTED ? Code::kUncommitted : Code::kReadOnly, m.str());
-    }
-  }
-  return Status::Ok();
+  // Note [Write-protection check] in ort_util.h
+  return CheckProtectedWrites(
+      device_type, device_id, v.units(),
+      [&](int64_t u, uintptr_t* first, uintptr_t* last) { ortkv::PagedUpdateUnitSpan(v, u, first, last); },
+      [&](int64_t u) {
+        std::ostringstream m;
+        m << "PagedCacheUpdate node '" << k.names.node << "': row " << u / v.T << " token " << u % v.T
+          << " would write into the page layer";
+        return std::make_pair(m.str(), " of '" + k.names.inputs[0] + "',");
+      },
+      "commit the page's slot before the run.", "give the sequence its own copy of the page (copy on write).");
 }
 
 OrtStatus* UpdateCompute(void* op_kernel, OrtKernelContext* ctx) {
