@@ -84,6 +84,23 @@ Status CheckWriteProtection(const PagedKernel& k, const ortkv::PagedUpdateView& 
       "commit the page's slot before the run.", "give the sequence its own copy of the page (copy on write).");
 }
 
+// MUST_ALIAS: the updated pool (output 0) is the pool's own storage (input 0), on the CPU and on CUDA alike.
+OrtStatus* CheckPoolAliased(OrtKernelContext* ctx, const PagedKernel& k, const TensorArg& pool) {
+  OrtValue* out = nullptr;
+  ORTKV_RETURN_IF_ORT_ERROR(g_api->KernelContext_GetOutput(ctx, 0, pool.dims.data(), pool.dims.size(), &out));
+  void* out_data = nullptr;
+  ORTKV_RETURN_IF_ORT_ERROR(g_api->GetTensorMutableData(out, &out_data));
+  if (out_data == pool.data) return nullptr;
+  std::ostringstream m;
+  m << "PagedCacheUpdate node '" << k.names.node << "': output '" << k.names.outputs[0] << "' at " << Hex(out_data)
+    << " is not the storage of the pool '" << k.names.inputs[0] << "' at " << Hex(pool.data)
+    << "; the updated pool MUST alias the pool and ortkv never copies a cache, so nothing was written. "
+    << "Remedy: bind ONE buffer to both names through IOBinding (bind_ortvalue_input('" << k.names.inputs[0]
+    << "', v) and bind_ortvalue_output('" << k.names.outputs[0] << "', v) with the same OrtValue v), or run the "
+    << "model through ortkv.MutableCacheSession.";
+  return ToOrtStatus(Status(Code::kAlias, m.str()));
+}
+
 OrtStatus* UpdateCompute(void* op_kernel, OrtKernelContext* ctx) {
   const auto& k = *static_cast<const PagedKernel*>(op_kernel);
   TensorArg in[6];
@@ -92,20 +109,7 @@ OrtStatus* UpdateCompute(void* op_kernel, OrtKernelContext* ctx) {
   ortkv::PagedUpdateView view;
   ORTKV_RETURN_IF_ORT_ERROR(ToOrtStatus(
       ortkv::PlanPagedCacheUpdate(k.names.node, in[0], in[1], in[2], in[3], in[4], in[5], k.attrs, &view)));
-  OrtValue* out = nullptr;
-  ORTKV_RETURN_IF_ORT_ERROR(g_api->KernelContext_GetOutput(ctx, 0, in[0].dims.data(), in[0].dims.size(), &out));
-  void* out_data = nullptr;
-  ORTKV_RETURN_IF_ORT_ERROR(g_api->GetTensorMutableData(out, &out_data));
-  if (out_data != in[0].data) {
-    std::ostringstream m;
-    m << "PagedCacheUpdate node '" << k.names.node << "': output '" << k.names.outputs[0] << "' at " << Hex(out_data)
-      << " is not the storage of the pool '" << k.names.inputs[0] << "' at " << Hex(in[0].data)
-      << "; the updated pool MUST alias the pool and ortkv never copies a cache, so nothing was written. "
-      << "Remedy: bind ONE buffer to both names through IOBinding (bind_ortvalue_input('" << k.names.inputs[0]
-      << "', v) and bind_ortvalue_output('" << k.names.outputs[0] << "', v) with the same OrtValue v), or run the "
-      << "model through ortkv.MutableCacheSession.";
-    return ToOrtStatus(Status(Code::kAlias, m.str()));
-  }
+  ORTKV_RETURN_IF_ORT_ERROR(CheckPoolAliased(ctx, k, in[0]));
   ortkv::CoreLease lease;  // check and write as one (Note [Arena lease])
   ORTKV_RETURN_IF_ORT_ERROR(ToOrtStatus(CheckWriteProtection(k, view, device_type, device_id)));
   const int64_t units = view.units();
@@ -297,20 +301,7 @@ OrtStatus* UpdateComputeCuda(void* op_kernel, OrtKernelContext* ctx) {
   ortkv::PagedUpdateCudaView view;
   ORTKV_RETURN_IF_ORT_ERROR(ToOrtStatus(ortkv::PlanPagedCacheUpdateCuda(k.names.node, in[0], in[1], in[2], in[3], in[4],
                                                                         in[5], k.attrs, &view)));
-  OrtValue* out = nullptr;
-  ORTKV_RETURN_IF_ORT_ERROR(g_api->KernelContext_GetOutput(ctx, 0, in[0].dims.data(), in[0].dims.size(), &out));
-  void* out_data = nullptr;
-  ORTKV_RETURN_IF_ORT_ERROR(g_api->GetTensorMutableData(out, &out_data));
-  if (out_data != in[0].data) {
-    std::ostringstream m;
-    m << "PagedCacheUpdate node '" << k.names.node << "': output '" << k.names.outputs[0] << "' at " << Hex(out_data)
-      << " is not the storage of the pool '" << k.names.inputs[0] << "' at " << Hex(in[0].data)
-      << "; the updated pool MUST alias the pool and ortkv never copies a cache, so nothing was written. "
-      << "Remedy: bind ONE buffer to both names through IOBinding (bind_ortvalue_input('" << k.names.inputs[0]
-      << "', v) and bind_ortvalue_output('" << k.names.outputs[0] << "', v) with the same OrtValue v), or run the "
-      << "model through ortkv.MutableCacheSession.";
-    return ToOrtStatus(Status(Code::kAlias, m.str()));
-  }
+  ORTKV_RETURN_IF_ORT_ERROR(CheckPoolAliased(ctx, k, in[0]));
   if (view.rows() == 0) return nullptr;
   view.label = k.label;
   void* stream = nullptr;
