@@ -8,7 +8,10 @@ R nodes of one kind in one model, each over its own cache / pool, so one call re
 other (R chosen so that they hold >= 256 MiB of F16 bytes: K/V come from HBM, not from L2). Sessions run
 with enable_cuda_graph=1. Each figure is the median over --rounds rounds (the kinds alternate inside a
 round) of the median of --reps timed calls after a warm-up; the time per node is the call time / R.
-com.microsoft.PagedAttention is not measured here yet (its schema in onnxruntime-gpu 1.31 was not checked).
+  ORT-PA : onnxruntime's own com.microsoft.PagedAttention (CUDA, one float16 block cache [blocks, 16, 3, 64] per
+          node, same shuffled block tables); it also writes the step's one new key / value row into its cache
+          (past_seqlens = L - 1), which ortkv's figure leaves to PagedCacheUpdate. It runs in a CUDA graph when
+          the op allows capture; otherwise without one (the table says which).
 
     python benchmarks/bench_paged_attention_cuda.py [--rounds 3] [--reps 20]
                                                     [--out benchmarks/results/paged_attention_cuda.md]
@@ -45,7 +48,7 @@ def _model(nodes, inputs, outputs):
                              ir_version=10)
 
 
-def _session(model):
+def _session(model, graph=True):
     import onnxruntime as ort
 
     so = ort.SessionOptions()
@@ -53,7 +56,7 @@ def _session(model):
     so.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
     so.register_custom_ops_library(ortkv.get_library_path())
     return ort.InferenceSession(model.SerializeToString(), so,
-                                providers=[("CUDAExecutionProvider", {"enable_cuda_graph": "1"})])
+                                providers=[("CUDAExecutionProvider", {"enable_cuda_graph": "1" if graph else "0"})])
 
 
 def _dev(arr):
@@ -106,15 +109,44 @@ def paged_case(rng, B, L, R, fmt):
     return _model(nodes, inputs, outs), feeds, [o.name for o in outs]
 
 
+def ort_paged_case(rng, B, L, R, outputs3):
+    """R com.microsoft.PagedAttention nodes, each over its own float16 key / value block caches."""
+    vi = helper.make_tensor_value_info
+    n_blocks = B * (L // PS)
+    table = rng.permutation(n_blocks).astype(np.int32).reshape(B, L // PS)
+    nodes = []
+    inputs = [vi("q", TP.FLOAT16, [B, HQ * D]), vi("k", TP.FLOAT16, [B, HKV * D]), vi("v", TP.FLOAT16, [B, HKV * D]),
+              vi("cu", TP.INT32, [B + 1]), vi("past", TP.INT32, [B]), vi("table", TP.INT32, [B, L // PS])]
+    outs, feeds = [], {}
+    for r in range(R):
+        o = [f"o{r}"] + ([f"kco{r}", f"vco{r}"] if outputs3 else [])
+        nodes.append(helper.make_node("PagedAttention", ["q", "k", "v", f"kc{r}", f"vc{r}", "cu", "past", "table"], o,
+                                      name=f"a{r}", domain="com.microsoft", num_heads=HQ, kv_num_heads=HKV))
+        inputs += [vi(f"kc{r}", TP.FLOAT16, [n_blocks, PS, HKV, D]), vi(f"vc{r}", TP.FLOAT16, [n_blocks, PS, HKV, D])]
+        outs.append(vi(f"o{r}", TP.FLOAT16, [B, HQ * D]))
+        if outputs3:
+            outs += [vi(f"kco{r}", TP.FLOAT16, [n_blocks, PS, HKV, D]), vi(f"vco{r}", TP.FLOAT16, [n_blocks, PS, HKV, D])]
+        kv = rng.standard_normal((n_blocks, PS, HKV, D)).astype(np.float16)
+        feeds[f"kc{r}"] = kv
+        feeds[f"vc{r}"] = kv.copy()
+    feeds.update(q=rng.standard_normal((B, HQ * D)).astype(np.float16),
+                 k=rng.standard_normal((B, HKV * D)).astype(np.float16),
+                 v=rng.standard_normal((B, HKV * D)).astype(np.float16),
+                 cu=np.arange(B + 1, dtype=np.int32), past=np.full(B, L - 1, np.int32), table=table)
+    return _model(nodes, inputs, outs), feeds, [o.name for o in outs]
+
+
 class Runner:
-    def __init__(self, model, feeds, outputs):
-        self.sess = _session(model)
+    def __init__(self, model, feeds, outputs, graph=True, alias=None):
+        self.sess = _session(model, graph)
         self.vals = {k: _dev(v) for k, v in feeds.items()}
         self.io = self.sess.io_binding()
         for k, v in self.vals.items():
             self.io.bind_ortvalue_input(k, v)
         q = feeds["q"]
-        self.outs = [_dev(np.zeros(q.shape, np.float16)) for _ in outputs]  # fixed addresses for the graph
+        alias = alias or {}
+        self.outs = [self.vals[alias[o]] if o in alias else _dev(np.zeros(q.shape, np.float16))
+                     for o in outputs]  # fixed addresses for the graph
         for o, v in zip(outputs, self.outs):
             self.io.bind_ortvalue_output(o, v)
         for _ in range(3):  # warm-up and the graph capture
@@ -134,6 +166,20 @@ class Runner:
         return statistics.median(ts)
 
 
+def ort_paged_runner(rng, B, L, R):
+    """(runner, captured in a CUDA graph, why not measured): tries the op's two output forms and the graph."""
+    errors = []
+    for outputs3 in (False, True):
+        model, feeds, outs = ort_paged_case(rng, B, L, R, outputs3)
+        alias = {f"kco{r}": f"kc{r}" for r in range(R)} | {f"vco{r}": f"vc{r}" for r in range(R)}
+        for graph in (True, False):
+            try:
+                return Runner(model, feeds, outs, graph=graph, alias=alias), graph, None
+            except Exception as e:  # noqa: BLE001 - reported in the table's note
+                errors.append(f"{'3 outputs' if outputs3 else '1 output'}, graph {graph}: {str(e).splitlines()[0][:200]}")
+    return None, False, "not measured: " + "; ".join(errors)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=3)
@@ -141,29 +187,41 @@ def main():
     p.add_argument("--out", default="benchmarks/results/paged_attention_cuda.md")
     a = p.parse_args()
     rng = np.random.default_rng(0)
-    kinds = ["dense"] + [f.name for f in FORMATS]
+    kinds = ["dense"] + [f.name for f in FORMATS] + ["ORT-PA"]
     lines = ["# PagedCacheAttention (CUDA) vs dense CacheAttention, decode", "",
              f"SmolLM2 heads {HQ}/{HKV}/{D}, float16 queries, pages of {PS} tokens, CUDA graphs; microseconds per "
              f"node (median of {a.rounds} rounds x median of {a.reps} calls). `python "
              "benchmarks/bench_paged_attention_cuda.py`", "",
-             "| L | B | R | " + " | ".join(f"{k} us" for k in kinds) + " | F16 / dense | INT8 / F16 | INT4 / F16 |",
-             "|---|---|---|" + "---|" * (len(kinds) + 3)]
+             "| L | B | R | " + " | ".join(f"{k} us" for k in kinds) +
+             " | F16 / dense | INT8 / F16 | INT4 / F16 | F16 / ORT-PA | ORT-PA graph |",
+             "|---|---|---|" + "---|" * (len(kinds) + 5)]
+    pa_note = None
     for L in LENGTHS:
         for B in BATCHES:
             R = _reps(B, L)
             runners = {"dense": Runner(*dense_case(rng, B, L, R))}
             for f in FORMATS:
                 runners[f.name] = Runner(*paged_case(rng, B, L, R, f))
-            per = {k: [] for k in kinds}
+            runners["ORT-PA"], pa_graph, why = ort_paged_runner(rng, B, L, R)
+            if runners["ORT-PA"] is None:
+                kinds_now = [k for k in kinds if k != "ORT-PA"]
+                pa_note = why
+            else:
+                kinds_now = kinds
+            per = {k: [] for k in kinds_now}
             for _ in range(a.rounds):
-                for k in kinds:
+                for k in kinds_now:
                     per[k].append(runners[k].time(a.reps) / R * 1e6)
             med = {k: statistics.median(v) for k, v in per.items()}
-            row = f"| {L} | {B} | {R} | " + " | ".join(f"{med[k]:.1f}" for k in kinds)
-            row += f" | {med['F16'] / med['dense']:.2f} | {med['INT8'] / med['F16']:.2f} | {med['INT4'] / med['F16']:.2f} |"
+            row = f"| {L} | {B} | {R} | " + " | ".join(f"{med[k]:.1f}" if k in med else "-" for k in kinds)
+            row += f" | {med['F16'] / med['dense']:.2f} | {med['INT8'] / med['F16']:.2f} | {med['INT4'] / med['F16']:.2f}"
+            row += (f" | {med['F16'] / med['ORT-PA']:.2f} | {'yes' if pa_graph else 'no'} |" if "ORT-PA" in med
+                    else " | - | - |")
             lines.append(row)
             print(row, flush=True)
             del runners
+    if pa_note:
+        lines += ["", f"com.microsoft.PagedAttention: {pa_note}"]
     text = "\n".join(lines) + "\n"
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     with open(a.out, "w") as fh:

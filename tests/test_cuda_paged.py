@@ -208,6 +208,30 @@ def test_attention_split_k_8k_tokens(rng, B):
     _attn_case(rng, ALL, B=B, T=1, lengths=lengths, PS=64, NL=1, layer=0)
 
 
+def test_attention_chunks_longer_than_one_page_window(rng):
+    """Pages of 1 token and prefill units: a block's key chunk spans > 256 pages, so the kernel resolves its
+    pages in several windows (Note [Paged CUDA v2])."""
+    _attn_case(rng, [PageFormat.F16, PageFormat.INT8, PageFormat.INT4, PageFormat.FP8_E4M3, PageFormat.INT2],
+               B=1, T=8, lengths=[2000], PS=1, NL=1, layer=0)
+
+
+def test_attention_bad_page_in_a_later_window_is_reported(rng):
+    """A bad page past the first 256 pages of a chunk: reported, nothing written, the output finite."""
+    NL, H, PS, D, L, T = 1, 3, 1, 64, 1200, 8
+    fmts = [PageFormat.F16, PageFormat.INT4]
+    pool, directory = build_pool(rng, [fmts[i % 2] for i in range(L)], num_layers=NL, kv_heads=H, page_size=PS,
+                                 head_size=D)
+    table = table_for([list(range(L))], L + 1)
+    table[0, 700] = -1
+    q = _rand(rng, (1, T, H * 3 * D), "float16")
+    before = pool.copy()
+    out, after, err = cuda_attention(q, pool, directory, table, np.array([L - T]), num_heads=H * 3, kv_heads=H,
+                                     layer=0, num_layers=NL, page_size=PS, dtype="float16")
+    assert err is not None and "row 0" in err and "the entry is -1 (no page)" in err, err
+    assert after.tobytes() == before.tobytes()
+    assert np.isfinite(out).all()
+
+
 def _attn_refusal_case(rng):
     NL, H, PS, D = 1, 2, 16, 64
     pool, directory = build_pool(rng, [PageFormat.F16, PageFormat.INT8, PageFormat.INT4], num_layers=NL, kv_heads=H,

@@ -84,7 +84,8 @@ struct PagedAttentionCudaView {
   int64_t start_stride = 0;
   int64_t B = 0, T = 0, Hq = 0, Hkv = 0, D = 0;
   float scale = 1.0f;
-  int64_t splits = 1;
+  int64_t splits = 1;              // planned; the v2 launch may trim it to one wave (Note [Paged CUDA v2])
+  int sm_count = 0;
   bool vec = false;                // D % 8 == 0 and the query / output 16-byte aligned
   float* partial = nullptr;        // splits > 1: partial_bytes()
   void* flag = nullptr;            // 8 bytes of device scratch

@@ -768,10 +768,13 @@ cudaError_t Launch(const CacheAttentionCudaView& v, const Args& a, cudaStream_t 
   return cudaGetLastError();
 }
 
+}  // namespace
+
 // ORTKV_CUDA_ATTENTION: unset, empty or "v2" = Note [CacheAttention CUDA v2] where it applies; "v1" =
-// the first kernel everywhere (for A/B measurements). Read at every launch (a captured CUDA graph
+// the first kernel everywhere (for A/B measurements), for CacheAttention and PagedCacheAttention
+// (Note [Paged CUDA v2]). Read at every launch (a captured CUDA graph
 // keeps the kernel of its capture).
-Status AttentionKernelChoice(bool* v1) {
+Status CudaAttentionKernelChoice(bool* v1) {
   const char* e = std::getenv("ORTKV_CUDA_ATTENTION");
   *v1 = e != nullptr && std::strcmp(e, "v1") == 0;
   if (e == nullptr || *e == '\0' || *v1 || std::strcmp(e, "v2") == 0) return Status::Ok();
@@ -779,7 +782,6 @@ Status AttentionKernelChoice(bool* v1) {
                                             "' is not a CacheAttention CUDA kernel; set v1 or v2, or unset it");
 }
 
-}  // namespace
 
 Status CacheAttentionCuda(const CacheAttentionCudaView& v, void* stream_ptr) {
   if (v.units() == 0) return Status::Ok();
@@ -817,7 +819,7 @@ Status CacheAttentionCuda(const CacheAttentionCudaView& v, void* stream_ptr) {
                                               " blocks exceed the grid limit; split the batch");
   }
   bool v1 = false;
-  ORTKV_RETURN_IF_ERR(AttentionKernelChoice(&v1));
+  ORTKV_RETURN_IF_ERR(CudaAttentionKernelChoice(&v1));
   const bool v2 = !v1 && v.vec && v.D <= kAttnCudaMaxHeadSize &&
                   (v.elem_type == kFloat16 || v.elem_type == kBFloat16);  // Note [CacheAttention CUDA v2]
   cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);

@@ -114,6 +114,7 @@ Status PlanPagedCacheAttentionCuda(const std::string& node, const TensorArg& q, 
   view->Hkv = kv;
   view->D = D;
   view->scale = scale > 0 ? scale : 1.0f / std::sqrt(static_cast<float>(D));
+  view->sm_count = sm_count;
   const uintptr_t align = reinterpret_cast<uintptr_t>(q.data) | reinterpret_cast<uintptr_t>(out);
   view->vec = D % 8 == 0 && align % 16 == 0;
   // Note [CacheAttention CUDA]: ~4 blocks per SM, splits from the CAPACITY (start is on the device)
@@ -494,6 +495,13 @@ __device__ __forceinline__ __nv_bfloat16 FromF<__nv_bfloat16>(float x) { return 
 __device__ __forceinline__ float H(uint32_t bits16) { return __half2float(__ushort_as_half(static_cast<unsigned short>(bits16))); }
 __device__ __forceinline__ float Bf(uint32_t bits16) { return __uint_as_float(bits16 << 16); }
 
+// 2^x in one instruction (ex2.approx, as the dense v2 kernel; 2^-inf = +0).
+__device__ __forceinline__ float Exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // Channels [d0, d0 + 8) of row `tok` of (kv, head) of a page layer at `base` in format fmt, in registers.
 // VEC: D % 8 == 0 (every load below is then aligned); else element by element (zeros past D).
 template <bool VEC>
@@ -809,8 +817,13 @@ __device__ void ReportAttention(const PagedAttentionCudaView& a, unsigned long l
 }
 
 // One block per (unit, query head): merges the S chunks (splits > 1); block 0 also reports.
-template <typename T>
+// LOG2: the partials' m is in base 2 (Note [Paged CUDA v2]); then the combine may be a programmatic
+// dependent of the attention, and waits for it before reading the flag and the partials.
+template <typename T, bool LOG2>
 __global__ void PagedCombineKernel(const AttnArgs args) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (LOG2) asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
   const PagedAttentionCudaView& a = args.v;
   if (blockIdx.x == 0 && threadIdx.x == 0) {
     const unsigned long long key = *static_cast<const volatile unsigned long long*>(a.flag);
@@ -832,7 +845,7 @@ __global__ void PagedCombineKernel(const AttnArgs args) {
       const float* pc = p + c * (a.D + 2);
       const float mc = pc[a.D];
       if (mc == -INFINITY) continue;  // an empty chunk, or one refused for a bad page
-      const float w = __expf(mc - mx);
+      const float w = LOG2 ? Exp2(mc - mx) : __expf(mc - mx);
       den += w * pc[a.D + 1];
       num += w * pc[d];
     }
@@ -859,9 +872,528 @@ cudaError_t LaunchAttn(const AttnArgs& a, int gm, int64_t blocks, cudaStream_t s
   const int64_t G = a.v.group();
   const unsigned combine_blocks = a.v.splits > 1 ? static_cast<unsigned>(a.v.units() * G) : 1u;
   const int threads = static_cast<int>(std::min<int64_t>(256, (a.v.D + 31) / 32 * 32));
-  PagedCombineKernel<T><<<combine_blocks, threads, 0, stream>>>(a);
+  PagedCombineKernel<T, false><<<combine_blocks, threads, 0, stream>>>(a);
   return cudaGetLastError();
 }
+
+// ---- PagedCacheAttention v2: Note [Paged CUDA v2] ----------------------------------------------------
+// Note [Paged CUDA v2]
+// ~~~~~~~~~~~~~~~~~~~~
+// The first paged kernel (PagedAttentionKernel above, ORTKV_CUDA_ATTENTION=v1) was latency-bound: for
+// every 4 keys a thread loaded the page-table entry, then the directory entry, then the bytes, and
+// only then computed; three dependent global loads per step and nothing in flight while computing, so
+// it ran at ~0.6 TB/s at 32K x 8 and narrow pages (INT4) were no faster than F16. v2 streams pages as
+// Note [CacheAttention CUDA v2] streams a dense cache:
+//   * Page metadata once per page, not per key: the block resolves its chunk's pages in sub-chunks of
+//     up to kMaxPages pages (one thread per page: table entry, directory entry, every check of
+//     PageProblem) into shared memory (layer base pointer and format), plus each format's layout
+//     (row bytes, section offsets) once per block. A bad page in a sub-chunk is recorded (atomicMin
+//     on the flag, as v1) before any byte of that sub-chunk is read, and the block then drops what it
+//     accumulated: its output / partial is empty, exactly as v1's "a chunk with a bad page reads
+//     nothing" leaves it (earlier sub-chunks' pages were valid; their bytes are simply discarded).
+//   * Each thread copies its own piece of every key row it owns (TPK threads per row, 8 channels
+//     each, kU keys per stage) with cp.async into a PRIVATE slot of a kStages-deep shared-memory
+//     ring, sized by the page's format: 16 bytes (F16, BF16), 8 (INT8, FP8), 4 (INT4; INT2's 2 bytes
+//     come in their aligned 4-byte word), plus the row's K and V scale words (4 bytes each, an INT8 /
+//     FP8 row's 2-byte scale in its aligned word). Narrow pages thus move fewer bytes per key, and
+//     while one stage is decoded the next kStages - 1 are in flight. No __syncthreads in the loop
+//     (each thread reads back only what it copied).
+//   * Decoding is in registers by the key's page format (uniform within a page, so a warp diverges
+//     only where its keys cross pages of different formats). *_KC keys read their per-channel
+//     (s, m) of the page with __ldg at decode time (L1 serves the page's other rows): those formats
+//     expose one load latency per key step; they are the rarely-read old pages of a policy.
+//   * Scores in base 2, lazy rescale, partials in base 2 (PagedCombineKernel<T, true>, launched as a
+//     programmatic dependent on sm_90+), the split count trimmed to one wave of this kernel (its
+//     occupancy: ~60 KiB of dynamic shared memory per block), as Note [CacheAttention CUDA v2 waves].
+// v2 runs when view.vec (D % 8 == 0, 16-byte aligned query and output) and D <= 256; else v1.
+namespace pv2 {
+
+constexpr int kU = 4;
+constexpr int kStages = 3;
+constexpr int kWordsPerThread = 2 * kU + kU / 2;  // K and V pieces per key, one scale word per 2 keys
+constexpr int kSlotWords = kWordsPerThread * kThreads;
+constexpr int kMaxPages = 256;
+
+struct FormatInfo {
+  uint32_t row_bytes, v_payload, k_scales, v_scales, srb, bits;
+};
+
+struct Smem {
+  uint4 ring[kStages * kSlotWords];
+  const uint8_t* page[kMaxPages];
+  FormatInfo fi[codecs::kNumPageFormats];
+  uint8_t fmt[kMaxPages];
+};
+
+template <int GM>
+struct Merge {
+  float m[kWarps][GM];
+  float l[kWarps][GM];
+  float acc[kWarps][GM][kAttnCudaMaxHeadSize];
+};
+static_assert(sizeof(Merge<kAttnCudaHeads>) <= sizeof(uint4) * kStages * kSlotWords, "merge arrays fit the ring");
+
+template <int N>
+__device__ __forceinline__ void CpAsync(void* smem, const void* gmem) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  if constexpr (N == 16) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
+  } else {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(s), "l"(gmem), "n"(N) : "memory");
+  }
+}
+__device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void CpAsyncWait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+__device__ __forceinline__ const void* Align4(const uint8_t* p) {
+  return reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(p) & ~static_cast<uintptr_t>(3));
+}
+
+// 8 channels of a row piece `w` in format f. `half`: which 16-bit half of the word holds the piece
+// (INT2 payload) ; sc: the row's scale word, already shifted to its own half for INT8 / FP8.
+__device__ __forceinline__ void DecodePiece(int f, const uint4& w, uint32_t sc, bool half, float* x) {
+  switch (static_cast<PageFormat>(f)) {
+    case PageFormat::kF16: {
+      const __half2* h = reinterpret_cast<const __half2*>(&w);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float2 y = __half22float2(h[i]);
+        x[2 * i] = y.x;
+        x[2 * i + 1] = y.y;
+      }
+      return;
+    }
+    case PageFormat::kBF16: {
+      const uint32_t u[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        x[2 * i] = Bf(u[i] & 0xFFFFu);
+        x[2 * i + 1] = Bf(u[i] >> 16);
+      }
+      return;
+    }
+    case PageFormat::kInt8: {
+      const float s = H(sc & 0xFFFFu);
+#pragma unroll
+      for (int i = 0; i < 8; ++i)
+        x[i] = static_cast<float>(static_cast<int8_t>(((i < 4 ? w.x : w.y) >> (8 * (i & 3))) & 0xFFu)) * s;
+      return;
+    }
+    case PageFormat::kFp8E4M3: {
+      const float s = H(sc & 0xFFFFu);
+#pragma unroll
+      for (int i = 0; i < 8; ++i)
+        x[i] = codecs::E4M3ToF32(static_cast<uint8_t>(((i < 4 ? w.x : w.y) >> (8 * (i & 3))) & 0xFFu)) * s;
+      return;
+    }
+    case PageFormat::kInt4:
+    case PageFormat::kInt4KC: {
+      const float s = H(sc & 0xFFFFu), m = H(sc >> 16);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) x[i] = static_cast<float>((w.x >> (4 * i)) & 0xFu) * s + m;
+      return;
+    }
+    default: {  // INT2, INT2_KC
+      const float s = H(sc & 0xFFFFu), m = H(sc >> 16);
+      const uint32_t q = half ? w.x >> 16 : w.x;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) x[i] = static_cast<float>((q >> (2 * i)) & 0x3u) * s + m;
+      return;
+    }
+  }
+}
+
+// Keys of a *_KC page: 8 channels with their own (s, m) from the page's per-channel key scales.
+__device__ __forceinline__ void DecodeKeyKC(int f, const uint4& w, bool half, const uint8_t* pg, const FormatInfo& fi,
+                                            int hk, int D, int d0, float* x) {
+  const uint4* p = reinterpret_cast<const uint4*>(pg + fi.k_scales + (static_cast<uint32_t>(hk) * D + d0) * 4u);
+  const uint4 a = __ldg(p), c = __ldg(p + 1);
+  const uint32_t sm[8] = {a.x, a.y, a.z, a.w, c.x, c.y, c.z, c.w};
+  const int bits = f == static_cast<int>(PageFormat::kInt4KC) ? 4 : 2;
+  const uint32_t q = bits == 2 && half ? w.x >> 16 : w.x;
+  const uint32_t mask = (1u << bits) - 1u;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) x[i] = static_cast<float>((q >> (bits * i)) & mask) * H(sm[i] & 0xFFFFu) + H(sm[i] >> 16);
+}
+
+__device__ __forceinline__ bool IsKC(int f) {
+  return f == static_cast<int>(PageFormat::kInt4KC) || f == static_cast<int>(PageFormat::kInt2KC);
+}
+
+template <typename T, int TPK, int GM>
+__global__ void __launch_bounds__(kThreads) PagedAttentionV2(const AttnArgs args) {
+  extern __shared__ __align__(16) unsigned char dsm[];
+  Smem& sm = *reinterpret_cast<Smem*>(dsm);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" :::);
+#endif
+  const PagedAttentionCudaView& a = args.v;
+  constexpr int kNkg = kThreads / TPK;
+  constexpr int64_t kPerIt = static_cast<int64_t>(kNkg) * kU;
+
+  const int64_t S = a.splits;
+  int64_t blk = blockIdx.x;
+  const int64_t split = blk % S;
+  blk /= S;
+  const int64_t hb = blk % args.head_blocks;
+  const int64_t unit = blk / args.head_blocks;
+  const int64_t t = unit % a.T;
+  const int hk = static_cast<int>((unit / a.T) % a.Hkv);
+  const int64_t b = unit / (a.T * a.Hkv);
+  const int64_t G = a.Hq / a.Hkv;
+  const int64_t g0 = hb * GM;
+  const int gn = static_cast<int>(G - g0 < GM ? G - g0 : GM);
+  const int D = static_cast<int>(a.D);
+  const int ps = a.p.shape.page_size;
+  unsigned long long* flag = static_cast<unsigned long long*>(a.flag);
+
+  bool bad_start = false;
+  const int64_t st = ClampedStart(a, b, &bad_start);
+  if (bad_start && threadIdx.x == 0) atomicMin(flag, Key(kClassRow, static_cast<unsigned long long>(b) << 28));
+  const int64_t L = st + t + 1;
+  int64_t chunk = (L + S - 1) / S;
+  if (chunk < kAttnCudaMinChunk) chunk = kAttnCudaMinChunk;
+  const int64_t j0 = split * chunk < L ? split * chunk : L;
+  const int64_t j1 = j0 + chunk < L ? j0 + chunk : L;
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int sub = lane & (TPK - 1);
+  const int kg = tid / TPK;
+  const int d0 = sub * kEPT;
+  const bool dv = d0 < D;
+
+  if (tid < codecs::kNumPageFormats) {
+    const codecs::PageLayout& lay = a.p.layouts[tid];
+    FormatInfo f;
+    f.row_bytes = static_cast<uint32_t>(lay.row_bytes);
+    f.v_payload = static_cast<uint32_t>(lay.v_payload);
+    f.k_scales = static_cast<uint32_t>(lay.k_scales);
+    f.v_scales = static_cast<uint32_t>(lay.v_scales);
+    f.srb = static_cast<uint32_t>(lay.scale_row_bytes);
+    f.bits = static_cast<uint32_t>(codecs::PayloadBits(static_cast<PageFormat>(tid)));
+    sm.fi[tid] = f;
+  }
+
+  const float qscale = a.scale * 1.4426950408889634f;
+  const T* qp = static_cast<const T*>(a.q) + ((b * a.T + t) * a.Hq + hk * G + g0) * a.D;
+  float qf[GM][kEPT];
+#pragma unroll
+  for (int g = 0; g < GM; ++g) {
+    if (g < gn) {
+      LoadQ<T, true>(qp + g * a.D, d0, D, qf[g]);
+#pragma unroll
+      for (int i = 0; i < kEPT; ++i) qf[g][i] *= qscale;
+    } else {
+#pragma unroll
+      for (int i = 0; i < kEPT; ++i) qf[g][i] = 0.0f;
+    }
+  }
+  float m[GM], l[GM], acc[GM][kEPT];
+#pragma unroll
+  for (int g = 0; g < GM; ++g) {
+    m[g] = -INFINITY;
+    l[g] = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kEPT; ++i) acc[g][i] = 0.0f;
+  }
+
+  bool skip = false;
+  for (int64_t s0 = j0; s0 < j1;) {
+    const int64_t p0 = s0 / ps;
+    const int64_t s1 = j1 < (p0 + kMaxPages) * ps ? j1 : (p0 + kMaxPages) * ps;
+    const int64_t p1 = (s1 - 1) / ps;
+    __syncthreads();  // the previous sub-chunk's page list is no longer read (and sm.fi is written)
+    int bad = 0;
+    for (int64_t pi = p0 + tid; pi <= p1; pi += kThreads) {
+      const int64_t id = TableAt(a.p, b, pi);
+      if (PageProblem(a.p, id, false) != kPageOk) {
+        atomicMin(flag, Key(kClassRow, (static_cast<unsigned long long>(b) << 28) | static_cast<unsigned long long>(pi + 1)));
+        bad = 1;
+      } else {
+        int f = 0;
+        sm.page[pi - p0] = LayerBase(a.p, id, &f);
+        sm.fmt[pi - p0] = static_cast<uint8_t>(f);
+      }
+    }
+    if (__syncthreads_or(bad) != 0) {
+      skip = true;
+      break;
+    }
+
+    int64_t jn = s0 + kg;
+    const int64_t n_it = (s1 - s0 + kPerIt - 1) / kPerIt;
+    int stage_in = 0;
+    auto issue = [&]() {
+      if (dv) {
+        uint4* slot = sm.ring + stage_in * kSlotWords + tid;
+#pragma unroll
+        for (int u = 0; u < kU; ++u) {
+          const int64_t j = jn + static_cast<int64_t>(u) * kNkg;
+          if (j < s1) {
+            const int lp = static_cast<int>(j / ps - p0);
+            const uint32_t row = static_cast<uint32_t>(hk) * ps + static_cast<uint32_t>(j % ps);
+            const int f = sm.fmt[lp];
+            const FormatInfo& fi = sm.fi[f];
+            const uint8_t* pg = sm.page[lp];
+            const uint8_t* kp = pg + row * fi.row_bytes + (static_cast<uint32_t>(d0) * fi.bits) / 8u;
+            const uint8_t* vp = kp + fi.v_payload;
+            uint4* kw = slot + (2 * u) * kThreads;
+            uint4* vw = slot + (2 * u + 1) * kThreads;
+            if (fi.bits == 16) {
+              CpAsync<16>(kw, kp);
+              CpAsync<16>(vw, vp);
+            } else if (fi.bits == 8) {
+              CpAsync<8>(kw, kp);
+              CpAsync<8>(vw, vp);
+            } else {
+              CpAsync<4>(kw, Align4(kp));
+              CpAsync<4>(vw, Align4(vp));
+            }
+            if (fi.srb != 0) {
+              uint32_t* sw = reinterpret_cast<uint32_t*>(slot + (2 * kU + u / 2) * kThreads) + 2 * (u & 1);
+              if (!IsKC(f)) CpAsync<4>(sw, Align4(pg + fi.k_scales + row * fi.srb));
+              CpAsync<4>(sw + 1, Align4(pg + fi.v_scales + row * fi.srb));
+            }
+          }
+        }
+      }
+      CpAsyncCommit();
+      jn += kPerIt;
+      stage_in = stage_in + 1 == kStages ? 0 : stage_in + 1;
+    };
+#pragma unroll
+    for (int s = 0; s < kStages - 1; ++s) issue();
+
+    int64_t jc = s0 + kg;
+    int stage = 0;
+    for (int64_t it = 0; it < n_it; ++it, jc += kPerIt, stage = stage + 1 == kStages ? 0 : stage + 1) {
+      CpAsyncWait<kStages - 2>();
+      issue();
+      const uint4* slot = sm.ring + stage * kSlotWords + tid;
+      bool ok[kU];
+      int fu[kU];
+      uint32_t rowu[kU];
+      float sc[GM][kU];
+#pragma unroll
+      for (int u = 0; u < kU; ++u) {
+        const int64_t j = jc + static_cast<int64_t>(u) * kNkg;
+        ok[u] = j < s1;
+        float kf[kEPT];
+        fu[u] = 0;
+        rowu[u] = 0;
+        if (ok[u] && dv) {
+          const int lp = static_cast<int>(j / ps - p0);
+          const int f = sm.fmt[lp];
+          const FormatInfo& fi = sm.fi[f];
+          const uint32_t row = static_cast<uint32_t>(hk) * ps + static_cast<uint32_t>(j % ps);
+          fu[u] = f;
+          rowu[u] = row;
+          const uint32_t sw = reinterpret_cast<const uint32_t*>(slot + (2 * kU + u / 2) * kThreads)[2 * (u & 1)];
+          const bool half = ((row * fi.row_bytes + (static_cast<uint32_t>(d0) * fi.bits) / 8u) & 2u) != 0;
+          if (IsKC(f)) {
+            DecodeKeyKC(f, slot[(2 * u) * kThreads], half, sm.page[lp], fi, hk, D, d0, kf);
+          } else {
+            const uint32_t scw = fi.srb == 2 ? (row & 1u ? sw >> 16 : sw & 0xFFFFu) : sw;
+            DecodePiece(f, slot[(2 * u) * kThreads], scw, half, kf);
+          }
+        } else {
+#pragma unroll
+          for (int i = 0; i < kEPT; ++i) kf[i] = 0.0f;
+        }
+#pragma unroll
+        for (int g = 0; g < GM; ++g) {
+          float s = 0.0f;
+#pragma unroll
+          for (int i = 0; i < kEPT; ++i) s = fmaf(qf[g][i], kf[i], s);
+#pragma unroll
+          for (int off = TPK >> 1; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+          sc[g][u] = ok[u] ? s : -INFINITY;
+        }
+      }
+      if (!ok[0]) continue;
+#pragma unroll
+      for (int g = 0; g < GM; ++g) {
+        float mb = sc[g][0];
+#pragma unroll
+        for (int u = 1; u < kU; ++u) mb = fmaxf(mb, sc[g][u]);
+        if (mb > m[g]) {
+          const float corr = Exp2(m[g] - mb);
+          l[g] *= corr;
+#pragma unroll
+          for (int i = 0; i < kEPT; ++i) acc[g][i] *= corr;
+          m[g] = mb;
+        }
+#pragma unroll
+        for (int u = 0; u < kU; ++u) sc[g][u] = Exp2(sc[g][u] - m[g]);
+      }
+#pragma unroll
+      for (int u = 0; u < kU; ++u) {
+        if (!ok[u]) break;
+        float vf[kEPT];
+        if (dv) {
+          const FormatInfo& fi = sm.fi[fu[u]];
+          const uint32_t sw = reinterpret_cast<const uint32_t*>(slot + (2 * kU + u / 2) * kThreads)[2 * (u & 1) + 1];
+          const uint32_t scw = fi.srb == 2 ? (rowu[u] & 1u ? sw >> 16 : sw & 0xFFFFu) : sw;
+          const bool half = ((rowu[u] * fi.row_bytes + (static_cast<uint32_t>(d0) * fi.bits) / 8u) & 2u) != 0;
+          DecodePiece(fu[u], slot[(2 * u + 1) * kThreads], scw, half, vf);
+        } else {
+#pragma unroll
+          for (int i = 0; i < kEPT; ++i) vf[i] = 0.0f;
+        }
+#pragma unroll
+        for (int g = 0; g < GM; ++g) {
+          const float p = sc[g][u];
+          l[g] += p;
+#pragma unroll
+          for (int i = 0; i < kEPT; ++i) acc[g][i] = fmaf(p, vf[i], acc[g][i]);
+        }
+      }
+    }
+    CpAsyncWait<0>();
+    s0 = s1;
+  }
+  if (skip) {  // a bad page in the chunk: its output / partial is empty (reported by the epilogue)
+#pragma unroll
+    for (int g = 0; g < GM; ++g) {
+      m[g] = -INFINITY;
+      l[g] = 0.0f;
+#pragma unroll
+      for (int i = 0; i < kEPT; ++i) acc[g][i] = 0.0f;
+    }
+  }
+  CpAsyncWait<0>();
+  __syncthreads();
+  Merge<GM>& mg = *reinterpret_cast<Merge<GM>*>(sm.ring);
+#pragma unroll
+  for (int g = 0; g < GM; ++g) {
+    float mw = m[g];
+#pragma unroll
+    for (int off = 16; off >= TPK; off >>= 1) mw = fmaxf(mw, __shfl_xor_sync(0xffffffffu, mw, off));
+    if (lane == 0) mg.m[warp][g] = mw;
+  }
+  __syncthreads();
+#pragma unroll
+  for (int g = 0; g < GM; ++g) {
+    float mb = mg.m[0][g];
+#pragma unroll
+    for (int w = 1; w < kWarps; ++w) mb = fmaxf(mb, mg.m[w][g]);
+    const float fct = m[g] == -INFINITY ? 0.0f : Exp2(m[g] - mb);
+    float lw = l[g] * fct;
+    float aw[kEPT];
+#pragma unroll
+    for (int i = 0; i < kEPT; ++i) aw[i] = acc[g][i] * fct;
+#pragma unroll
+    for (int off = 16; off >= TPK; off >>= 1) {
+      lw += __shfl_xor_sync(0xffffffffu, lw, off);
+#pragma unroll
+      for (int i = 0; i < kEPT; ++i) aw[i] += __shfl_xor_sync(0xffffffffu, aw[i], off);
+    }
+    if (lane < TPK) {
+#pragma unroll
+      for (int i = 0; i < kEPT; ++i)
+        if (d0 + i < D) mg.acc[warp][g][d0 + i] = aw[i];
+      if (lane == 0) mg.l[warp][g] = lw;
+    }
+  }
+  __syncthreads();
+  for (int x = tid; x < gn * D; x += kThreads) {
+    const int g = x / D, d = x % D;
+    float lb = 0.0f, ab = 0.0f, mb = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      lb += mg.l[w][g];
+      ab += mg.acc[w][g][d];
+      mb = fmaxf(mb, mg.m[w][g]);
+    }
+    const int64_t head = hk * G + g0 + g;
+    if (S == 1) {
+      T* o = static_cast<T*>(a.out) + ((b * a.T + t) * a.Hq + head) * a.D;
+      o[d] = FromF<T>(lb > 0.0f ? ab / lb : 0.0f);
+    } else {
+      float* p = a.partial + ((unit * G + g0 + g) * S + split) * (a.D + 2);
+      p[d] = ab;
+      if (d == 0) {
+        p[a.D] = mb;
+        p[a.D + 1] = lb;
+      }
+    }
+  }
+}
+
+int CurrentMajor() {
+  static const int major = [] {
+    int dev = 0, mj = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&mj, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return 0;
+    }
+    return mj;
+  }();
+  return major;
+}
+
+template <typename T, int TPK, int GM>
+cudaError_t LaunchOne(AttnArgs a, cudaStream_t stream) {
+  static const int per_sm = [] {
+    (void)cudaFuncSetAttribute(PagedAttentionV2<T, TPK, GM>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               static_cast<int>(sizeof(Smem)));
+    (void)cudaFuncSetAttribute(PagedAttentionV2<T, TPK, GM>, cudaFuncAttributePreferredSharedMemoryCarveout,
+                               cudaSharedmemCarveoutMaxShared);
+    (void)cudaGetLastError();
+    int n = 0;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, PagedAttentionV2<T, TPK, GM>, kThreads, sizeof(Smem)) !=
+            cudaSuccess || n < 1) {
+      (void)cudaGetLastError();
+      n = 3;
+    }
+    return n;
+  }();
+  const int64_t base = a.v.units() * a.head_blocks;
+  if (a.v.splits > 1 && a.v.sm_count > 0)  // one wave (Note [CacheAttention CUDA v2 waves])
+    a.v.splits = std::max<int64_t>(1, std::min<int64_t>(a.v.splits, static_cast<int64_t>(per_sm) * a.v.sm_count / base));
+  PagedAttentionV2<T, TPK, GM><<<static_cast<unsigned>(base * a.v.splits), kThreads, sizeof(Smem), stream>>>(a);
+  cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) return e;
+  const unsigned combine_blocks = a.v.splits > 1 ? static_cast<unsigned>(a.v.units() * a.v.group()) : 1u;
+  const int threads = static_cast<int>(std::min<int64_t>(256, (a.v.D + 31) / 32 * 32));
+  if (CurrentMajor() >= 9) {
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(combine_blocks);
+    cfg.blockDim = dim3(threads);
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    if (cudaLaunchKernelEx(&cfg, PagedCombineKernel<T, true>, a) == cudaSuccess) return cudaSuccess;
+    (void)cudaGetLastError();
+  }
+  PagedCombineKernel<T, true><<<combine_blocks, threads, 0, stream>>>(a);
+  return cudaGetLastError();
+}
+
+template <typename T, int TPK>
+cudaError_t LaunchTpk(const AttnArgs& a, int gm, cudaStream_t stream) {
+  switch (gm) {
+    case 1: return LaunchOne<T, TPK, 1>(a, stream);
+    case 2: return LaunchOne<T, TPK, 2>(a, stream);
+    case 3: return LaunchOne<T, TPK, 3>(a, stream);
+    case 4: return LaunchOne<T, TPK, 4>(a, stream);
+    default: return LaunchOne<T, TPK, 8>(a, stream);
+  }
+}
+
+template <typename T>
+cudaError_t Launch(const AttnArgs& a, int gm, cudaStream_t stream) {
+  if (a.v.D <= 64) return LaunchTpk<T, 8>(a, gm, stream);
+  if (a.v.D <= 128) return LaunchTpk<T, 16>(a, gm, stream);
+  return LaunchTpk<T, 32>(a, gm, stream);
+}
+
+}  // namespace pv2
 
 Status LaunchError(const char* op, cudaError_t e) {
   return Status(Code::kRuntime, std::string(op) + " CUDA launch failed: " + cudaGetErrorName(e) + ": " +
@@ -907,10 +1439,15 @@ Status PagedCacheAttentionCuda(const PagedAttentionCudaView& v, void* stream_ptr
   cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
   cudaError_t e = cudaMemsetAsync(v.flag, 0xFF, sizeof(unsigned long long), stream);
   if (e != cudaSuccess) return LaunchError("PagedCacheAttention", e);
+  bool v1 = false;
+  ORTKV_RETURN_IF_ERR(CudaAttentionKernelChoice(&v1));
+  const bool v2 = !v1 && v.vec && v.D <= kAttnCudaMaxHeadSize;  // Note [Paged CUDA v2]
   switch (v.elem_type) {
-    case kFloat16: e = LaunchAttn<__half>(a, gm, blocks, stream); break;
-    case kBFloat16: e = LaunchAttn<__nv_bfloat16>(a, gm, blocks, stream); break;
-    default: e = LaunchAttn<float>(a, gm, blocks, stream); break;
+    case kFloat16: e = v2 ? pv2::Launch<__half>(a, gm, stream) : LaunchAttn<__half>(a, gm, blocks, stream); break;
+    case kBFloat16:
+      e = v2 ? pv2::Launch<__nv_bfloat16>(a, gm, stream) : LaunchAttn<__nv_bfloat16>(a, gm, blocks, stream);
+      break;
+    default: e = v2 ? pv2::Launch<float>(a, gm, stream) : LaunchAttn<float>(a, gm, blocks, stream); break;
   }
   return e == cudaSuccess ? Status::Ok() : LaunchError("PagedCacheAttention", e);
 }
