@@ -891,26 +891,29 @@ cudaError_t LaunchAttn(const AttnArgs& a, int gm, int64_t blocks, cudaStream_t s
 //     on the flag, as v1) before any byte of that sub-chunk is read, and the block then drops what it
 //     accumulated: its output / partial is empty, exactly as v1's "a chunk with a bad page reads
 //     nothing" leaves it (earlier sub-chunks' pages were valid; their bytes are simply discarded).
-//   * Each thread copies its own piece of every key row it owns (TPK threads per row, 8 channels
-//     each, kU keys per stage) with cp.async into a PRIVATE slot of a kStages-deep shared-memory
-//     ring, sized by the page's format: 16 bytes (F16, BF16), 8 (INT8, FP8), 4 (INT4; INT2's 2 bytes
-//     come in their aligned 4-byte word), plus the row's K and V scale words (4 bytes each, an INT8 /
-//     FP8 row's 2-byte scale in its aligned word). Narrow pages thus move fewer bytes per key, and
-//     while one stage is decoded the next kStages - 1 are in flight. No __syncthreads in the loop
-//     (each thread reads back only what it copied).
-//   * Decoding is in registers by the key's page format (uniform within a page, so a warp diverges
-//     only where its keys cross pages of different formats). *_KC keys read their per-channel
-//     (s, m) of the page with __ldg at decode time (L1 serves the page's other rows): those formats
-//     expose one load latency per key step; they are the rarely-read old pages of a policy.
+//   * Each thread owns groups of kU = 4 CONSECUTIVE keys (aligned to 4, so with page_size % 4 == 0 a
+//     group lies in one page): one page lookup (shared memory) and one format dispatch per group, and
+//     every per-key index is 32-bit (the first v2 draft spent most of its time in 64-bit j / ps and
+//     j % ps per key, and ran slower on INT4 than on F16). Its pieces (TPK threads per row, 8 channels
+//     each) go by cp.async into a PRIVATE slot of a kStages-deep shared-memory ring, sized by the
+//     page's format: 16 bytes per row (F16, BF16), 8 (INT8, FP8), 4 (INT4; INT2's 2 bytes come in
+//     their aligned 4-byte word), plus the group's K scales and V scales as one 8- or 16-byte piece
+//     each (the 4 rows' scales are adjacent). While one stage is decoded the next kStages - 1 are in
+//     flight; no __syncthreads in the loop (each thread reads back only what it copied).
+//   * Decoding is in registers, specialized per format at compile time (IssueGroup<F> /
+//     DecodeGroup<F> behind one switch per group); the scores and their shuffles run after the switch,
+//     with every thread converged. Keys of a group outside the window are neither copied nor counted.
+//     *_KC keys read their per-channel (s, m) of the page with __ldg, once per group.
 //   * Scores in base 2, lazy rescale, partials in base 2 (PagedCombineKernel<T, true>, launched as a
 //     programmatic dependent on sm_90+), the split count trimmed to one wave of this kernel (its
 //     occupancy: ~60 KiB of dynamic shared memory per block), as Note [CacheAttention CUDA v2 waves].
-// v2 runs when view.vec (D % 8 == 0, 16-byte aligned query and output) and D <= 256; else v1.
+// v2 runs when view.vec (D % 8 == 0, 16-byte aligned query and output), D <= 256 and page_size % 4 == 0;
+// else v1.
 namespace pv2 {
 
 constexpr int kU = 4;
 constexpr int kStages = 3;
-constexpr int kWordsPerThread = 2 * kU + kU / 2;  // K and V pieces per key, one scale word per 2 keys
+constexpr int kWordsPerThread = 2 * kU + 2;  // K and V pieces per key, then the kU keys' K scales and V scales
 constexpr int kSlotWords = kWordsPerThread * kThreads;
 constexpr int kMaxPages = 256;
 
@@ -951,76 +954,140 @@ __device__ __forceinline__ const void* Align4(const uint8_t* p) {
   return reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(p) & ~static_cast<uintptr_t>(3));
 }
 
-// 8 channels of a row piece `w` in format f. `half`: which 16-bit half of the word holds the piece
-// (INT2 payload) ; sc: the row's scale word, already shifted to its own half for INT8 / FP8.
-__device__ __forceinline__ void DecodePiece(int f, const uint4& w, uint32_t sc, bool half, float* x) {
-  switch (static_cast<PageFormat>(f)) {
-    case PageFormat::kF16: {
-      const __half2* h = reinterpret_cast<const __half2*>(&w);
+// 8 channels of a row piece `w` in the compile-time format F. `half`: which 16-bit half of the word
+// holds the piece (INT2 payload); sc: the row's scale word ((s) or (s, m) as float16 bits).
+template <int F>
+__device__ __forceinline__ void DecodePiece(const uint4& w, uint32_t sc, bool half, float* x) {
+  constexpr PageFormat f = static_cast<PageFormat>(F);
+  if constexpr (f == PageFormat::kF16) {
+    const __half2* h = reinterpret_cast<const __half2*>(&w);
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const float2 y = __half22float2(h[i]);
-        x[2 * i] = y.x;
-        x[2 * i + 1] = y.y;
-      }
-      return;
+    for (int i = 0; i < 4; ++i) {
+      const float2 y = __half22float2(h[i]);
+      x[2 * i] = y.x;
+      x[2 * i + 1] = y.y;
     }
-    case PageFormat::kBF16: {
-      const uint32_t u[4] = {w.x, w.y, w.z, w.w};
+  } else if constexpr (f == PageFormat::kBF16) {
+    const uint32_t u[4] = {w.x, w.y, w.z, w.w};
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        x[2 * i] = Bf(u[i] & 0xFFFFu);
-        x[2 * i + 1] = Bf(u[i] >> 16);
-      }
-      return;
+    for (int i = 0; i < 4; ++i) {
+      x[2 * i] = Bf(u[i] & 0xFFFFu);
+      x[2 * i + 1] = Bf(u[i] >> 16);
     }
-    case PageFormat::kInt8: {
-      const float s = H(sc & 0xFFFFu);
+  } else if constexpr (f == PageFormat::kInt8) {
+    const float s = H(sc & 0xFFFFu);
 #pragma unroll
-      for (int i = 0; i < 8; ++i)
-        x[i] = static_cast<float>(static_cast<int8_t>(((i < 4 ? w.x : w.y) >> (8 * (i & 3))) & 0xFFu)) * s;
-      return;
-    }
-    case PageFormat::kFp8E4M3: {
-      const float s = H(sc & 0xFFFFu);
+    for (int i = 0; i < 8; ++i)
+      x[i] = static_cast<float>(static_cast<int8_t>(((i < 4 ? w.x : w.y) >> (8 * (i & 3))) & 0xFFu)) * s;
+  } else if constexpr (f == PageFormat::kFp8E4M3) {
+    const float s = H(sc & 0xFFFFu);
 #pragma unroll
-      for (int i = 0; i < 8; ++i)
-        x[i] = codecs::E4M3ToF32(static_cast<uint8_t>(((i < 4 ? w.x : w.y) >> (8 * (i & 3))) & 0xFFu)) * s;
-      return;
-    }
-    case PageFormat::kInt4:
-    case PageFormat::kInt4KC: {
-      const float s = H(sc & 0xFFFFu), m = H(sc >> 16);
+    for (int i = 0; i < 8; ++i)
+      x[i] = codecs::E4M3ToF32(static_cast<uint8_t>(((i < 4 ? w.x : w.y) >> (8 * (i & 3))) & 0xFFu)) * s;
+  } else if constexpr (f == PageFormat::kInt4 || f == PageFormat::kInt4KC) {
+    const float s = H(sc & 0xFFFFu), m = H(sc >> 16);
 #pragma unroll
-      for (int i = 0; i < 8; ++i) x[i] = static_cast<float>((w.x >> (4 * i)) & 0xFu) * s + m;
-      return;
-    }
-    default: {  // INT2, INT2_KC
-      const float s = H(sc & 0xFFFFu), m = H(sc >> 16);
-      const uint32_t q = half ? w.x >> 16 : w.x;
+    for (int i = 0; i < 8; ++i) x[i] = static_cast<float>((w.x >> (4 * i)) & 0xFu) * s + m;
+  } else {  // INT2, INT2_KC
+    const float s = H(sc & 0xFFFFu), m = H(sc >> 16);
+    const uint32_t q = half ? w.x >> 16 : w.x;
 #pragma unroll
-      for (int i = 0; i < 8; ++i) x[i] = static_cast<float>((q >> (2 * i)) & 0x3u) * s + m;
-      return;
-    }
+    for (int i = 0; i < 8; ++i) x[i] = static_cast<float>((q >> (2 * i)) & 0x3u) * s + m;
   }
 }
 
-// Keys of a *_KC page: 8 channels with their own (s, m) from the page's per-channel key scales.
-__device__ __forceinline__ void DecodeKeyKC(int f, const uint4& w, bool half, const uint8_t* pg, const FormatInfo& fi,
-                                            int hk, int D, int d0, float* x) {
-  const uint4* p = reinterpret_cast<const uint4*>(pg + fi.k_scales + (static_cast<uint32_t>(hk) * D + d0) * 4u);
-  const uint4 a = __ldg(p), c = __ldg(p + 1);
-  const uint32_t sm[8] = {a.x, a.y, a.z, a.w, c.x, c.y, c.z, c.w};
-  const int bits = f == static_cast<int>(PageFormat::kInt4KC) ? 4 : 2;
-  const uint32_t q = bits == 2 && half ? w.x >> 16 : w.x;
-  const uint32_t mask = (1u << bits) - 1u;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) x[i] = static_cast<float>((q >> (bits * i)) & mask) * H(sm[i] & 0xFFFFu) + H(sm[i] >> 16);
-}
-
-__device__ __forceinline__ bool IsKC(int f) {
+__host__ __device__ constexpr bool IsKC(int f) {
   return f == static_cast<int>(PageFormat::kInt4KC) || f == static_cast<int>(PageFormat::kInt2KC);
 }
+__host__ __device__ constexpr int Bits(int f) { return f <= 1 ? 16 : (f <= 3 ? 8 : (f == 4 || f == 6 ? 4 : 2)); }
+__host__ __device__ constexpr int ScaleBytes(int f) { return f <= 1 ? 0 : (f <= 3 ? 2 : 4); }  // per row
+
+// Copies a thread's pieces of rows row0 .. row0 + kU - 1 of one page (format F) into its slot: K and V
+// payload per key, then the kU rows' K scales and V scales as one 8- or 16-byte piece each (the kU rows
+// are consecutive and row0 % kU == 0, so those pieces are aligned).
+template <int F>
+__device__ __forceinline__ void IssueGroup(uint4* slot, const uint8_t* pg, const FormatInfo& fi, uint32_t row0, int d0,
+                                           const bool* want) {
+  constexpr int kBits = Bits(F);
+  const uint8_t* kp = pg + row0 * fi.row_bytes + (static_cast<uint32_t>(d0) * kBits) / 8u;
+#pragma unroll
+  for (int u = 0; u < kU; ++u) {
+    if (!want[u]) continue;
+    const uint8_t* k = kp + u * fi.row_bytes;
+    const uint8_t* v = k + fi.v_payload;
+    if constexpr (kBits == 16) {
+      CpAsync<16>(slot + (2 * u) * kThreads, k);
+      CpAsync<16>(slot + (2 * u + 1) * kThreads, v);
+    } else if constexpr (kBits == 8) {
+      CpAsync<8>(slot + (2 * u) * kThreads, k);
+      CpAsync<8>(slot + (2 * u + 1) * kThreads, v);
+    } else {
+      CpAsync<4>(slot + (2 * u) * kThreads, Align4(k));
+      CpAsync<4>(slot + (2 * u + 1) * kThreads, Align4(v));
+    }
+  }
+  constexpr int kSb = ScaleBytes(F) * kU;
+  if constexpr (kSb > 0) {
+    if constexpr (!IsKC(F)) CpAsync<kSb>(slot + (2 * kU) * kThreads, pg + fi.k_scales + row0 * ScaleBytes(F));
+    CpAsync<kSb>(slot + (2 * kU + 1) * kThreads, pg + fi.v_scales + row0 * ScaleBytes(F));
+  }
+}
+
+// Decodes what IssueGroup<F> copied: kf / vf [kU][8] (zeros where !want).
+template <int F>
+__device__ __forceinline__ void DecodeGroup(const uint4* slot, const uint8_t* pg, const FormatInfo& fi, uint32_t row0,
+                                            int hk, int D, int d0, const bool* want, float (*kf)[kEPT],
+                                            float (*vf)[kEPT]) {
+  constexpr int kBits = Bits(F);
+  uint32_t ks[kU] = {}, vs[kU] = {};
+  if constexpr (ScaleBytes(F) == 4) {
+    const uint4 a = slot[(2 * kU) * kThreads], c = slot[(2 * kU + 1) * kThreads];
+    ks[0] = a.x, ks[1] = a.y, ks[2] = a.z, ks[3] = a.w;
+    vs[0] = c.x, vs[1] = c.y, vs[2] = c.z, vs[3] = c.w;
+  } else if constexpr (ScaleBytes(F) == 2) {
+    const uint4 a = slot[(2 * kU) * kThreads], c = slot[(2 * kU + 1) * kThreads];
+    ks[0] = a.x & 0xFFFFu, ks[1] = a.x >> 16, ks[2] = a.y & 0xFFFFu, ks[3] = a.y >> 16;
+    vs[0] = c.x & 0xFFFFu, vs[1] = c.x >> 16, vs[2] = c.y & 0xFFFFu, vs[3] = c.y >> 16;
+  }
+  uint32_t cs[8] = {};  // *_KC keys: (s, m) of the thread's 8 channels, the same for every row of the page
+  if constexpr (IsKC(F)) {
+    const uint4* p = reinterpret_cast<const uint4*>(pg + fi.k_scales + (static_cast<uint32_t>(hk) * D + d0) * 4u);
+    const uint4 a = __ldg(p), c = __ldg(p + 1);
+    cs[0] = a.x, cs[1] = a.y, cs[2] = a.z, cs[3] = a.w, cs[4] = c.x, cs[5] = c.y, cs[6] = c.z, cs[7] = c.w;
+  }
+#pragma unroll
+  for (int u = 0; u < kU; ++u) {
+    if (!want[u]) {
+#pragma unroll
+      for (int i = 0; i < kEPT; ++i) kf[u][i] = vf[u][i] = 0.0f;
+      continue;
+    }
+    const bool half = kBits == 2 && (((row0 + u) * fi.row_bytes + static_cast<uint32_t>(d0) / 4u) & 2u) != 0;
+    const uint4 kw = slot[(2 * u) * kThreads];
+    if constexpr (IsKC(F)) {
+      const uint32_t q = half ? kw.x >> 16 : kw.x;
+      constexpr uint32_t mask = (1u << kBits) - 1u;
+#pragma unroll
+      for (int i = 0; i < 8; ++i)
+        kf[u][i] = static_cast<float>((q >> (kBits * i)) & mask) * H(cs[i] & 0xFFFFu) + H(cs[i] >> 16);
+    } else {
+      DecodePiece<F>(kw, ks[u], half, kf[u]);
+    }
+    DecodePiece<F>(slot[(2 * u + 1) * kThreads], vs[u], half, vf[u]);
+  }
+}
+
+#define ORTKV_PAGED_FORMAT_SWITCH(f, CALL) \
+  switch (f) {                             \
+    case 0: CALL(0); break;                \
+    case 1: CALL(1); break;                \
+    case 2: CALL(2); break;                \
+    case 3: CALL(3); break;                \
+    case 4: CALL(4); break;                \
+    case 5: CALL(5); break;                \
+    case 6: CALL(6); break;                \
+    default: CALL(7); break;               \
+  }
 
 template <typename T, int TPK, int GM>
 __global__ void __launch_bounds__(kThreads) PagedAttentionV2(const AttnArgs args) {
@@ -1046,7 +1113,7 @@ __global__ void __launch_bounds__(kThreads) PagedAttentionV2(const AttnArgs args
   const int64_t g0 = hb * GM;
   const int gn = static_cast<int>(G - g0 < GM ? G - g0 : GM);
   const int D = static_cast<int>(a.D);
-  const int ps = a.p.shape.page_size;
+  const int ps = a.p.shape.page_size;  // a multiple of kU (the launch checks)
   unsigned long long* flag = static_cast<unsigned long long*>(a.flag);
 
   bool bad_start = false;
@@ -1104,7 +1171,7 @@ __global__ void __launch_bounds__(kThreads) PagedAttentionV2(const AttnArgs args
     const int64_t p0 = s0 / ps;
     const int64_t s1 = j1 < (p0 + kMaxPages) * ps ? j1 : (p0 + kMaxPages) * ps;
     const int64_t p1 = (s1 - 1) / ps;
-    __syncthreads();  // the previous sub-chunk's page list is no longer read (and sm.fi is written)
+    __syncthreads();  // the previous window's page list is no longer read (and sm.fi is written)
     int bad = 0;
     for (int64_t pi = p0 + tid; pi <= p1; pi += kThreads) {
       const int64_t id = TableAt(a.p, b, pi);
@@ -1122,97 +1189,83 @@ __global__ void __launch_bounds__(kThreads) PagedAttentionV2(const AttnArgs args
       break;
     }
 
-    int64_t jn = s0 + kg;
-    const int64_t n_it = (s1 - s0 + kPerIt - 1) / kPerIt;
+    // key groups of kU consecutive keys, aligned to kU (so within one page); the window's keys are
+    // [s0, s1); a group's keys outside it are neither copied nor counted
+    const int64_t a0 = s0 & ~static_cast<int64_t>(kU - 1);
+    const int base_off = static_cast<int>(a0 - p0 * ps);  // >= 0: p0 * ps is a multiple of kU
+    const int win = static_cast<int>(s1 - a0);
+    const int lo = static_cast<int>(s0 - a0);
+    const int n_it = (win + static_cast<int>(kPerIt) - 1) / static_cast<int>(kPerIt);
+    const uint32_t hrow = static_cast<uint32_t>(hk) * ps;
+    int on = kg * kU;  // offset (from a0) of the next group to copy
     int stage_in = 0;
     auto issue = [&]() {
-      if (dv) {
-        uint4* slot = sm.ring + stage_in * kSlotWords + tid;
+      if (dv && on < win && on + kU > lo) {
+        bool want[kU];
 #pragma unroll
-        for (int u = 0; u < kU; ++u) {
-          const int64_t j = jn + static_cast<int64_t>(u) * kNkg;
-          if (j < s1) {
-            const int lp = static_cast<int>(j / ps - p0);
-            const uint32_t row = static_cast<uint32_t>(hk) * ps + static_cast<uint32_t>(j % ps);
-            const int f = sm.fmt[lp];
-            const FormatInfo& fi = sm.fi[f];
-            const uint8_t* pg = sm.page[lp];
-            const uint8_t* kp = pg + row * fi.row_bytes + (static_cast<uint32_t>(d0) * fi.bits) / 8u;
-            const uint8_t* vp = kp + fi.v_payload;
-            uint4* kw = slot + (2 * u) * kThreads;
-            uint4* vw = slot + (2 * u + 1) * kThreads;
-            if (fi.bits == 16) {
-              CpAsync<16>(kw, kp);
-              CpAsync<16>(vw, vp);
-            } else if (fi.bits == 8) {
-              CpAsync<8>(kw, kp);
-              CpAsync<8>(vw, vp);
-            } else {
-              CpAsync<4>(kw, Align4(kp));
-              CpAsync<4>(vw, Align4(vp));
-            }
-            if (fi.srb != 0) {
-              uint32_t* sw = reinterpret_cast<uint32_t*>(slot + (2 * kU + u / 2) * kThreads) + 2 * (u & 1);
-              if (!IsKC(f)) CpAsync<4>(sw, Align4(pg + fi.k_scales + row * fi.srb));
-              CpAsync<4>(sw + 1, Align4(pg + fi.v_scales + row * fi.srb));
-            }
-          }
-        }
+        for (int u = 0; u < kU; ++u) want[u] = on + u >= lo && on + u < win;
+        const int o = base_off + on;
+        const int lp = o / ps;
+        const uint32_t row0 = hrow + static_cast<uint32_t>(o - lp * ps);
+        const int f = sm.fmt[lp];
+        const FormatInfo& fi = sm.fi[f];
+        const uint8_t* pg = sm.page[lp];
+        uint4* slot = sm.ring + stage_in * kSlotWords + tid;
+#define ORTKV_ISSUE(F) IssueGroup<F>(slot, pg, fi, row0, d0, want)
+        ORTKV_PAGED_FORMAT_SWITCH(f, ORTKV_ISSUE)
+#undef ORTKV_ISSUE
       }
       CpAsyncCommit();
-      jn += kPerIt;
+      on += static_cast<int>(kPerIt);
       stage_in = stage_in + 1 == kStages ? 0 : stage_in + 1;
     };
 #pragma unroll
     for (int s = 0; s < kStages - 1; ++s) issue();
 
-    int64_t jc = s0 + kg;
+    int oc = kg * kU;  // offset of the group being computed
     int stage = 0;
-    for (int64_t it = 0; it < n_it; ++it, jc += kPerIt, stage = stage + 1 == kStages ? 0 : stage + 1) {
+    for (int it = 0; it < n_it; ++it, oc += static_cast<int>(kPerIt), stage = stage + 1 == kStages ? 0 : stage + 1) {
       CpAsyncWait<kStages - 2>();
       issue();
-      const uint4* slot = sm.ring + stage * kSlotWords + tid;
       bool ok[kU];
-      int fu[kU];
-      uint32_t rowu[kU];
+      bool any = false;
+#pragma unroll
+      for (int u = 0; u < kU; ++u) {
+        ok[u] = oc + u >= lo && oc + u < win;
+        any = any || ok[u];
+      }
+      float kf[kU][kEPT], vf[kU][kEPT];
+      if (any && dv) {
+        const int o = base_off + oc;
+        const int lp = o / ps;
+        const uint32_t row0 = hrow + static_cast<uint32_t>(o - lp * ps);
+        const int f = sm.fmt[lp];
+        const FormatInfo& fi = sm.fi[f];
+        const uint4* slot = sm.ring + stage * kSlotWords + tid;
+#define ORTKV_DECODE(F) DecodeGroup<F>(slot, sm.page[lp], fi, row0, hk, D, d0, ok, kf, vf)
+        ORTKV_PAGED_FORMAT_SWITCH(f, ORTKV_DECODE)
+#undef ORTKV_DECODE
+      } else {
+#pragma unroll
+        for (int u = 0; u < kU; ++u)
+#pragma unroll
+          for (int i = 0; i < kEPT; ++i) kf[u][i] = vf[u][i] = 0.0f;
+      }
+      // scores (the shuffles need every thread: keys outside the window score -inf below)
       float sc[GM][kU];
 #pragma unroll
       for (int u = 0; u < kU; ++u) {
-        const int64_t j = jc + static_cast<int64_t>(u) * kNkg;
-        ok[u] = j < s1;
-        float kf[kEPT];
-        fu[u] = 0;
-        rowu[u] = 0;
-        if (ok[u] && dv) {
-          const int lp = static_cast<int>(j / ps - p0);
-          const int f = sm.fmt[lp];
-          const FormatInfo& fi = sm.fi[f];
-          const uint32_t row = static_cast<uint32_t>(hk) * ps + static_cast<uint32_t>(j % ps);
-          fu[u] = f;
-          rowu[u] = row;
-          const uint32_t sw = reinterpret_cast<const uint32_t*>(slot + (2 * kU + u / 2) * kThreads)[2 * (u & 1)];
-          const bool half = ((row * fi.row_bytes + (static_cast<uint32_t>(d0) * fi.bits) / 8u) & 2u) != 0;
-          if (IsKC(f)) {
-            DecodeKeyKC(f, slot[(2 * u) * kThreads], half, sm.page[lp], fi, hk, D, d0, kf);
-          } else {
-            const uint32_t scw = fi.srb == 2 ? (row & 1u ? sw >> 16 : sw & 0xFFFFu) : sw;
-            DecodePiece(f, slot[(2 * u) * kThreads], scw, half, kf);
-          }
-        } else {
-#pragma unroll
-          for (int i = 0; i < kEPT; ++i) kf[i] = 0.0f;
-        }
 #pragma unroll
         for (int g = 0; g < GM; ++g) {
           float s = 0.0f;
 #pragma unroll
-          for (int i = 0; i < kEPT; ++i) s = fmaf(qf[g][i], kf[i], s);
+          for (int i = 0; i < kEPT; ++i) s = fmaf(qf[g][i], kf[u][i], s);
 #pragma unroll
           for (int off = TPK >> 1; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
           sc[g][u] = ok[u] ? s : -INFINITY;
         }
       }
-      if (!ok[0]) continue;
+      if (!any) continue;
 #pragma unroll
       for (int g = 0; g < GM; ++g) {
         float mb = sc[g][0];
@@ -1230,24 +1283,13 @@ __global__ void __launch_bounds__(kThreads) PagedAttentionV2(const AttnArgs args
       }
 #pragma unroll
       for (int u = 0; u < kU; ++u) {
-        if (!ok[u]) break;
-        float vf[kEPT];
-        if (dv) {
-          const FormatInfo& fi = sm.fi[fu[u]];
-          const uint32_t sw = reinterpret_cast<const uint32_t*>(slot + (2 * kU + u / 2) * kThreads)[2 * (u & 1) + 1];
-          const uint32_t scw = fi.srb == 2 ? (rowu[u] & 1u ? sw >> 16 : sw & 0xFFFFu) : sw;
-          const bool half = ((rowu[u] * fi.row_bytes + (static_cast<uint32_t>(d0) * fi.bits) / 8u) & 2u) != 0;
-          DecodePiece(fu[u], slot[(2 * u + 1) * kThreads], scw, half, vf);
-        } else {
-#pragma unroll
-          for (int i = 0; i < kEPT; ++i) vf[i] = 0.0f;
-        }
+        if (!ok[u]) continue;  // a key outside the window: its (unread) values never enter the sum
 #pragma unroll
         for (int g = 0; g < GM; ++g) {
           const float p = sc[g][u];
           l[g] += p;
 #pragma unroll
-          for (int i = 0; i < kEPT; ++i) acc[g][i] = fmaf(p, vf[i], acc[g][i]);
+          for (int i = 0; i < kEPT; ++i) acc[g][i] = fmaf(p, vf[u][i], acc[g][i]);
         }
       }
     }
@@ -1441,7 +1483,7 @@ Status PagedCacheAttentionCuda(const PagedAttentionCudaView& v, void* stream_ptr
   if (e != cudaSuccess) return LaunchError("PagedCacheAttention", e);
   bool v1 = false;
   ORTKV_RETURN_IF_ERR(CudaAttentionKernelChoice(&v1));
-  const bool v2 = !v1 && v.vec && v.D <= kAttnCudaMaxHeadSize;  // Note [Paged CUDA v2]
+  const bool v2 = !v1 && v.vec && v.D <= kAttnCudaMaxHeadSize && v.p.shape.page_size % pv2::kU == 0;  // Note [Paged CUDA v2]
   switch (v.elem_type) {
     case kFloat16: e = v2 ? pv2::Launch<__half>(a, gm, stream) : LaunchAttn<__half>(a, gm, blocks, stream); break;
     case kBFloat16:
