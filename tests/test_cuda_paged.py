@@ -209,23 +209,33 @@ def test_attention_split_k_8k_tokens(rng, B):
 
 
 def test_attention_chunks_longer_than_one_page_window(rng):
-    """Pages of 1 token and prefill units: a block's key chunk spans > 256 pages, so the kernel resolves its
-    pages in several windows (Note [Paged CUDA v2])."""
+    """Pages of 4 tokens, 4 rows x 8 query tokens (few splits): a block's key chunk spans > 256 pages, so the v2
+    kernel resolves its pages in several windows (Note [Paged CUDA v2])."""
+    _attn_case(rng, [PageFormat.F16, PageFormat.INT8, PageFormat.INT4, PageFormat.FP8_E4M3, PageFormat.INT2,
+                     PageFormat.INT4_KC], B=4, T=8, lengths=[7000, 6990, 7001, 5000], PS=4, NL=1, layer=0)
+
+
+def test_attention_page_size_one_takes_the_first_kernel(rng):
+    """Pages of 1 token (not a multiple of 4): the first kernel, per key."""
     _attn_case(rng, [PageFormat.F16, PageFormat.INT8, PageFormat.INT4, PageFormat.FP8_E4M3, PageFormat.INT2],
                B=1, T=8, lengths=[2000], PS=1, NL=1, layer=0)
 
 
-def test_attention_bad_page_in_a_later_window_is_reported(rng):
-    """A bad page past the first 256 pages of a chunk: reported, nothing written, the output finite."""
-    NL, H, PS, D, L, T = 1, 3, 1, 64, 1200, 8
+@pytest.mark.parametrize("PS,bad", [(4, 1180), (1, 700)])
+def test_attention_bad_page_in_a_later_window_is_reported(rng, PS, bad):
+    """A bad page past the first 256 pages of a block's chunk (PS 4: v2's second page window; PS 1: the first
+    kernel): reported, nothing written, the output finite."""
+    NL, H, D, T = 1, 3, 64, 8
+    B, L = (4, 4800) if PS == 4 else (1, 1200)
+    n = L // PS
     fmts = [PageFormat.F16, PageFormat.INT4]
-    pool, directory = build_pool(rng, [fmts[i % 2] for i in range(L)], num_layers=NL, kv_heads=H, page_size=PS,
+    pool, directory = build_pool(rng, [fmts[i % 2] for i in range(n)], num_layers=NL, kv_heads=H, page_size=PS,
                                  head_size=D)
-    table = table_for([list(range(L))], L + 1)
-    table[0, 700] = -1
-    q = _rand(rng, (1, T, H * 3 * D), "float16")
+    table = table_for([list(range(n))] * B, n + 1)
+    table[0, bad] = -1
+    q = _rand(rng, (B, T, H * 3 * D), "float16")
     before = pool.copy()
-    out, after, err = cuda_attention(q, pool, directory, table, np.array([L - T]), num_heads=H * 3, kv_heads=H,
+    out, after, err = cuda_attention(q, pool, directory, table, np.full(B, L - T), num_heads=H * 3, kv_heads=H,
                                      layer=0, num_layers=NL, page_size=PS, dtype="float16")
     assert err is not None and "row 0" in err and "the entry is -1 (no page)" in err, err
     assert after.tobytes() == before.tobytes()
