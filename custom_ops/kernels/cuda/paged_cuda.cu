@@ -19,10 +19,9 @@ namespace ortkv {
 
 using codecs::PageFormat;
 
-// A key chunk of the paged kernels reads at least this many keys: half of the dense kernel's
-// kAttnCudaMinChunk, because a paged block first resolves its pages (two dependent loads) and shorter
-// chunks give short rows more blocks to hide that behind (Note [Paged CUDA v2]).
-constexpr int64_t kPagedMinChunk = 128;
+// A key chunk of the paged kernels reads at least this many keys (as the dense kernel's
+// kAttnCudaMinChunk: 128 was measured slower on the H200 at 8K and 32K x batch 1, 22.8 vs 19.3 us).
+constexpr int64_t kPagedMinChunk = 256;
 
 // ---- host plans -----------------------------------------------------------------------------------
 Status PlanPagedCacheUpdateCuda(const std::string& node, const TensorArg& pool, const TensorArg& directory,
@@ -897,30 +896,41 @@ cudaError_t LaunchAttn(const AttnArgs& a, int gm, int64_t blocks, cudaStream_t s
 //     on the flag, as v1) before any byte of that sub-chunk is read, and the block then drops what it
 //     accumulated: its output / partial is empty, exactly as v1's "a chunk with a bad page reads
 //     nothing" leaves it (earlier sub-chunks' pages were valid; their bytes are simply discarded).
-//   * Each thread owns groups of kU = 4 CONSECUTIVE keys (aligned to 4, so with page_size % 4 == 0 a
-//     group lies in one page): one page lookup (shared memory) and one format dispatch per group, and
-//     every per-key index is 32-bit (the first v2 draft spent most of its time in 64-bit j / ps and
-//     j % ps per key, and ran slower on INT4 than on F16). Its pieces (TPK threads per row, 8 channels
-//     each) go by cp.async into a PRIVATE slot of a kStages-deep shared-memory ring, sized by the
-//     page's format: 16 bytes per row (F16, BF16), 8 (INT8, FP8), 4 (INT4; INT2's 2 bytes come in
-//     their aligned 4-byte word), plus the group's K scales and V scales as one 8- or 16-byte piece
-//     each (the 4 rows' scales are adjacent). While one stage is decoded the next kStages - 1 are in
-//     flight; no __syncthreads in the loop (each thread reads back only what it copied).
+//   * A key group (TPK threads, TPK * 8 >= head size) owns kU = 4 CONSECUTIVE keys per stage,
+//     aligned to 4, so with page_size % 4 == 0 they lie in one page: one page lookup (shared memory)
+//     and one format dispatch per group, and every index is 32-bit (a first draft spent most of its
+//     time in 64-bit j / ps and j % ps per key).
+//   * The group copies its 4 rows with cp.async into its region of a kStages-deep shared-memory ring:
+//     the 4 rows' K payload and V payload are contiguous in the page, so the copy is split into
+//     16-byte pieces over the group's threads whatever the format: a narrow page moves fewer bytes
+//     with fewer instructions (head size 64: F16 four pieces per thread for K and four for V, INT8
+//     two, INT4 one, INT2 half the threads one), plus the 4 rows' K scales and V scales (8 or 16
+//     adjacent bytes each) by two threads. A first v2 gave each thread its own 8 channels of every
+//     row (the dense kernel's private slots): INT4 then issued as many copy instructions as F16, of
+//     4 bytes each, and was no faster. Sharing a region costs a __syncwarp per stage (after
+//     cp.async.wait_group: every copy of the stage has landed and is visible to the group, and every
+//     thread has finished reading the stage the next copy refills).
 //   * Decoding is in registers, specialized per format at compile time (IssueGroup<F> /
-//     DecodeGroup<F> behind one switch per group); the scores and their shuffles run after the switch,
-//     with every thread converged. Keys of a group outside the window are neither copied nor counted.
-//     *_KC keys read their per-channel (s, m) of the page with __ldg, once per group.
+//     DecodeGroup<F> behind one switch per group); INT8 / INT4 / INT2 codes become floats with
+//     magic-number arithmetic and FP8 pairs with the hardware conversion, not I2F (1/8 of the FP32
+//     rate on sm_90). The scores and their shuffles run after the switch, every thread converged.
+//     Keys of a group outside the window are copied (same page) but never counted. *_KC keys read
+//     their per-channel (s, m) of the page with __ldg, once per group.
 //   * Scores in base 2, lazy rescale, partials in base 2 (PagedCombineKernel<T, true>, launched as a
 //     programmatic dependent on sm_90+), the split count trimmed to one wave of this kernel (its
-//     occupancy: ~60 KiB of dynamic shared memory per block), as Note [CacheAttention CUDA v2 waves].
+//     occupancy: ~52 KiB of dynamic shared memory per block), as Note [CacheAttention CUDA v2 waves].
 // v2 runs when view.vec (D % 8 == 0, 16-byte aligned query and output), D <= 256 and page_size % 4 == 0;
 // else v1.
 namespace pv2 {
 
 constexpr int kU = 4;
 constexpr int kStages = 3;
-constexpr int kWordsPerThread = 2 * kU + 2;  // K and V pieces per key, then the kU keys' K scales and V scales
-constexpr int kSlotWords = kWordsPerThread * kThreads;
+// A key group (TPK threads, kU consecutive rows of one page) has a region per ring stage: the kU rows' K
+// payload, their V payload (each at most kU * 2 * head_size bytes: 64 * TPK for head_size <= 8 * TPK),
+// then their K scales and V scales (16 bytes each).
+template <int TPK>
+__host__ __device__ constexpr int GroupBytes() { return 2 * 64 * TPK + 32; }
+constexpr int kStageBytes = (kThreads / 8) * GroupBytes<8>();  // the largest over TPK = 8, 16, 32
 constexpr int kMaxPages = 256;
 
 struct FormatInfo {
@@ -928,7 +938,7 @@ struct FormatInfo {
 };
 
 struct Smem {
-  uint4 ring[kStages * kSlotWords];
+  uint4 ring[kStages * kStageBytes / 16];
   const uint8_t* page[kMaxPages];
   FormatInfo fi[codecs::kNumPageFormats];
   uint8_t fmt[kMaxPages];
@@ -940,7 +950,8 @@ struct Merge {
   float l[kWarps][GM];
   float acc[kWarps][GM][kAttnCudaMaxHeadSize];
 };
-static_assert(sizeof(Merge<kAttnCudaHeads>) <= sizeof(uint4) * kStages * kSlotWords, "merge arrays fit the ring");
+static_assert(sizeof(Merge<kAttnCudaHeads>) <= kStages * kStageBytes, "merge arrays fit the ring");
+static_assert((kThreads / 16) * GroupBytes<16>() <= kStageBytes && (kThreads / 32) * GroupBytes<32>() <= kStageBytes, "");
 
 template <int N>
 __device__ __forceinline__ void CpAsync(void* smem, const void* gmem) {
@@ -955,9 +966,6 @@ __device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_
 template <int N>
 __device__ __forceinline__ void CpAsyncWait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-__device__ __forceinline__ const void* Align4(const uint8_t* p) {
-  return reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(p) & ~static_cast<uintptr_t>(3));
 }
 
 // 8 channels of a row piece `w` in the compile-time format F. `half`: which 16-bit half of the word
@@ -1017,50 +1025,67 @@ __host__ __device__ constexpr bool IsKC(int f) {
 __host__ __device__ constexpr int Bits(int f) { return f <= 1 ? 16 : (f <= 3 ? 8 : (f == 4 || f == 6 ? 4 : 2)); }
 __host__ __device__ constexpr int ScaleBytes(int f) { return f <= 1 ? 0 : (f <= 3 ? 2 : 4); }  // per row
 
-// Copies a thread's pieces of rows row0 .. row0 + kU - 1 of one page (format F) into its slot: K and V
-// payload per key, then the kU rows' K scales and V scales as one 8- or 16-byte piece each (the kU rows
-// are consecutive and row0 % kU == 0, so those pieces are aligned).
-template <int F>
-__device__ __forceinline__ void IssueGroup(uint4* slot, const uint8_t* pg, const FormatInfo& fi, uint32_t row0, int d0,
-                                           const bool* want) {
-  constexpr int kBits = Bits(F);
-  const uint8_t* kp = pg + row0 * fi.row_bytes + (static_cast<uint32_t>(d0) * kBits) / 8u;
-#pragma unroll
-  for (int u = 0; u < kU; ++u) {
-    if (!want[u]) continue;
-    const uint8_t* k = kp + u * fi.row_bytes;
-    const uint8_t* v = k + fi.v_payload;
-    if constexpr (kBits == 16) {
-      CpAsync<16>(slot + (2 * u) * kThreads, k);
-      CpAsync<16>(slot + (2 * u + 1) * kThreads, v);
-    } else if constexpr (kBits == 8) {
-      CpAsync<8>(slot + (2 * u) * kThreads, k);
-      CpAsync<8>(slot + (2 * u + 1) * kThreads, v);
-    } else {
-      CpAsync<4>(slot + (2 * u) * kThreads, Align4(k));
-      CpAsync<4>(slot + (2 * u + 1) * kThreads, Align4(v));
+// The group's copy of rows row0 .. row0 + kU - 1 of one page (format F) into its region `g` of a ring
+// stage, spread over the group's TPK threads (`sub`) in 16-byte pieces (8 when kU rows of INT2 are not
+// a multiple of 16 bytes): the kU rows' K payload and V payload are contiguous in the page, so a narrow
+// format moves fewer bytes with fewer instructions (INT4 at head size 64: one piece per thread for K and
+// one for V; F16: four each). Then the kU rows' K scales and V scales (8 or 16 adjacent bytes each;
+// row0 % kU == 0 keeps them aligned) by threads 0 and 1. *_KC keys' per-channel scales are not copied.
+template <int F, int TPK>
+__device__ __forceinline__ void IssueGroup(uint8_t* g, const uint8_t* pg, const FormatInfo& fi, uint32_t row0, int sub) {
+  const uint32_t bytes = kU * fi.row_bytes;
+  const uint8_t* ks = pg + row0 * fi.row_bytes;
+  const uint8_t* vs = ks + fi.v_payload;
+  uint8_t* vd = g + 64 * TPK;
+  if (bytes % 16u == 0) {
+    for (uint32_t c = static_cast<uint32_t>(sub) * 16u; c < bytes; c += TPK * 16u) {
+      CpAsync<16>(g + c, ks + c);
+      CpAsync<16>(vd + c, vs + c);
+    }
+  } else {
+    for (uint32_t c = static_cast<uint32_t>(sub) * 8u; c < bytes; c += TPK * 8u) {
+      CpAsync<8>(g + c, ks + c);
+      CpAsync<8>(vd + c, vs + c);
     }
   }
   constexpr int kSb = ScaleBytes(F) * kU;
   if constexpr (kSb > 0) {
-    if constexpr (!IsKC(F)) CpAsync<kSb>(slot + (2 * kU) * kThreads, pg + fi.k_scales + row0 * ScaleBytes(F));
-    CpAsync<kSb>(slot + (2 * kU + 1) * kThreads, pg + fi.v_scales + row0 * ScaleBytes(F));
+    uint8_t* sd = g + 128 * TPK;
+    if (sub == 0 && !IsKC(F)) CpAsync<kSb>(sd, pg + fi.k_scales + row0 * ScaleBytes(F));
+    if (sub == 1) CpAsync<kSb>(sd + 16, pg + fi.v_scales + row0 * ScaleBytes(F));
   }
 }
 
-// Decodes what IssueGroup<F> copied: kf / vf [kU][8] (zeros where !want).
+// This thread's 8 channels of row u of a group region, as the low bytes of a uint4.
 template <int F>
-__device__ __forceinline__ void DecodeGroup(const uint4* slot, const uint8_t* pg, const FormatInfo& fi, uint32_t row0,
-                                            int hk, int D, int d0, const bool* want, float (*kf)[kEPT],
-                                            float (*vf)[kEPT]) {
+__device__ __forceinline__ uint4 LoadPiece(const uint8_t* p) {
+  constexpr int kBits = Bits(F);
+  if constexpr (kBits == 16) {
+    return *reinterpret_cast<const uint4*>(p);
+  } else if constexpr (kBits == 8) {
+    const uint2 w = *reinterpret_cast<const uint2*>(p);
+    return make_uint4(w.x, w.y, 0u, 0u);
+  } else if constexpr (kBits == 4) {
+    return make_uint4(*reinterpret_cast<const uint32_t*>(p), 0u, 0u, 0u);
+  } else {
+    return make_uint4(*reinterpret_cast<const uint16_t*>(p), 0u, 0u, 0u);
+  }
+}
+
+// Decodes this thread's channels of the group's kU rows from region g: kf / vf [kU][8] (zeros where
+// !want).
+template <int F, int TPK>
+__device__ __forceinline__ void DecodeGroup(const uint8_t* g, const uint8_t* pg, const FormatInfo& fi, int hk, int D,
+                                            int d0, const bool* want, float (*kf)[kEPT], float (*vf)[kEPT]) {
   constexpr int kBits = Bits(F);
   uint32_t ks[kU] = {}, vs[kU] = {};
+  const uint8_t* sd = g + 128 * TPK;
   if constexpr (ScaleBytes(F) == 4) {
-    const uint4 a = slot[(2 * kU) * kThreads], c = slot[(2 * kU + 1) * kThreads];
+    const uint4 a = *reinterpret_cast<const uint4*>(sd), c = *reinterpret_cast<const uint4*>(sd + 16);
     ks[0] = a.x, ks[1] = a.y, ks[2] = a.z, ks[3] = a.w;
     vs[0] = c.x, vs[1] = c.y, vs[2] = c.z, vs[3] = c.w;
   } else if constexpr (ScaleBytes(F) == 2) {
-    const uint4 a = slot[(2 * kU) * kThreads], c = slot[(2 * kU + 1) * kThreads];
+    const uint2 a = *reinterpret_cast<const uint2*>(sd), c = *reinterpret_cast<const uint2*>(sd + 16);
     ks[0] = a.x & 0xFFFFu, ks[1] = a.x >> 16, ks[2] = a.y & 0xFFFFu, ks[3] = a.y >> 16;
     vs[0] = c.x & 0xFFFFu, vs[1] = c.x >> 16, vs[2] = c.y & 0xFFFFu, vs[3] = c.y >> 16;
   }
@@ -1070,6 +1095,7 @@ __device__ __forceinline__ void DecodeGroup(const uint4* slot, const uint8_t* pg
     const uint4 a = __ldg(p), c = __ldg(p + 1);
     cs[0] = a.x, cs[1] = a.y, cs[2] = a.z, cs[3] = a.w, cs[4] = c.x, cs[5] = c.y, cs[6] = c.z, cs[7] = c.w;
   }
+  const uint32_t off = (static_cast<uint32_t>(d0) * kBits) / 8u;
 #pragma unroll
   for (int u = 0; u < kU; ++u) {
     if (!want[u]) {
@@ -1077,19 +1103,17 @@ __device__ __forceinline__ void DecodeGroup(const uint4* slot, const uint8_t* pg
       for (int i = 0; i < kEPT; ++i) kf[u][i] = vf[u][i] = 0.0f;
       continue;
     }
-    const bool half = kBits == 2 && (((row0 + u) * fi.row_bytes + static_cast<uint32_t>(d0) / 4u) & 2u) != 0;
-    const uint4 kw = slot[(2 * u) * kThreads];
+    const uint4 kw = LoadPiece<F>(g + u * fi.row_bytes + off);
     if constexpr (IsKC(F)) {
-      const uint32_t q = half ? kw.x >> 16 : kw.x;
       constexpr uint32_t mask = (1u << kBits) - 1u;
 #pragma unroll
       for (int i = 0; i < 8; ++i)
-        kf[u][i] = fmaf(__uint_as_float(((q >> (kBits * i)) & mask) | 0x4B000000u) - 8388608.0f, H(cs[i] & 0xFFFFu),
+        kf[u][i] = fmaf(__uint_as_float(((kw.x >> (kBits * i)) & mask) | 0x4B000000u) - 8388608.0f, H(cs[i] & 0xFFFFu),
                         H(cs[i] >> 16));
     } else {
-      DecodePiece<F>(kw, ks[u], half, kf[u]);
+      DecodePiece<F>(kw, ks[u], false, kf[u]);
     }
-    DecodePiece<F>(slot[(2 * u + 1) * kThreads], vs[u], half, vf[u]);
+    DecodePiece<F>(LoadPiece<F>(g + 64 * TPK + u * fi.row_bytes + off), vs[u], false, vf[u]);
   }
 }
 
@@ -1216,18 +1240,15 @@ __global__ void __launch_bounds__(kThreads) PagedAttentionV2(const AttnArgs args
     int on = kg * kU;  // offset (from a0) of the next group to copy
     int stage_in = 0;
     auto issue = [&]() {
-      if (dv && on < win && on + kU > lo) {
-        bool want[kU];
-#pragma unroll
-        for (int u = 0; u < kU; ++u) want[u] = on + u >= lo && on + u < win;
+      if (on < win && on + kU > lo) {  // every thread of the group copies (D < 8 * TPK included)
         const int o = base_off + on;
         const int lp = o / ps;
         const uint32_t row0 = hrow + static_cast<uint32_t>(o - lp * ps);
         const int f = sm.fmt[lp];
         const FormatInfo& fi = sm.fi[f];
         const uint8_t* pg = sm.page[lp];
-        uint4* slot = sm.ring + stage_in * kSlotWords + tid;
-#define ORTKV_ISSUE(F) IssueGroup<F>(slot, pg, fi, row0, d0, want)
+        uint8_t* g = reinterpret_cast<uint8_t*>(sm.ring) + stage_in * kStageBytes + kg * GroupBytes<TPK>();
+#define ORTKV_ISSUE(F) IssueGroup<F, TPK>(g, pg, fi, row0, sub)
         ORTKV_PAGED_FORMAT_SWITCH(f, ORTKV_ISSUE)
 #undef ORTKV_ISSUE
       }
@@ -1242,6 +1263,8 @@ __global__ void __launch_bounds__(kThreads) PagedAttentionV2(const AttnArgs args
     int stage = 0;
     for (int it = 0; it < n_it; ++it, oc += static_cast<int>(kPerIt), stage = stage + 1 == kStages ? 0 : stage + 1) {
       CpAsyncWait<kStages - 2>();
+      __syncwarp();  // the group's copies of this stage are complete and visible to the whole group, and
+                     // every thread is done reading the stage the next issue() refills
       issue();
       bool ok[kU];
       bool any = false;
@@ -1252,13 +1275,11 @@ __global__ void __launch_bounds__(kThreads) PagedAttentionV2(const AttnArgs args
       }
       float kf[kU][kEPT], vf[kU][kEPT];
       if (any && dv) {
-        const int o = base_off + oc;
-        const int lp = o / ps;
-        const uint32_t row0 = hrow + static_cast<uint32_t>(o - lp * ps);
+        const int lp = (base_off + oc) / ps;
         const int f = sm.fmt[lp];
         const FormatInfo& fi = sm.fi[f];
-        const uint4* slot = sm.ring + stage * kSlotWords + tid;
-#define ORTKV_DECODE(F) DecodeGroup<F>(slot, sm.page[lp], fi, row0, hk, D, d0, ok, kf, vf)
+        const uint8_t* g = reinterpret_cast<const uint8_t*>(sm.ring) + stage * kStageBytes + kg * GroupBytes<TPK>();
+#define ORTKV_DECODE(F) DecodeGroup<F, TPK>(g, sm.page[lp], fi, hk, D, d0, ok, kf, vf)
         ORTKV_PAGED_FORMAT_SWITCH(f, ORTKV_DECODE)
 #undef ORTKV_DECODE
       } else {
