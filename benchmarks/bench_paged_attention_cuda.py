@@ -5,7 +5,7 @@ with ORT only (no torch, no cupy). SmolLM2-135M heads (9 query / 3 KV heads of 6
   F16 / INT8 / INT4 : ortkv PagedCacheAttention over one pool of pages of that format (pages of 16
           tokens, page ids shuffled so that consecutive pages are not adjacent in the pool).
 R nodes of one kind in one model, each over its own cache / pool, so one call reads R caches one after the
-other (R chosen so that they hold >= 256 MiB of F16 bytes: K/V come from HBM, not from L2). Sessions run
+other (R chosen so that they hold >= 256 MiB of F16 bytes: K/V come from HBM, not from L2; at least 8). Sessions run
 with enable_cuda_graph=1. Each figure is the median over --rounds rounds (the kinds alternate inside a
 round) of the median of --reps timed calls after a warm-up; the time per node is the call time / R.
   ORT-PA : onnxruntime's own com.microsoft.PagedAttention (CUDA, one float16 block cache [blocks, 16, 3, 64] per
@@ -66,8 +66,10 @@ def _dev(arr):
 
 
 def _reps(B, L):
+    """Nodes per model: enough F16 bytes to come from HBM, and at least 8 nodes so that the per-call cost of
+    a run (ORT, the graph launch, the synchronization: ~20 us) is spread and the kernels' differences show."""
     per = 2 * B * L * HKV * D * 2
-    return max(1, min(64, TARGET_BYTES // per))
+    return max(8, min(64, TARGET_BYTES // per))
 
 
 def dense_case(rng, B, L, R):

@@ -339,11 +339,14 @@ OrtStatus* AttnComputeCuda(void* op_kernel, OrtKernelContext* ctx) {
   void* stream = nullptr;
   ORTKV_RETURN_IF_ORT_ERROR(g_api->KernelContext_GetGPUComputeStream(ctx, &stream));
   view.error_word = ortkv::CudaErrorWord(stream);
-  // one allocation: the flag (first 256 bytes), then the split-K partials
+  // one allocation: the flag (first 256 bytes), the split-K partials, then the per-block flags
   DeviceScratch scratch;
-  ORTKV_RETURN_IF_ORT_ERROR(scratch.Alloc(ctx, device_id, 256 + view.partial_bytes()));
+  ORTKV_RETURN_IF_ORT_ERROR(
+      scratch.Alloc(ctx, device_id, 256 + view.partial_bytes() + view.block_flag_bytes()));
   view.flag = scratch.ptr;
   view.partial = view.splits > 1 ? reinterpret_cast<float*>(static_cast<char*>(scratch.ptr) + 256) : nullptr;
+  view.block_flags =
+      reinterpret_cast<unsigned long long*>(static_cast<char*>(scratch.ptr) + 256 + view.partial_bytes());
   ortkv::CoreLease lease;  // the pool is read here (Note [Arena lease])
   return ToOrtStatus(ortkv::PagedCacheAttentionCuda(view, stream));
 }

@@ -88,11 +88,16 @@ struct PagedAttentionCudaView {
   int sm_count = 0;
   bool vec = false;                // D % 8 == 0 and the query / output 16-byte aligned
   float* partial = nullptr;        // splits > 1: partial_bytes()
-  void* flag = nullptr;            // 8 bytes of device scratch
+  void* flag = nullptr;            // 8 bytes of device scratch (the first kernel: cleared by a memset)
+  unsigned long long* block_flags = nullptr;  // block_flag_bytes(): one first-failure key per block (v2, no memset)
   int32_t label = -1;
   void* error_word = nullptr;
   int64_t units() const { return B * Hkv * T; }
   int64_t group() const { return Hq / Hkv; }
+  size_t block_flag_bytes() const {
+    const int64_t G = group(), gm = G <= 4 ? G : 8;
+    return static_cast<size_t>(units() * ((G + gm - 1) / gm) * splits) * sizeof(unsigned long long);
+  }
   size_t partial_bytes() const {
     return splits > 1 ? static_cast<size_t>(units() * group() * splits * (D + 2)) * sizeof(float) : 0;
   }

@@ -830,7 +830,19 @@ __global__ void PagedCombineKernel(const AttnArgs args) {
   if (LOG2) asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
   const PagedAttentionCudaView& a = args.v;
-  if (blockIdx.x == 0 && threadIdx.x == 0) {
+  if (LOG2) {  // v2: the smallest of the attention blocks' own keys (Note [Paged CUDA v2])
+    if (blockIdx.x == 0) {
+      __shared__ unsigned long long s_key;
+      if (threadIdx.x == 0) s_key = kNoError;
+      __syncthreads();
+      const int64_t n = a.B * a.Hkv * a.T * args.head_blocks * a.splits;
+      unsigned long long mine = kNoError;
+      for (int64_t i = threadIdx.x; i < n; i += blockDim.x) mine = a.block_flags[i] < mine ? a.block_flags[i] : mine;
+      if (mine != kNoError) atomicMin(&s_key, mine);
+      __syncthreads();
+      if (threadIdx.x == 0 && s_key != kNoError) ReportAttention(a, s_key);
+    }
+  } else if (blockIdx.x == 0 && threadIdx.x == 0) {
     const unsigned long long key = *static_cast<const volatile unsigned long long*>(a.flag);
     if (key != kNoError) ReportAttention(a, key);
   }
@@ -916,6 +928,10 @@ cudaError_t LaunchAttn(const AttnArgs& a, int gm, int64_t blocks, cudaStream_t s
 //     rate on sm_90). The scores and their shuffles run after the switch, every thread converged.
 //     Keys of a group outside the window are copied (same page) but never counted. *_KC keys read
 //     their per-channel (s, m) of the page with __ldg, once per group.
+//   * No memset before the launch (one graph node less per layer): each block keeps its first failure
+//     (bad start, bad page) in shared memory and writes it to its own slot of block_flags at the end,
+//     kNoError included; the combine's block 0 takes the smallest, the same key v1's atomicMin on one
+//     pre-cleared flag gives.
 //   * Scores in base 2, lazy rescale, partials in base 2 (PagedCombineKernel<T, true>, launched as a
 //     programmatic dependent on sm_90+), the split count trimmed to one wave of this kernel (its
 //     occupancy: ~52 KiB of dynamic shared memory per block), as Note [CacheAttention CUDA v2 waves].
@@ -940,6 +956,7 @@ struct FormatInfo {
 struct Smem {
   uint4 ring[kStages * kStageBytes / 16];
   const uint8_t* page[kMaxPages];
+  unsigned long long key;  // the block's first failure (kNoError if none), written to block_flags at the end
   FormatInfo fi[codecs::kNumPageFormats];
   uint8_t fmt[kMaxPages];
 };
@@ -1154,11 +1171,10 @@ __global__ void __launch_bounds__(kThreads) PagedAttentionV2(const AttnArgs args
   const int gn = static_cast<int>(G - g0 < GM ? G - g0 : GM);
   const int D = static_cast<int>(a.D);
   const int ps = a.p.shape.page_size;  // a multiple of kU (the launch checks)
-  unsigned long long* flag = static_cast<unsigned long long*>(a.flag);
+  if (threadIdx.x == 0) sm.key = kNoError;  // read and written only after the barriers below
 
   bool bad_start = false;
   const int64_t st = ClampedStart(a, b, &bad_start);
-  if (bad_start && threadIdx.x == 0) atomicMin(flag, Key(kClassRow, static_cast<unsigned long long>(b) << 28));
   const int64_t L = st + t + 1;
   int64_t chunk = (L + S - 1) / S;
   if (chunk < kPagedMinChunk) chunk = kPagedMinChunk;
@@ -1216,7 +1232,7 @@ __global__ void __launch_bounds__(kThreads) PagedAttentionV2(const AttnArgs args
     for (int64_t pi = p0 + tid; pi <= p1; pi += kThreads) {
       const int64_t id = TableAt(a.p, b, pi);
       if (PageProblem(a.p, id, false) != kPageOk) {
-        atomicMin(flag, Key(kClassRow, (static_cast<unsigned long long>(b) << 28) | static_cast<unsigned long long>(pi + 1)));
+        atomicMin(&sm.key, Key(kClassRow, (static_cast<unsigned long long>(b) << 28) | static_cast<unsigned long long>(pi + 1)));
         bad = 1;
       } else {
         int f = 0;
@@ -1344,6 +1360,10 @@ __global__ void __launch_bounds__(kThreads) PagedAttentionV2(const AttnArgs args
   }
   CpAsyncWait<0>();
   __syncthreads();
+  if (threadIdx.x == 0) {  // every block writes its key: no memset of the flags before the launch
+    const unsigned long long sk = bad_start ? Key(kClassRow, static_cast<unsigned long long>(b) << 28) : kNoError;
+    a.block_flags[blockIdx.x] = sk < sm.key ? sk : sm.key;
+  }
   Merge<GM>& mg = *reinterpret_cast<Merge<GM>*>(sm.ring);
 #pragma unroll
   for (int g = 0; g < GM; ++g) {
@@ -1516,11 +1536,15 @@ Status PagedCacheAttentionCuda(const PagedAttentionCudaView& v, void* stream_ptr
     return Status(Code::kInvalidArgument, "PagedCacheAttention CUDA: " + std::to_string(blocks) +
                                               " blocks exceed the grid limit; split the batch");
   cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
-  cudaError_t e = cudaMemsetAsync(v.flag, 0xFF, sizeof(unsigned long long), stream);
-  if (e != cudaSuccess) return LaunchError("PagedCacheAttention", e);
   bool v1 = false;
   ORTKV_RETURN_IF_ERR(CudaAttentionKernelChoice(&v1));
-  const bool v2 = !v1 && v.vec && v.D <= kAttnCudaMaxHeadSize && v.p.shape.page_size % pv2::kU == 0;  // Note [Paged CUDA v2]
+  const bool v2 = !v1 && v.vec && v.D <= kAttnCudaMaxHeadSize && v.p.shape.page_size % pv2::kU == 0 &&
+                  v.block_flags != nullptr;  // Note [Paged CUDA v2]
+  cudaError_t e = cudaSuccess;
+  if (!v2) {  // the first kernel's blocks atomicMin into one flag: cleared first
+    e = cudaMemsetAsync(v.flag, 0xFF, sizeof(unsigned long long), stream);
+    if (e != cudaSuccess) return LaunchError("PagedCacheAttention", e);
+  }
   switch (v.elem_type) {
     case kFloat16: e = v2 ? pv2::Launch<__half>(a, gm, stream) : LaunchAttn<__half>(a, gm, blocks, stream); break;
     case kBFloat16:
