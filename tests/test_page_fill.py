@@ -383,3 +383,75 @@ def test_reference_position_map():
         position_map(table, fill, 4, 8)
     with pytest.raises(CacheInputError, match="entry 1 is 5"):
         position_map(table, np.array([2, 5, 0, 0]), 4, 1)
+
+
+# ---- the graph layer: contract, shape rules, checker, planner ------------------------------------------------------
+def _checked_fill(fill_type=TP.INT32, fill_shape=("B", 3), names=None, attention=False):
+    from ortkv.graph import check, mark_mutable, set_alias_of
+
+    vi = helper.make_tensor_value_info
+    if attention:
+        ins = names or ["query", "pool", "directory", "page_table", "start", "page_fill"]
+        node = helper.make_node("PagedCacheAttention", ins, ["out"], name="attn", domain="ortkv", num_heads=4,
+                                kv_num_heads=2, layer=0, num_layers=2, page_size=4)
+        inputs = [vi("query", TP.FLOAT, ["B", 1, 64]), vi("pool", TP.UINT8, ["P"]), vi("directory", TP.INT64, ["N", 2]),
+                  vi("page_table", TP.INT32, ["B", 3]), vi("start", TP.INT64, ["B"])]
+        outputs = [vi("out", TP.FLOAT, ["B", 1, 64])]
+    else:
+        ins = names or ["pool", "directory", "page_table", "key", "value", "position", "page_fill"]
+        node = helper.make_node("PagedCacheUpdate", ins, ["pool_out"], name="upd", domain="ortkv", layer=0,
+                                num_layers=2, kv_num_heads=2, page_size=4)
+        inputs = [vi("pool", TP.UINT8, ["P"]), vi("directory", TP.INT64, ["N", 2]), vi("page_table", TP.INT32, ["B", 3]),
+                  vi("key", TP.FLOAT, ["B", 1, 32]), vi("value", TP.FLOAT, ["B", 1, 32]), vi("position", TP.INT64, ["B"])]
+        outputs = [vi("pool_out", TP.UINT8, ["P"])]
+    if "page_fill" in ins:
+        inputs.append(vi("page_fill", fill_type, list(fill_shape)))
+    g = helper.make_graph([node], "g", inputs, outputs)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("ortkv", 1)],
+                          ir_version=10)
+    if not attention:
+        mark_mutable(m, "pool")
+        set_alias_of(m, "pool_out", "pool")
+    report = check(m, plan=False)
+    return "\n".join(str(f) for f in report.errors)
+
+
+@pytest.mark.parametrize("attention", [False, True])
+def test_checker_describes_optional_page_fill(attention):
+    """The contract's optional port: present, absent or empty-named are accepted; a wrong type or a shape
+    other than the page table's is an op-input error naming the tensor; a required port left empty is not."""
+    assert _checked_fill(attention=attention) == ""
+    base = (["query", "pool", "directory", "page_table", "start"] if attention else
+            ["pool", "directory", "page_table", "key", "value", "position"])
+    assert _checked_fill(names=base, attention=attention) == ""
+    assert _checked_fill(names=base + [""], attention=attention) == ""
+    err = _checked_fill(fill_type=TP.INT64, attention=attention)
+    assert "'page_fill' is int64" in err and "page_fill must be int32 [batch, max_pages]" in err
+    err = _checked_fill(fill_shape=("B", 4), attention=attention)
+    assert "page_fill" in err and "page table" in err, err
+    err = _checked_fill(names=base + ["page_fill", "page_fill"], attention=attention)
+    assert "takes 5 to 6" in err or "takes 6 to 7" in err, err
+    empty = list(base)
+    empty[2] = ""
+    assert "is empty" in _checked_fill(names=empty + ["page_fill"], attention=attention)
+
+
+def test_planner_counts_the_fill_prefix():
+    from ortkv.graph.op_rules import paged_cache_attention_workspace
+    from ortkv.graph.shapes import ShapesContext  # noqa: F401 - the context the planner passes
+
+    class Ctx:
+        def __init__(self, types):
+            self.types = types
+
+        def type_of(self, name):
+            return self.types[name]
+
+    from ortkv.graph.dims import ValueType
+
+    node = helper.make_node("PagedCacheAttention", ["q", "pool", "d", "t", "s", "f"], ["o"], domain="ortkv",
+                            num_heads=4, kv_num_heads=2, layer=0, num_layers=1, page_size=4)
+    types = {"q": ValueType(TP.FLOAT, (3, 1, 64)), "f": ValueType(TP.INT32, (3, 10))}
+    with_fill = paged_cache_attention_workspace(Ctx(types), node, 2)
+    del node.input[5]
+    assert with_fill - paged_cache_attention_workspace(Ctx(types), node, 2) == 3 * 11 * 8
