@@ -135,7 +135,7 @@ def test_admit_places_variable_counts_across_pages():
     np.testing.assert_array_equal(p.start, [3, 0])
     np.testing.assert_array_equal(p.new_tokens, [6, 1])
     np.testing.assert_array_equal(p.lengths, [9, 1])
-    assert p.page_table.dtype == np.int32 and p.page_table.shape == (2, 8)
+    assert p.page_table.dtype == np.int32 and p.page_table.shape == (2, 24) == p.page_fill.shape   # 8 pages + 16
     assert len(p.allocated) == 3                         # a: pages 1, 2; b: page 0
     np.testing.assert_array_equal(p.page_fill[:, :4], [[4, 4, 1, 0], [1, 0, 0, 0]])
     assert p.page_fill.base is cache._step_fill
@@ -143,6 +143,7 @@ def test_admit_places_variable_counts_across_pages():
     np.testing.assert_array_equal(p.page_table[0, :3], a_pages)
     np.testing.assert_array_equal(p.page_table[1, :1], b_pages)
     assert (p.page_table[0, 3:] == -1).all() and (p.page_table[1, 1:] == -1).all()
+    assert p.capacity == 32
     np.testing.assert_array_equal(p.token_offsets, [0, 6, 7])
     np.testing.assert_array_equal(p.positions(), [3, 4, 5, 6, 7, 8, 0])
     expect = [a_pages[t // PS] * PS + t % PS for t in range(3, 9)] + [b_pages[0] * PS]
@@ -166,6 +167,27 @@ def test_admit_places_variable_counts_across_pages():
     assert cache.page_info(a_pages[2]).positions == range(8, 9)
     np.testing.assert_array_equal(cache.key_mask(["a"])[0, :10], [1] * 9 + [0])
     check_invariants(cache, store)
+
+
+def test_entries_limit_refuses_a_fragmented_sequence():
+    """Every write of 1 opens a page because another sequence holds the shared page's mark: entries grow
+    faster than pages, and max_entries refuses (nothing changed) before the token capacity."""
+    cache2, store2 = make(num_pages=64, max_pages=8, max_entries=9)
+    cache2.new_sequence("a")
+    step(cache2, store2, {"a": [0]})
+    for i in range(8):                              # "a" is never the first claimant: one entry per token
+        cache2.fork("a", ("b", i))
+        step(cache2, store2, [(("b", i), [9]), ("a", [i + 1])])
+        cache2.remove(("b", i))
+    assert cache2.fills_of("a") == (1,) * 9 and cache2.length("a") == 9
+    cache2.fork("a", "c")
+    before = snapshot(cache2, store2)
+    r = cache2.admit([("c", [7]), ("a", [5])])     # "c" claims the mark: "a" would need a 10th entry
+    assert not r and r.kind == "sequence_full" and r.pages_needed == 10
+    assert "needs 10 page-table entries > max_entries 9" in r.reason and "shared partly filled" in r.reason
+    assert_same(before, snapshot(cache2, store2))
+    with pytest.raises(CacheProtocolError, match="max_entries 3 < max_pages_per_seq 4"):
+        PageCache(store2, PS, 4, 2, max_entries=3)
 
 
 def test_fresh_id_skips_live_and_removed_ids():

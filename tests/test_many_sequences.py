@@ -559,7 +559,7 @@ def test_a_small_pool_queues_and_preempts_without_changing_the_tokens(paged_path
         runner.close()
 
 
-# ---- on CUDA: the pool in a CUDA arena, copy-on-write as a device-to-device copy -----------------------------
+# ---- on CUDA: the pool in a CUDA arena, pages shared through page_fill (no copy) --------------------------------
 def _cuda_why_not() -> str | None:
     import onnxruntime as ort
 

@@ -38,7 +38,7 @@ Note [Admission]
 ``admit(step)`` takes a whole step (new tokens of each running sequence, counts may differ) BEFORE
 the run and returns a ``Placement`` or a ``Refusal``; never a half-admitted step:
   1. validate everything (protocol errors raise, nothing changed; a sequence that would outgrow
-     ``max_pages_per_seq`` entries is a ``Refusal``);
+     ``max_pages_per_seq`` pages of tokens, or ``max_entries`` page-table entries, is a ``Refusal``);
   2. count the pages the step needs: each sequence first appends to its last page when it holds that
      page's high-water mark (Note [Page metadata]) and no earlier sequence of the step claimed the page
      (of owners at one mark, the first in step order appends); the rest of its tokens go to new pages;
@@ -51,7 +51,16 @@ Between ``admit`` and ``done`` (or ``cancel``) the cache refuses every other mut
 (only an entry that starts on a page boundary with fill == page_size: a page shifted by a fork holds
 tokens of two chunks and is never keyed); ``cancel`` undoes the step (fills, marks, new pages, lengths).
 
-Per step the work is O(batch) Python plus O(batch x max_pages) numpy (the page-table and fill rows are
+Entries vs pages: an entry holds 1 .. page_size tokens, so a sequence whose lineage went through shared
+partly filled pages (a beam that was not the first child of its parent) holds more entries than
+ceil(length / page_size). The token capacity is ``max_pages_per_seq * page_size``; the page table is
+``max_entries`` wide (a sequence has at most ceil(length / page_size) + (writes that opened a page
+because of sharing) entries; default max_pages_per_seq + 16, room for the one extra entry of a forked
+sample many times over; a beam search can open one per generated token and should pass more, as
+ortkv.generate.multi.MultiRunner does), and a sequence that runs out of entries is refused
+("sequence_full", saying so) rather than copied into fewer pages.
+
+Per step the work is O(batch) Python plus O(batch x max_entries) numpy (the page-table and fill rows are
 copied from the persistent tables with one np.take each into buffers that stay the same across steps).
 """
 
@@ -101,7 +110,7 @@ class PageInfo:
 class Refusal:
     """Admission refused the whole step; nothing changed. ``kind`` is "store" (the page store refused
     ``pages_needed`` pages after evicting every unreferenced cached page) or "sequence_full" (``seq``
-    would need more than ``max_pages_per_seq`` pages). Falsy, so ``if placement:`` tells them apart."""
+    would need more than ``max_pages_per_seq`` pages of tokens or ``max_entries`` entries). Falsy, so ``if placement:`` tells them apart."""
     reason: str
     kind: str
     pages_needed: int = 0
@@ -116,7 +125,7 @@ class Placement:
     """Where an admitted step's tokens go. Row b is sequence ``seq_ids[b]``: it writes
     ``new_tokens[b]`` tokens at positions [start[b], start[b] + new_tokens[b]).
 
-    ``page_table`` (int32 [batch, max_pages_per_seq], -1 = none), ``page_fill`` (int32, the same shape:
+    ``page_table`` (int32 [batch, max_entries], -1 = none), ``page_fill`` (int32, the same shape:
     rows held per entry, Note [Page fill]) and ``start`` (int64 [batch]) are what PagedCacheUpdate /
     PagedCacheAttention take; ``page_table`` and ``page_fill`` are views of buffers the cache reuses
     every step (bind them in place; valid until the next ``admit``), already holding this step's new
@@ -129,7 +138,9 @@ class Placement:
     page_fill: np.ndarray
     page_size: int
     tokens: list
+    capacity: int                 # positions a sequence may hold: max_pages_per_seq * page_size
     allocated: list = field(default_factory=list)
+    _segments: list = field(default_factory=list, repr=False)  # (page, first row, rows) in token order
     _undo: list = field(default_factory=list, repr=False)
 
     @property
@@ -160,16 +171,13 @@ class Placement:
 
     def slot_mapping(self) -> np.ndarray:
         """int64 [total tokens]: page_id * page_size + row of every new token (vLLM's form), through the
-        fills (Note [Page fill])."""
-        pos = self.positions()
-        rows = np.repeat(np.arange(self.batch), self.new_tokens)
-        prefix = np.zeros((self.batch, self.page_fill.shape[1] + 1), np.int64)
-        np.cumsum(self.page_fill, axis=1, out=prefix[:, 1:])
-        entry = np.empty(pos.size, np.int64)
-        for b in range(self.batch):   # the entry e with prefix[e] <= p < prefix[e + 1]
-            sel = rows == b
-            entry[sel] = np.searchsorted(prefix[b], pos[sel], side="right") - 1
-        return self.page_table[rows, entry].astype(np.int64) * self.page_size + pos - prefix[rows, entry]
+        fills (Note [Page fill]): from the runs of rows admission placed, O(pages touched)."""
+        if not self._segments:
+            return np.zeros(0, np.int64)
+        seg = np.array(self._segments, np.int64).reshape(-1, 3)
+        first = seg[:, 0] * self.page_size + seg[:, 1]
+        before = np.cumsum(seg[:, 2]) - seg[:, 2]
+        return np.repeat(first - before, seg[:, 2]) + np.arange(int(seg[:, 2].sum()), dtype=np.int64)
 
     def position_ids(self, pad: int = -1) -> np.ndarray:
         """int64 [batch, max_tokens]: start + t where t < new_tokens[b], else ``pad``."""
@@ -177,18 +185,18 @@ class Placement:
         return np.where(t[None, :] < self.new_tokens[:, None], self.start[:, None] + t[None, :], pad)
 
     def key_mask(self) -> np.ndarray:
-        """bool [batch, max_pages_per_seq * page_size]: cell c of row b holds a valid key after the
+        """bool [batch, capacity]: position c of row b holds a valid key after the
         step (c < length). The dense masks are O(batch x cells); the paged ops need only
         ``page_table`` and ``start`` (the same information in O(batch)), so a runner of the paged ops
         never builds them: they are for other attention kernels, and for tests."""
-        cells = np.arange(self.page_table.shape[1] * self.page_size)
+        cells = np.arange(self.capacity)
         return cells[None, :] < self.lengths[:, None]
 
     def attention_mask(self) -> np.ndarray:
-        """bool [batch, max_tokens, cells]: query t of row b sees cell c iff t < new_tokens[b] and
+        """bool [batch, max_tokens, capacity]: query t of row b sees position c iff t < new_tokens[b] and
         c <= start[b] + t (Note [CacheAttention]: causal inside the new block, nothing past the
         row's valid length)."""
-        cells = np.arange(self.page_table.shape[1] * self.page_size)
+        cells = np.arange(self.capacity)
         t = np.arange(self.max_tokens)
         # one pass over the cells: c < limit, limit = start + t + 1 for live queries, 0 for padding
         limit = np.where(t[None, :] < self.new_tokens[:, None], self.start[:, None] + t[None, :] + 1, 0)
@@ -208,14 +216,19 @@ class PageCache:
     (Notes [Page metadata], [Admission], [Prefix hash chain])."""
 
     def __init__(self, store, page_size: int, max_pages_per_seq: int, max_sequences: int = 256,
-                 fmt: int = 0, model_key: bytes = b"", prefix_caching: bool = True):
+                 fmt: int = 0, model_key: bytes = b"", prefix_caching: bool = True, max_entries: int | None = None):
         for name, v in (("page_size", page_size), ("max_pages_per_seq", max_pages_per_seq),
                         ("max_sequences", max_sequences)):
             if int(v) <= 0:
                 raise CacheProtocolError(f"PageCache: {name} must be positive, got {v}")
+        max_entries = int(max_pages_per_seq) + 16 if max_entries is None else int(max_entries)
+        if max_entries < int(max_pages_per_seq):
+            raise CacheProtocolError(f"PageCache: max_entries {max_entries} < max_pages_per_seq {max_pages_per_seq}; "
+                                     "the page table needs at least one entry per page of tokens")
         self.store = store
         self.page_size = int(page_size)
         self.max_pages = int(max_pages_per_seq)
+        self.max_entries = max_entries
         self.max_sequences = int(max_sequences)
         self.fmt = int(fmt)
         self.model_key = bytes(model_key)
@@ -224,10 +237,10 @@ class PageCache:
         self._seqs: dict[int, _Seq] = {}
         self._removed: set[int] = set()
         self._free_slots = list(range(self.max_sequences - 1, -1, -1))
-        self._table = np.full((self.max_sequences, self.max_pages), -1, np.int32)
-        self._fill = np.zeros((self.max_sequences, self.max_pages), np.int32)
-        self._step_table = np.full((self.max_sequences, self.max_pages), -1, np.int32)
-        self._step_fill = np.zeros((self.max_sequences, self.max_pages), np.int32)
+        self._table = np.full((self.max_sequences, self.max_entries), -1, np.int32)
+        self._fill = np.zeros((self.max_sequences, self.max_entries), np.int32)
+        self._step_table = np.full((self.max_sequences, self.max_entries), -1, np.int32)
+        self._step_fill = np.zeros((self.max_sequences, self.max_entries), np.int32)
         self.prefix = PrefixIndex()
         self._pending: Placement | None = None
         self._next_id = 0
@@ -539,9 +552,16 @@ class PageCache:
                     k = min(n, ps - s.fills[-1])
                     claimed.add(pid)
             new = -(-(n - k) // ps)
-            if len(s.pages) + new > self.max_pages:
+            end_pages = -(-(s.length + n) // ps)
+            if end_pages > self.max_pages:
+                return Refusal(f"sequence {s.id} at length {s.length} + {n} new tokens needs {end_pages} pages "
+                               f"> max_pages_per_seq {self.max_pages}; finish or truncate it",
+                               "sequence_full", end_pages, s.id)
+            if len(s.pages) + new > self.max_entries:
                 return Refusal(f"sequence {s.id} at length {s.length} + {n} new tokens needs {len(s.pages) + new} "
-                               f"pages > max_pages_per_seq {self.max_pages}; finish or truncate it",
+                               f"page-table entries > max_entries {self.max_entries} (its {len(s.pages)} entries hold "
+                               f"{s.length} tokens: shared partly filled pages left entries of a few rows, Note [Page "
+                               "metadata]); finish it, or build the cache with a larger max_entries",
                                "sequence_full", len(s.pages) + new, s.id)
             need += new
             plan.append((k, new))
@@ -552,7 +572,7 @@ class PageCache:
                            f"(after evicting every unreferenced cached page): {err}", "store", need)
         # 4. apply
         allocated = list(fresh)
-        undo = []
+        undo, segments = [], []
         fresh.reverse()
         for s, n, (k, new) in zip(seqs, counts, plan):
             start, before = s.length, len(s.pages)
@@ -564,6 +584,7 @@ class PageCache:
                 s.fills[-1] += k
                 page.owners[s.id] = page.filled = s.fills[-1]
                 self._fill[s.slot, before - 1] = s.fills[-1]
+                segments.append((pid, s.fills[-1] - k, k))
             elif s.pages and s.fills[-1] < ps:
                 self.pages_opened_by_sharing += 1   # another owner holds (or claimed) the mark
             pos, rem = start + k, n - k
@@ -575,6 +596,7 @@ class PageCache:
                 s.fills.append(f)
                 self._table[s.slot, e] = pid
                 self._fill[s.slot, e] = f
+                segments.append((pid, 0, f))
                 pos += f
                 rem -= f
             s.length = start + n
@@ -583,7 +605,7 @@ class PageCache:
         table = np.take(self._table, slots, axis=0, out=self._step_table[:len(seqs)])
         fill = np.take(self._fill, slots, axis=0, out=self._step_fill[:len(seqs)])
         placement = Placement(tuple(s.id for s in seqs), np.array([u[1] for u in undo], np.int64),
-                              np.array(counts, np.int64), table, fill, ps, toks, allocated, undo)
+                              np.array(counts, np.int64), table, fill, ps, toks, self.max_pages * ps, allocated, segments, undo)
         self._pending = placement
         return placement
 
@@ -687,11 +709,11 @@ class PageCache:
         return frozenset(self.prefix.unreferenced)
 
     def page_table(self, seq_ids: Sequence) -> np.ndarray:
-        """int32 [len(seq_ids), max_pages_per_seq] (a new array)."""
+        """int32 [len(seq_ids), max_entries] (a new array)."""
         return self._table[[self._seq(i, "page_table").slot for i in seq_ids]]
 
     def page_fill(self, seq_ids: Sequence) -> np.ndarray:
-        """int32 [len(seq_ids), max_pages_per_seq]: rows held per entry, 0 past the last (a new array)."""
+        """int32 [len(seq_ids), max_entries]: rows held per entry, 0 past the last (a new array)."""
         return self._fill[[self._seq(i, "page_fill").slot for i in seq_ids]]
 
     def lengths(self, seq_ids: Sequence) -> np.ndarray:

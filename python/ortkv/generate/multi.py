@@ -120,8 +120,10 @@ class MultiRunner:
                              max_pages=max_pages or max_sequences * self.pages_per_seq)
         self.store = PoolPageStore(self.pool)
         key = f"{cfg.ortkv.gguf or cfg.ortkv.source}/{cfg.ortkv.weights}/{self.layers}/{self.fmt.name}".encode()
+        # entries: each holds >= 1 token and a write opens at most one page because another sequence held the
+        # mark (Note [Page metadata]), so pages + max_length entries never refuse a sequence for fragmentation
         self.cache = PageCache(self.store, ps, self.pages_per_seq, max_sequences, fmt=int(self.fmt), model_key=key,
-                               prefix_caching=prefix_caching)
+                               prefix_caching=prefix_caching, max_entries=self.pages_per_seq + self.max_length)
         self._pool_name = POOL
         self.sess.bind_cache(POOL, self.pool.pool)
         self.runs = 0            # ORT runs
