@@ -455,3 +455,31 @@ def test_planner_counts_the_fill_prefix():
     with_fill = paged_cache_attention_workspace(Ctx(types), node, 2)
     del node.input[5]
     assert with_fill - paged_cache_attention_workspace(Ctx(types), node, 2) == 3 * 11 * 8
+
+
+def test_an_empty_named_page_fill_port_is_absent(rng):
+    """A node that names the optional port "" runs exactly as one that omits it (every entry full)."""
+    NL, H, PS, D = 1, 2, 4, 16
+    pool, directory = build_pool(rng, [PageFormat.F16, PageFormat.INT8, PageFormat.F16], num_layers=NL, kv_heads=H,
+                                 page_size=PS, head_size=D)
+    table = table_for([[2, 0, 1]], 3)
+    key, value = _rand(rng, (1, 3, H * D), "float32"), _rand(rng, (1, 3, H * D), "float32")
+    node = helper.make_node("PagedCacheUpdate", ["pool", "directory", "page_table", "key", "value", "position", ""],
+                            ["pool_out"], name="upd", domain="ortkv", layer=0, num_layers=NL, kv_num_heads=H,
+                            page_size=PS)
+    vi = helper.make_tensor_value_info
+    sess = ort_session(_model(node, [vi("pool", TP.UINT8, ["P"]), vi("directory", TP.INT64, ["N", 2]),
+                                     vi("page_table", TP.INT32, ["B", "M"]), vi("key", TP.FLOAT, ["B", "T", "W"]),
+                                     vi("value", TP.FLOAT, ["B", "T", "W"]), vi("position", TP.INT64, ["B"])],
+                              [vi("pool_out", TP.UINT8, ["P"])]))
+    want = paged_cache_update_ref(pool, directory, table, key, value, [3], layer=0, num_layers=NL, kv_num_heads=H,
+                                  page_size=PS)
+    before = pool.copy()
+    io = sess.io_binding()
+    keep = [_bind(io, "pool", pool, TP.UINT8), _bind(io, "directory", directory, TP.INT64),
+            _bind(io, "page_table", table, TP.INT32), _bind(io, "key", key, TP.FLOAT), _bind(io, "value", value, TP.FLOAT),
+            _bind(io, "position", np.array([3], np.int64), TP.INT64), _bind(io, "pool_out", pool, TP.UINT8, output=True)]
+    sess.run_with_iobinding(io)
+    del keep
+    np.testing.assert_array_equal(pool, want)
+    assert digest(want) != digest(before)
