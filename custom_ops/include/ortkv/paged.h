@@ -43,8 +43,11 @@
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // Nothing is written unless everything is valid, so the plan checks, before the first byte:
 //   * shapes, element types and attributes;
-//   * per row b: position_b >= 0 and position_b + T <= max_pages * page_size (E_CAPACITY);
-//   * every page the T tokens touch: page id present (not -1) and < num_pages; its directory entry's
+//   * page_fill, when bound: int32 [batch, max_pages], every value in [0, page_size] (Note [Page fill]);
+//   * per row b: position_b >= 0 and position_b + T <= the row's capacity, max_pages * page_size or, with
+//     page_fill, the sum of its fills (E_CAPACITY);
+//   * every page the T tokens touch (through page_fill's mapping when bound): page id present (not -1)
+//     and < num_pages; its directory entry's
 //     format is a page format the head size allows; its slot [offset, offset + num_layers *
 //     page_bytes) lies inside the pool;
 //   * no *_KC page receives keys (those pages are written whole by paged_requantize; the page being
