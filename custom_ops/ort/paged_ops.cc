@@ -2,16 +2,18 @@
 // [Paged CUDA] in ortkv/paged_cuda.h, every input in device memory, positions / starts included). The physical form (pool,
 // directory, page table) is Note [Paged cache physical form] in ortkv/paged.h.
 //
-//   updated_pool = PagedCacheUpdate(pool, directory, page_table, key, value, position)
+//   updated_pool = PagedCacheUpdate(pool, directory, page_table, key, value, position[, page_fill])
 //       attributes layer, num_layers, kv_num_heads, page_size (all required)
-//   output = PagedCacheAttention(query, pool, directory, page_table, start)
+//   output = PagedCacheAttention(query, pool, directory, page_table, start[, page_fill])
 //       attributes num_heads, kv_num_heads, layer, num_layers, page_size (required), scale (default
 //       1/sqrt(head_size))
 //
 // PagedCacheUpdate's output MUST be the pool's storage: declared with GetAliasMap (0 <- 0) and
 // enforced by a pointer check before anything is written, exactly as CacheUpdate (Note [Aliasing
 // CacheUpdate output] in cache_update_op.cc says why GetAliasMap and not GetMayInplace). The directory
-// and the page table are read, never written: the host changes them between runs.
+// and the page table are read, never written: the host changes them between runs. page_fill, int32
+// [batch, max_pages], is optional (INPUT_OUTPUT_OPTIONAL; Note [Page fill] in ortkv/paged.h); the CUDA
+// kernels of this build refuse it when it is bound.
 #include <algorithm>
 #include <memory>
 #include <sstream>
@@ -55,6 +57,29 @@ OrtStatus* ReadInputs(OrtKernelContext* ctx, const PagedKernel& k, size_t n, Ten
     ORTKV_RETURN_IF_ORT_ERROR(ReadTensor(v, k.names.inputs[i], &args[i], i == 0 ? device_type : nullptr,
                                          i == 0 ? device_id : nullptr));
   }
+  return nullptr;
+}
+
+// Note [Page fill]: the optional last input. The node's own input count (a node may omit the port),
+// capped at `all`; names are read for the present ports only.
+OrtStatus* ReadNames(const OrtApi* api, const OrtKernelInfo* info, size_t required, size_t all, NodeNames* names) {
+  size_t n = 0;
+  ORTKV_RETURN_IF_ORT_ERROR(api->KernelInfo_GetInputCount(info, &n));
+  ORTKV_RETURN_IF_ORT_ERROR(ReadNodeNames(api, info, std::min(std::max(n, required), all), 1, names));
+  return nullptr;
+}
+
+// The optional input `index` (page_fill): *present false when the node omits it or binds nothing.
+OrtStatus* ReadOptionalInput(OrtKernelContext* ctx, const PagedKernel& k, size_t index, TensorArg* arg, bool* present) {
+  *present = false;
+  size_t n = 0;
+  ORTKV_RETURN_IF_ORT_ERROR(g_api->KernelContext_GetInputCount(ctx, &n));
+  if (index >= n || index >= k.names.inputs.size()) return nullptr;
+  const OrtValue* v = nullptr;
+  ORTKV_RETURN_IF_ORT_ERROR(g_api->KernelContext_GetInput(ctx, index, &v));
+  if (v == nullptr) return nullptr;
+  ORTKV_RETURN_IF_ORT_ERROR(ReadTensor(v, k.names.inputs[index], arg, nullptr, nullptr));
+  *present = true;
   return nullptr;
 }
 
@@ -103,12 +128,14 @@ OrtStatus* CheckPoolAliased(OrtKernelContext* ctx, const PagedKernel& k, const T
 
 OrtStatus* UpdateCompute(void* op_kernel, OrtKernelContext* ctx) {
   const auto& k = *static_cast<const PagedKernel*>(op_kernel);
-  TensorArg in[6];
+  TensorArg in[7];
   int device_type = ORTKV_DEVICE_CPU, device_id = 0;
   ORTKV_RETURN_IF_ORT_ERROR(ReadInputs(ctx, k, 6, in, &device_type, &device_id));
+  bool fill = false;
+  ORTKV_RETURN_IF_ORT_ERROR(ReadOptionalInput(ctx, k, 6, &in[6], &fill));
   ortkv::PagedUpdateView view;
-  ORTKV_RETURN_IF_ORT_ERROR(ToOrtStatus(
-      ortkv::PlanPagedCacheUpdate(k.names.node, in[0], in[1], in[2], in[3], in[4], in[5], k.attrs, &view)));
+  ORTKV_RETURN_IF_ORT_ERROR(ToOrtStatus(ortkv::PlanPagedCacheUpdate(k.names.node, in[0], in[1], in[2], in[3], in[4], in[5],
+                                                                    k.attrs, &view, fill ? &in[6] : nullptr)));
   ORTKV_RETURN_IF_ORT_ERROR(CheckPoolAliased(ctx, k, in[0]));
   ortkv::CoreLease lease;  // check and write as one (Note [Arena lease])
   ORTKV_RETURN_IF_ORT_ERROR(ToOrtStatus(CheckWriteProtection(k, view, device_type, device_id)));
@@ -127,7 +154,7 @@ OrtStatus* UpdateCompute(void* op_kernel, OrtKernelContext* ctx) {
 
 OrtStatus* UpdateCreate(const OrtCustomOp*, const OrtApi* api, const OrtKernelInfo* info, void** kernel) {
   auto k = std::make_unique<PagedKernel>();
-  ORTKV_RETURN_IF_ORT_ERROR(ReadNodeNames(api, info, 6, 1, &k->names));
+  ORTKV_RETURN_IF_ORT_ERROR(ReadNames(api, info, 6, 7, &k->names));
   ORTKV_RETURN_IF_ORT_ERROR(ReadAttrs(api, info, k.get()));
   *kernel = k.release();
   return nullptr;
@@ -154,17 +181,21 @@ OrtCustomOp MakeUpdate() {
   OrtCustomOp op;
   InitCustomOp(&op);
   op.GetName = [](const OrtCustomOp*) { return "PagedCacheUpdate"; };
-  op.GetInputTypeCount = [](const OrtCustomOp*) -> size_t { return 6; };
+  op.GetInputTypeCount = [](const OrtCustomOp*) -> size_t { return 7; };
   // pool uint8, directory int64, page_table int32, key/value float32/float16/bfloat16 (checked by the
-  // kernel with a named error), position int64
+  // kernel with a named error), position int64, page_fill int32 (optional, Note [Page fill])
   op.GetInputType = [](const OrtCustomOp*, size_t i) {
     switch (i) {
       case 0: return ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8;
       case 1: return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
       case 2: return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32;
       case 5: return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
+      case 6: return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32;
       default: return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
     }
+  };
+  op.GetInputCharacteristic = [](const OrtCustomOp*, size_t i) {
+    return i == 6 ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
   };
   op.GetOutputTypeCount = [](const OrtCustomOp*) -> size_t { return 1; };
   op.GetOutputType = [](const OrtCustomOp*, size_t) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8; };
@@ -192,15 +223,18 @@ void AttnTask(void* user, size_t i) {
 
 OrtStatus* AttnCompute(void* op_kernel, OrtKernelContext* ctx) {
   const auto& k = *static_cast<const PagedKernel*>(op_kernel);
-  TensorArg in[5];
+  TensorArg in[6];
   ORTKV_RETURN_IF_ORT_ERROR(ReadInputs(ctx, k, 5, in, nullptr, nullptr));
+  bool fill = false;
+  ORTKV_RETURN_IF_ORT_ERROR(ReadOptionalInput(ctx, k, 5, &in[5], &fill));
   OrtValue* out = nullptr;
   ORTKV_RETURN_IF_ORT_ERROR(g_api->KernelContext_GetOutput(ctx, 0, in[0].dims.data(), in[0].dims.size(), &out));
   void* out_data = nullptr;
   ORTKV_RETURN_IF_ORT_ERROR(g_api->GetTensorMutableData(out, &out_data));
   ortkv::PagedAttentionView view;
   ORTKV_RETURN_IF_ORT_ERROR(ToOrtStatus(ortkv::PlanPagedCacheAttention(k.names.node, in[0], in[1], in[2], in[3], in[4],
-                                                                       k.num_heads, k.attrs, k.scale, out_data, &view)));
+                                                                       k.num_heads, k.attrs, k.scale, out_data, &view,
+                                                                       fill ? &in[5] : nullptr)));
   if (view.tasks() == 0) return nullptr;
   std::vector<float> partial(static_cast<size_t>(view.partial_floats()));
   view.partial = partial.empty() ? nullptr : partial.data();
@@ -217,7 +251,7 @@ OrtStatus* AttnCompute(void* op_kernel, OrtKernelContext* ctx) {
 
 OrtStatus* AttnCreate(const OrtCustomOp*, const OrtApi* api, const OrtKernelInfo* info, void** kernel) {
   auto k = std::make_unique<PagedKernel>();
-  ORTKV_RETURN_IF_ORT_ERROR(ReadNodeNames(api, info, 5, 1, &k->names));
+  ORTKV_RETURN_IF_ORT_ERROR(ReadNames(api, info, 5, 6, &k->names));
   ORTKV_RETURN_IF_ORT_ERROR(ReadAttrs(api, info, k.get()));
   ORTKV_RETURN_IF_ORT_ERROR(api->KernelInfoGetAttribute_int64(info, "num_heads", &k->num_heads));
   ORTKV_RETURN_IF_ORT_ERROR(OptionalAttribute(api, info, k->names.node, "scale", 0.0f, &k->scale));
@@ -229,15 +263,19 @@ OrtCustomOp MakeAttention() {
   OrtCustomOp op;
   InitCustomOp(&op);
   op.GetName = [](const OrtCustomOp*) { return "PagedCacheAttention"; };
-  op.GetInputTypeCount = [](const OrtCustomOp*) -> size_t { return 5; };
+  op.GetInputTypeCount = [](const OrtCustomOp*) -> size_t { return 6; };
   op.GetInputType = [](const OrtCustomOp*, size_t i) {
     switch (i) {
       case 1: return ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8;
       case 2: return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
       case 3: return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32;
       case 4: return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
+      case 5: return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32;  // page_fill (optional, Note [Page fill])
       default: return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;  // query: float32, float16 or bfloat16
     }
+  };
+  op.GetInputCharacteristic = [](const OrtCustomOp*, size_t i) {
+    return i == 5 ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
   };
   op.GetOutputTypeCount = [](const OrtCustomOp*) -> size_t { return 1; };
   op.GetOutputType = [](const OrtCustomOp*, size_t) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED; };
@@ -292,12 +330,30 @@ Status CollectPoolRanges(const PagedKernel& k, const ortkv::PagedPool& p, int de
   return Status::Ok();
 }
 
+// Note [Page fill]: the CUDA kernels of this build map positions without it, so a bound page_fill is refused
+// before anything runs (nothing written).
+OrtStatus* RefuseFillOnCuda(OrtKernelContext* ctx, const PagedKernel& k, const char* op, size_t index) {
+  size_t n = 0;
+  ORTKV_RETURN_IF_ORT_ERROR(g_api->KernelContext_GetInputCount(ctx, &n));
+  if (index >= n) return nullptr;
+  const OrtValue* v = nullptr;
+  ORTKV_RETURN_IF_ORT_ERROR(g_api->KernelContext_GetInput(ctx, index, &v));
+  if (v == nullptr) return nullptr;
+  std::ostringstream m;
+  m << op << " node '" << k.names.node << "': page_fill '"
+    << (index < k.names.inputs.size() ? k.names.inputs[index] : std::string("page_fill"))
+    << "' is bound, but page_fill is not supported by the CUDA kernels in this build. Nothing was written. Remedy: run "
+    << "the node on the CPU execution provider, or leave page_fill out (every page-table entry full).";
+  return ToOrtStatus(Status(Code::kInvalidArgument, m.str()));
+}
+
 OrtStatus* UpdateComputeCuda(void* op_kernel, OrtKernelContext* ctx) {
   const auto& k = *static_cast<const PagedKernel*>(op_kernel);
   ORTKV_RETURN_IF_ORT_ERROR(TakeDeviceError());  // a previous launch's report (Note [CUDA deferred errors])
   TensorArg in[6];
   int device_type = ORTKV_DEVICE_CUDA, device_id = 0;
   ORTKV_RETURN_IF_ORT_ERROR(ReadInputs(ctx, k, 6, in, &device_type, &device_id));
+  ORTKV_RETURN_IF_ORT_ERROR(RefuseFillOnCuda(ctx, k, "PagedCacheUpdate", 6));
   ortkv::PagedUpdateCudaView view;
   ORTKV_RETURN_IF_ORT_ERROR(ToOrtStatus(ortkv::PlanPagedCacheUpdateCuda(k.names.node, in[0], in[1], in[2], in[3], in[4],
                                                                         in[5], k.attrs, &view)));
@@ -326,6 +382,7 @@ OrtStatus* AttnComputeCuda(void* op_kernel, OrtKernelContext* ctx) {
     ORTKV_RETURN_IF_ORT_ERROR(
         ReadTensor(v, k.names.inputs[i], &in[i], i == 1 ? &device_type : nullptr, i == 1 ? &device_id : nullptr));
   }
+  ORTKV_RETURN_IF_ORT_ERROR(RefuseFillOnCuda(ctx, k, "PagedCacheAttention", 5));
   OrtValue* out = nullptr;
   ORTKV_RETURN_IF_ORT_ERROR(g_api->KernelContext_GetOutput(ctx, 0, in[0].dims.data(), in[0].dims.size(), &out));
   void* out_data = nullptr;
