@@ -1,10 +1,9 @@
 """The optional page_fill input (Note [Page fill] in custom_ops/include/ortkv/paged.h) on the CUDA
 execution provider, every input in device memory: update bytes == the numpy oracle (and the CPU op),
 attention == the oracle over random fills (holes, fill-0 entries with -1 ids, rows sharing a partly filled
-page), absent == all full bit for bit, and the fill refusals with the pool untouched. The CUDA kernels of
-this build refuse a bound page_fill ("page_fill is not supported by the CUDA kernels in this build"), so
-these tests fail with that message until the CUDA side reads page_fill; they are the contract it must
-meet. Skipped with a reason where there is no CUDA provider or device."""
+page), absent == all full (within float rounding: the attention with page_fill takes the per-key kernel,
+Note [Page fill] on CUDA in ortkv/paged_cuda.h), and the fill refusals with the pool untouched. Skipped with
+a reason where there is no CUDA provider or device."""
 
 from __future__ import annotations
 
@@ -142,6 +141,7 @@ def test_attention_with_fills_every_format_equals_reference(seed, T):
 
 
 def test_absent_equals_all_full_on_cuda(rng):
+    """All-full fills give the absent mapping; the update's bytes are identical (same arithmetic)."""
     NL, H, G, PS, D = 1, 2, 2, 16, 64
     pool, directory = build_pool(rng, [PageFormat.F16, PageFormat.INT8] * 4, num_layers=NL, kv_heads=H, page_size=PS,
                                  head_size=D)
@@ -152,7 +152,13 @@ def test_absent_equals_all_full_on_cuda(rng):
     a, _, err_a = cuda_attention(q, pool, directory, table, [30, 20], **akw)
     b, _, err_b = cuda_attention_fill(q, pool, directory, table, full, [30, 20], **akw)
     assert err_a is None and err_b is None
-    assert a.tobytes() == b.tobytes()
+    np.testing.assert_allclose(a, b, rtol=2e-3, atol=2e-3)  # different kernels, same math
+    key = _rand(rng, (2, 2, H * D), "float16")
+    ukw = dict(layer=0, num_layers=NL, kv_heads=H, page_size=PS, dtype="float16")
+    u_a, err_a = cuda_update(pool, directory, table, key, key, [30, 20], **ukw)
+    u_b, err_b = cuda_update_fill(pool, directory, table, full, key, key, [30, 20], **ukw)
+    assert err_a is None and err_b is None
+    assert u_a.tobytes() == u_b.tobytes() and u_a.tobytes() != pool.tobytes()
 
 
 def test_fill_refusals_leave_the_pool_untouched(rng):

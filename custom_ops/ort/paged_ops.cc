@@ -12,8 +12,8 @@
 // enforced by a pointer check before anything is written, exactly as CacheUpdate (Note [Aliasing
 // CacheUpdate output] in cache_update_op.cc says why GetAliasMap and not GetMayInplace). The directory
 // and the page table are read, never written: the host changes them between runs. page_fill, int32
-// [batch, max_pages], is optional (INPUT_OUTPUT_OPTIONAL; Note [Page fill] in ortkv/paged.h); the CUDA
-// kernels of this build refuse it when it is bound.
+// [batch, max_pages], is optional (INPUT_OUTPUT_OPTIONAL; Note [Page fill] in ortkv/paged.h; on CUDA
+// Note [Page fill] on CUDA in ortkv/paged_cuda.h).
 #include <algorithm>
 #include <memory>
 #include <sstream>
@@ -291,8 +291,9 @@ const OrtCustomOp kPagedCacheAttentionCpu = MakeAttention();
 
 // ---- CUDA (Note [Paged CUDA] in ortkv/paged_cuda.h) ------------------------------------------------------
 #if defined(ORTKV_WITH_CUDA)
-int32_t PagedLabel(const char* op, const NodeNames& n, size_t pool, size_t dir, size_t table) {
-  const std::string names = n.inputs[pool] + "\n" + n.inputs[dir] + "\n" + n.inputs[table];
+int32_t PagedLabel(const char* op, const NodeNames& n, size_t pool, size_t dir, size_t table, size_t fill) {
+  std::string names = n.inputs[pool] + "\n" + n.inputs[dir] + "\n" + n.inputs[table];
+  if (fill < n.inputs.size()) names += "\n" + n.inputs[fill];  // Note [Page fill]
   return ortkv_core_register_label(op, n.node.c_str(), names.c_str());
 }
 
@@ -330,42 +331,29 @@ Status CollectPoolRanges(const PagedKernel& k, const ortkv::PagedPool& p, int de
   return Status::Ok();
 }
 
-// Note [Page fill]: the CUDA kernels of this build map positions without it, so a bound page_fill is refused
-// before anything runs (nothing written).
-OrtStatus* RefuseFillOnCuda(OrtKernelContext* ctx, const PagedKernel& k, const char* op, size_t index) {
-  size_t n = 0;
-  ORTKV_RETURN_IF_ORT_ERROR(g_api->KernelContext_GetInputCount(ctx, &n));
-  if (index >= n) return nullptr;
-  const OrtValue* v = nullptr;
-  ORTKV_RETURN_IF_ORT_ERROR(g_api->KernelContext_GetInput(ctx, index, &v));
-  if (v == nullptr) return nullptr;
-  std::ostringstream m;
-  m << op << " node '" << k.names.node << "': page_fill '"
-    << (index < k.names.inputs.size() ? k.names.inputs[index] : std::string("page_fill"))
-    << "' is bound, but page_fill is not supported by the CUDA kernels in this build. Nothing was written. Remedy: run "
-    << "the node on the CPU execution provider, or leave page_fill out (every page-table entry full).";
-  return ToOrtStatus(Status(Code::kInvalidArgument, m.str()));
-}
-
 OrtStatus* UpdateComputeCuda(void* op_kernel, OrtKernelContext* ctx) {
   const auto& k = *static_cast<const PagedKernel*>(op_kernel);
   ORTKV_RETURN_IF_ORT_ERROR(TakeDeviceError());  // a previous launch's report (Note [CUDA deferred errors])
   TensorArg in[6];
   int device_type = ORTKV_DEVICE_CUDA, device_id = 0;
   ORTKV_RETURN_IF_ORT_ERROR(ReadInputs(ctx, k, 6, in, &device_type, &device_id));
-  ORTKV_RETURN_IF_ORT_ERROR(RefuseFillOnCuda(ctx, k, "PagedCacheUpdate", 6));
+  TensorArg fill_arg;
+  bool fill = false;
+  ORTKV_RETURN_IF_ORT_ERROR(ReadOptionalInput(ctx, k, 6, &fill_arg, &fill));
   ortkv::PagedUpdateCudaView view;
   ORTKV_RETURN_IF_ORT_ERROR(ToOrtStatus(ortkv::PlanPagedCacheUpdateCuda(k.names.node, in[0], in[1], in[2], in[3], in[4],
-                                                                        in[5], k.attrs, &view)));
+                                                                        in[5], k.attrs, &view,
+                                                                        fill ? &fill_arg : nullptr)));
   ORTKV_RETURN_IF_ORT_ERROR(CheckPoolAliased(ctx, k, in[0]));
   if (view.rows() == 0) return nullptr;
   view.label = k.label;
   void* stream = nullptr;
   ORTKV_RETURN_IF_ORT_ERROR(g_api->KernelContext_GetGPUComputeStream(ctx, &stream));
   view.error_word = ortkv::CudaErrorWord(stream);
-  DeviceScratch flag;
-  ORTKV_RETURN_IF_ORT_ERROR(flag.Alloc(ctx, device_id, 16));
+  DeviceScratch flag;  // the flag (first 256 bytes), then page_fill's prefix sums (Note [Page fill])
+  ORTKV_RETURN_IF_ORT_ERROR(flag.Alloc(ctx, device_id, 256 + view.fill_prefix_bytes()));
   view.flag = flag.ptr;
+  view.fill_prefix = fill ? reinterpret_cast<int64_t*>(static_cast<char*>(flag.ptr) + 256) : nullptr;
   ortkv::CoreLease lease;  // ranges collected and the launch as one (Note [Arena lease])
   ORTKV_RETURN_IF_ORT_ERROR(ToOrtStatus(CollectPoolRanges(k, view.p, device_id, &view.ranges)));
   return ToOrtStatus(ortkv::PagedCacheUpdateCuda(view, stream));
@@ -382,7 +370,9 @@ OrtStatus* AttnComputeCuda(void* op_kernel, OrtKernelContext* ctx) {
     ORTKV_RETURN_IF_ORT_ERROR(
         ReadTensor(v, k.names.inputs[i], &in[i], i == 1 ? &device_type : nullptr, i == 1 ? &device_id : nullptr));
   }
-  ORTKV_RETURN_IF_ORT_ERROR(RefuseFillOnCuda(ctx, k, "PagedCacheAttention", 5));
+  TensorArg fill_arg;
+  bool fill = false;
+  ORTKV_RETURN_IF_ORT_ERROR(ReadOptionalInput(ctx, k, 5, &fill_arg, &fill));
   OrtValue* out = nullptr;
   ORTKV_RETURN_IF_ORT_ERROR(g_api->KernelContext_GetOutput(ctx, 0, in[0].dims.data(), in[0].dims.size(), &out));
   void* out_data = nullptr;
@@ -390,7 +380,8 @@ OrtStatus* AttnComputeCuda(void* op_kernel, OrtKernelContext* ctx) {
   ortkv::PagedAttentionCudaView view;
   ORTKV_RETURN_IF_ORT_ERROR(ToOrtStatus(ortkv::PlanPagedCacheAttentionCuda(k.names.node, in[0], in[1], in[2], in[3],
                                                                            in[4], k.num_heads, k.attrs, k.scale, out_data,
-                                                                           CachedSmCount(device_id), &view)));
+                                                                           CachedSmCount(device_id), &view,
+                                                                           fill ? &fill_arg : nullptr)));
   if (view.units() == 0) return nullptr;
   view.label = k.label;
   void* stream = nullptr;
@@ -398,12 +389,17 @@ OrtStatus* AttnComputeCuda(void* op_kernel, OrtKernelContext* ctx) {
   view.error_word = ortkv::CudaErrorWord(stream);
   // one allocation: the flag (first 256 bytes), the split-K partials, then the per-block flags
   DeviceScratch scratch;
-  ORTKV_RETURN_IF_ORT_ERROR(
-      scratch.Alloc(ctx, device_id, 256 + view.partial_bytes() + view.block_flag_bytes()));
-  view.flag = scratch.ptr;
-  view.partial = view.splits > 1 ? reinterpret_cast<float*>(static_cast<char*>(scratch.ptr) + 256) : nullptr;
-  view.block_flags =
-      reinterpret_cast<unsigned long long*>(static_cast<char*>(scratch.ptr) + 256 + view.partial_bytes());
+  ORTKV_RETURN_IF_ORT_ERROR(scratch.Alloc(
+      ctx, device_id, 256 + view.partial_bytes() + view.block_flag_bytes() + view.fill_prefix_bytes()));
+  char* base = static_cast<char*>(scratch.ptr);
+  view.flag = base;
+  view.partial = view.splits > 1 ? reinterpret_cast<float*>(base + 256) : nullptr;
+  view.block_flags = reinterpret_cast<unsigned long long*>(base + 256 + view.partial_bytes());
+  if (fill) {  // Note [Page fill]: the prefix sums, then one flag per row
+    char* f = base + 256 + view.partial_bytes() + view.block_flag_bytes();
+    view.fill_prefix = reinterpret_cast<int64_t*>(f);
+    view.row_flags = reinterpret_cast<unsigned long long*>(f + view.B * (view.p.max_pages + 1) * sizeof(int64_t));
+  }
   ortkv::CoreLease lease;  // the pool is read here (Note [Arena lease])
   return ToOrtStatus(ortkv::PagedCacheAttentionCuda(view, stream));
 }
@@ -411,14 +407,14 @@ OrtStatus* AttnComputeCuda(void* op_kernel, OrtKernelContext* ctx) {
 OrtStatus* UpdateCreateCuda(const OrtCustomOp* op, const OrtApi* api, const OrtKernelInfo* info, void** kernel) {
   ORTKV_RETURN_IF_ORT_ERROR(UpdateCreate(op, api, info, kernel));
   auto* k = static_cast<PagedKernel*>(*kernel);
-  k->label = PagedLabel("PagedCacheUpdate", k->names, 0, 1, 2);
+  k->label = PagedLabel("PagedCacheUpdate", k->names, 0, 1, 2, 6);
   return nullptr;
 }
 
 OrtStatus* AttnCreateCuda(const OrtCustomOp* op, const OrtApi* api, const OrtKernelInfo* info, void** kernel) {
   ORTKV_RETURN_IF_ORT_ERROR(AttnCreate(op, api, info, kernel));
   auto* k = static_cast<PagedKernel*>(*kernel);
-  k->label = PagedLabel("PagedCacheAttention", k->names, 1, 2, 3);
+  k->label = PagedLabel("PagedCacheAttention", k->names, 1, 2, 3, 5);
   return nullptr;
 }
 

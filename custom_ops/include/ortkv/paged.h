@@ -37,7 +37,7 @@
 // CPU: the plan turns page_fill into per-row prefix sums (PagedPool::fill_prefix, [B, max_pages + 1],
 // host memory owned by the view) and PagedPool::Locate maps a logical position by a binary search over
 // them; the kernels take runs of rows inside one entry (Locate's `run`), so a block still spans several
-// pages. The CUDA kernels of this build refuse a bound page_fill (custom_ops/ort/paged_ops.cc).
+// pages. CUDA: Note [Page fill] on CUDA in ortkv/paged_cuda.h (device prefix sums, the same mapping).
 //
 // Note [PagedCacheUpdate validation]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
