@@ -78,10 +78,7 @@ def memory(prompt: int, new: int, n: int) -> dict:
     cache.done(cache.admit({0: prompt}))
     cache.fork_n(0, range(1, n))
     for _ in range(new):
-        p = cache.admit({s: 1 for s in range(n)})
-        for c in p.copies:
-            store.copy(c.src, c.dst)
-        cache.done(p)
+        cache.done(cache.admit({s: 1 for s in range(n)}))   # nothing to copy (Note [Page metadata])
     token_bytes = SMOL_PAGE_BYTES // PAGE_SIZE
     held = store.committed_bytes
     ideal = (prompt + n * new) * token_bytes
@@ -113,22 +110,21 @@ def beams(beam: int = 4, prompt: int = 1000, steps: int = 256) -> dict:
     reordered (random parents, as a beam search keeps the best continuations)."""
     rng = np.random.default_rng(0)
     store = MemoryPageStore(beam * (-(-(prompt + steps) // PAGE_SIZE)) + 8, PAGE_SIZE, {0: SMOL_PAGE_BYTES})
-    cache = PageCache(store, PAGE_SIZE, -(-(prompt + steps) // PAGE_SIZE), max_sequences=beam, prefix_caching=False)
+    pages = -(-(prompt + steps) // PAGE_SIZE)
+    cache = PageCache(store, PAGE_SIZE, pages, max_sequences=beam, prefix_caching=False,
+                      max_entries=pages + steps)  # a beam may open a page per step (Note [Page metadata])
     cache.new_sequence(0)
     cache.done(cache.admit({0: prompt}))
     cache.fork_n(0, range(1, beam))
     full_copy = 0
     for t in range(steps):
-        p = cache.admit({b: 1 for b in range(beam)})
-        for c in p.copies:
-            store.copy(c.src, c.dst)
-        cache.done(p)
+        cache.done(cache.admit({b: 1 for b in range(beam)}))   # nothing to copy (Note [Page metadata])
         parents = rng.integers(0, beam, beam).tolist()
         cache.reorder(list(range(beam)), parents)
         full_copy += beam * (prompt + t + 1) * (SMOL_PAGE_BYTES // PAGE_SIZE)  # a cache copy per beam
-    return dict(copied=store.bytes_copied, full=full_copy, steps=steps,
-                rows=cache.rows_copied * (SMOL_PAGE_BYTES // PAGE_SIZE),
-                partial_pages=store.bytes_copied // SMOL_PAGE_BYTES)
+    return dict(copied=store.bytes_copied, full=full_copy, steps=steps, opened=cache.pages_opened_by_sharing,
+                held=len(store.live), peak=store.peak_pages,
+                ideal=-(-prompt // PAGE_SIZE) + beam * -(-steps // PAGE_SIZE))
 
 
 def main(argv=None) -> int:
@@ -171,8 +167,8 @@ def main(argv=None) -> int:
             lines.append(f"| {prompt} | {new} | {n} | {m['held'] * mib:.1f} | {m['ideal'] * mib:.1f} | "
                          f"{m['copies'] * mib:.1f} | {m['held'] / m['copies']:.2f} | "
                          f"{1 - m['held'] / m['copies']:.0%} | {m['slack_pages']:.2f} | {m['copied']:,} |")
-    lines += ["", "KV bytes copied: the copy-on-write of each fork's partly filled prompt page at its first "
-              "write (one page per forked sample); nothing else is copied."]
+    lines += ["", "KV bytes copied: none (forks share the partly filled prompt page; every sample but the "
+              "first to write opens a page of its own, Note [Page metadata])."]
     on, off = shared_prompt(True), shared_prompt(False)
     lines += ["", "## Shared 512-token system prompt, 32 requests (8 own tokens each, 16 new), Scheduler", "",
               "Prompt tokens the model computes (request 1 runs first; requests 2..32 arrive after it).", "",
@@ -184,14 +180,15 @@ def main(argv=None) -> int:
               "tokens (the system prompt's 32 full pages are reused)."]
     b = beams()
     lines += ["", "## Beam search, 4 beams, 1,000-token prompt, 256 steps (reorder after every step)", "",
-              "| KV bytes copied (whole slots of partly filled pages) | partial pages copied | their valid rows' "
-              "bytes | a cache copy per beam per reorder (onnxruntime-genai without share-buffer) |",
-              "|---:|---:|---:|---:|",
-              f"| {b['copied']:,} | {b['partial_pages']:,} | {b['rows']:,} | {b['full']:,} |", "",
-              "Random parents (a pessimistic beam search: most steps some beam continues another's page). "
-              "A store that copies only a PageCopy's rows would copy the third column.",
-              "A reorder itself copies nothing (page-table change); a beam that continues another beam's "
-              "partly filled last page copies that one page at its next write."]
+              "| KV bytes copied | pages opened because another beam held a shared page's mark | pages held at "
+              "the end / peak | prompt pages + each beam's own pages if never shared | a cache copy per beam per "
+              "reorder (onnxruntime-genai without share-buffer) |",
+              "|---:|---:|---:|---:|---:|",
+              f"| {b['copied']:,} | {b['opened']:,} | {b['held']:,} / {b['peak']:,} | {b['ideal']:,} | {b['full']:,} |",
+              "", "Random parents (a pessimistic beam search: most steps some beam continues another's page). "
+              "A reorder is a page-table change and nothing is ever copied (page fills, Note [Page fill]): a "
+              "beam that continues another beam's partly filled last page writes its next token into a new "
+              "page instead."]
     return emit("\n".join(lines), args.out)
 
 

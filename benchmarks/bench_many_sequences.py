@@ -10,8 +10,8 @@ tokens, the paged decoder on the CPU) through ortkv.generate.multi:
   (b) beams:    4-beam search, P-token prompt, G new tokens: ortkv (page-table reorder) vs
                 onnxruntime-genai's CPU beam search on the same weights (its genai decoder), alternated,
                 medians; decode steps/s and beam tokens/s (4 per step); KV bytes copied per step by
-                ortkv (copy-on-write of partly filled last pages only) and whether both return the same
-                best sequence.
+                ortkv (0: reorders and shared partly filled pages go through page fills, Note [Page
+                fill]) and whether both return the same best sequence.
   (c) prefix:   R requests sharing an S-token system prompt (+ a few own tokens each), G new tokens
                 each, greedy: the system prompt prefilled once (warm_prefix) and the R requests run by
                 the Scheduler in one continuous batch, vs the same R requests one by one with prefix
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import time
 
@@ -137,7 +138,6 @@ def bench_beams(path, genai_path, cfg, prompt_len: int, new: int, nb: int, reps:
             theirs_t.append(dt)
             last["theirs"] = (seq, steps)
     finally:
-        slot = runner.pool.slot_bytes("f16")
         runner.close()
     (tokens, stats), (seq, gsteps) = last["ours"], last["theirs"]
     ours, theirs = float(np.median(ours_t)), float(np.median(theirs_t))
@@ -150,10 +150,10 @@ def bench_beams(path, genai_path, cfg, prompt_len: int, new: int, nb: int, reps:
             f"{nb * steps / ours:.1f} |",
             f"| onnxruntime-genai beam search (float32 caches, copied per beam) | {theirs:.3f} | {gsteps} | "
             f"{gsteps / theirs:.1f} | {nb * gsteps / theirs:.1f} |"]
-    notes = [f"- KV bytes copied per decode step by ortkv: median {np.median(copied):.0f}, max {max(copied)}, "
-             f"total {sum(copied)} over {len(copied)} steps = {sum(copied) // slot} page copies of {slot} bytes "
-             f"(copy-on-write of partly filled last pages); on the {len(boundary)} steps that start on a page "
-             f"boundary: {sum(boundary)} bytes.",
+    notes = [f"- KV bytes copied by ortkv (the pool's bytes_copied counter, per decode step): total {sum(copied)} over "
+             f"{len(copied)} steps (max per step {max(copied, default=0)}; {sum(boundary)} on the {len(boundary)} steps "
+             "that start on a page boundary). Reorders are page-table changes and a beam that continues another "
+             "beam's partly filled page writes into a page of its own (page_fill, Note [Page fill]).",
              f"- same best sequence as onnxruntime-genai: {tokens == [t for t in seq if t != eos]} "
              f"(ortkv {len(tokens)} tokens, GenAI {len(seq)})."]
     return rows, notes, {"ours_s": ours_t, "genai_s": theirs_t, "copied": copied}
@@ -251,12 +251,13 @@ def main() -> int:
     ap.add_argument("--out")
     a = ap.parse_args()
     cfg = _cfg(1024)
-    path = paged_model_path(cfg)
+    path = paged_model_path(cfg, page_fill=True)
     lines = ["# Many sequences on one page pool (CPU)", "",
              f"`python benchmarks/bench_many_sequences.py --reps {a.reps}` on {platform.machine()}, "
              f"{platform.processor() or 'cpu'}, 2 cores shared with other jobs (noisy: medians of alternated runs). "
              "SmolLM2-135M float32 weights; ortkv: the paged decoder, F16 pages of 16 tokens on one PagePool, "
-             "driven by ortkv.cache; onnxruntime-genai 0.18 on the same weights.", ""]
+             "driven by ortkv.cache; onnxruntime-genai 0.18 on the same weights. "
+             f"1-minute load average at the start: {os.getloadavg()[0]:.1f}.", ""]
     raw = {}
     only = set(a.only or ["samples", "beams", "prefix"])
     if "samples" in only:

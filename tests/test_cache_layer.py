@@ -1,6 +1,6 @@
 """ortkv.cache: page metadata, admission, forks, removal, masks, prefix caching and the scheduler,
-over MemoryPageStore, whose cells hold one token id each, so a step can be "run" (copies, then
-writes through the slot mapping) and every sequence read back through its page table."""
+over MemoryPageStore, whose cells hold one token id each, so a step can be "run" (writes through the
+slot mapping) and every sequence read back through its page table and fills (Note [Page fill])."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ from ortkv.cache import (
     CapacityError,
     MemoryPageStore,
     PageCache,
-    PageCopy,
     PageStore,
     Refusal,
     Scheduler,
@@ -29,9 +28,7 @@ PS = 4
 
 # -- helpers shared with test_cache_statemachine.py ----------------------------------------------
 def run_step(store: MemoryPageStore, placement, tokens: dict | None = None) -> None:
-    """What a runner does: copy-on-write copies, then each new token written into its cell."""
-    for c in placement.copies:
-        store.copy(c.src, c.dst)
+    """What a runner does: each new token written into its cell (nothing is ever copied first)."""
     slots = placement.slot_mapping()
     vals = []
     for sid, ids, n in zip(placement.seq_ids, placement.tokens, placement.new_tokens):
@@ -43,19 +40,21 @@ def run_step(store: MemoryPageStore, placement, tokens: dict | None = None) -> N
 
 
 def read_back(cache: PageCache, store: MemoryPageStore, sid) -> list[int]:
-    """Token ids of positions [0, length) of sequence ``sid``, read through its page table row."""
+    """Token ids of positions [0, length) of sequence ``sid``, read through its page table and fill rows
+    (the oracle's mapping, ortkv.reference.paged.position_map)."""
+    from ortkv.reference.paged import position_map
+
     n = cache.length(sid)
-    row = cache.page_table([sid])[0]
-    pos = np.arange(n)
-    return store.cells[row[pos // cache.page_size], pos % cache.page_size].tolist()
+    where = position_map(cache.page_table([sid])[0], cache.page_fill([sid])[0], cache.page_size, n)
+    return [int(store.cells[pid, r]) for pid, r in where]
 
 
 def snapshot(cache: PageCache, store: MemoryPageStore):
     return (
-        {pid: (p.fmt, p.index, p.filled, frozenset(p.owners), p.key) for pid, p in cache._pages.items()},
-        {sid: (tuple(s.pages), s.length, None if s.tokens is None else tuple(s.tokens), tuple(s.keys), s.slot)
-         for sid, s in cache._seqs.items()},
-        cache._table.copy(), frozenset(cache._removed), tuple(cache._free_slots),
+        {pid: (p.fmt, p.base, p.filled, frozenset(p.owners.items()), p.key) for pid, p in cache._pages.items()},
+        {sid: (tuple(s.pages), tuple(s.fills), s.length, None if s.tokens is None else tuple(s.tokens),
+               tuple(s.keys), s.slot) for sid, s in cache._seqs.items()},
+        (cache._table.copy(), cache._fill.copy()), frozenset(cache._removed), tuple(cache._free_slots),
         tuple(cache.prefix.by_key.items()), tuple(cache.prefix.unreferenced.items()),
         store.live, store.cells.copy(), store.committed_bytes,
     )
@@ -63,30 +62,42 @@ def snapshot(cache: PageCache, store: MemoryPageStore):
 
 def assert_same(a, b):
     for x, y in zip(a, b):
-        if isinstance(x, np.ndarray):
+        if isinstance(x, tuple) and x and isinstance(x[0], np.ndarray):
+            for u, v in zip(x, y):
+                np.testing.assert_array_equal(u, v)
+        elif isinstance(x, np.ndarray):
             np.testing.assert_array_equal(x, y)
         else:
             assert x == y
 
 
 def check_invariants(cache: PageCache, store: MemoryPageStore) -> None:
+    """Note [Page metadata]'s invariants."""
     ps = cache.page_size
-    owners: dict[int, set] = {}
+    owners: dict[int, dict] = {}
     for sid, s in cache._seqs.items():
-        assert len(s.pages) == -(-s.length // ps), (sid, s.pages, s.length)
+        assert len(s.fills) == len(s.pages) and all(1 <= f <= ps for f in s.fills), (sid, s.fills)
+        assert sum(s.fills) == s.length, (sid, s.fills, s.length)
         assert len(set(s.pages)) == len(s.pages)
-        row = cache._table[s.slot]
+        row, fill = cache._table[s.slot], cache._fill[s.slot]
         np.testing.assert_array_equal(row[:len(s.pages)], s.pages)
-        assert (row[len(s.pages):] == -1).all()
-        for k, pid in enumerate(s.pages):
-            assert cache._pages[pid].index == k
-            owners.setdefault(pid, set()).add(sid)
+        np.testing.assert_array_equal(fill[:len(s.pages)], s.fills)
+        assert (row[len(s.pages):] == -1).all() and (fill[len(s.pages):] == 0).all()
+        base = 0
+        for pid, f in zip(s.pages, s.fills):
+            assert cache._pages[pid].base == base, (sid, pid)   # one base for every owner
+            owners.setdefault(pid, {})[sid] = f
+            base += f
     for pid, page in cache._pages.items():
-        assert page.owners == owners.get(pid, set()), pid
+        assert page.owners == owners.get(pid, {}), pid
         info = cache.page_info(pid)
         assert info.refcount == len(owners.get(pid, ()))
-        if not page.owners:
+        if page.owners:
+            assert page.filled == max(page.owners.values()), pid
+        else:
             assert page.key is not None and pid in cache.prefix.unreferenced
+        if page.key is not None:
+            assert page.filled == ps and page.base % ps == 0, pid
     assert set(cache.prefix.unreferenced) == {p for p, pg in cache._pages.items() if not pg.owners}
     for key, pid in cache.prefix.by_key.items():
         assert cache._pages[pid].key == key
@@ -124,12 +135,15 @@ def test_admit_places_variable_counts_across_pages():
     np.testing.assert_array_equal(p.start, [3, 0])
     np.testing.assert_array_equal(p.new_tokens, [6, 1])
     np.testing.assert_array_equal(p.lengths, [9, 1])
-    assert p.page_table.dtype == np.int32 and p.page_table.shape == (2, 8)
-    assert len(p.allocated) == 3 and p.copies == []      # a: pages 1, 2; b: page 0
+    assert p.page_table.dtype == np.int32 and p.page_table.shape == (2, 24) == p.page_fill.shape   # 8 pages + 16
+    assert len(p.allocated) == 3                         # a: pages 1, 2; b: page 0
+    np.testing.assert_array_equal(p.page_fill[:, :4], [[4, 4, 1, 0], [1, 0, 0, 0]])
+    assert p.page_fill.base is cache._step_fill
     a_pages, b_pages = cache.pages_of("a"), cache.pages_of("b")
     np.testing.assert_array_equal(p.page_table[0, :3], a_pages)
     np.testing.assert_array_equal(p.page_table[1, :1], b_pages)
     assert (p.page_table[0, 3:] == -1).all() and (p.page_table[1, 1:] == -1).all()
+    assert p.capacity == 32
     np.testing.assert_array_equal(p.token_offsets, [0, 6, 7])
     np.testing.assert_array_equal(p.positions(), [3, 4, 5, 6, 7, 8, 0])
     expect = [a_pages[t // PS] * PS + t % PS for t in range(3, 9)] + [b_pages[0] * PS]
@@ -153,6 +167,27 @@ def test_admit_places_variable_counts_across_pages():
     assert cache.page_info(a_pages[2]).positions == range(8, 9)
     np.testing.assert_array_equal(cache.key_mask(["a"])[0, :10], [1] * 9 + [0])
     check_invariants(cache, store)
+
+
+def test_entries_limit_refuses_a_fragmented_sequence():
+    """Every write of 1 opens a page because another sequence holds the shared page's mark: entries grow
+    faster than pages, and max_entries refuses (nothing changed) before the token capacity."""
+    cache2, store2 = make(num_pages=64, max_pages=8, max_entries=9)
+    cache2.new_sequence("a")
+    step(cache2, store2, {"a": [0]})
+    for i in range(8):                              # "a" is never the first claimant: one entry per token
+        cache2.fork("a", ("b", i))
+        step(cache2, store2, [(("b", i), [9]), ("a", [i + 1])])
+        cache2.remove(("b", i))
+    assert cache2.fills_of("a") == (1,) * 9 and cache2.length("a") == 9
+    cache2.fork("a", "c")
+    before = snapshot(cache2, store2)
+    r = cache2.admit([("c", [7]), ("a", [5])])     # "c" claims the mark: "a" would need a 10th entry
+    assert not r and r.kind == "sequence_full" and r.pages_needed == 10
+    assert "needs 10 page-table entries > max_entries 9" in r.reason and "shared partly filled" in r.reason
+    assert_same(before, snapshot(cache2, store2))
+    with pytest.raises(CacheProtocolError, match="max_entries 3 < max_pages_per_seq 4"):
+        PageCache(store2, PS, 4, 2, max_entries=3)
 
 
 def test_fresh_id_skips_live_and_removed_ids():
@@ -236,7 +271,7 @@ def test_busy_while_a_step_is_admitted_and_cancel_undoes_it():
     cache.fork(1, 2)
     before = snapshot(cache, store)
     p = cache.admit({1: [7, 8, 9], 2: [10]})
-    assert len(p.copies) == 1 and len(p.allocated) == 2   # one copy-on-write + page 2 of seq 1
+    assert len(p.allocated) == 2   # 1 appends to its shared last page, then page 2; 2 opens a page
     for call in (lambda: cache.admit({1: [1]}), lambda: cache.fork(1, 3), lambda: cache.remove(1),
                  lambda: cache.remove(2, 1), lambda: cache.new_sequence(5), lambda: cache.reorder([1, 2], [1, 1]),
                  lambda: cache.requantize(cache.pages_of(1)[0], 2), lambda: cache.fork_n(1, [7])):
@@ -255,28 +290,30 @@ def test_busy_while_a_step_is_admitted_and_cancel_undoes_it():
     assert read_back(cache, store, 2) == [1, 2, 3, 4, 5, 6, 10]
 
 
-# -- fork, copy-on-write, reorder ------------------------------------------------------------------
-def test_fork_shares_every_page_and_copies_only_the_partial_last_one():
+# -- fork, reorder: table changes, never a copy (Note [Page metadata]) -------------------------------
+def test_fork_shares_every_page_and_never_copies():
     cache, store = make()
     cache.new_sequence(0)
     step(cache, store, {0: list(range(1, 11))})    # 10 tokens: pages 0, 1 full, page 2 holds 2 rows
     live = len(store.live)
     cache.fork(0, 1)
     assert len(store.live) == live and store.bytes_copied == 0
-    assert cache.pages_of(1) == cache.pages_of(0)
+    assert cache.pages_of(1) == cache.pages_of(0) and cache.fills_of(1) == cache.fills_of(0) == (4, 4, 2)
     for pid in cache.pages_of(0):
         assert cache.page_info(pid).owners == {0, 1} and cache.page_info(pid).refcount == 2
     np.testing.assert_array_equal(cache.page_table([0]), cache.page_table([1]))
-    p = step(cache, store, {1: [99]})
+    np.testing.assert_array_equal(cache.page_fill([0]), cache.page_fill([1]))
     last = cache.pages_of(0)[2]
-    assert p.copies == [PageCopy(last, cache.pages_of(1)[2], 2)]
-    assert cache.pages_of(1)[:2] == cache.pages_of(0)[:2]
-    assert store.bytes_copied == store.page_bytes(0)
+    p = step(cache, store, {1: [99]})              # 1 holds the mark of the shared page: appends in place
+    assert p.allocated == [] and cache.fills_of(1) == (4, 4, 3) and cache.fills_of(0) == (4, 4, 2)
+    assert cache.page_info(last).positions == range(8, 11)
     assert read_back(cache, store, 1) == list(range(1, 11)) + [99]
-    p = step(cache, store, {0: [50]})            # 0 is now the sole owner of its last page
-    assert p.copies == [] and p.allocated == []
+    p = step(cache, store, {0: [50]})              # 0 sees 2 rows of it, below the mark: a new page
+    assert len(p.allocated) == 1 and cache.pages_of(0)[:3] == cache.pages_of(1)
+    assert cache.fills_of(0) == (4, 4, 2, 1) and cache.page_info(p.allocated[0]).positions == range(10, 11)
     assert read_back(cache, store, 0) == list(range(1, 11)) + [50]
-    assert cache.copies_requested == 1 and cache.rows_copied == 2
+    assert read_back(cache, store, 1) == list(range(1, 11)) + [99]
+    assert store.bytes_copied == 0 and cache.pages_opened_by_sharing == 1
 
 
 def test_fork_at_a_page_boundary_copies_nothing():
@@ -285,20 +322,39 @@ def test_fork_at_a_page_boundary_copies_nothing():
     step(cache, store, {0: list(range(8))})
     cache.fork_n(0, [1, 2, 3])
     p = step(cache, store, {0: [8], 1: [9], 2: [10], 3: [11]})
-    assert p.copies == [] and len(p.allocated) == 4
+    assert len(p.allocated) == 4 and cache.pages_opened_by_sharing == 0
     assert store.bytes_copied == 0
     for s, t in zip(range(4), range(8, 12)):
         assert read_back(cache, store, s) == list(range(8)) + [t]
 
 
-def test_every_owner_writing_a_shared_partial_page_copies_one_less():
+def test_owners_writing_a_shared_partial_page_first_claimant_appends():
     cache, store = make()
     cache.new_sequence(0)
     step(cache, store, {0: [1, 2]})
     cache.fork_n(0, [1, 2])
-    p = step(cache, store, {0: [3], 1: [4], 2: [5]})
-    assert len(p.copies) == 2 and len(p.allocated) == 2   # the last writer keeps the page
+    shared = cache.pages_of(0)[0]
+    p = step(cache, store, {2: [5], 0: [3], 1: [4]})
+    assert len(p.allocated) == 2 and store.bytes_copied == 0   # 2 (first in the step) appends; 0 and 1 open pages
+    assert cache.fills_of(2) == (3,) and cache.fills_of(0) == cache.fills_of(1) == (2, 1)
+    assert cache.page_info(shared).positions == range(0, 3)
     assert [read_back(cache, store, s) for s in range(3)] == [[1, 2, 3], [1, 2, 4], [1, 2, 5]]
+    cache.remove(2)                                 # the mark holder leaves: the mark drops to 2 rows
+    assert cache.page_info(shared).positions == range(0, 2)
+    check_invariants(cache, store)
+
+
+def test_cancel_restores_fills_and_marks():
+    cache, store = make()
+    cache.new_sequence(0)
+    step(cache, store, {0: [1, 2, 3]})
+    cache.fork(0, 1)
+    before = snapshot(cache, store)
+    p = cache.admit({0: [4, 5, 6], 1: [7]})
+    assert cache.fills_of(0) == (4, 2) and cache.fills_of(1) == (3, 1)
+    cache.cancel(p)
+    assert_same(before[:8], snapshot(cache, store)[:8])
+    check_invariants(cache, store)
 
 
 def test_fork_and_fork_n_errors_change_nothing():
@@ -332,16 +388,16 @@ def test_reorder_is_a_page_table_change():
     copied = store.bytes_copied
     live = len(store.live)
     cache.reorder([0, 1, 2, 3], [2, 2, 0, 3])       # beam 1 dropped; beam 2 doubled
-    assert store.bytes_copied == copied
+    assert store.bytes_copied == copied == 0
     assert len(store.live) == live - 1              # beam 1's private last page freed
     for b, parent in zip(range(4), [2, 2, 0, 3]):
         assert read_back(cache, store, b) == hist[parent]
         assert cache.tokens_of(b) == hist[parent]
     check_invariants(cache, store)
     p = step(cache, store, {b: [200 + b] for b in range(4)})
-    # beams 0 and 1 share old beam 2's last page (both write: one copies, one keeps it); beam 2 is
-    # the sole owner of old beam 0's last page and beam 3 of its own: written in place
-    assert len(p.copies) == 1 and store.bytes_copied == copied + store.page_bytes(0)
+    # beams 0 and 1 share old beam 2's last page (beam 0, first in the step, appends; beam 1 opens a
+    # page); beam 2 holds the mark of old beam 0's last page and beam 3 its own: appended in place
+    assert len(p.allocated) == 1 and store.bytes_copied == 0
     for b, parent in zip(range(4), [2, 2, 0, 3]):
         assert read_back(cache, store, b) == hist[parent] + [200 + b]
     with pytest.raises(CacheProtocolError, match="parent 9 is not one of"):
@@ -359,13 +415,15 @@ def test_remove_frees_only_pages_no_other_owner_holds():
     cache.new_sequence(0)
     step(cache, store, {0: list(range(6))})
     cache.fork(0, 1)
-    step(cache, store, {1: [6, 7, 8]})             # 1: copy of page 1 + page 2
-    shared = cache.pages_of(0)[0]
+    step(cache, store, {1: [6, 7, 8]})             # 1 appends 2 rows to the shared page 1, then page 2
+    shared, partial = cache.pages_of(0)
+    assert cache.fills_of(1) == (4, 4, 1) and cache.page_info(partial).positions == range(4, 8)
     live = set(store.live)
     cache.remove(1)
     freed = live - set(store.live)
     assert shared in store.live and cache.page_info(shared).owners == {0}
-    assert len(freed) == 2 and shared not in freed
+    assert len(freed) == 1 and shared not in freed and partial not in freed
+    assert cache.page_info(partial).positions == range(4, 6)   # the mark drops to 0's 2 rows
     for call in (lambda: cache.admit({1: [1]}), lambda: cache.fork(1, 5), lambda: cache.remove(1),
                  lambda: cache.new_sequence(1), lambda: cache.fork(0, 1), lambda: cache.length(1)):
         with pytest.raises(SequenceRemovedError, match="removed"):
@@ -387,7 +445,7 @@ def test_remove_suffix_and_write_again():
     cache.remove(0, 5, 100)                        # empty range at the end: nothing
     assert cache.length(0) == 5
     p = step(cache, store, {0: [50, 51]})
-    assert p.copies == [] and p.allocated == []
+    assert p.allocated == [] and cache.fills_of(0) == (4, 3)   # the sole owner's mark dropped to 1: appends
     assert read_back(cache, store, 0) == [0, 1, 2, 3, 4, 50, 51]
     cache.remove(0, 0)
     assert cache.length(0) == 0 and cache.pages_of(0) == () and store.live == frozenset()
@@ -410,15 +468,15 @@ def test_remove_errors_change_nothing():
     assert_same(before, snapshot(cache, store))
 
 
-def test_truncating_into_a_shared_page_copies_on_the_next_write():
+def test_truncating_into_a_shared_page_opens_a_page_on_the_next_write():
     cache, store = make(prefix_caching=False)
     cache.new_sequence(0)
     step(cache, store, {0: list(range(8))})
     cache.fork(0, 1)
     cache.remove(1, 6)
-    assert cache.pages_of(1) == cache.pages_of(0)   # both still hold the full page 1
+    assert cache.pages_of(1) == cache.pages_of(0) and cache.fills_of(1) == (4, 2)
     p = step(cache, store, {1: [60]})
-    assert p.copies == [PageCopy(cache.pages_of(0)[1], cache.pages_of(1)[1], 2)]
+    assert len(p.allocated) == 1 and cache.pages_of(1)[:2] == cache.pages_of(0) and store.bytes_copied == 0
     assert read_back(cache, store, 1) == [0, 1, 2, 3, 4, 5, 60]
     assert read_back(cache, store, 0) == list(range(8))
 
@@ -439,7 +497,7 @@ def test_prefix_reuse_and_keys():
     assert cache.pages_of(1) == cache.pages_of(0)[:2]
     assert cache.prefix.hits == 2
     p = step(cache, store, {1: other[8:]})
-    assert p.start.tolist() == [8] and p.copies == []
+    assert p.start.tolist() == [8] and len(p.allocated) == 2
     assert read_back(cache, store, 1) == other
     # a prompt that is exactly cached pages: its last token still runs
     assert cache.new_sequence(2, prompt[:12]) == 8
@@ -608,8 +666,8 @@ def test_scheduler_parallel_samples_share_the_prompt():
     seqs = [smp.seq for smp in sched._requests[rid].samples]
     assert len(seqs) == 4 and len(store.live) == 3   # 4 samples, the prompt's 3 pages
     sched.complete(s := sched.schedule(), fwd(s))
-    assert len(store.live) == 3 + 3                  # 3 copies of the partial page, 1 kept
-    assert store.bytes_copied == 3 * store.page_bytes(0)
+    assert len(store.live) == 3 + 3                  # 3 samples open a page, 1 appends to the shared one
+    assert store.bytes_copied == 0
     list(sched.stream(fwd))
     assert sched.result(rid) == reference(prompt, 3, n=4)
     assert store.live == frozenset()

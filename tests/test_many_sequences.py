@@ -133,12 +133,23 @@ def test_page_cache_on_the_pool_refuses_a_whole_step_when_the_pool_is_full():
 # --- the model ---------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def paged_path(tmp_path_factory):
+    """The 2-layer paged decoder with the page_fill input (what MultiRunner binds)."""
+    return _slice_model(tmp_path_factory, page_fill=True)
+
+
+@pytest.fixture(scope="module")
+def plain_path(tmp_path_factory):
+    """The same decoder without page_fill: the single-sequence PagedRunner that the references run."""
+    return _slice_model(tmp_path_factory, page_fill=False)
+
+
+def _slice_model(tmp_path_factory, page_fill):
     if not HAVE_KERNELS:
         pytest.skip("this build has no paged kernels")
     w, _ = weights.load(smollm2_gguf(), layers=2)
     root = tmp_path_factory.mktemp("multi_slice")
     model = to_paged(builder.build(w, "ortkv", max_positions=256, cache_layout="BSNH"), w.config.heads,
-                     w.config.kv_heads, PS)
+                     w.config.kv_heads, PS, page_fill=page_fill)
     onnx.save_model(model, str(root / "model.onnx"), save_as_external_data=True, all_tensors_to_one_file=True,
                     location="model.onnx.data")
     return root / "model.onnx"
@@ -168,9 +179,9 @@ def _reference_greedy(path, cfg, prompts, new):
 
 
 @kernels
-def test_greedy_through_the_scheduler_equals_the_paged_runner(paged_path):
+def test_greedy_through_the_scheduler_equals_the_paged_runner(paged_path, plain_path):
     cfg = _cfg()
-    want = _reference_greedy(paged_path, cfg, PROMPTS, 10)
+    want = _reference_greedy(plain_path, cfg, PROMPTS, 10)
     runner = MultiRunner(paged_path, cfg, max_sequences=4)
     try:
         got = {0: [], 1: []}
@@ -185,12 +196,12 @@ def test_greedy_through_the_scheduler_equals_the_paged_runner(paged_path):
 
 
 @kernels
-def test_greedy_one_prompt_at_a_time_equals_the_paged_runner(paged_path):
+def test_greedy_one_prompt_at_a_time_equals_the_paged_runner(paged_path, plain_path):
     cfg = _cfg()
     runner = MultiRunner(paged_path, cfg, max_sequences=2)
     try:
         for p in PROMPTS:
-            assert sample_many(p, runner, 1, 8, eos_token_id=-1) == _reference_greedy(paged_path, cfg, [p], 8)
+            assert sample_many(p, runner, 1, 8, eos_token_id=-1) == _reference_greedy(plain_path, cfg, [p], 8)
     finally:
         runner.close()
 
@@ -222,19 +233,17 @@ def test_parallel_samples_are_reproducible_and_share_the_prompt_pages(paged_path
     (a, copies, seen), (b, _, _) = runs
     assert a == b and all(len(s) == new for s in a)
     assert len({tuple(s) for s in a}) > 1          # sampling with top_k 50: the samples differ
-    assert copies == n - 1                          # the partly filled prompt page, copied by 3 of 4 writers
+    assert copies == 0                              # forks share the partly filled prompt page: no copy
     slot = PagePool(2, 3, 64, PS, np.float32, "cpu", max_pages=1).slot_bytes("f16")
-    full = len(prompt) // PS
+    shared = -(-len(prompt) // PS)                  # the prompt's pages, its partly filled one included
+    first = PS - len(prompt) % PS                   # rows left in it: the first sample fills them
     for pages, lengths, live in seen[1:]:           # after the fork: every step with all 4 samples
         length = lengths[0]
         assert lengths == [length] * n
-        own = -(-length // PS) - full
-        assert pages == full + n * own              # the full prompt pages once, the rest per sample
         mine = length - len(prompt)                 # each sample's own tokens
+        # the prompt's pages once; sample 0 appends to the shared page, the 3 others open pages of their own
+        assert pages == shared + -(-max(0, mine - first) // PS) + (n - 1) * -(-mine // PS)
         assert live == pages * slot
-        # the prompt's pages once + each sample's own tokens' pages, within one page per sample (its copy
-        # of the prompt's partly filled page)
-        assert pages <= -(-len(prompt) // PS) + n * (-(-mine // PS) + 1)
         assert pages < n * -(-length // PS)           # less than n full copies
     assert sum(1 for s in seen if s[1] == [len(prompt) + new - 1] * n) == 1
 
@@ -275,10 +284,10 @@ def _brute_force_beams(path, cfg, prompt, num_beams, steps):
 
 
 @kernels
-def test_beam_search_equals_brute_force_and_copies_only_partial_pages(paged_path):
+def test_beam_search_equals_brute_force_and_copies_nothing(paged_path, plain_path):
     cfg = _cfg()
     prompt, nb, steps = PROMPTS[0], 4, 6         # 7 prompt tokens: writes start at 7, 8 (boundary), 9, ...
-    want, want_scores = _brute_force_beams(paged_path, cfg, prompt, nb, steps)
+    want, want_scores = _brute_force_beams(plain_path, cfg, prompt, nb, steps)
     runner = MultiRunner(paged_path, cfg, max_sequences=nb)
     try:
         stats = BeamStats()
@@ -288,17 +297,12 @@ def test_beam_search_equals_brute_force_and_copies_only_partial_pages(paged_path
         np.testing.assert_allclose([h.sum_logprobs for h in got], want_scores, rtol=1e-4, atol=1e-4)
         np.testing.assert_allclose([h.score for h in got], np.asarray(want_scores) / (len(prompt) + steps),
                                    rtol=1e-4, atol=1e-4)
-        slot = runner.pool.slot_bytes("f16")
         assert len(stats.bytes_copied_per_step) == steps - 1
-        for boundary, copied, copies in zip(stats.boundary_steps, stats.bytes_copied_per_step,
-                                            stats.copies_per_step):
-            assert copied == copies * slot
-            assert copies <= nb - 1
-            if boundary:
-                assert copied == 0                 # a reorder is a page-table change: nothing copied
         assert any(stats.boundary_steps) and not all(stats.boundary_steps)
-        # the only bytes copied are copy-on-write of partly filled last pages
-        assert runner.pool.bytes_copied == runner.store.copies * slot == sum(stats.bytes_copied_per_step)
+        # a reorder is a page-table change and a shared partly filled page is never copied (Note [Page fill])
+        assert stats.bytes_copied_per_step == [0] * (steps - 1) and stats.copies_per_step == [0] * (steps - 1)
+        assert runner.pool.bytes_copied == 0 and runner.store.copies == 0
+        assert runner.cache.pages_opened_by_sharing > 0   # children of one beam did share a partly filled page
         assert runner.pool.live_pages == [] or set(runner.pool.live_pages) == runner.cache.held_pages
         assert runner.cache.sequences == []
     finally:
@@ -437,7 +441,7 @@ def test_run_multi_beams_and_samples(paged_path):
     assert r["search"]["num_beams"] == 3 and r["paged"]["format"] == "F16"
     line = multi_summary(r)
     assert line.startswith("[ortkv paged, 3 beams] ") and "KV bytes copied" in line
-    assert r["paged"]["bytes_copied"] == r["paged"]["copies"] * PagePool(2, 3, 64, PS, max_pages=1).slot_bytes("f16")
+    assert r["paged"]["bytes_copied"] == 0 and r["paged"]["copies"] == 0
     cfg = _cfg(num_return_sequences=3, do_sample=True)
     cfg.ortkv.max_new_tokens = 4
     r = run_multi(cfg, ["a", "b"], PROMPTS, _Tok(), log=lambda *x: None, path=paged_path)
@@ -534,12 +538,12 @@ def test_docs_cache_md_generation_example_names_what_exists():
 
 
 @kernels
-def test_a_small_pool_queues_and_preempts_without_changing_the_tokens(paged_path):
+def test_a_small_pool_queues_and_preempts_without_changing_the_tokens(paged_path, plain_path):
     """The pool's own refusal (max_pages) reaches the Scheduler through admission: requests wait or are
     preempted and recomputed, and greedy tokens are still each prompt's own."""
     cfg = _cfg()
     prompts = PROMPTS + [[1, 22, 333, 4444, 55]]
-    want = _reference_greedy(paged_path, cfg, prompts, 10)
+    want = _reference_greedy(plain_path, cfg, prompts, 10)
     runner = MultiRunner(paged_path, cfg, max_sequences=3, max_pages=9, prefix_caching=False)
     try:
         sched = Scheduler(runner.cache)
@@ -555,7 +559,7 @@ def test_a_small_pool_queues_and_preempts_without_changing_the_tokens(paged_path
         runner.close()
 
 
-# ---- on CUDA: the pool in a CUDA arena, copy-on-write as a device-to-device copy -----------------------------
+# ---- on CUDA: the pool in a CUDA arena, pages shared through page_fill (no copy) --------------------------------
 def _cuda_why_not() -> str | None:
     import onnxruntime as ort
 
@@ -613,8 +617,8 @@ def test_four_beams_on_cuda_equal_four_beams_on_the_cpu():
     """The same 4-beam search (README prompt, 12 tokens) on the CPU (float32 model, F16 pages) and on CUDA
     (float16 model, F16 pages). Float16 weights and activations move log-probabilities by ~1e-2, so beams
     can swap at a near tie: the best hypothesis must be the same tokens, or its score on each device within
-    0.05 of the other's best (a tie between two hypotheses, printed). Copy-on-write happens on the same
-    steps whenever the beams' tokens agree, counted as device-to-device slot copies."""
+    0.05 of the other's best (a tie between two hypotheses, printed). Nothing is copied on either device
+    (page_fill: the CUDA kernels must take it, Note [Page fill])."""
     from ortkv.generate.models import tokenizer_for
     from ortkv.generate.paged import paged_model_path
 
@@ -622,12 +626,11 @@ def test_four_beams_on_cuda_equal_four_beams_on_the_cpu():
     for device in ("cpu", "cuda:0"):
         cfg = _full_cfg(device)
         prompt = tokenizer_for(cfg).encode("The capital of France is")
-        runner = MultiRunner(paged_model_path(cfg), cfg, max_sequences=4, max_length=128)
+        runner = MultiRunner(paged_model_path(cfg, page_fill=True), cfg, max_sequences=4, max_length=128)
         try:
             stats = BeamStats()
             hyps = beam_search(runner, prompt, 4, 12, num_return_sequences=4, eos_token_id=-1, stats=stats)
-            slot = runner.pool.slot_bytes("f16")
-            assert runner.pool.bytes_copied == runner.store.copies * slot == sum(stats.bytes_copied_per_step)
+            assert runner.pool.bytes_copied == 0 == sum(stats.bytes_copied_per_step) and runner.store.copies == 0
             assert runner.pool.stats()["device"] == device and runner.pool.bytes_staged == 0
             results[device] = (hyps, stats)
         finally:
@@ -636,8 +639,6 @@ def test_four_beams_on_cuda_equal_four_beams_on_the_cpu():
     assert len(cpu) == len(gpu) == 4
     if cpu[0].tokens == gpu[0].tokens:
         assert abs(cpu[0].score - gpu[0].score) < 0.05
-        if [h.tokens for h in cpu] == [h.tokens for h in gpu]:
-            assert cpu_stats.copies_per_step == gpu_stats.copies_per_step
     else:
         print(f"4 beams: best hypothesis differs (cpu {cpu[0].tokens} {cpu[0].score:.4f}, cuda {gpu[0].tokens} "
               f"{gpu[0].score:.4f})")
@@ -649,23 +650,22 @@ def test_four_beams_on_cuda_equal_four_beams_on_the_cpu():
 @on_cuda
 def test_parallel_samples_on_cuda_share_the_prompt_pages():
     """4 samples of one prompt on a CUDA pool: reproducible by seed, and the prompt's partly filled page is
-    copied (device to device) by 3 of the 4 writers, as on the CPU."""
+    shared, never copied, as on the CPU (page_fill on the CUDA kernels, Note [Page fill])."""
     from ortkv.generate.paged import paged_model_path
 
     cfg = _full_cfg("cuda:0", do_sample=True, top_k=20, temperature=0.8)
     prompt, n = [1, 504, 3458, 282, 4649, 314, 5, 9690, 28], 4  # 9 tokens: one partly filled page of 16
     runs = []
     for _ in range(2):
-        runner = MultiRunner(paged_model_path(cfg), cfg, max_sequences=n, max_length=128)
+        runner = MultiRunner(paged_model_path(cfg, page_fill=True), cfg, max_sequences=n, max_length=128)
         try:
             samples = sample_many(prompt, runner, n, 10, search=cfg.search, seed=1, eos_token_id=-1)
-            slot = runner.pool.slot_bytes("f16")
             runs.append((samples, runner.store.copies, runner.pool.bytes_copied, runner.pool.stats()))
         finally:
             runner.close()
     (a, copies, copied, stats), (b, _, _, _) = runs
     assert a == b and all(len(s) == 10 for s in a)
-    assert copies == n - 1 and copied == copies * slot
+    assert copies == 0 and copied == 0
     assert stats["device"] == "cuda:0" and stats["bytes_staged"] == 0
 
 
@@ -686,5 +686,19 @@ def test_cli_four_beams_on_cuda(tmp_path):
     assert len(r["sequences"]) == 2 and all(1 <= len(q["new_ids"]) <= 8 for q in r["sequences"])
     assert r["sequences"][0]["score"] >= r["sequences"][1]["score"]
     p = r["paged"]
-    assert p["device"] == "cuda:0" and p["bytes_copied"] == p["copies"] * (30 * 2 * 3 * 16 * 64 * 2)
+    assert p["device"] == "cuda:0" and p["bytes_copied"] == 0 and p["copies"] == 0
     assert r["kv_bytes"] > 0
+
+
+@kernels
+def test_multi_runner_refuses_a_decoder_without_page_fill(tmp_path):
+    """The many-sequence path binds each row's fills (Note [Page fill]); a paged decoder built without the
+    input is refused up front, naming the remedy."""
+    w, _ = weights.load(smollm2_gguf(), layers=2)
+    model = to_paged(builder.build(w, "ortkv", max_positions=64, cache_layout="BSNH"), w.config.heads,
+                     w.config.kv_heads, PS)
+    assert "page_fill" not in {i.name for i in model.graph.input}
+    onnx.save_model(model, str(tmp_path / "model.onnx"), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location="model.onnx.data")
+    with pytest.raises(OrtkvError, match=r"has no page_fill input.*to_paged\(\.\.\., page_fill=True\)"):
+        MultiRunner(tmp_path / "model.onnx", _cfg(), max_sequences=2)

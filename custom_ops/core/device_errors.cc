@@ -80,13 +80,13 @@ void ClearWords(ortkv_device_error* words) {
 }
 
 // The paged ops' reports (fields: Note [Paged CUDA] in ortkv/paged_cuda.h); label.tensor holds the
-// pool, directory and page table names separated by newlines.
+// pool, directory, page table (and page_fill, when the node has it) names separated by newlines.
 int FinishPaged(ortkv_device_error* words, const ortkv_device_error& e, int code, const Label& label, char* msg,
                 size_t cap) {
-  std::string names[3] = {"pool", "directory", "page_table"};
+  std::string names[4] = {"pool", "directory", "page_table", "page_fill"};
   {
     size_t at = 0;
-    for (int i = 0; i < 3; ++i) {
+    for (int i = 0; i < 4; ++i) {
       const size_t nl = label.tensor.find('\n', at);
       names[i] = label.tensor.substr(at, nl == std::string::npos ? std::string::npos : nl - at);
       if (nl == std::string::npos) break;
@@ -106,14 +106,26 @@ int FinishPaged(ortkv_device_error* words, const ortkv_device_error& e, int code
       break;
     case ORTKV_DERR_CAPACITY:
       c = ortkv::Code::kCapacity;
-      m << "row " << e.row << ": " << what << " " << e.position << " + tokens " << e.n << " = " << e.position + e.n
-        << " exceeds the page table's capacity of " << e.capacity << " tokens ('" << names[2] << "')." << tail
-        << " Remedy: widen the page table.";
+      if (e.first == 1) {  // page_fill bound (Note [Page fill]): the row's capacity is its total fill
+        m << "row " << e.row << ": " << what << " " << e.position << " + tokens " << e.n << " = " << e.position + e.n
+          << " exceeds the row's total fill of " << e.capacity << " tokens (the sum of page_fill '" << names[3]
+          << "' over its entries)." << tail << " Remedy: give the row entries (and fill) for its new tokens.";
+      } else {
+        m << "row " << e.row << ": " << what << " " << e.position << " + tokens " << e.n << " = " << e.position + e.n
+          << " exceeds the page table's capacity of " << e.capacity << " tokens ('" << names[2] << "')." << tail
+          << " Remedy: widen the page table.";
+      }
       break;
     case ORTKV_DERR_PAGE: {
       const int problem = static_cast<int>(e.last & 0xFF), fmt = static_cast<int>((e.last >> 8) & 0xFF);
       const uint64_t off = e.last >> 16;
       const int64_t id = static_cast<int64_t>(e.first);
+      if (problem == 7) {  // Note [Page fill]: the fill value is in the offset field
+        m << "page_fill '" << names[3] << "' row " << e.row << " entry " << e.hit_addr << " is "
+          << static_cast<int32_t>(static_cast<uint32_t>(off)) << ", outside [0, page_size] (the rows of the entry's "
+          << "page that the row holds). Remedy: fix the fill." << tail;
+        break;
+      }
       m << "row " << e.row << " (" << what << " " << e.position << ", " << e.n << " tokens) needs page " << e.hit_addr
         << " of its page table '" << names[2] << "' but ";
       switch (problem) {

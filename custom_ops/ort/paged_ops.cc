@@ -2,16 +2,18 @@
 // [Paged CUDA] in ortkv/paged_cuda.h, every input in device memory, positions / starts included). The physical form (pool,
 // directory, page table) is Note [Paged cache physical form] in ortkv/paged.h.
 //
-//   updated_pool = PagedCacheUpdate(pool, directory, page_table, key, value, position)
+//   updated_pool = PagedCacheUpdate(pool, directory, page_table, key, value, position[, page_fill])
 //       attributes layer, num_layers, kv_num_heads, page_size (all required)
-//   output = PagedCacheAttention(query, pool, directory, page_table, start)
+//   output = PagedCacheAttention(query, pool, directory, page_table, start[, page_fill])
 //       attributes num_heads, kv_num_heads, layer, num_layers, page_size (required), scale (default
 //       1/sqrt(head_size))
 //
 // PagedCacheUpdate's output MUST be the pool's storage: declared with GetAliasMap (0 <- 0) and
 // enforced by a pointer check before anything is written, exactly as CacheUpdate (Note [Aliasing
 // CacheUpdate output] in cache_update_op.cc says why GetAliasMap and not GetMayInplace). The directory
-// and the page table are read, never written: the host changes them between runs.
+// and the page table are read, never written: the host changes them between runs. page_fill, int32
+// [batch, max_pages], is optional (INPUT_OUTPUT_OPTIONAL; Note [Page fill] in ortkv/paged.h; on CUDA
+// Note [Page fill] on CUDA in ortkv/paged_cuda.h).
 #include <algorithm>
 #include <memory>
 #include <sstream>
@@ -55,6 +57,29 @@ OrtStatus* ReadInputs(OrtKernelContext* ctx, const PagedKernel& k, size_t n, Ten
     ORTKV_RETURN_IF_ORT_ERROR(ReadTensor(v, k.names.inputs[i], &args[i], i == 0 ? device_type : nullptr,
                                          i == 0 ? device_id : nullptr));
   }
+  return nullptr;
+}
+
+// Note [Page fill]: the optional last input. The node's own input count (a node may omit the port),
+// capped at `all`; names are read for the present ports only.
+OrtStatus* ReadNames(const OrtApi* api, const OrtKernelInfo* info, size_t required, size_t all, NodeNames* names) {
+  size_t n = 0;
+  ORTKV_RETURN_IF_ORT_ERROR(api->KernelInfo_GetInputCount(info, &n));
+  ORTKV_RETURN_IF_ORT_ERROR(ReadNodeNames(api, info, std::min(std::max(n, required), all), 1, names));
+  return nullptr;
+}
+
+// The optional input `index` (page_fill): *present false when the node omits it or binds nothing.
+OrtStatus* ReadOptionalInput(OrtKernelContext* ctx, const PagedKernel& k, size_t index, TensorArg* arg, bool* present) {
+  *present = false;
+  size_t n = 0;
+  ORTKV_RETURN_IF_ORT_ERROR(g_api->KernelContext_GetInputCount(ctx, &n));
+  if (index >= n || index >= k.names.inputs.size()) return nullptr;
+  const OrtValue* v = nullptr;
+  ORTKV_RETURN_IF_ORT_ERROR(g_api->KernelContext_GetInput(ctx, index, &v));
+  if (v == nullptr) return nullptr;
+  ORTKV_RETURN_IF_ORT_ERROR(ReadTensor(v, k.names.inputs[index], arg, nullptr, nullptr));
+  *present = true;
   return nullptr;
 }
 
@@ -103,12 +128,14 @@ OrtStatus* CheckPoolAliased(OrtKernelContext* ctx, const PagedKernel& k, const T
 
 OrtStatus* UpdateCompute(void* op_kernel, OrtKernelContext* ctx) {
   const auto& k = *static_cast<const PagedKernel*>(op_kernel);
-  TensorArg in[6];
+  TensorArg in[7];
   int device_type = ORTKV_DEVICE_CPU, device_id = 0;
   ORTKV_RETURN_IF_ORT_ERROR(ReadInputs(ctx, k, 6, in, &device_type, &device_id));
+  bool fill = false;
+  ORTKV_RETURN_IF_ORT_ERROR(ReadOptionalInput(ctx, k, 6, &in[6], &fill));
   ortkv::PagedUpdateView view;
-  ORTKV_RETURN_IF_ORT_ERROR(ToOrtStatus(
-      ortkv::PlanPagedCacheUpdate(k.names.node, in[0], in[1], in[2], in[3], in[4], in[5], k.attrs, &view)));
+  ORTKV_RETURN_IF_ORT_ERROR(ToOrtStatus(ortkv::PlanPagedCacheUpdate(k.names.node, in[0], in[1], in[2], in[3], in[4], in[5],
+                                                                    k.attrs, &view, fill ? &in[6] : nullptr)));
   ORTKV_RETURN_IF_ORT_ERROR(CheckPoolAliased(ctx, k, in[0]));
   ortkv::CoreLease lease;  // check and write as one (Note [Arena lease])
   ORTKV_RETURN_IF_ORT_ERROR(ToOrtStatus(CheckWriteProtection(k, view, device_type, device_id)));
@@ -127,7 +154,7 @@ OrtStatus* UpdateCompute(void* op_kernel, OrtKernelContext* ctx) {
 
 OrtStatus* UpdateCreate(const OrtCustomOp*, const OrtApi* api, const OrtKernelInfo* info, void** kernel) {
   auto k = std::make_unique<PagedKernel>();
-  ORTKV_RETURN_IF_ORT_ERROR(ReadNodeNames(api, info, 6, 1, &k->names));
+  ORTKV_RETURN_IF_ORT_ERROR(ReadNames(api, info, 6, 7, &k->names));
   ORTKV_RETURN_IF_ORT_ERROR(ReadAttrs(api, info, k.get()));
   *kernel = k.release();
   return nullptr;
@@ -154,17 +181,21 @@ OrtCustomOp MakeUpdate() {
   OrtCustomOp op;
   InitCustomOp(&op);
   op.GetName = [](const OrtCustomOp*) { return "PagedCacheUpdate"; };
-  op.GetInputTypeCount = [](const OrtCustomOp*) -> size_t { return 6; };
+  op.GetInputTypeCount = [](const OrtCustomOp*) -> size_t { return 7; };
   // pool uint8, directory int64, page_table int32, key/value float32/float16/bfloat16 (checked by the
-  // kernel with a named error), position int64
+  // kernel with a named error), position int64, page_fill int32 (optional, Note [Page fill])
   op.GetInputType = [](const OrtCustomOp*, size_t i) {
     switch (i) {
       case 0: return ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8;
       case 1: return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
       case 2: return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32;
       case 5: return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
+      case 6: return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32;
       default: return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
     }
+  };
+  op.GetInputCharacteristic = [](const OrtCustomOp*, size_t i) {
+    return i == 6 ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
   };
   op.GetOutputTypeCount = [](const OrtCustomOp*) -> size_t { return 1; };
   op.GetOutputType = [](const OrtCustomOp*, size_t) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8; };
@@ -192,15 +223,18 @@ void AttnTask(void* user, size_t i) {
 
 OrtStatus* AttnCompute(void* op_kernel, OrtKernelContext* ctx) {
   const auto& k = *static_cast<const PagedKernel*>(op_kernel);
-  TensorArg in[5];
+  TensorArg in[6];
   ORTKV_RETURN_IF_ORT_ERROR(ReadInputs(ctx, k, 5, in, nullptr, nullptr));
+  bool fill = false;
+  ORTKV_RETURN_IF_ORT_ERROR(ReadOptionalInput(ctx, k, 5, &in[5], &fill));
   OrtValue* out = nullptr;
   ORTKV_RETURN_IF_ORT_ERROR(g_api->KernelContext_GetOutput(ctx, 0, in[0].dims.data(), in[0].dims.size(), &out));
   void* out_data = nullptr;
   ORTKV_RETURN_IF_ORT_ERROR(g_api->GetTensorMutableData(out, &out_data));
   ortkv::PagedAttentionView view;
   ORTKV_RETURN_IF_ORT_ERROR(ToOrtStatus(ortkv::PlanPagedCacheAttention(k.names.node, in[0], in[1], in[2], in[3], in[4],
-                                                                       k.num_heads, k.attrs, k.scale, out_data, &view)));
+                                                                       k.num_heads, k.attrs, k.scale, out_data, &view,
+                                                                       fill ? &in[5] : nullptr)));
   if (view.tasks() == 0) return nullptr;
   std::vector<float> partial(static_cast<size_t>(view.partial_floats()));
   view.partial = partial.empty() ? nullptr : partial.data();
@@ -217,7 +251,7 @@ OrtStatus* AttnCompute(void* op_kernel, OrtKernelContext* ctx) {
 
 OrtStatus* AttnCreate(const OrtCustomOp*, const OrtApi* api, const OrtKernelInfo* info, void** kernel) {
   auto k = std::make_unique<PagedKernel>();
-  ORTKV_RETURN_IF_ORT_ERROR(ReadNodeNames(api, info, 5, 1, &k->names));
+  ORTKV_RETURN_IF_ORT_ERROR(ReadNames(api, info, 5, 6, &k->names));
   ORTKV_RETURN_IF_ORT_ERROR(ReadAttrs(api, info, k.get()));
   ORTKV_RETURN_IF_ORT_ERROR(api->KernelInfoGetAttribute_int64(info, "num_heads", &k->num_heads));
   ORTKV_RETURN_IF_ORT_ERROR(OptionalAttribute(api, info, k->names.node, "scale", 0.0f, &k->scale));
@@ -229,15 +263,19 @@ OrtCustomOp MakeAttention() {
   OrtCustomOp op;
   InitCustomOp(&op);
   op.GetName = [](const OrtCustomOp*) { return "PagedCacheAttention"; };
-  op.GetInputTypeCount = [](const OrtCustomOp*) -> size_t { return 5; };
+  op.GetInputTypeCount = [](const OrtCustomOp*) -> size_t { return 6; };
   op.GetInputType = [](const OrtCustomOp*, size_t i) {
     switch (i) {
       case 1: return ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8;
       case 2: return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
       case 3: return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32;
       case 4: return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
+      case 5: return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32;  // page_fill (optional, Note [Page fill])
       default: return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;  // query: float32, float16 or bfloat16
     }
+  };
+  op.GetInputCharacteristic = [](const OrtCustomOp*, size_t i) {
+    return i == 5 ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
   };
   op.GetOutputTypeCount = [](const OrtCustomOp*) -> size_t { return 1; };
   op.GetOutputType = [](const OrtCustomOp*, size_t) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED; };
@@ -253,8 +291,9 @@ const OrtCustomOp kPagedCacheAttentionCpu = MakeAttention();
 
 // ---- CUDA (Note [Paged CUDA] in ortkv/paged_cuda.h) ------------------------------------------------------
 #if defined(ORTKV_WITH_CUDA)
-int32_t PagedLabel(const char* op, const NodeNames& n, size_t pool, size_t dir, size_t table) {
-  const std::string names = n.inputs[pool] + "\n" + n.inputs[dir] + "\n" + n.inputs[table];
+int32_t PagedLabel(const char* op, const NodeNames& n, size_t pool, size_t dir, size_t table, size_t fill) {
+  std::string names = n.inputs[pool] + "\n" + n.inputs[dir] + "\n" + n.inputs[table];
+  if (fill < n.inputs.size()) names += "\n" + n.inputs[fill];  // Note [Page fill]
   return ortkv_core_register_label(op, n.node.c_str(), names.c_str());
 }
 
@@ -298,18 +337,23 @@ OrtStatus* UpdateComputeCuda(void* op_kernel, OrtKernelContext* ctx) {
   TensorArg in[6];
   int device_type = ORTKV_DEVICE_CUDA, device_id = 0;
   ORTKV_RETURN_IF_ORT_ERROR(ReadInputs(ctx, k, 6, in, &device_type, &device_id));
+  TensorArg fill_arg;
+  bool fill = false;
+  ORTKV_RETURN_IF_ORT_ERROR(ReadOptionalInput(ctx, k, 6, &fill_arg, &fill));
   ortkv::PagedUpdateCudaView view;
   ORTKV_RETURN_IF_ORT_ERROR(ToOrtStatus(ortkv::PlanPagedCacheUpdateCuda(k.names.node, in[0], in[1], in[2], in[3], in[4],
-                                                                        in[5], k.attrs, &view)));
+                                                                        in[5], k.attrs, &view,
+                                                                        fill ? &fill_arg : nullptr)));
   ORTKV_RETURN_IF_ORT_ERROR(CheckPoolAliased(ctx, k, in[0]));
   if (view.rows() == 0) return nullptr;
   view.label = k.label;
   void* stream = nullptr;
   ORTKV_RETURN_IF_ORT_ERROR(g_api->KernelContext_GetGPUComputeStream(ctx, &stream));
   view.error_word = ortkv::CudaErrorWord(stream);
-  DeviceScratch flag;
-  ORTKV_RETURN_IF_ORT_ERROR(flag.Alloc(ctx, device_id, 16));
+  DeviceScratch flag;  // the flag (first 256 bytes), then page_fill's prefix sums (Note [Page fill])
+  ORTKV_RETURN_IF_ORT_ERROR(flag.Alloc(ctx, device_id, 256 + view.fill_prefix_bytes()));
   view.flag = flag.ptr;
+  view.fill_prefix = fill ? reinterpret_cast<int64_t*>(static_cast<char*>(flag.ptr) + 256) : nullptr;
   ortkv::CoreLease lease;  // ranges collected and the launch as one (Note [Arena lease])
   ORTKV_RETURN_IF_ORT_ERROR(ToOrtStatus(CollectPoolRanges(k, view.p, device_id, &view.ranges)));
   return ToOrtStatus(ortkv::PagedCacheUpdateCuda(view, stream));
@@ -326,6 +370,9 @@ OrtStatus* AttnComputeCuda(void* op_kernel, OrtKernelContext* ctx) {
     ORTKV_RETURN_IF_ORT_ERROR(
         ReadTensor(v, k.names.inputs[i], &in[i], i == 1 ? &device_type : nullptr, i == 1 ? &device_id : nullptr));
   }
+  TensorArg fill_arg;
+  bool fill = false;
+  ORTKV_RETURN_IF_ORT_ERROR(ReadOptionalInput(ctx, k, 5, &fill_arg, &fill));
   OrtValue* out = nullptr;
   ORTKV_RETURN_IF_ORT_ERROR(g_api->KernelContext_GetOutput(ctx, 0, in[0].dims.data(), in[0].dims.size(), &out));
   void* out_data = nullptr;
@@ -333,7 +380,8 @@ OrtStatus* AttnComputeCuda(void* op_kernel, OrtKernelContext* ctx) {
   ortkv::PagedAttentionCudaView view;
   ORTKV_RETURN_IF_ORT_ERROR(ToOrtStatus(ortkv::PlanPagedCacheAttentionCuda(k.names.node, in[0], in[1], in[2], in[3],
                                                                            in[4], k.num_heads, k.attrs, k.scale, out_data,
-                                                                           CachedSmCount(device_id), &view)));
+                                                                           CachedSmCount(device_id), &view,
+                                                                           fill ? &fill_arg : nullptr)));
   if (view.units() == 0) return nullptr;
   view.label = k.label;
   void* stream = nullptr;
@@ -341,12 +389,17 @@ OrtStatus* AttnComputeCuda(void* op_kernel, OrtKernelContext* ctx) {
   view.error_word = ortkv::CudaErrorWord(stream);
   // one allocation: the flag (first 256 bytes), the split-K partials, then the per-block flags
   DeviceScratch scratch;
-  ORTKV_RETURN_IF_ORT_ERROR(
-      scratch.Alloc(ctx, device_id, 256 + view.partial_bytes() + view.block_flag_bytes()));
-  view.flag = scratch.ptr;
-  view.partial = view.splits > 1 ? reinterpret_cast<float*>(static_cast<char*>(scratch.ptr) + 256) : nullptr;
-  view.block_flags =
-      reinterpret_cast<unsigned long long*>(static_cast<char*>(scratch.ptr) + 256 + view.partial_bytes());
+  ORTKV_RETURN_IF_ORT_ERROR(scratch.Alloc(
+      ctx, device_id, 256 + view.partial_bytes() + view.block_flag_bytes() + view.fill_prefix_bytes()));
+  char* base = static_cast<char*>(scratch.ptr);
+  view.flag = base;
+  view.partial = view.splits > 1 ? reinterpret_cast<float*>(base + 256) : nullptr;
+  view.block_flags = reinterpret_cast<unsigned long long*>(base + 256 + view.partial_bytes());
+  if (fill) {  // Note [Page fill]: the prefix sums, then one flag per row
+    char* f = base + 256 + view.partial_bytes() + view.block_flag_bytes();
+    view.fill_prefix = reinterpret_cast<int64_t*>(f);
+    view.row_flags = reinterpret_cast<unsigned long long*>(f + view.B * (view.p.max_pages + 1) * sizeof(int64_t));
+  }
   ortkv::CoreLease lease;  // the pool is read here (Note [Arena lease])
   return ToOrtStatus(ortkv::PagedCacheAttentionCuda(view, stream));
 }
@@ -354,14 +407,14 @@ OrtStatus* AttnComputeCuda(void* op_kernel, OrtKernelContext* ctx) {
 OrtStatus* UpdateCreateCuda(const OrtCustomOp* op, const OrtApi* api, const OrtKernelInfo* info, void** kernel) {
   ORTKV_RETURN_IF_ORT_ERROR(UpdateCreate(op, api, info, kernel));
   auto* k = static_cast<PagedKernel*>(*kernel);
-  k->label = PagedLabel("PagedCacheUpdate", k->names, 0, 1, 2);
+  k->label = PagedLabel("PagedCacheUpdate", k->names, 0, 1, 2, 6);
   return nullptr;
 }
 
 OrtStatus* AttnCreateCuda(const OrtCustomOp* op, const OrtApi* api, const OrtKernelInfo* info, void** kernel) {
   ORTKV_RETURN_IF_ORT_ERROR(AttnCreate(op, api, info, kernel));
   auto* k = static_cast<PagedKernel*>(*kernel);
-  k->label = PagedLabel("PagedCacheAttention", k->names, 1, 2, 3);
+  k->label = PagedLabel("PagedCacheAttention", k->names, 1, 2, 3, 5);
   return nullptr;
 }
 

@@ -12,14 +12,42 @@
 // every layer); its slot holds num_layers codec pages of its one format back to back, so layer l of
 // page p starts at directory[p, 1] + l * LayoutOf(directory[p, 0], shape).page_bytes (Note [Page
 // formats] for a codec page's bytes). Sequence b's token t lives in page page_table[b, t / page_size],
-// row t % page_size. The host owns directory and page_table; the ops only read them.
+// row t % page_size, unless the optional page_fill input says otherwise (Note [Page fill]). The host
+// owns directory, page_table and page_fill; the ops only read them.
+//
+// Note [Page fill]
+// ~~~~~~~~~~~~~~~~
+// Both paged ops take an optional last input page_fill, int32 [batch, max_pages] (the page table's
+// shape). Entry e of row b holds the FIRST page_fill[b, e] rows (0 ... page_size) of page
+// page_table[b, e]. A row's logical positions are its entries' rows concatenated in entry order:
+// position t lives in the entry e with prefix(e) <= t < prefix(e) + fill(e), prefix(e) = the sum of the
+// fills of the entries before e, at row t - prefix(e) of that page. Entries with fill 0 are skipped
+// (their page id is never read and may be -1). page_fill absent == every entry full (page_size): the
+// mapping of Note [Paged cache physical form], bit for bit.
+// Why: a fork or a beam reorder becomes a page-table change that copies nothing. The child keeps the
+// parent's entries, the partly filled page they share included with fill = the rows it shares, and its
+// next token goes into an entry of its own (a new page, fill growing from 0); the owner at the shared
+// page's high-water mark keeps appending to it (python/ortkv/cache/pages.py, Note [Page metadata]).
+// Everything else stays in LOGICAL positions: position / start, the T new tokens, causality inside the
+// new block (query t sees logical keys [0, start + t]). A position at or past the row's total fill is a
+// capacity error naming the row, the position and the total; fill outside [0, page_size] is refused
+// naming the tensor, row, entry and value. The page checks (page present, inside the directory, format,
+// slot inside the pool), the (page, row)-written-twice check, write protection and the encode refusals
+// all apply to the mapped (page, row).
+// CPU: the plan turns page_fill into per-row prefix sums (PagedPool::fill_prefix, [B, max_pages + 1],
+// host memory owned by the view) and PagedPool::Locate maps a logical position by a binary search over
+// them; the kernels take runs of rows inside one entry (Locate's `run`), so a block still spans several
+// pages. CUDA: Note [Page fill] on CUDA in ortkv/paged_cuda.h (device prefix sums, the same mapping).
 //
 // Note [PagedCacheUpdate validation]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // Nothing is written unless everything is valid, so the plan checks, before the first byte:
 //   * shapes, element types and attributes;
-//   * per row b: position_b >= 0 and position_b + T <= max_pages * page_size (E_CAPACITY);
-//   * every page the T tokens touch: page id present (not -1) and < num_pages; its directory entry's
+//   * page_fill, when bound: int32 [batch, max_pages], every value in [0, page_size] (Note [Page fill]);
+//   * per row b: position_b >= 0 and position_b + T <= the row's capacity, max_pages * page_size or, with
+//     page_fill, the sum of its fills (E_CAPACITY);
+//   * every page the T tokens touch (through page_fill's mapping when bound): page id present (not -1)
+//     and < num_pages; its directory entry's
 //     format is a page format the head size allows; its slot [offset, offset + num_layers *
 //     page_bytes) lies inside the pool;
 //   * no *_KC page receives keys (those pages are written whole by paged_requantize; the page being
@@ -70,6 +98,11 @@ struct PagedPool {
   int64_t num_pages = 0;
   const int32_t* page_table = nullptr;  // [B, max_pages]
   int64_t max_pages = 0;
+  // Note [Page fill]: [B, max_pages] rows per entry; nullptr = every entry full (page_size rows).
+  const int32_t* page_fill = nullptr;
+  // Host memory, CPU kernels only: per row, max_pages + 1 prefix sums of page_fill (set by the CPU plan
+  // when page_fill is bound, owned by its view); nullptr when page_fill is.
+  const int64_t* fill_prefix = nullptr;
   int64_t layer = 0, num_layers = 0;
   codecs::PageShape shape;                                    // kv_heads, page_size, head_size
   codecs::PageLayout layouts[codecs::kNumPageFormats];         // per format, for this shape
@@ -85,6 +118,36 @@ struct PagedPool {
     return v;
   }
   int32_t PageId(int64_t b, int64_t t) const { return page_table[b * max_pages + t / shape.page_size]; }
+
+  // Where logical position t of row b lives (Note [Page fill]): the page table entry, the page id, the row
+  // in that page, and `run`, the rows of this entry from `row` on (positions t .. t + run - 1 are rows
+  // row .. row + run - 1 of the same page). t must be below the row's total (checked by the plans).
+  struct Loc {
+    int64_t entry;
+    int32_t id;
+    int32_t row;
+    int64_t run;
+  };
+  Loc Locate(int64_t b, int64_t t) const {
+    const int64_t ps = shape.page_size;
+    if (fill_prefix == nullptr) {
+      const int64_t e = t / ps;
+      return Loc{e, page_table[b * max_pages + e], static_cast<int32_t>(t % ps), ps - t % ps};
+    }
+    const int64_t* pre = fill_prefix + b * (max_pages + 1);
+    // pre is non-decreasing; the entry is the last e with pre[e] <= t, which then has pre[e + 1] > t
+    int64_t lo = 0, hi = max_pages;  // invariant: pre[lo] <= t < pre[hi]
+    while (hi - lo > 1) {
+      const int64_t mid = (lo + hi) / 2;
+      if (pre[mid] <= t) lo = mid; else hi = mid;
+    }
+    return Loc{lo, page_table[b * max_pages + lo], static_cast<int32_t>(t - pre[lo]), pre[lo + 1] - t};
+  }
+  // Logical positions of row b (Note [Page fill]): [EntryBegin(b, e), EntryBegin(b, e + 1)) live in entry e.
+  int64_t EntryBegin(int64_t b, int64_t e) const {
+    return fill_prefix == nullptr ? e * shape.page_size : fill_prefix[b * (max_pages + 1) + e];
+  }
+  int64_t Total(int64_t b) const { return EntryBegin(b, max_pages); }
 };
 
 // Checks page page_index of row b's page table: present (not -1), inside the directory, a format the
@@ -93,6 +156,12 @@ struct PagedPool {
 Status CheckPage(const std::string& node, const PagedPool& p, const std::string& pool_name,
                  const std::string& dir_name, const std::string& table_name, int64_t b, int64_t page_index,
                  int64_t needed_tokens);
+
+// Note [Page fill]: validates page_fill (int32 [B, max_pages] like the page table, every value in
+// [0, page_size]) and sets p->page_fill and p->fill_prefix (its prefix sums, written into *prefix, which
+// must outlive every use of *p). `fill` == nullptr (input absent): p keeps the full mapping.
+Status ResolvePageFill(const std::string& op, const std::string& node, const TensorArg* fill,
+                       const std::string& table_name, int64_t batch, PagedPool* p, std::vector<int64_t>* prefix);
 
 struct PagedUpdateView {
   PagedPool p;
@@ -104,12 +173,15 @@ struct PagedUpdateView {
   int64_t B = 0, T = 0;
   int64_t position(int64_t b) const { return positions[b * position_stride]; }
   int64_t units() const { return B * T; }  // one unit: one token of one row (all KV heads, K and V)
+  std::vector<int64_t> fill_prefix;  // Note [Page fill]: p.fill_prefix's storage (do not copy the view)
 };
 
 // Validates everything (Note [PagedCacheUpdate validation]) except write protection and fills `view`.
+// `page_fill`: the optional input (Note [Page fill]), nullptr when absent.
 Status PlanPagedCacheUpdate(const std::string& node, const TensorArg& pool, const TensorArg& directory,
                             const TensorArg& page_table, const TensorArg& key, const TensorArg& value,
-                            const TensorArg& position, const PagedAttrs& attrs, PagedUpdateView* view);
+                            const TensorArg& position, const PagedAttrs& attrs, PagedUpdateView* view,
+                            const TensorArg* page_fill = nullptr);
 
 // [first, last) bytes of the page layer written for unit u's token (for the write-protection check).
 void PagedUpdateUnitSpan(const PagedUpdateView& view, int64_t unit, uintptr_t* first, uintptr_t* last);
@@ -135,12 +207,14 @@ struct PagedAttentionView {
   int64_t partial_floats() const { return splits > 1 ? tasks() * group() * (D + 2) : 0; }
   // scores, scaled q, acc, m, l, then the decoded K and V block
   int64_t scratch_floats() const;
+  std::vector<int64_t> fill_prefix;  // Note [Page fill]: p.fill_prefix's storage (do not copy the view)
 };
 
+// `page_fill`: the optional input (Note [Page fill]), nullptr when absent.
 Status PlanPagedCacheAttention(const std::string& node, const TensorArg& q, const TensorArg& pool,
                                const TensorArg& directory, const TensorArg& page_table, const TensorArg& start,
                                int64_t num_heads, const PagedAttrs& attrs, float scale, void* out,
-                               PagedAttentionView* view);
+                               PagedAttentionView* view, const TensorArg* page_fill = nullptr);
 
 // CPU: tasks [begin, end); `scratch` holds view.scratch_floats() floats (per thread, 64-byte aligned).
 void PagedCacheAttentionCpu(const PagedAttentionView& view, int64_t begin, int64_t end, float* scratch);

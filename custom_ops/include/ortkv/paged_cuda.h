@@ -28,6 +28,15 @@
 // (the split-K combine, or a one-block report kernel when splits == 1) turns into one report in the
 // CacheAttention word. Start is clamped to [0, capacity - T] as in the dense kernel.
 //
+// Note [Page fill] on CUDA: a bound page_fill ([B, max_pages] int32 in device memory) is turned into per-row
+// int64 prefix sums by a one-block-per-row kernel launched first (FillPrefixKernel: fills outside [0,
+// page_size] are counted as 0 and reported as problem kPageBadFill of that entry, so the prefix stays
+// monotone); PagedPool::fill_prefix then points at that device scratch and every kernel maps a logical
+// position through it (a binary search, or a forward cursor for the keys a thread walks in order), the
+// row's capacity being its total fill (ORTKV_DERR_CAPACITY with first = 1). The attention with page_fill
+// runs the first kernel (v1, per key; Note [Paged CUDA v2] assumes page_size-uniform positions), so
+// all-full fills and an absent page_fill agree within float rounding on CUDA, not bit for bit.
+//
 // Device report fields for the paged codes (ortkv_device_error): ORTKV_DERR_PAGE: row, position
 // (position / start), n (tokens), hit_addr = page index in the row's table, first = page id, last =
 // problem | format << 8 | offset << 16 (problem: kPageNone...kPageKeysPerChannel below).
@@ -51,6 +60,7 @@ enum PagedProblem : int32_t {
   kPageHeadSize = 4,        // the format cannot pack this head size
   kPageBadSlot = 5,         // offset not 16-aligned or the slot not inside the pool
   kPageKeysPerChannel = 6,  // PagedCacheUpdate: keys into a *_KC page
+  kPageBadFill = 7,         // page_fill of the entry outside [0, page_size] (Note [Page fill])
 };
 
 constexpr int kPagedMaxRanges = 32;
@@ -72,6 +82,10 @@ struct PagedUpdateCudaView {
   int32_t label = -1;
   void* error_word = nullptr;      // device pointer of the word pair (may be null)
   void* flag = nullptr;            // 8 bytes of device scratch
+  int64_t* fill_prefix = nullptr;  // page_fill bound: device scratch, int64 [B, max_pages + 1] (fill_prefix_bytes())
+  size_t fill_prefix_bytes() const {
+    return p.page_fill ? static_cast<size_t>(B * (p.max_pages + 1)) * sizeof(int64_t) : 0;
+  }
   int64_t rows() const { return B * T * 2 * p.shape.kv_heads; }
 };
 
@@ -90,6 +104,11 @@ struct PagedAttentionCudaView {
   float* partial = nullptr;        // splits > 1: partial_bytes()
   void* flag = nullptr;            // 8 bytes of device scratch (the first kernel: cleared by a memset)
   unsigned long long* block_flags = nullptr;  // block_flag_bytes(): one first-failure key per block (v2, no memset)
+  int64_t* fill_prefix = nullptr;  // page_fill bound: device scratch, int64 [B, max_pages + 1] (fill_prefix_bytes())
+  unsigned long long* row_flags = nullptr;    // page_fill bound: [B] first bad fill per row (the prefix kernel)
+  size_t fill_prefix_bytes() const {
+    return p.page_fill ? static_cast<size_t>(B * (p.max_pages + 1)) * sizeof(int64_t) + static_cast<size_t>(B) * 8 : 0;
+  }
   int32_t label = -1;
   void* error_word = nullptr;
   int64_t units() const { return B * Hkv * T; }
@@ -104,13 +123,15 @@ struct PagedAttentionCudaView {
 };
 
 // Host plans: shapes, types and attributes only (the values are on the device).
+// `page_fill`: the optional input (Note [Page fill]; its values are on the device), nullptr when absent.
 Status PlanPagedCacheUpdateCuda(const std::string& node, const TensorArg& pool, const TensorArg& directory,
                                 const TensorArg& page_table, const TensorArg& key, const TensorArg& value,
-                                const TensorArg& position, const PagedAttrs& attrs, PagedUpdateCudaView* view);
+                                const TensorArg& position, const PagedAttrs& attrs, PagedUpdateCudaView* view,
+                                const TensorArg* page_fill = nullptr);
 Status PlanPagedCacheAttentionCuda(const std::string& node, const TensorArg& q, const TensorArg& pool,
                                    const TensorArg& directory, const TensorArg& page_table, const TensorArg& start,
                                    int64_t num_heads, const PagedAttrs& attrs, float scale, void* out, int sm_count,
-                                   PagedAttentionCudaView* view);
+                                   PagedAttentionCudaView* view, const TensorArg* page_fill = nullptr);
 
 #if defined(ORTKV_WITH_CUDA)
 // memset(flag) + check + store on `stream`. view.flag must be set when rows() > 0.

@@ -202,7 +202,7 @@ int64_t PagedAttentionView::scratch_floats() const {
 Status PlanPagedCacheAttention(const std::string& node, const TensorArg& q, const TensorArg& pool,
                                const TensorArg& directory, const TensorArg& page_table, const TensorArg& start,
                                int64_t num_heads, const PagedAttrs& attrs, float scale, void* out,
-                               PagedAttentionView* view) {
+                               PagedAttentionView* view, const TensorArg* page_fill) {
   const std::string op = "PagedCacheAttention";
   std::ostringstream m;
   if (q.elem_type != kFloat32 && q.elem_type != kFloat16 && q.elem_type != kBFloat16) {
@@ -228,13 +228,14 @@ Status PlanPagedCacheAttention(const std::string& node, const TensorArg& q, cons
   ORTKV_RETURN_IF_ERR(attn_cpu::CheckCpuIsa(op + " node '" + node + "'"));
   PagedPool& p = view->p;
   ORTKV_RETURN_IF_ERR(paged::ResolvePool(op, node, pool, directory, page_table, attrs, B, D, &p));
+  ORTKV_RETURN_IF_ERR(ResolvePageFill(op, node, page_fill, page_table.name, B, &p, &view->fill_prefix));
   if (start.elem_type != kInt64 || start.dims.size() > 1 || (start.dims.size() == 1 && start.dims[0] != B)) {
     m << "start '" << start.name << "' must be an int64 scalar or a vector of " << B << " start positions";
     return paged::Bad(op, node, m.str());
   }
   const int64_t stride = start.dims.size() == 1 ? 1 : 0;
   const int64_t* st = static_cast<const int64_t*>(start.data);
-  const int64_t ps = attrs.page_size, cap = p.max_pages * ps;
+  const int64_t ps = attrs.page_size;
   const std::string where = op + " node '" + node + "'";
   int64_t max_keys = 0;
   for (int64_t b = 0; b < B && T > 0; ++b) {
@@ -243,14 +244,23 @@ Status PlanPagedCacheAttention(const std::string& node, const TensorArg& q, cons
       m << "start " << s << " for row " << b << " of '" << start.name << "' is negative";
       return paged::Bad(op, node, m.str());
     }
+    const int64_t cap = p.Total(b);
     if (s > cap - T) {
-      m << where << ": row " << b << ": start " << s << " + tokens " << T << " = " << s + T
-        << " exceeds the page table's capacity of " << p.max_pages << " pages x " << ps << " tokens = " << cap << " ('"
-        << page_table.name << "')";
+      if (page_fill == nullptr) {
+        m << where << ": row " << b << ": start " << s << " + tokens " << T << " = " << s + T
+          << " exceeds the page table's capacity of " << p.max_pages << " pages x " << ps << " tokens = " << cap << " ('"
+          << page_table.name << "')";
+      } else {  // Note [Page fill]
+        m << where << ": row " << b << ": start " << s << " + tokens " << T << " = " << s + T
+          << " exceeds the row's total fill of " << cap << " tokens ('" << page_fill->name << "' over '"
+          << page_table.name << "'). Remedy: give the row entries (pages and fills) for every position it reads";
+      }
       return Status(Code::kCapacity, m.str());
     }
-    for (int64_t pi = 0; pi * ps < s + T; ++pi)
+    for (int64_t pi = 0; pi < p.max_pages && p.EntryBegin(b, pi) < s + T; ++pi) {
+      if (p.EntryBegin(b, pi) == p.EntryBegin(b, pi + 1)) continue;  // fill 0: skipped, id not read
       ORTKV_RETURN_IF_ERR(CheckPage(where, p, pool.name, directory.name, page_table.name, b, pi, s + T));
+    }
     max_keys = std::max(max_keys, s + T);
   }
   view->q = q.data;

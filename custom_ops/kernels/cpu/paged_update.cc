@@ -105,7 +105,7 @@ Status CheckPage(const std::string& node, const PagedPool& p, const std::string&
                  const std::string& table_name, int64_t b, int64_t page_index, int64_t needed_tokens) {
   std::ostringstream m;
   m << node << ": row " << b << " needs page " << page_index << " of its page table '" << table_name << "' (tokens ["
-    << page_index * p.shape.page_size << ", " << (page_index + 1) * p.shape.page_size << "), the row uses "
+    << p.EntryBegin(b, page_index) << ", " << p.EntryBegin(b, page_index + 1) << "), the row uses "
     << needed_tokens << " tokens) but ";
   const int64_t id = p.page_table[b * p.max_pages + page_index];
   if (id < 0) {
@@ -142,9 +142,45 @@ Status CheckPage(const std::string& node, const PagedPool& p, const std::string&
   return Status::Ok();
 }
 
+Status ResolvePageFill(const std::string& op, const std::string& node, const TensorArg* fill,
+                       const std::string& table_name, int64_t batch, PagedPool* p, std::vector<int64_t>* prefix) {
+  p->page_fill = nullptr;
+  p->fill_prefix = nullptr;
+  if (fill == nullptr) return Status::Ok();
+  const int64_t B = batch;
+  std::ostringstream m;
+  if (fill->elem_type != 6 /* int32 */ || fill->dims.size() != 2 || fill->dims[0] != B || fill->dims[1] != p->max_pages) {
+    m << "page_fill '" << fill->name << "' must be int32 [batch=" << B << ", max_pages=" << p->max_pages << "], the shape of the "
+      << "page table '" << table_name << "'; got " << ElemTypeName(fill->elem_type) << " of rank " << fill->dims.size();
+    if (fill->dims.size() == 2) m << " [" << fill->dims[0] << ", " << fill->dims[1] << "]";
+    m << ". Remedy: bind one fill per page-table entry (Note [Page fill]). Nothing was written.";
+    return paged::Bad(op, node, m.str());
+  }
+  const int32_t* f = static_cast<const int32_t*>(fill->data);
+  const int64_t ps = p->shape.page_size, mp = p->max_pages;
+  prefix->assign(static_cast<size_t>(B * (mp + 1)), 0);
+  for (int64_t b = 0; b < B; ++b) {
+    int64_t* pre = prefix->data() + b * (mp + 1);
+    for (int64_t e = 0; e < mp; ++e) {
+      const int32_t v = f[b * mp + e];
+      if (v < 0 || v > ps) {
+        m << "page_fill '" << fill->name << "' row " << b << " entry " << e << " is " << v
+          << ", outside [0, page_size=" << ps << "] (the rows of the entry's page that the row holds). Remedy: "
+          << "fix the fill. Nothing was written.";
+        return paged::Bad(op, node, m.str());
+      }
+      pre[e + 1] = pre[e] + v;
+    }
+  }
+  p->page_fill = f;
+  p->fill_prefix = prefix->data();
+  return Status::Ok();
+}
+
 Status PlanPagedCacheUpdate(const std::string& node, const TensorArg& pool, const TensorArg& directory,
                             const TensorArg& page_table, const TensorArg& key, const TensorArg& value,
-                            const TensorArg& position, const PagedAttrs& attrs, PagedUpdateView* view) {
+                            const TensorArg& position, const PagedAttrs& attrs, PagedUpdateView* view,
+                            const TensorArg* page_fill) {
   const std::string op = "PagedCacheUpdate";
   std::ostringstream m;
   if (!paged::IsLogical(key.elem_type) || key.elem_type != value.elem_type) {
@@ -164,6 +200,7 @@ Status PlanPagedCacheUpdate(const std::string& node, const TensorArg& pool, cons
   }
   PagedPool& p = view->p;
   ORTKV_RETURN_IF_ERR(paged::ResolvePool(op, node, pool, directory, page_table, attrs, B, W / attrs.kv_num_heads, &p));
+  ORTKV_RETURN_IF_ERR(ResolvePageFill(op, node, page_fill, page_table.name, B, &p, &view->fill_prefix));
   if (position.elem_type != kInt64 || position.dims.size() > 1 || (position.dims.size() == 1 && position.dims[0] != B)) {
     m << "position '" << position.name << "' must be an int64 scalar or a vector of " << B << " positions";
     return paged::Bad(op, node, m.str());
@@ -175,7 +212,7 @@ Status PlanPagedCacheUpdate(const std::string& node, const TensorArg& pool, cons
   view->position_stride = position.dims.size() == 1 ? 1 : 0;
   view->B = B;
   view->T = T;
-  const int64_t ps = attrs.page_size, cap = p.max_pages * ps;
+  const int64_t ps = attrs.page_size;
   const std::string where = op + " node '" + node + "'";
   std::vector<int64_t> written;  // page id * page_size + row, to refuse a row written twice
   written.reserve(static_cast<size_t>(B * T));
@@ -185,13 +222,23 @@ Status PlanPagedCacheUpdate(const std::string& node, const TensorArg& pool, cons
       m << "position " << pos << " for row " << b << " of '" << position.name << "' is negative";
       return paged::Bad(op, node, m.str());
     }
+    const int64_t cap = p.Total(b);
     if (pos > cap - T) {
-      m << where << ": row " << b << ": position " << pos << " + tokens " << T << " = " << pos + T
-        << " exceeds the page table's capacity of " << p.max_pages << " pages x " << ps << " tokens = " << cap
-        << " ('" << page_table.name << "'). Remedy: widen the page table. Nothing was written.";
+      if (page_fill == nullptr) {
+        m << where << ": row " << b << ": position " << pos << " + tokens " << T << " = " << pos + T
+          << " exceeds the page table's capacity of " << p.max_pages << " pages x " << ps << " tokens = " << cap
+          << " ('" << page_table.name << "'). Remedy: widen the page table. Nothing was written.";
+      } else {  // Note [Page fill]
+        m << where << ": row " << b << ": position " << pos << " + tokens " << T << " = " << pos + T
+          << " exceeds the row's total fill of " << cap << " tokens ('" << page_fill->name << "' over '"
+          << page_table.name << "'). Remedy: give the row entries (pages and fills) for every position it writes. "
+          << "Nothing was written.";
+      }
       return Status(Code::kCapacity, m.str());
     }
-    for (int64_t pi = pos / ps; pi <= (pos + T - 1) / ps; ++pi) {
+    const int64_t first = p.Locate(b, pos).entry, last = p.Locate(b, pos + T - 1).entry;
+    for (int64_t pi = first; pi <= last; ++pi) {
+      if (p.EntryBegin(b, pi) == p.EntryBegin(b, pi + 1)) continue;  // fill 0: skipped, id not read
       ORTKV_RETURN_IF_ERR(CheckPage(where, p, pool.name, directory.name, page_table.name, b, pi, pos + T));
       const int32_t id = p.page_table[b * p.max_pages + pi];
       const auto f = static_cast<PageFormat>(p.directory[2 * id]);
@@ -204,8 +251,8 @@ Status PlanPagedCacheUpdate(const std::string& node, const TensorArg& pool, cons
       }
     }
     for (int64_t t = 0; t < T; ++t) {
-      const int64_t tok = pos + t;
-      written.push_back(static_cast<int64_t>(p.PageId(b, tok)) * ps + tok % ps);
+      const PagedPool::Loc l = p.Locate(b, pos + t);
+      written.push_back(static_cast<int64_t>(l.id) * ps + l.row);
     }
   }
   std::vector<int64_t> sorted = written;
@@ -226,7 +273,7 @@ Status PlanPagedCacheUpdate(const std::string& node, const TensorArg& pool, cons
   for (int64_t b = 0; b < B; ++b)
     for (int64_t t = 0; t < T; ++t) {
       const int64_t tok = view->position(b) + t;
-      const int32_t id = p.PageId(b, tok);
+      const int32_t id = p.Locate(b, tok).id;
       const auto f = static_cast<PageFormat>(p.directory[2 * id]);
       if (codecs::ScalesPerRow(f) == 0) continue;
       for (int kv = 0; kv < 2; ++kv)
@@ -248,21 +295,22 @@ Status PlanPagedCacheUpdate(const std::string& node, const TensorArg& pool, cons
 
 void PagedUpdateUnitSpan(const PagedUpdateView& v, int64_t unit, uintptr_t* first, uintptr_t* last) {
   const int64_t b = unit / v.T, t = unit % v.T;
-  const PageView pg = v.p.Page(v.p.PageId(b, v.position(b) + t));
+  const PageView pg = v.p.Page(v.p.Locate(b, v.position(b) + t).id);
   *first = reinterpret_cast<uintptr_t>(pg.base);
   *last = *first + pg.layout.page_bytes;
 }
 
 void PagedCacheUpdateCpu(const PagedUpdateView& v, int64_t begin, int64_t end) {
-  const int64_t D = v.p.shape.head_size, Hkv = v.p.shape.kv_heads, ps = v.p.shape.page_size;
+  const int64_t D = v.p.shape.head_size, Hkv = v.p.shape.kv_heads;
   std::vector<float> row(static_cast<size_t>(D));
   for (int64_t u = begin; u < end; ++u) {
     const int64_t b = u / v.T, t = u % v.T, tok = v.position(b) + t;
-    const PageView pg = v.p.Page(v.p.PageId(b, tok));
+    const PagedPool::Loc l = v.p.Locate(b, tok);  // Note [Page fill]
+    const PageView pg = v.p.Page(l.id);
     for (int kv = 0; kv < 2; ++kv)
       for (int64_t h = 0; h < Hkv; ++h) {
         paged::LoadRow(v.elem_type, kv ? v.value : v.key, ((b * v.T + t) * Hkv + h) * D, D, row.data());
-        pg.EncodeRow(kv, static_cast<int32_t>(h), static_cast<int32_t>(tok % ps), row.data());  // checked by the plan
+        pg.EncodeRow(kv, static_cast<int32_t>(h), l.row, row.data());  // checked by the plan
       }
   }
 }

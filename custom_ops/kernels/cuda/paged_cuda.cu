@@ -24,9 +24,29 @@ using codecs::PageFormat;
 constexpr int64_t kPagedMinChunk = 256;
 
 // ---- host plans -----------------------------------------------------------------------------------
+// Note [Page fill] on CUDA: the input's type and shape (its values are on the device: FillPrefixKernel).
+Status FillShape(const std::string& op, const std::string& node, const TensorArg* fill, const std::string& table_name,
+                 int64_t B, PagedPool* p) {
+  p->page_fill = nullptr;
+  p->fill_prefix = nullptr;
+  if (fill == nullptr) return Status::Ok();
+  if (fill->elem_type != 6 /* int32 */ || fill->dims.size() != 2 || fill->dims[0] != B || fill->dims[1] != p->max_pages) {
+    std::ostringstream m;
+    m << "page_fill '" << fill->name << "' must be int32 [batch=" << B << ", max_pages=" << p->max_pages
+      << "], the shape of the page table '" << table_name << "'; got " << ElemTypeName(fill->elem_type) << " of rank "
+      << fill->dims.size();
+    if (fill->dims.size() == 2) m << " [" << fill->dims[0] << ", " << fill->dims[1] << "]";
+    m << ". Remedy: bind one fill per page-table entry (Note [Page fill]). Nothing was written.";
+    return paged::Bad(op, node, m.str());
+  }
+  p->page_fill = static_cast<const int32_t*>(fill->data);
+  return Status::Ok();
+}
+
 Status PlanPagedCacheUpdateCuda(const std::string& node, const TensorArg& pool, const TensorArg& directory,
                                 const TensorArg& page_table, const TensorArg& key, const TensorArg& value,
-                                const TensorArg& position, const PagedAttrs& attrs, PagedUpdateCudaView* view) {
+                                const TensorArg& position, const PagedAttrs& attrs, PagedUpdateCudaView* view,
+                                const TensorArg* page_fill) {
   const std::string op = "PagedCacheUpdate";
   std::ostringstream m;
   const auto logical = [](int32_t t) { return t == kFloat32 || t == kFloat16 || t == kBFloat16; };
@@ -55,6 +75,7 @@ Status PlanPagedCacheUpdateCuda(const std::string& node, const TensorArg& pool, 
     m << "page table '" << page_table.name << "' has no columns: " << T << " tokens per row cannot be placed";
     return Status(Code::kCapacity, op + " node '" + node + "': " + m.str());
   }
+  ORTKV_RETURN_IF_ERR(FillShape(op, node, page_fill, page_table.name, B, &view->p));
   view->key = key.data;
   view->value = value.data;
   view->elem_type = key.elem_type;
@@ -68,7 +89,7 @@ Status PlanPagedCacheUpdateCuda(const std::string& node, const TensorArg& pool, 
 Status PlanPagedCacheAttentionCuda(const std::string& node, const TensorArg& q, const TensorArg& pool,
                                    const TensorArg& directory, const TensorArg& page_table, const TensorArg& start,
                                    int64_t num_heads, const PagedAttrs& attrs, float scale, void* out, int sm_count,
-                                   PagedAttentionCudaView* view) {
+                                   PagedAttentionCudaView* view, const TensorArg* page_fill) {
   const std::string op = "PagedCacheAttention";
   std::ostringstream m;
   if (q.elem_type != kFloat32 && q.elem_type != kFloat16 && q.elem_type != kBFloat16) {
@@ -101,6 +122,7 @@ Status PlanPagedCacheAttentionCuda(const std::string& node, const TensorArg& q, 
     m << "start '" << start.name << "' must be an int64 scalar or a vector of " << B << " start positions";
     return paged::Bad(op, node, m.str());
   }
+  ORTKV_RETURN_IF_ERR(FillShape(op, node, page_fill, page_table.name, B, &view->p));
   const int64_t cap = view->p.max_pages * attrs.page_size;
   if (T > cap && B > 0) {
     m << op << " node '" << node << "': " << T << " query tokens exceed the page table's capacity of "
@@ -164,6 +186,36 @@ __device__ __forceinline__ int64_t TableAt(const PagedPool& p, int64_t b, int64_
   return p.page_table[b * p.max_pages + pi];
 }
 
+// Note [Page fill] on CUDA: the rows entry e of row b holds (page_size without page_fill), the row's
+// capacity (its total fill), and the entry and row of logical position t < RowTotal (a binary search
+// over the device prefix sums, as PagedPool::Locate on the host).
+__device__ __forceinline__ int64_t EntryFill(const PagedPool& p, int64_t b, int64_t e) {
+  return p.page_fill == nullptr ? p.shape.page_size : p.page_fill[b * p.max_pages + e];
+}
+__device__ __forceinline__ int64_t RowTotal(const PagedPool& p, int64_t b) {
+  return p.fill_prefix == nullptr ? p.max_pages * p.shape.page_size : p.fill_prefix[b * (p.max_pages + 1) + p.max_pages];
+}
+__device__ __forceinline__ int64_t EntryOf(const PagedPool& p, int64_t b, int64_t t, int64_t* row) {
+  if (p.fill_prefix == nullptr) {
+    *row = t % p.shape.page_size;
+    return t / p.shape.page_size;
+  }
+  const int64_t* pre = p.fill_prefix + b * (p.max_pages + 1);
+  int64_t lo = 0, hi = p.max_pages;  // pre[lo] <= t < pre[hi]
+  while (hi - lo > 1) {
+    const int64_t mid = (lo + hi) / 2;
+    if (pre[mid] <= t) lo = mid; else hi = mid;
+  }
+  *row = t - pre[lo];
+  return lo;
+}
+// A fill outside [0, page_size] (counted as 0 by FillPrefixKernel), else the entry's page problem.
+__device__ __forceinline__ int EntryProblem(const PagedPool& p, int64_t b, int64_t e, bool write) {
+  const int64_t f = EntryFill(p, b, e);
+  if (f < 0 || f > p.shape.page_size) return kPageBadFill;
+  return PageProblem(p, TableAt(p, b, e), write);
+}
+
 // The layer's page bytes of a validated page id.
 __device__ __forceinline__ uint8_t* LayerBase(const PagedPool& p, int64_t id, int* fmt) {
   const int f = static_cast<int>(p.directory[2 * id]);
@@ -192,6 +244,17 @@ __device__ void WriteReport(ortkv_device_error* err, int32_t label, int code, in
   *reinterpret_cast<volatile int32_t*>(&err->code) = code;
 }
 
+__device__ __forceinline__ uint64_t PageDetail(const PagedPool& p, int64_t id, int problem);
+
+// The ORTKV_DERR_PAGE detail of entry e of row b: a bad fill carries its value in the offset field.
+__device__ __forceinline__ uint64_t EntryDetail(const PagedPool& p, int64_t b, int64_t e, bool write) {
+  const int problem = EntryProblem(p, b, e, write);
+  if (problem == kPageBadFill)
+    return static_cast<uint64_t>(problem) |
+           (static_cast<uint64_t>(static_cast<uint32_t>(p.page_fill[b * p.max_pages + e])) << 16);
+  return PageDetail(p, TableAt(p, b, e), problem);
+}
+
 __device__ __forceinline__ uint64_t PageDetail(const PagedPool& p, int64_t id, int problem) {
   uint64_t f = 0, off = 0;
   if (id >= 0 && id < p.num_pages) {
@@ -199,6 +262,57 @@ __device__ __forceinline__ uint64_t PageDetail(const PagedPool& p, int64_t id, i
     off = static_cast<uint64_t>(p.directory[2 * id + 1]) & ((1ull << 48) - 1);
   }
   return static_cast<uint64_t>(problem) | (f << 8) | (off << 16);
+}
+
+// Note [Page fill] on CUDA: one block per row: the exclusive prefix sums of the row's fills into
+// prefix[b, 0 .. max_pages] (a fill outside [0, page_size] counts as 0, so the sums stay monotone, and
+// its entry is the row's failure key: atomicMin into `flag` when given, and row_flags[b] = the key or
+// kNoError when given).
+constexpr int kFillThreads = 128;
+__global__ void __launch_bounds__(kFillThreads) FillPrefixKernel(const PagedPool p, int64_t* prefix,
+                                                                   unsigned long long* flag,
+                                                                   unsigned long long* row_flags) {
+  __shared__ int64_t s_sum[kFillThreads];
+  __shared__ unsigned long long s_bad;
+  const int64_t b = blockIdx.x, M = p.max_pages, ps = p.shape.page_size;
+  const int32_t* fill = p.page_fill + b * M;
+  int64_t* pre = prefix + b * (M + 1);
+  const int tid = threadIdx.x;
+  const int64_t seg = (M + kFillThreads - 1) / kFillThreads;
+  const int64_t e0 = tid * seg < M ? tid * seg : M, e1 = e0 + seg < M ? e0 + seg : M;
+  if (tid == 0) s_bad = kNoError;
+  __syncthreads();
+  int64_t sum = 0;
+  for (int64_t e = e0; e < e1; ++e) {
+    const int32_t v = fill[e];
+    if (v < 0 || v > ps) {
+      atomicMin(&s_bad, Key(kClassRow, (static_cast<unsigned long long>(b) << 28) | static_cast<unsigned long long>(e + 1)));
+    } else {
+      sum += v;
+    }
+  }
+  s_sum[tid] = sum;
+  __syncthreads();
+  if (tid == 0) {
+    int64_t run = 0;
+    for (int i = 0; i < kFillThreads; ++i) {
+      const int64_t x = s_sum[i];
+      s_sum[i] = run;
+      run += x;
+    }
+    pre[0] = 0;
+  }
+  __syncthreads();
+  int64_t run = s_sum[tid];
+  for (int64_t e = e0; e < e1; ++e) {
+    const int32_t v = fill[e];
+    run += (v < 0 || v > ps) ? 0 : v;
+    pre[e + 1] = run;
+  }
+  if (tid == 0) {
+    if (flag != nullptr && s_bad != kNoError) atomicMin(flag, s_bad);
+    if (row_flags != nullptr) row_flags[b] = s_bad;
+  }
 }
 
 // ---- PagedCacheUpdate --------------------------------------------------------------------------------
@@ -209,17 +323,19 @@ struct UpdateArgs {
 __device__ __forceinline__ int64_t Pos(const PagedUpdateCudaView& v, int64_t b) {
   return v.positions[b * v.position_stride];
 }
-__device__ __forceinline__ bool PosOk(const PagedUpdateCudaView& v, int64_t pos) {
-  return pos >= 0 && pos <= v.p.max_pages * v.p.shape.page_size - v.T;
+__device__ __forceinline__ bool PosOk(const PagedUpdateCudaView& v, int64_t b, int64_t pos) {
+  return pos >= 0 && pos <= RowTotal(v.p, b) - v.T;
 }
 
 // The (valid) page id of unit u's token, or -1 when its row or page is bad (reported by the row check).
-__device__ __forceinline__ int64_t UnitPage(const PagedUpdateCudaView& v, int64_t u, int64_t* tok) {
+// (Note [Page fill]: *prow is the token's row in that page.)
+__device__ __forceinline__ int64_t UnitPage(const PagedUpdateCudaView& v, int64_t u, int64_t* tok, int64_t* prow) {
   const int64_t b = u / v.T, t = u % v.T, pos = Pos(v, b);
-  if (!PosOk(v, pos)) return -1;
+  if (!PosOk(v, b, pos)) return -1;
   *tok = pos + t;
-  const int64_t id = TableAt(v.p, b, *tok / v.p.shape.page_size);
-  return PageProblem(v.p, id, true) == kPageOk ? id : -1;
+  const int64_t e = EntryOf(v.p, b, *tok, prow);
+  if (EntryProblem(v.p, b, e, true) != kPageOk) return -1;
+  return TableAt(v.p, b, e);
 }
 
 // RowScales (codecs.h) over a row of the source, loaded element by element.
@@ -256,35 +372,36 @@ __device__ __forceinline__ int RangeHit(const PagedRangeCheck& r, uint64_t first
 __global__ void PagedUpdateCheckKernel(const UpdateArgs args) {
   const PagedUpdateCudaView& v = args.v;
   unsigned long long* flag = static_cast<unsigned long long*>(v.flag);
-  const int64_t Hkv = v.p.shape.kv_heads, ps = v.p.shape.page_size, D = v.p.shape.head_size;
+  const int64_t Hkv = v.p.shape.kv_heads, D = v.p.shape.head_size;
   const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (i >= v.B * v.T * 2 * Hkv) return;
   const int64_t h = i % Hkv, kv = (i / Hkv) % 2, u = i / (2 * Hkv);
   const int64_t b = u / v.T, t = u % v.T;
   if (t == 0 && kv == 0 && h == 0) {  // the row: position, then every page its T tokens touch
     const int64_t pos = Pos(v, b);
-    if (!PosOk(v, pos)) {
+    if (!PosOk(v, b, pos)) {
       atomicMin(flag, Key(kClassRow, static_cast<unsigned long long>(b) << 28));
     } else {
-      for (int64_t pi = pos / ps; pi <= (pos + v.T - 1) / ps; ++pi) {
-        if (PageProblem(v.p, TableAt(v.p, b, pi), true) != kPageOk) {
+      int64_t r0 = 0, r1 = 0;
+      const int64_t e_first = EntryOf(v.p, b, pos, &r0), e_last = EntryOf(v.p, b, pos + v.T - 1, &r1);
+      for (int64_t pi = e_first; pi <= e_last; ++pi) {
+        if (EntryFill(v.p, b, pi) == 0) continue;  // skipped by the mapping (Note [Page fill])
+        if (EntryProblem(v.p, b, pi, true) != kPageOk) {
           atomicMin(flag, Key(kClassRow, (static_cast<unsigned long long>(b) << 28) | static_cast<unsigned long long>(pi + 1)));
           break;
         }
       }
     }
   }
-  int64_t tok = 0;
-  const int64_t id = UnitPage(v, u, &tok);
+  int64_t tok = 0, prow = 0;
+  const int64_t id = UnitPage(v, u, &tok, &prow);
   if (id < 0) return;
   if (kv == 0 && h == 0) {
     // a (page, row) written twice: the first later unit that repeats an earlier one
-    const int64_t mine = id * ps + tok % ps;
     for (int64_t w = 0; w < u; ++w) {
-      int64_t tw = 0;
-      const int64_t idw = UnitPage(v, w, &tw);
-      if (idw == id && tw % ps == tok % ps) {
-        (void)mine;
+      int64_t tw = 0, rw = 0;
+      const int64_t idw = UnitPage(v, w, &tw, &rw);
+      if (idw == id && rw == prow) {
         atomicMin(flag, Key(kClassShared, static_cast<unsigned long long>(u)));
         break;
       }
@@ -307,41 +424,44 @@ __global__ void PagedUpdateCheckKernel(const UpdateArgs args) {
 // Block 0's thread 0 of the store kernel, when the flag holds a failure: the report.
 __device__ void ReportUpdate(const PagedUpdateCudaView& v, unsigned long long key) {
   ortkv_device_error* err = static_cast<ortkv_device_error*>(v.error_word);  // [0]: the update word
-  const int64_t cap = v.p.max_pages * v.p.shape.page_size, ps = v.p.shape.page_size, Hkv = v.p.shape.kv_heads;
+  const int64_t Hkv = v.p.shape.kv_heads;
   const unsigned long long cls = key >> 60, detail = key & ((1ull << 60) - 1);
+  const bool fill = v.p.page_fill != nullptr;
   if (cls == kClassRow) {
     const int64_t b = static_cast<int64_t>(detail >> 28), sub = static_cast<int64_t>(detail & ((1ull << 28) - 1));
-    const int64_t pos = Pos(v, b);
+    const int64_t pos = Pos(v, b), cap = RowTotal(v.p, b);
     if (sub == 0) {
-      WriteReport(err, v.label, pos < 0 ? ORTKV_DERR_NEGATIVE : ORTKV_DERR_CAPACITY, b, pos, v.T, cap, 0, 0, 0);
+      WriteReport(err, v.label, pos < 0 ? ORTKV_DERR_NEGATIVE : ORTKV_DERR_CAPACITY, b, pos, v.T, cap, 0,
+                  fill ? 1 : 0, 0);
       return;
     }
     const int64_t pi = sub - 1, id = TableAt(v.p, b, pi);
     WriteReport(err, v.label, ORTKV_DERR_PAGE, b, pos, v.T, cap, static_cast<uint64_t>(pi), static_cast<uint64_t>(id),
-                PageDetail(v.p, id, PageProblem(v.p, id, true)));
+                EntryDetail(v.p, b, pi, true));
     return;
   }
+  const int64_t cap = RowTotal(v.p, 0);  // the remaining reports do not print it
   if (cls == kClassShared) {
     const int64_t u = static_cast<int64_t>(detail);
-    int64_t tok = 0;
-    const int64_t id = UnitPage(v, u, &tok);
+    int64_t tok = 0, prow = 0;
+    const int64_t id = UnitPage(v, u, &tok, &prow);
     int64_t first_row = 0;
     for (int64_t w = 0; w < u; ++w) {
-      int64_t tw = 0;
-      if (UnitPage(v, w, &tw) == id && tw % ps == tok % ps) {
+      int64_t tw = 0, rw = 0;
+      if (UnitPage(v, w, &tw, &rw) == id && rw == prow) {
         first_row = w / v.T;
         break;
       }
     }
     WriteReport(err, v.label, ORTKV_DERR_SHARED_ROW, u / v.T, tok, v.T, cap, static_cast<uint64_t>(first_row),
-                static_cast<uint64_t>(id), static_cast<uint64_t>(tok % ps));
+                static_cast<uint64_t>(id), static_cast<uint64_t>(prow));
     return;
   }
   if (cls == kClassEncode) {
     const int64_t i = static_cast<int64_t>(detail);
     const int64_t h = i % Hkv, kv = (i / Hkv) % 2, u = i / (2 * Hkv);
-    int64_t tok = 0;
-    const int64_t id = UnitPage(v, u, &tok);
+    int64_t tok = 0, prow = 0;
+    const int64_t id = UnitPage(v, u, &tok, &prow);
     const PageFormat f = static_cast<PageFormat>(v.p.directory[2 * id]);
     const codecs::RowResult r = SourceRowScales(v, codecs::RowFormat(f), kv ? v.value : v.key,
                                                 (u * Hkv + h) * v.p.shape.head_size, v.p.shape.head_size);
@@ -351,8 +471,8 @@ __device__ void ReportUpdate(const PagedUpdateCudaView& v, unsigned long long ke
     return;
   }
   const int64_t u = static_cast<int64_t>(detail);
-  int64_t tok = 0;
-  const int64_t id = UnitPage(v, u, &tok);
+  int64_t tok = 0, prow = 0;
+  const int64_t id = UnitPage(v, u, &tok, &prow);
   int f = 0;
   const uint64_t first = reinterpret_cast<uint64_t>(LayerBase(v.p, id, &f));
   const uint64_t last = first + v.p.layouts[f].page_bytes;
@@ -400,13 +520,13 @@ __global__ void __launch_bounds__(kStoreWarps * 32) PagedUpdateStoreKernel(const
   const int64_t Hkv = v.p.shape.kv_heads, ps = v.p.shape.page_size;
   const int32_t D = v.p.shape.head_size;
   const int64_t h = i % Hkv, kv = (i / Hkv) % 2, u = i / (2 * Hkv);
-  int64_t tok = 0;
-  const int64_t id = UnitPage(v, u, &tok);  // valid: the check passed
+  int64_t tok = 0, prow = 0;
+  const int64_t id = UnitPage(v, u, &tok, &prow);  // valid: the check passed
   int fi = 0;
   uint8_t* base = LayerBase(v.p, id, &fi);
   const PageFormat f = codecs::RowFormat(static_cast<PageFormat>(fi));
   const codecs::PageLayout& lay = v.p.layouts[fi];
-  const uint64_t row = static_cast<uint64_t>(h) * ps + static_cast<uint64_t>(tok % ps);
+  const uint64_t row = static_cast<uint64_t>(h) * ps + static_cast<uint64_t>(prow);
   uint8_t* payload = base + (kv ? lay.v_payload : lay.k_payload) + row * lay.row_bytes;
   uint16_t* scales = reinterpret_cast<uint16_t*>(base + (kv ? lay.v_scales : lay.k_scales) + row * lay.scale_row_bytes);
   const void* src = kv ? v.value : v.key;
@@ -608,7 +728,7 @@ struct AttnArgs {
 
 __device__ __forceinline__ int64_t ClampedStart(const PagedAttentionCudaView& v, int64_t b, bool* bad) {
   int64_t st = v.start[b * v.start_stride];
-  const int64_t hi = v.p.max_pages * v.p.shape.page_size - v.T;
+  const int64_t hi = RowTotal(v.p, b) - v.T;
   *bad = st < 0 || st > hi;
   return st < 0 ? 0 : (st > hi ? hi : st);
 }
@@ -648,8 +768,11 @@ __global__ void __launch_bounds__(kThreads) PagedAttentionKernel(const AttnArgs 
   // every page of [j0, j1) is checked before any is read (Note [Paged CUDA])
   int bad = 0;
   if (j1 > j0) {
-    for (int64_t pi = j0 / ps + threadIdx.x; pi <= (j1 - 1) / ps; pi += kThreads) {
-      if (PageProblem(a.p, TableAt(a.p, b, pi), false) != kPageOk) {
+    int64_t r0 = 0, r1 = 0;
+    const int64_t e_first = EntryOf(a.p, b, j0, &r0), e_last = EntryOf(a.p, b, j1 - 1, &r1);
+    for (int64_t pi = e_first + threadIdx.x; pi <= e_last; pi += kThreads) {
+      if (EntryFill(a.p, b, pi) == 0) continue;  // skipped by the mapping (Note [Page fill])
+      if (EntryProblem(a.p, b, pi, false) != kPageOk) {
         atomicMin(flag, Key(kClassRow, (static_cast<unsigned long long>(b) << 28) | static_cast<unsigned long long>(pi + 1)));
         bad = 1;
       }
@@ -695,9 +818,11 @@ __global__ void __launch_bounds__(kThreads) PagedAttentionKernel(const AttnArgs 
       ok[u] = j < jend;
       if (ok[u]) {
         int fmt = 0;
-        const uint8_t* pg = LayerBase(a.p, TableAt(a.p, b, j / ps), &fmt);
+        int64_t row = 0;
+        const int64_t e = EntryOf(a.p, b, j, &row);
+        const uint8_t* pg = LayerBase(a.p, TableAt(a.p, b, e), &fmt);
         const codecs::PageLayout& lay = a.p.layouts[fmt];
-        const int r = static_cast<int>(j % ps);
+        const int r = static_cast<int>(row);
         if (d0 < D) {
           Decode8<VEC>(pg, fmt, lay, 0, static_cast<int>(hk), r, ps, d0, D, kf[u]);
           Decode8<VEC>(pg, fmt, lay, 1, static_cast<int>(hk), r, ps, d0, D, vf[u]);
@@ -808,17 +933,18 @@ __global__ void __launch_bounds__(kThreads) PagedAttentionKernel(const AttnArgs 
 // Block 0's thread 0 of the epilogue: the attention's report (word [1]).
 __device__ void ReportAttention(const PagedAttentionCudaView& a, unsigned long long key) {
   ortkv_device_error* err = a.error_word ? static_cast<ortkv_device_error*>(a.error_word) + 1 : nullptr;
-  const int64_t cap = a.p.max_pages * a.p.shape.page_size;
   const unsigned long long detail = key & ((1ull << 60) - 1);
   const int64_t b = static_cast<int64_t>(detail >> 28), sub = static_cast<int64_t>(detail & ((1ull << 28) - 1));
+  const int64_t cap = RowTotal(a.p, b);
   const int64_t st = a.start[b * a.start_stride];
   if (sub == 0) {
-    WriteReport(err, a.label, st < 0 ? ORTKV_DERR_NEGATIVE : ORTKV_DERR_CAPACITY, b, st, a.T, cap, 0, 0, 0);
+    WriteReport(err, a.label, st < 0 ? ORTKV_DERR_NEGATIVE : ORTKV_DERR_CAPACITY, b, st, a.T, cap, 0,
+                a.p.page_fill != nullptr ? 1 : 0, 0);
     return;
   }
   const int64_t pi = sub - 1, id = TableAt(a.p, b, pi);
   WriteReport(err, a.label, ORTKV_DERR_PAGE, b, st, a.T, cap, static_cast<uint64_t>(pi), static_cast<uint64_t>(id),
-              PageDetail(a.p, id, PageProblem(a.p, id, false)));
+              EntryDetail(a.p, b, pi, false));
 }
 
 // One block per (unit, query head): merges the S chunks (splits > 1); block 0 also reports.
@@ -843,7 +969,9 @@ __global__ void PagedCombineKernel(const AttnArgs args) {
       if (threadIdx.x == 0 && s_key != kNoError) ReportAttention(a, s_key);
     }
   } else if (blockIdx.x == 0 && threadIdx.x == 0) {
-    const unsigned long long key = *static_cast<const volatile unsigned long long*>(a.flag);
+    unsigned long long key = *static_cast<const volatile unsigned long long*>(a.flag);
+    if (a.row_flags != nullptr)  // Note [Page fill]: FillPrefixKernel's bad fills
+      for (int64_t r = 0; r < a.B; ++r) key = a.row_flags[r] < key ? a.row_flags[r] : key;
     if (key != kNoError) ReportAttention(a, key);
   }
   if (a.splits <= 1) return;
@@ -1508,6 +1636,14 @@ Status PagedCacheUpdateCuda(const PagedUpdateCudaView& v, void* stream_ptr) {
   UpdateArgs a{v};
   cudaError_t e = cudaMemsetAsync(v.flag, 0xFF, sizeof(unsigned long long), stream);
   if (e != cudaSuccess) return LaunchError("PagedCacheUpdate", e);
+  if (v.p.page_fill != nullptr) {  // Note [Page fill] on CUDA: the prefix sums first
+    if (v.fill_prefix == nullptr) return Status(Code::kRuntime, "PagedCacheUpdate CUDA: no page_fill workspace");
+    a.v.p.fill_prefix = v.fill_prefix;
+    FillPrefixKernel<<<static_cast<unsigned>(v.B), kFillThreads, 0, stream>>>(
+        a.v.p, v.fill_prefix, static_cast<unsigned long long*>(v.flag), nullptr);
+    e = cudaGetLastError();
+    if (e != cudaSuccess) return LaunchError("PagedCacheUpdate", e);
+  }
   const int64_t rows = v.rows();
   const int64_t check_blocks = (rows + 127) / 128, store_blocks = (rows + kStoreWarps - 1) / kStoreWarps;
   if (store_blocks > 0x7fffffff) return Status(Code::kInvalidArgument, "PagedCacheUpdate CUDA: too many rows for one launch; split the batch");
@@ -1528,6 +1664,10 @@ Status PagedCacheAttentionCuda(const PagedAttentionCudaView& v, void* stream_ptr
   AttnArgs a;
   a.v = v;
   a.head_blocks = (G + gm - 1) / gm;
+  const bool fill = v.p.page_fill != nullptr;
+  if (fill && (v.fill_prefix == nullptr || v.row_flags == nullptr))
+    return Status(Code::kRuntime, "PagedCacheAttention CUDA: no page_fill workspace");
+  if (fill) a.v.p.fill_prefix = v.fill_prefix;
   int tpk = 1;
   while (tpk * kEPT < v.D) tpk *= 2;
   a.tpk = tpk;
@@ -1538,11 +1678,17 @@ Status PagedCacheAttentionCuda(const PagedAttentionCudaView& v, void* stream_ptr
   cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
   bool v1 = false;
   ORTKV_RETURN_IF_ERR(CudaAttentionKernelChoice(&v1));
-  const bool v2 = !v1 && v.vec && v.D <= kAttnCudaMaxHeadSize && v.p.shape.page_size % pv2::kU == 0 &&
-                  v.block_flags != nullptr;  // Note [Paged CUDA v2]
+  const bool v2 = !v1 && !fill && v.vec && v.D <= kAttnCudaMaxHeadSize && v.p.shape.page_size % pv2::kU == 0 &&
+                  v.block_flags != nullptr;  // Note [Paged CUDA v2]; page_fill: Note [Page fill] on CUDA
   cudaError_t e = cudaSuccess;
   if (!v2) {  // the first kernel's blocks atomicMin into one flag: cleared first
     e = cudaMemsetAsync(v.flag, 0xFF, sizeof(unsigned long long), stream);
+    if (e != cudaSuccess) return LaunchError("PagedCacheAttention", e);
+  }
+  if (fill) {
+    FillPrefixKernel<<<static_cast<unsigned>(v.B), kFillThreads, 0, stream>>>(a.v.p, v.fill_prefix, nullptr,
+                                                                               v.row_flags);
+    e = cudaGetLastError();
     if (e != cudaSuccess) return LaunchError("PagedCacheAttention", e);
   }
   switch (v.elem_type) {

@@ -4,7 +4,7 @@ continuous-batching scheduler (docs/cache.md; Notes [Page metadata], [Admission]
 [Page store protocol], [Scheduler])."""
 
 from ..errors import CacheProtocolError, CapacityError, SequenceBusyError, SequenceRemovedError
-from .pages import PageCache, PageCopy, PageInfo, Placement, Refusal
+from .pages import PageCache, PageInfo, Placement, Refusal
 from .scheduler import Event, Row, Scheduler, Step
 from .prefix import PrefixIndex, chain_hashes
 from .store import MemoryPageStore, PageStore
@@ -14,7 +14,6 @@ __all__ = [
     "CapacityError",
     "MemoryPageStore",
     "PageCache",
-    "PageCopy",
     "PageInfo",
     "PageStore",
     "Placement",

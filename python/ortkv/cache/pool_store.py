@@ -8,15 +8,11 @@ straight through, and a page keeps its id when it is requantized (only its direc
 the cache's page tables stay valid. ``page_bytes(fmt)`` is the bytes of one page of every layer (a
 pool slot), as the protocol wants; PagePool.page_bytes is one layer's.
 
-``copy(src, dst)`` is the copy-on-write of a shared partly filled page (``Placement.copies``): both
-pages must be live and in the same format (the cache opens every page in its one write format, and
-only partly filled pages, never requantized, are copied), and the whole slot of ``src`` (every
-layer, K and V) is copied onto ``dst``'s slot. Rows past ``PageCopy.rows`` are copied too: they are
-past the writer's length, the paged ops never read them, and the next writes overwrite them; copying
-the slot whole keeps the copy one memcpy of a layout this module need not know (on a CUDA pool, one
-device-to-device cudaMemcpy: PagePool.copy_bytes). The bytes are
-counted in the pool's own ``bytes_copied`` counter (with requantize's), so "zero bytes copied" is read
-from one place. The pool's refusal (its governor, or max_pages) is a ``CapacityError`` from ``alloc``,
+``copy(src, dst)`` copies the whole slot of ``src`` (every layer, K and V) onto ``dst``'s, both live and
+in the same format (on a CUDA pool, one device-to-device cudaMemcpy: PagePool.copy_bytes). PageCache no
+longer calls it: forks and reorders share partly filled pages through page fills (Note [Page metadata]),
+so no step copies. The bytes are counted in the pool's own ``bytes_copied`` counter (with requantize's),
+so "zero bytes copied" is read from one place. The pool's refusal (its governor, or max_pages) is a ``CapacityError`` from ``alloc``,
 which PageCache's admission turns into eviction of cold cached pages or a Refusal (Note [Admission]).
 """
 

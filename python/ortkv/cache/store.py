@@ -12,10 +12,10 @@ touches KV bytes. From the store it needs only:
                           does that, and the state-machine test checks it).
   page_bytes(fmt)         bytes of one page of that format (all layers), for reports.
 
-and, from whoever runs a step (not from the cache), ``copy(src, dst)``: the copy-on-write requests of
-a ``Placement`` (``Placement.copies``), executed before the run; only partly filled pages are ever
-copied, and those are in the format new pages are written in, so a copy is one slot's bytes.
-``ortkv.paged.PagePool`` provides alloc / free / requantize; ``copy`` is the one method it must add.
+The cache never asks for a copy: forks and beam reorders share pages, partly filled ones included,
+through per-entry fills (Note [Page metadata], Note [Page fill]). ``copy(src, dst)`` (one slot, counted
+in ``bytes_copied``) remains a store primitive that nothing in ortkv.cache calls.
+``ortkv.paged.PagePool`` provides alloc / free / requantize.
 The store's own refusal (a governor's budget) is the only refusal admission cannot foresee, so
 admission allocates every page a step needs before it changes any metadata, and gives them back if
 one allocation is refused (Note [Admission]).

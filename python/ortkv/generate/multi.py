@@ -9,16 +9,15 @@ the Scheduler), parallel sampling (``num_return_sequences``), beam search (``num
 
 Note [Placement runs]
 ~~~~~~~~~~~~~~~~~~~~~
-A ``Placement`` says where each row's new tokens go (page_table row, start). The paged decoder takes
-input_ids [B, T] with one T for the whole batch and writes every one of the T tokens of a row, so rows
-are grouped by token count (``Placement.runs()``) and each group is one ORT run on the page_table rows
-and starts of that group: no padding token is ever written into a page. Before the first run the
-step's copy-on-write requests (``Placement.copies``) are executed on the pool (``PoolPageStore.copy``);
-they are the only KV bytes the cache layer ever moves (on a CUDA pool: one device-to-device copy of a
-slot each, Note [Page pool on CUDA]). The runs of one step are independent (rows
-never share a page they write: admission gave every writer of a shared partly filled page its own
-copy), so their order does not matter. If a run fails, the step is cancelled (``PageCache.cancel``:
-pages it took go back) and the error propagates; nothing is half-admitted.
+A ``Placement`` says where each row's new tokens go (page_table and page_fill rows, start). The paged
+decoder (built with the page_fill input, Note [Paged decoder]) takes input_ids [B, T] with one T for the
+whole batch and writes every one of the T tokens of a row, so rows are grouped by token count
+(``Placement.runs()``) and each group is one ORT run on the page_table rows, page_fill rows and starts of
+that group: no padding token is ever written into a page. No KV byte is moved before or between runs
+(Note [Page metadata]: forks and reorders share pages through fills). The runs of one step are
+independent (no two rows write one (page, row), and no row writes a row another sequence sees), so
+their order does not matter. If a run fails, the step is cancelled (``PageCache.cancel``: pages it took
+go back, fills and marks restored) and the error propagates; nothing is half-admitted.
 
 On CUDA the same runs go through the CUDA execution provider: the pool in a
 CUDA arena, the directory the pool's device copy, input ids / starts / page-table rows fed from the host
@@ -41,11 +40,11 @@ Beams are cache sequences. The prompt is prefilled once on beam 0, which is fork
      length_penalty <= the worst's; current length = prompt + generated, this step's token included);
      it also ends at max_new_tokens / max_length, and then (only then, as in Hugging Face's finalize)
      the running beams are offered as hypotheses too;
-  4. the reorder: ``PageCache.reorder(beams, parents)``: beam i takes over its parent's pages. A
-     page-table change: no KV byte moves. Then one decode step admits each beam's new token; a beam
-     whose last page is partly filled and shared with another beam (two children of one parent) gets
-     a copy of that one page (copy-on-write), the only bytes copied, counted in the pool's
-     ``bytes_copied``. A step that starts on a page boundary copies nothing.
+  4. the reorder: ``PageCache.reorder(beams, parents)``: beam i takes over its parent's entries (pages
+     and fills). A page-table change: no KV byte moves. Then one decode step admits each beam's new
+     token; of beams sharing a partly filled last page (two children of one parent), the first appends
+     to it and the others write into a new page each (Note [Page metadata]). No KV byte is ever copied:
+     the pool's ``bytes_copied`` stays 0 (BeamStats.bytes_copied_per_step records it per step).
 The ``num_return_sequences`` best hypotheses are returned, best first.
 """
 
@@ -98,6 +97,12 @@ class MultiRunner:
         from .paged import POOL, _session_options
         from .runners import providers_for
 
+        import onnx
+
+        if "page_fill" not in {i.name for i in onnx.load(str(path), load_external_data=False).graph.input}:
+            raise OrtkvError(f"MultiRunner: {path} has no page_fill input; the many-sequence path binds each row's "
+                             "fills (Note [Page fill]). Build the decoder with to_paged(..., page_fill=True) or use "
+                             "paged_model_path(cfg, page_fill=True)")
         if cfg.device == "cpu" and cfg.dtype != "float32":
             raise OrtkvError(f"the many-sequence path runs the paged decoder on the CPU in float32; got dtype "
                              f"{cfg.dtype}: use dtype float32 (or auto) on the CPU, float16 on CUDA")
@@ -115,8 +120,10 @@ class MultiRunner:
                              max_pages=max_pages or max_sequences * self.pages_per_seq)
         self.store = PoolPageStore(self.pool)
         key = f"{cfg.ortkv.gguf or cfg.ortkv.source}/{cfg.ortkv.weights}/{self.layers}/{self.fmt.name}".encode()
+        # entries: each holds >= 1 token and a write opens at most one page because another sequence held the
+        # mark (Note [Page metadata]), so pages + max_length entries never refuse a sequence for fragmentation
         self.cache = PageCache(self.store, ps, self.pages_per_seq, max_sequences, fmt=int(self.fmt), model_key=key,
-                               prefix_caching=prefix_caching)
+                               prefix_caching=prefix_caching, max_entries=self.pages_per_seq + self.max_length)
         self._pool_name = POOL
         self.sess.bind_cache(POOL, self.pool.pool)
         self.runs = 0            # ORT runs
@@ -126,7 +133,7 @@ class MultiRunner:
     def from_config(cls, cfg: GenAIConfig, log=print, **kw) -> "MultiRunner":
         from .paged import paged_model_path
 
-        return cls(paged_model_path(cfg, log), cfg, **kw)
+        return cls(paged_model_path(cfg, log, page_fill=True), cfg, **kw)
 
     def forward(self, placement, all_logits: bool = False) -> np.ndarray:
         """Run an admitted step (Note [Placement runs]); the caller then calls ``cache.done(placement)``.
@@ -136,15 +143,14 @@ class MultiRunner:
             raise OrtkvError("MultiRunner.forward: the placement was admitted with token counts; admit token ids "
                              "(the model needs them)")
         try:
-            for c in placement.copies:
-                self.store.copy(c.src, c.dst)
             out = [None] * placement.batch
             for rows, t in placement.runs():
                 ids = np.stack([placement.tokens[r] for r in rows]).astype(np.int64)
                 (logits,) = self.sess.run(["logits"], {
                     "input_ids": ids, "positions": placement.start[rows],
                     "directory": self.pool.directory_input(),  # Note [Page pool on CUDA]
-                    "page_table": np.ascontiguousarray(placement.page_table[rows])})
+                    "page_table": np.ascontiguousarray(placement.page_table[rows]),
+                    "page_fill": np.ascontiguousarray(placement.page_fill[rows])})
                 self.runs += 1
                 self.tokens_computed += ids.size
                 for j, r in enumerate(rows):
@@ -267,8 +273,8 @@ class BeamResult:
 @dataclass
 class BeamStats:
     steps: int = 0
-    bytes_copied_per_step: list = field(default_factory=list)
-    copies_per_step: list = field(default_factory=list)
+    bytes_copied_per_step: list = field(default_factory=list)  # the pool's counter: 0 (Note [Page metadata])
+    copies_per_step: list = field(default_factory=list)        # PoolPageStore.copy calls: 0
     boundary_steps: list = field(default_factory=list)   # steps whose writes start on a page boundary
     seconds: float = 0.0
     tokens: int = 0                                       # beam tokens decoded (num_beams per step)
@@ -406,7 +412,7 @@ def run_multi(cfg: GenAIConfig, prompts: list, prompt_ids: list, tok, log=print,
     if path is None:
         from .paged import paged_model_path
 
-        path = paged_model_path(cfg, log)
+        path = paged_model_path(cfg, log, page_fill=True)
     runner = MultiRunner(path, cfg, max_sequences=width, max_length=s.max_length)
     rss_load = rss_bytes()
     seqs, peak_kv = [], 0
@@ -459,5 +465,5 @@ def multi_summary(r: dict) -> str:
     unit = "beam tokens" if s["num_beams"] > 1 else "tokens"
     return (f"[ortkv paged, {what}] {r['tokens']} {unit} in {r['seconds']:.2f} s ({r['decode_tok_s']:.1f}/s, prefill "
             f"included) | KV committed peak {r['kv_bytes'] / 2**20:.1f} MiB ({p['format']} pages of {p['page_size']}) "
-            f"| KV bytes copied {p['bytes_copied']} ({p['copies']} copy-on-write page copies) | peak RSS "
+            f"| KV bytes copied {p['bytes_copied']} | peak RSS "
             f"{r['peak_rss'] / 2**20:.1f} MiB")

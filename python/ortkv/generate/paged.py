@@ -14,7 +14,9 @@ output 0 <- input 0 through GetAliasMap (Note [Aliasing CacheUpdate output]), so
 pool``, which MutableCacheSession binds to the same buffer (and the kernel's pointer check enforces).
 Layer l's attention is ordered before layer l+1's update by data (the update's k and v come from the
 attention's output), as the checker's alias-hazard rule requires. Inputs: input_ids [B, T], positions [B], pool uint8 [pool_bytes] (READ_WRITE), directory int64
-[num_pages, 2], page_table int32 [B, max_pages]. Rewriting the built graph (instead of a second builder)
+[num_pages, 2], page_table int32 [B, max_pages], and with ``page_fill=True`` page_fill int32 [B, max_pages]
+(the ops' optional last input, Note [Page fill]: what the many-sequence path binds so that forks and beam
+reorders copy nothing; that model is saved apart, ``paged-fill-ps{N}``). Rewriting the built graph (instead of a second builder)
 keeps the weights, rotary and MLP code in one place.
 """
 
@@ -40,8 +42,10 @@ def pool_output(i: int) -> str:
     return f"present_pool.{i}"
 
 
-def to_paged(model: onnx.ModelProto, num_heads: int, kv_heads: int, page_size: int) -> onnx.ModelProto:
-    """The ortkv decoder (BSNH) rewritten onto the paged ops (Note [Paged decoder]), in place."""
+def to_paged(model: onnx.ModelProto, num_heads: int, kv_heads: int, page_size: int,
+             page_fill: bool = False) -> onnx.ModelProto:
+    """The ortkv decoder (BSNH) rewritten onto the paged ops (Note [Paged decoder]), in place; with
+    ``page_fill`` both ops of every layer read the graph input ``page_fill`` (Note [Page fill])."""
     g = model.graph
     by_name = {n.name: n for n in g.node}
     producer = {o: n for n in g.node for o in n.output}
@@ -60,10 +64,11 @@ def to_paged(model: onnx.ModelProto, num_heads: int, kv_heads: int, page_size: i
         q, positions = att.input[0], att.input[3]
         prev = POOL if i == 0 else pool_output(i - 1)
         common = dict(layer=i, num_layers=layers, kv_num_heads=kv_heads, page_size=page_size)
-        upd = helper.make_node("PagedCacheUpdate", [prev, "directory", "page_table", k, v, positions],
+        fill = ["page_fill"] if page_fill else []
+        upd = helper.make_node("PagedCacheUpdate", [prev, "directory", "page_table", k, v, positions] + fill,
                                [pool_output(i)], domain="ortkv", name=f"paged_update_{i}", **common)
         declare_output_alias(upd, 0, 0)
-        attn = helper.make_node("PagedCacheAttention", [q, pool_output(i), "directory", "page_table", positions],
+        attn = helper.make_node("PagedCacheAttention", [q, pool_output(i), "directory", "page_table", positions] + fill,
                                 list(att.output), domain="ortkv", name=f"paged_attention_{i}", num_heads=num_heads,
                                 **common)
         removed |= {id(uk), id(uv), id(att)} | {id(r) for r in (rk, rv) if r is not None}
@@ -82,6 +87,8 @@ def to_paged(model: onnx.ModelProto, num_heads: int, kv_heads: int, page_size: i
     inputs += [helper.make_tensor_value_info(POOL, TP.UINT8, ["pool_bytes"]),
                helper.make_tensor_value_info("directory", TP.INT64, ["num_pages", 2]),
                helper.make_tensor_value_info("page_table", TP.INT32, ["batch", "max_pages"])]
+    if page_fill:
+        inputs.append(helper.make_tensor_value_info("page_fill", TP.INT32, ["batch", "max_pages"]))
     outputs.append(helper.make_tensor_value_info(pool_output(layers - 1), TP.UINT8, ["pool_bytes"]))
     del g.input[:]
     g.input.extend(inputs)
@@ -93,15 +100,16 @@ def to_paged(model: onnx.ModelProto, num_heads: int, kv_heads: int, page_size: i
     return model
 
 
-def paged_model_path(cfg: GenAIConfig, log=print):
-    """The paged decoder's model.onnx (one per page size), built on first use next to the other variants."""
+def paged_model_path(cfg: GenAIConfig, log=print, page_fill: bool = False):
+    """The paged decoder's model.onnx (one per page size, and one with the page_fill input for the
+    many-sequence path), built on first use next to the other variants."""
     from .builder import build
     from .config import MAX_POSITIONS
     from .models import gguf_path, model_dir, save_decoder
     from .weights import load
 
     root = model_dir(cfg)
-    name = f"paged-ps{cfg.ortkv.page_size}"
+    name = f"paged-{'fill-' if page_fill else ''}ps{cfg.ortkv.page_size}"
     target = root / name / "model.onnx"
     if target.exists():
         return target
@@ -109,7 +117,7 @@ def paged_model_path(cfg: GenAIConfig, log=print):
     log(f"ortkv: building the paged decoder ({cfg.ortkv.weights} weights, pages of {cfg.ortkv.page_size}) ...")
     c = weights.config
     model = to_paged(build(weights, "ortkv", max_positions=MAX_POSITIONS, cache_layout="BSNH", dtype=cfg.dtype),
-                     c.heads, c.kv_heads, cfg.ortkv.page_size)
+                     c.heads, c.kv_heads, cfg.ortkv.page_size, page_fill=page_fill)
     return save_decoder(model, root, name)
 
 

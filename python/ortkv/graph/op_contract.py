@@ -38,6 +38,7 @@ class Port:
     name: str
     types: tuple[int, ...] | None  # allowed element types (None: any)
     shape: str  # what the kernel expects, for messages and the README
+    optional: bool = False  # INPUT_OUTPUT_OPTIONAL: a trailing port the node may omit (or name "")
 
 
 @dataclass(frozen=True)
@@ -114,11 +115,14 @@ _PAGED_ATTRS = (Attr("layer", INT, required=True, minimum=0, doc="this node's la
 _PAGED_PORTS = (Port("pool", (TensorProto.UINT8,), "[pool_bytes]: every page's bytes"),
                 Port("directory", (TensorProto.INT64,), "[num_pages, 2] = (format, byte offset of the slot)"),
                 Port("page_table", (TensorProto.INT32,), "[batch, max_pages] of page ids, -1 = none"))
+# Note [Page fill] (custom_ops/include/ortkv/paged.h): rows held per page-table entry; absent = all full.
+_PAGE_FILL = Port("page_fill", (TensorProto.INT32,), "[batch, max_pages] rows held per page-table entry, 0 .. "
+                  "page_size (optional; absent = every entry full; CPU kernels only in this build)", optional=True)
 _add(OpContract(
     DOMAIN, "PagedCacheUpdate",
     inputs=_PAGED_PORTS + (Port("key", FLOATS, "[batch, tokens, kv_heads * head_size]"),
                            Port("value", FLOATS, "the key's shape and type"),
-                           Port("position", (TensorProto.INT64,), "scalar or [batch]")),
+                           Port("position", (TensorProto.INT64,), "scalar or [batch]"), _PAGE_FILL),
     outputs=(Port("updated_pool", (TensorProto.UINT8,), "the pool"),),
     must_alias=((0, 0),),
     attrs=_PAGED_ATTRS,
@@ -127,7 +131,7 @@ _add(OpContract(
 _add(OpContract(
     DOMAIN, "PagedCacheAttention",
     inputs=(Port("query", FLOATS, "[batch, tokens, num_heads * head_size]"),) + _PAGED_PORTS +
-           (Port("start", (TensorProto.INT64,), "scalar or [batch]"),),
+           (Port("start", (TensorProto.INT64,), "scalar or [batch]"), _PAGE_FILL),
     outputs=(Port("output", FLOATS, "the query's shape and type"),),
     must_alias=(),
     attrs=(Attr("num_heads", INT, required=True, minimum=1, doc="query heads"),) + _PAGED_ATTRS[:2] +
@@ -194,15 +198,18 @@ def attribute_problems(node, contract: OpContract) -> list[str]:
 
 
 def arity_problems(node, contract: OpContract) -> list[str]:
-    """Every port of an ortkv op is required (INPUT_OUTPUT_REQUIRED): exactly that many, none empty."""
+    """Ports are required (INPUT_OUTPUT_REQUIRED: present, not empty) except trailing ``optional`` ones
+    (INPUT_OUTPUT_OPTIONAL, e.g. page_fill, Note [Page fill]), which a node may omit or name ""."""
     problems = []
     for what, names, ports in (("inputs", list(node.input), contract.inputs),
                                ("outputs", list(node.output), contract.outputs)):
-        want = ", ".join(p.name for p in ports)
-        if len(names) != len(ports):
-            problems.append(f"has {len(names)} {what} but {contract.op_type} takes {len(ports)} ({want})")
-        elif any(not n for n in names):
-            k = next(i for i, n in enumerate(names) if not n)
+        required = sum(1 for p in ports if not p.optional)
+        want = ", ".join(p.name + (" (optional)" if p.optional else "") for p in ports)
+        if not required <= len(names) <= len(ports):
+            takes = f"{len(ports)}" if required == len(ports) else f"{required} to {len(ports)}"
+            problems.append(f"has {len(names)} {what} but {contract.op_type} takes {takes} ({want})")
+        elif any(not n and not ports[i].optional for i, n in enumerate(names)):
+            k = next(i for i, n in enumerate(names) if not n and not ports[i].optional)
             problems.append(f"{what[:-1]} {k} ({ports[k].name}) is empty; every port of {contract.op_type} is "
                             f"required ({want})")
     return problems

@@ -7,10 +7,12 @@ contract, Note [Op contract] in op_contract.py) and checks ``position + n <= cap
 WORKSPACE gives the bytes an op allocates beside its outputs while it runs (the memory planner).
 
 PagedCacheUpdate / PagedCacheAttention (Note [Paged cache physical form] in custom_ops/include/ortkv/paged.h):
-  PagedCacheUpdate(pool, directory, page_table, key, value, position) -> updated_pool (MUST alias the pool);
-      pool uint8 [pool_bytes]; directory int64 [num_pages, 2]; page_table int32 [batch, max_pages];
-      key/value [batch, T, kv_heads * head_size]; a row holds at most max_pages * page_size tokens.
-  PagedCacheAttention(query, pool, directory, page_table, start) -> output shaped and typed like query.
+  PagedCacheUpdate(pool, directory, page_table, key, value, position[, page_fill]) -> updated_pool (MUST alias
+      the pool); pool uint8 [pool_bytes]; directory int64 [num_pages, 2]; page_table int32 [batch, max_pages];
+      key/value [batch, T, kv_heads * head_size]; a row holds at most max_pages * page_size tokens;
+      page_fill (optional, Note [Page fill]) int32 [batch, max_pages], the page table's shape.
+  PagedCacheAttention(query, pool, directory, page_table, start[, page_fill]) -> output shaped and typed like
+      query.
   What only the run-time values decide (page ids present, each page's format and slot) the kernels check.
 """
 
@@ -232,10 +234,22 @@ def _paged_common(ctx, node, label, op, pool, directory, table, pn, dn, tn) -> b
     return ok
 
 
+def _page_fill(ctx, node, label, op, fill, fn, table, tn) -> None:
+    """The optional page_fill input (Note [Page fill]): int32 with the page table's shape."""
+    if not fn:
+        return
+    if (fill.elem is not None and fill.elem != TensorProto.INT32) or (fill.rank is not None and fill.rank != 2):
+        ctx.error("op-input", label, f"{op} node '{label}': '{fn}' is {elem_name(fill.elem)} {list_dims(fill.shape)}; "
+                  f"page_fill must be int32 [batch, max_pages], the shape of the page table '{tn}'")
+        return
+    for i in range(2):
+        _meet_dim(ctx, label, op, fn, fill, i, tn, table, i, "page_fill has the page table's shape")
+
+
 def paged_cache_update(ctx, node, label, ins):
     op = "PagedCacheUpdate"
-    pool, directory, table, key, value, pos = _pad(ins, 6)
-    pn, dn, tn, kn, vn, sn = (list(node.input) + [""] * 6)[:6]
+    pool, directory, table, key, value, pos, fill = _pad(ins, 7)[:7]
+    pn, dn, tn, kn, vn, sn, fn = (list(node.input) + [""] * 7)[:7]
     if not _contract(ctx, node, label):
         return [pool]
     if not _paged_common(ctx, label=label, node=node, op=op, pool=pool, directory=directory, table=table, pn=pn,
@@ -261,6 +275,7 @@ def paged_cache_update(ctx, node, label, ins):
         ctx.error("op-input", label, f"{op} node '{label}': '{kn}' width {key.shape[2]} must be kv_num_heads "
                   f"({hkv}) * head_size")
     _position(ctx, label, op, sn, pos, key, kn)
+    _page_fill(ctx, node, label, op, fill, fn, table, tn)
     table, key = ctx.type_of(tn), ctx.type_of(kn)
     page_size = attribute(node, "page_size")
     if table.shape is not None and key.shape is not None and page_size:
@@ -273,8 +288,8 @@ def paged_cache_update(ctx, node, label, ins):
 
 def paged_cache_attention(ctx, node, label, ins):
     op = "PagedCacheAttention"
-    q, pool, directory, table, start = _pad(ins, 5)
-    qn, pn, dn, tn, sn = (list(node.input) + [""] * 5)[:5]
+    q, pool, directory, table, start, fill = _pad(ins, 6)[:6]
+    qn, pn, dn, tn, sn, fn = (list(node.input) + [""] * 6)[:6]
     if not _contract(ctx, node, label):
         return [q]
     if not _paged_common(ctx, label=label, node=node, op=op, pool=pool, directory=directory, table=table, pn=pn,
@@ -299,6 +314,7 @@ def paged_cache_attention(ctx, node, label, ins):
                   f"({hq}) * head_size")
     _meet_dim(ctx, label, op, qn, q, 0, tn, table, 0, "one page-table row per batch row")
     _position(ctx, label, op, sn, start, q, qn)
+    _page_fill(ctx, node, label, op, fill, fn, table, tn)
     q, table = ctx.type_of(qn), ctx.type_of(tn)
     page_size = attribute(node, "page_size")
     if q.shape is not None and table.shape is not None and page_size:
@@ -311,7 +327,8 @@ def paged_cache_attention(ctx, node, label, ins):
 
 def paged_cache_attention_workspace(ctx, node, threads: int) -> int:
     """The CPU kernel's scratch (custom_ops/include/ortkv/paged.h): CacheAttention's per-thread scratch plus
-    one decoded block of 64 keys and 64 values (2 x 64 x D floats) per thread, and the same split-K partials."""
+    one decoded block of 64 keys and 64 values (2 x 64 x D floats) per thread, and the same split-K partials;
+    with page_fill bound (Note [Page fill]), its prefix sums, batch x (max_pages + 1) int64 (when known)."""
     if not node.input:
         return 0
     q = ctx.type_of(node.input[0])
@@ -320,7 +337,12 @@ def paged_cache_attention_workspace(ctx, node, threads: int) -> int:
         return 0
     group, head = max(hq // hkv, 0), q.shape[2] // hq
     per_thread = (group * (_ATTN_BLOCK_KEYS + 2 * head + 2) + 2 * _ATTN_BLOCK_KEYS * head) * 4
-    return per_thread * threads + _ATTN_MAX_SPLIT_TASKS * group * (head + 2) * 4
+    fill_prefix = 0
+    if len(node.input) > 5 and node.input[5]:
+        f = ctx.type_of(node.input[5])
+        if f.shape is not None and len(f.shape) == 2 and all(isinstance(d, int) for d in f.shape):
+            fill_prefix = f.shape[0] * (f.shape[1] + 1) * 8
+    return per_thread * threads + _ATTN_MAX_SPLIT_TASKS * group * (head + 2) * 4 + fill_prefix
 
 
 def passthrough(ctx, node, label, ins):

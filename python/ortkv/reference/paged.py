@@ -8,7 +8,10 @@ Note [Paged cache physical form] (custom_ops/include/ortkv/paged.h):
 A page id is one logical page of ``page_size`` tokens for every layer: its slot holds ``num_layers`` codec
 pages (ortkv.reference.codecs) of its one format back to back, layer ``l`` at
 ``directory[p, 1] + l * page_bytes(format)``. Token ``t`` of sequence ``b`` is row ``t % page_size`` of page
-``page_table[b, t // page_size]``.
+``page_table[b, t // page_size]``, unless ``page_fill`` (int32 [batch, max_pages], optional) is given: then
+entry e of row b holds the first ``page_fill[b, e]`` rows of page ``page_table[b, e]`` and a row's
+positions are its entries' rows in entry order (Note [Page fill] in custom_ops/include/ortkv/paged.h;
+``position_map``).
 
 Values of the logical types: float32 and float16 numpy arrays as they are; bfloat16 as ml_dtypes.bfloat16
 or as its bits in uint16 (``logical="bfloat16"``).
@@ -41,6 +44,31 @@ def to_f32(x, logical: str | None = None) -> np.ndarray:
     return x.astype(np.float32)
 
 
+def position_map(page_table_row, page_fill_row, page_size: int, n_tokens: int) -> list[tuple[int, int]]:
+    """(page id, row) of logical positions [0, n_tokens) of one sequence (Note [Page fill]);
+    ``page_fill_row`` None = every entry full. Raises CacheInputError when the row holds fewer positions
+    or a fill is outside [0, page_size]."""
+    table = np.asarray(page_table_row)
+    if page_fill_row is None:
+        fill = np.full(table.shape, page_size, np.int64)
+    else:
+        fill = np.asarray(page_fill_row, np.int64)
+    for e, f in enumerate(fill.tolist()):
+        if not 0 <= f <= page_size:
+            raise CacheInputError(f"page_fill entry {e} is {f}, outside [0, page_size={page_size}]")
+    out: list[tuple[int, int]] = []
+    for e, f in enumerate(fill.tolist()):
+        if len(out) >= n_tokens:
+            break
+        if f == 0:
+            continue
+        pid = int(table[e])
+        out.extend((pid, r) for r in range(min(f, n_tokens - len(out))))
+    if len(out) < n_tokens:
+        raise CacheInputError(f"the row holds {len(out)} positions (its total fill), {n_tokens} needed")
+    return out
+
+
 def _page_layer(pool, directory, page_id: int, layer: int, kv_heads: int, page_size: int, head_size: int):
     fmt = PageFormat(int(directory[page_id, 0]))
     lay = layout(fmt, kv_heads, page_size, head_size)
@@ -49,8 +77,10 @@ def _page_layer(pool, directory, page_id: int, layer: int, kv_heads: int, page_s
 
 
 def paged_cache_update_ref(pool, directory, page_table, key, value, position, *, layer: int, num_layers: int,
-                           kv_num_heads: int, page_size: int, logical: str | None = None) -> np.ndarray:
-    """The pool after PagedCacheUpdate (a new array; ``pool`` is not changed). key/value [B, T, Hkv * D]."""
+                           kv_num_heads: int, page_size: int, logical: str | None = None,
+                           page_fill=None) -> np.ndarray:
+    """The pool after PagedCacheUpdate (a new array; ``pool`` is not changed). key/value [B, T, Hkv * D].
+    ``page_fill``: the optional input (Note [Page fill])."""
     del num_layers  # the slot's other layers are not touched; the offset needs only `layer`
     out = np.array(pool, np.uint8, copy=True)
     k = to_f32(key, logical)
@@ -59,25 +89,38 @@ def paged_cache_update_ref(pool, directory, page_table, key, value, position, *,
     D = W // kv_num_heads
     position = np.broadcast_to(np.asarray(position, np.int64), (B,))
     for b in range(B):
+        where = position_map(page_table[b], None if page_fill is None else page_fill[b], page_size,
+                             int(position[b]) + T)
         for t in range(T):
             tok = int(position[b]) + t
-            pid = int(page_table[b, tok // page_size])
+            pid, row = where[tok]
             if pid < 0:
-                raise CacheInputError(f"row {b} token {tok}: page {tok // page_size} of the page table is -1")
+                raise CacheInputError(f"row {b} token {tok}: its page-table entry is -1")
             fmt, lay, page = _page_layer(out, directory, pid, layer, kv_num_heads, page_size, D)
             if fmt in KEYS_PER_CHANNEL:
                 raise CacheInputError(f"row {b}: page {pid} is {fmt.name}: key rows cannot be written alone")
             rows = np.stack([k[b, t].reshape(kv_num_heads, D), v[b, t].reshape(kv_num_heads, D)])
             payload, scales = encode_rows(fmt, rows, what="row [kv, head]")
             for kv, (p, s) in enumerate(_sections(fmt, lay, page, kv_num_heads, page_size, D)):
-                p[:, tok % page_size] = payload[kv]
-                s[:, tok % page_size] = scales[kv]
+                p[:, row] = payload[kv]
+                s[:, row] = scales[kv]
     return out
 
 
 def gather_kv(pool, directory, page_table_row, n_tokens: int, *, layer: int, kv_heads: int, page_size: int,
-              head_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """Keys and values [n_tokens, kv_heads, head_size] float32 of one sequence, decoded page by page."""
+              head_size: int, page_fill_row=None) -> tuple[np.ndarray, np.ndarray]:
+    """Keys and values [n_tokens, kv_heads, head_size] float32 of one sequence, decoded page by page
+    (``page_fill_row``: Note [Page fill])."""
+    if page_fill_row is not None:
+        decoded: dict[int, np.ndarray] = {}
+        k = np.zeros((n_tokens, kv_heads, head_size), np.float32)
+        v = np.zeros_like(k)
+        for t, (pid, row) in enumerate(position_map(page_table_row, page_fill_row, page_size, n_tokens)):
+            if pid not in decoded:
+                fmt, _, page = _page_layer(pool, directory, pid, layer, kv_heads, page_size, head_size)
+                decoded[pid] = decode_page(fmt, page, kv_heads, page_size, head_size)  # [2, Hkv, ps, D]
+            k[t], v[t] = decoded[pid][0, :, row], decoded[pid][1, :, row]
+        return k, v
     pages = []
     for i in range(-(-n_tokens // page_size)):
         pid = int(page_table_row[i])
@@ -92,8 +135,9 @@ def gather_kv(pool, directory, page_table_row, n_tokens: int, *, layer: int, kv_
 
 def paged_cache_attention_ref(query, pool, directory, page_table, start, *, num_heads: int, kv_num_heads: int,
                               layer: int, num_layers: int, page_size: int, scale: float | None = None,
-                              logical: str | None = None) -> np.ndarray:
-    """PagedCacheAttention's output as float32 [B, T, Hq * D] (float64 arithmetic)."""
+                              logical: str | None = None, page_fill=None) -> np.ndarray:
+    """PagedCacheAttention's output as float32 [B, T, Hq * D] (float64 arithmetic); ``page_fill``: the
+    optional input (Note [Page fill])."""
     del num_layers
     q = to_f32(query, logical)
     B, T, W = q.shape
@@ -103,7 +147,7 @@ def paged_cache_attention_ref(query, pool, directory, page_table, start, *, num_
     for b in range(B):
         n = int(start[b]) + T
         k, v = gather_kv(pool, directory, page_table[b], n, layer=layer, kv_heads=kv_num_heads, page_size=page_size,
-                         head_size=D)
+                         head_size=D, page_fill_row=None if page_fill is None else page_fill[b])
         out[b] = cache_attention_ref(q[b:b + 1], k[None], v[None], start[b:b + 1], num_heads, kv_num_heads, scale)[0]
     return out
 
