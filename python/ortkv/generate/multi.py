@@ -276,6 +276,7 @@ class BeamStats:
     bytes_copied_per_step: list = field(default_factory=list)  # the pool's counter: 0 (Note [Page metadata])
     copies_per_step: list = field(default_factory=list)        # PoolPageStore.copy calls: 0
     boundary_steps: list = field(default_factory=list)   # steps whose writes start on a page boundary
+    pages_held_per_step: list = field(default_factory=list)  # distinct pages owned by the beams after each step
     seconds: float = 0.0
     tokens: int = 0                                       # beam tokens decoded (num_beams per step)
 
@@ -387,6 +388,7 @@ def beam_search(runner: MultiRunner, prompt_ids, num_beams: int, max_new_tokens:
             logits = runner.step({sid: np.array([t], np.int64) for sid, t in zip(beams, new_tokens)})
             stats.bytes_copied_per_step.append(runner.pool.bytes_copied - copied0)
             stats.copies_per_step.append(runner.store.copies - copies0)
+            stats.pages_held_per_step.append(len({p for sid in beams for p in cache.pages_of(sid)}))
             stats.tokens += num_beams
     finally:
         for sid in beams:
