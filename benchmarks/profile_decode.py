@@ -6,8 +6,8 @@ wall time and the sum of its kernels (ORT's per-node framework overhead plus the
                                         [--build-tags v2,v3 --rounds 3]
     python benchmarks/profile_decode.py --floor --weights q8,q4 --rounds 5 [--threads 2] [--steps 128]
 
---floor splits an UNPROFILED decode step (the profiler adds ~10 us per node, which inflates a 600-node step
-~2x): the wall time of runner.step(), ORT's run inside it (run_with_iobinding, timed), and the time of the
+--floor splits an UNPROFILED decode step (the profiler adds ~14 us per node, which inflates a 600-node step
+~1.7x): the wall time of runner.step(), ORT's run inside it (run_with_iobinding, timed), and the time of the
 decoder's MatMulNBits nodes alone (a session holding only them and their weights, fed one token's
 activations: the floor that MLAS's kernels set). ORT run - floor is every other node plus ORT's gaps between
 nodes; wall - ORT run is the Python around the run (session wrapper, output binding). One session lives at a
