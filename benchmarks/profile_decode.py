@@ -4,6 +4,14 @@ wall time and the sum of its kernels (ORT's per-node framework overhead plus the
 
     python benchmarks/profile_decode.py [--weights float32,q4] [--steps 64] [--out FILE]
                                         [--build-tags v2,v3 --rounds 3]
+    python benchmarks/profile_decode.py --floor --weights q8,q4 --rounds 5 [--threads 2] [--steps 128]
+
+--floor splits an UNPROFILED decode step (the profiler adds ~14 us per node, which inflates a 600-node step
+~1.7x): the wall time of runner.step(), ORT's run inside it (run_with_iobinding, timed), and the time of the
+decoder's MatMulNBits nodes alone (a session holding only them and their weights, fed one token's
+activations: the floor that MLAS's kernels set). ORT run - floor is every other node plus ORT's gaps between
+nodes; wall - ORT run is the Python around the run (session wrapper, output binding). One session lives at a
+time (two sessions alive in one process ran ~5-8 % apart even on one decoder), alternating per round.
 
 --build-tags profiles the decoders cached under each build tag (models.BUILD_TAG's last part: v2 is the
 graph before Note [Fused decoder layer], v3 after; a missing one is built by THIS ortkv's builder, so an
@@ -88,9 +96,13 @@ def main() -> int:
     ap.add_argument("--out")
     ap.add_argument("--build-tags", help="e.g. v2,v3: before / after, alternating (see above)")
     ap.add_argument("--rounds", type=int, default=1, help="rounds over the build tags (medians over them)")
+    ap.add_argument("--floor", action="store_true", help="unprofiled step split: wall, ORT run, MatMulNBits alone")
+    ap.add_argument("--threads", type=int, default=2, help="--floor: intra_op_num_threads")
     a = ap.parse_args()
     if a.build_tags:
         return compare(a)
+    if a.floor:
+        return floor(a)
     report = [f"# One ortkv decode step, profiled (SmolLM2-135M, batch 1, CPU, {os.cpu_count()} CPUs, "
               f"{time.strftime('%Y-%m-%d %H:%M')})", "",
               f"command: `python benchmarks/profile_decode.py --weights {a.weights} --steps {a.steps}`; "
@@ -150,6 +162,99 @@ def compare(a) -> int:
                 report.append(f"| {op} | " + " | ".join(cells) + " |")
             report.append("")
     report.append(f"load average at the end: {os.getloadavg()[0]:.1f} (1 min)")
+    return emit("\n".join(report), a.out)
+
+
+def _matmulnbits_only(path: Path):
+    """(serialized model of the decoder's MatMulNBits nodes alone, one input per K, every output returned;
+    feeds: one token's activations per K)."""
+    import onnx
+    from onnx import TensorProto as TP
+    from onnx import helper
+
+    m = onnx.load(str(path))  # with its external data: the weights are the decoder's own
+    inits = {t.name: t for t in m.graph.initializer}
+    nodes, used, ins, outs = [], [], {}, []
+    for n in m.graph.node:
+        if n.op_type != "MatMulNBits":
+            continue
+        K = next(a.i for a in n.attribute if a.name == "K")
+        ins.setdefault(K, helper.make_tensor_value_info(f"x{K}", TP.FLOAT, [1, 1, K]))
+        node = helper.make_node("MatMulNBits", [f"x{K}", *n.input[1:]], [n.output[0]], name=n.name,
+                                domain="com.microsoft")
+        node.attribute.extend(n.attribute)
+        nodes.append(node)
+        used += [i for i in n.input[1:] if i in inits and i not in used]
+        outs.append(helper.make_tensor_value_info(n.output[0], TP.FLOAT, None))
+    graph = helper.make_graph(nodes, "matmulnbits_only", list(ins.values()), outs, [inits[u] for u in used])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)],
+                              ir_version=m.ir_version)
+    rng = np.random.default_rng(0)
+    feeds = {f"x{K}": rng.standard_normal((1, 1, K)).astype(np.float32) for K in ins}
+    return model.SerializeToString(), feeds, len(nodes)
+
+
+def floor(a) -> int:
+    import onnxruntime as ort
+
+    report = [f"# ortkv decode step without the profiler: wall, ORT run, MatMulNBits alone (SmolLM2-135M, batch 1, "
+              f"CPU, {os.cpu_count()} CPUs, {time.strftime('%Y-%m-%d %H:%M')})", "",
+              f"command: `python benchmarks/profile_decode.py --floor --weights {a.weights} --rounds {a.rounds} "
+              f"--threads {a.threads} --steps {a.steps}`; per round: the decoder ({a.steps} decode steps after a "
+              f"12-token prefill, one untimed generation first), then its MatMulNBits nodes alone ({a.steps} runs "
+              "after 10 untimed), each in its own session, closed before the next; per round the medians, then the "
+              f"median over the rounds. 1-minute load average at the start: {os.getloadavg()[0]:.1f}", "",
+              "| weights | MatMulNBits nodes | step wall ms | ORT run ms | MatMulNBits alone ms | other nodes + ORT's gaps "
+              "ms | Python around the run ms | wall per round |", "|---|---:|---:|---:|---:|---:|---:|---|"]
+    for w in a.weights.split(","):
+        cfg = apply_overrides(GenAIConfig(), {"ortkv.weights": w, "ortkv.intra_op_num_threads": a.threads})
+        path = models.model_path(cfg, "ortkv", log=lambda *x: None)
+        only, feeds, n_mm = _matmulnbits_only(path)
+        walls, runs, floors = [], [], []
+        ids = np.array([PROMPT_IDS], np.int64)
+        for _ in range(a.rounds):
+            r = runners.make_runner("ortkv", cfg, log=lambda *x: None)
+            sess, ort_s = r.sess.session, []
+            run = sess.run_with_iobinding
+
+            def timed(io, run_options=None, run=run, ort_s=ort_s):
+                t = time.perf_counter()
+                run(io, run_options)
+                ort_s.append(time.perf_counter() - t)
+
+            sess.run_with_iobinding = timed
+            for timed_pass in (False, True):
+                r.start(1, 2048)
+                logits = r.prefill(ids, np.array([ids.shape[1]], np.int64))
+                ort_s.clear()
+                wall = []
+                for _ in range(a.steps):
+                    nxt = np.array([int(np.argmax(logits[0]))], np.int64)
+                    t = time.perf_counter()
+                    logits = r.step(nxt)
+                    wall.append(time.perf_counter() - t)
+            r.close()
+            walls.append(1e3 * float(np.median(wall)))
+            runs.append(1e3 * float(np.median(ort_s)))
+            so = ort.SessionOptions()
+            so.intra_op_num_threads = a.threads
+            so.log_severity_level = 3
+            s = ort.InferenceSession(only, so, providers=["CPUExecutionProvider"])
+            for _ in range(10):
+                s.run(None, feeds)
+            fl = []
+            for _ in range(a.steps):
+                t = time.perf_counter()
+                s.run(None, feeds)
+                fl.append(time.perf_counter() - t)
+            del s
+            floors.append(1e3 * float(np.median(fl)))
+        wall, run, fl = (float(np.median(x)) for x in (walls, runs, floors))
+        report.append(f"| {w} | {n_mm} | {wall:.2f} | {run:.2f} | {fl:.2f} | {run - fl:.2f} | {wall - run:.2f} | "
+                      f"{', '.join(f'{x:.1f}' for x in walls)} |")
+    report += ["", "MatMulNBits alone also returns every output to Python (121 small arrays, ~0.1 ms): the floor is "
+               "a little high, the \"other nodes\" column a little low.", "",
+               f"load average at the end: {os.getloadavg()[0]:.1f} (1 min)"]
     return emit("\n".join(report), a.out)
 
 
