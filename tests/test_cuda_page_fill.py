@@ -7,86 +7,23 @@ a reason where there is no CUDA provider or device."""
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 import pytest
-from onnx import TensorProto as TP
-from onnx import helper
 
 from ortkv.reference.codecs import PageFormat
 from ortkv.reference.paged import paged_cache_attention_ref, paged_cache_update_ref, position_map
-from test_cuda_paged import (ALL, DIRECT, ONNX, RAW, TOL, _bind, _dev, _logical_arg, _model, _rand,  # noqa: F401
-                             _session, build_pool, cuda_attention, cuda_update, table_for)
+from test_cuda_paged import ALL, DIRECT, TOL, _rand, build_pool, cuda_attention, cuda_update, table_for
 from test_page_fill import random_layout, run_update_fill, unused_rows_poisoned
 
 pytestmark = pytest.mark.cuda
 
-import onnxruntime as ort  # noqa: E402
 
-from ortkv import _ortkv  # noqa: E402
-
-
-@functools.lru_cache(maxsize=None)
-def update_fill_session(dtype, layer, num_layers, kv_heads, page_size):
-    node = helper.make_node("PagedCacheUpdate", ["pool", "directory", "page_table", "key", "value", "position",
-                                                 "page_fill"], ["pool_out"], name="upd", domain="ortkv", layer=layer,
-                            num_layers=num_layers, kv_num_heads=kv_heads, page_size=page_size)
-    vi = helper.make_tensor_value_info
-    return _session(_model(node, [vi("pool", TP.UINT8, ["P"]), vi("directory", TP.INT64, ["N", 2]),
-                                  vi("page_table", TP.INT32, ["B", "M"]), vi("key", ONNX[dtype], ["B", "T", "W"]),
-                                  vi("value", ONNX[dtype], ["B", "T", "W"]), vi("position", TP.INT64, ["B"]),
-                                  vi("page_fill", TP.INT32, ["B", "M"])],
-                           [vi("pool_out", TP.UINT8, ["P"])]))
+def cuda_update_fill(pool, directory, table, fill, key, value, position, **kw):
+    return cuda_update(pool, directory, table, key, value, position, fill=fill, **kw)
 
 
-@functools.lru_cache(maxsize=None)
-def attention_fill_session(dtype, num_heads, kv_heads, layer, num_layers, page_size):
-    node = helper.make_node("PagedCacheAttention", ["query", "pool", "directory", "page_table", "start", "page_fill"],
-                            ["out"], name="attn", domain="ortkv", num_heads=num_heads, kv_num_heads=kv_heads,
-                            layer=layer, num_layers=num_layers, page_size=page_size)
-    vi = helper.make_tensor_value_info
-    return _session(_model(node, [vi("query", ONNX[dtype], ["B", "T", "W"]), vi("pool", TP.UINT8, ["P"]),
-                                  vi("directory", TP.INT64, ["N", 2]), vi("page_table", TP.INT32, ["B", "M"]),
-                                  vi("start", TP.INT64, ["B"]), vi("page_fill", TP.INT32, ["B", "M"])],
-                           [vi("out", ONNX[dtype], ["B", "T", "W"])]))
-
-
-def cuda_update_fill(pool, directory, table, fill, key, value, position, *, layer, num_layers, kv_heads, page_size,
-                     dtype="float32"):
-    """One run on the device with page_fill bound; (pool bytes after, the deferred error or None)."""
-    sess = update_fill_session(dtype, layer, num_layers, kv_heads, page_size)
-    io = sess.io_binding()
-    pos = np.broadcast_to(np.asarray(position, np.int64), (table.shape[0],)).copy()
-    pv = _dev(pool)
-    vals = {"directory": (_dev(directory), TP.INT64, directory.shape), "page_table": (_dev(table), TP.INT32, table.shape),
-            "key": (_dev(key), ONNX[dtype], key.shape), "value": (_dev(value), ONNX[dtype], value.shape),
-            "position": (_dev(pos), TP.INT64, pos.shape), "page_fill": (_dev(fill), TP.INT32, fill.shape)}
-    _bind(io, "pool", pv, TP.UINT8, pool.shape)
-    for name, (v, t, shape) in vals.items():
-        _bind(io, name, v, t, shape)
-    _bind(io, "pool_out", pv, TP.UINT8, pool.shape, output=True)
-    sess.run_with_iobinding(io)
-    return pv.numpy(), _ortkv.cuda_take_error()
-
-
-def cuda_attention_fill(q, pool, directory, table, fill, start, *, num_heads, kv_heads, layer, num_layers, page_size,
-                        dtype="float32"):
-    sess = attention_fill_session(dtype, num_heads, kv_heads, layer, num_layers, page_size)
-    io = sess.io_binding()
-    st = np.broadcast_to(np.asarray(start, np.int64), (q.shape[0],)).copy()
-    out = _dev(np.zeros(q.shape, RAW[dtype]))
-    keep = [(_dev(q), "query", ONNX[dtype], q.shape), (_dev(pool), "pool", TP.UINT8, pool.shape),
-            (_dev(directory), "directory", TP.INT64, directory.shape), (_dev(table), "page_table", TP.INT32, table.shape),
-            (_dev(st), "start", TP.INT64, st.shape), (_dev(fill), "page_fill", TP.INT32, fill.shape)]
-    for v, name, t, shape in keep:
-        _bind(io, name, v, t, shape)
-    _bind(io, "out", out, ONNX[dtype], q.shape, output=True)
-    sess.run_with_iobinding(io)
-    got = out.numpy()
-    if dtype == "bfloat16":
-        got = (got.astype(np.uint32) << 16).view(np.float32)
-    return got.astype(np.float32), keep[1][0].numpy(), _ortkv.cuda_take_error()
+def cuda_attention_fill(q, pool, directory, table, fill, start, **kw):
+    return cuda_attention(q, pool, directory, table, start, fill=fill, **kw)
 
 
 @pytest.mark.parametrize("seed", range(4))

@@ -18,8 +18,8 @@ from onnx import helper
 import ortkv
 from ortkv.reference.codecs import PageFormat
 from ortkv.reference.paged import paged_cache_attention_ref, paged_cache_update_ref
-from test_paged_ops import (ALL, DIRECT, NP, ONNX, _model, build_pool, poison_rows, run_update,  # noqa: F401
-                            table_for)
+from test_paged_ops import (ALL, DIRECT, NP, ONNX, attention_model, build_pool, poison_rows,  # noqa: F401
+                            run_update, table_for, update_model)
 
 pytestmark = pytest.mark.cuda
 
@@ -64,27 +64,13 @@ def _session(model, graph=False):
 
 
 @functools.lru_cache(maxsize=None)
-def update_session(dtype, layer, num_layers, kv_heads, page_size):
-    node = helper.make_node("PagedCacheUpdate", ["pool", "directory", "page_table", "key", "value", "position"],
-                            ["pool_out"], name="upd", domain="ortkv", layer=layer, num_layers=num_layers,
-                            kv_num_heads=kv_heads, page_size=page_size)
-    vi = helper.make_tensor_value_info
-    return _session(_model(node, [vi("pool", TP.UINT8, ["P"]), vi("directory", TP.INT64, ["N", 2]),
-                                  vi("page_table", TP.INT32, ["B", "M"]), vi("key", ONNX[dtype], ["B", "T", "W"]),
-                                  vi("value", ONNX[dtype], ["B", "T", "W"]), vi("position", TP.INT64, ["B"])],
-                           [vi("pool_out", TP.UINT8, ["P"])]))
+def update_session(dtype, layer, num_layers, kv_heads, page_size, fill=False):
+    return _session(update_model(dtype, layer, num_layers, kv_heads, page_size, fill=fill))
 
 
 @functools.lru_cache(maxsize=None)
-def attention_session(dtype, num_heads, kv_heads, layer, num_layers, page_size):
-    node = helper.make_node("PagedCacheAttention", ["query", "pool", "directory", "page_table", "start"], ["out"],
-                            name="attn", domain="ortkv", num_heads=num_heads, kv_num_heads=kv_heads, layer=layer,
-                            num_layers=num_layers, page_size=page_size)
-    vi = helper.make_tensor_value_info
-    return _session(_model(node, [vi("query", ONNX[dtype], ["B", "T", "W"]), vi("pool", TP.UINT8, ["P"]),
-                                  vi("directory", TP.INT64, ["N", 2]), vi("page_table", TP.INT32, ["B", "M"]),
-                                  vi("start", TP.INT64, ["B"])],
-                           [vi("out", ONNX[dtype], ["B", "T", "W"])]))
+def attention_session(dtype, num_heads, kv_heads, layer, num_layers, page_size, fill=False):
+    return _session(attention_model(dtype, num_heads, kv_heads, layer, num_layers, page_size, fill=fill))
 
 
 def _dev(arr):
@@ -99,18 +85,20 @@ def _bind(io, name, value, onnx_type, shape, output=False):
 
 
 def cuda_update(pool, directory, table, key, value, position, *, layer, num_layers, kv_heads, page_size,
-                dtype="float32"):
-    """One run on the device; returns (pool bytes after, the deferred error or None)."""
+                dtype="float32", fill=None):
+    """One run on the device (`fill`: page_fill bound too); returns (pool bytes after, the deferred error or None)."""
     # the inputs are bound by raw device pointer with a declared type: ORT cannot see a mismatch (float16 data
     # declared float32 once read past the arrays and garbled every value), so check it here
     assert key.dtype == value.dtype and key.dtype in (np.dtype(NP[dtype]), np.dtype(RAW[dtype])), (key.dtype, dtype)
-    sess = update_session(dtype, layer, num_layers, kv_heads, page_size)
+    sess = update_session(dtype, layer, num_layers, kv_heads, page_size, fill is not None)
     io = sess.io_binding()
     pos = np.broadcast_to(np.asarray(position, np.int64), (table.shape[0],)).copy()
     pv = _dev(pool)
     vals = {"directory": (_dev(directory), TP.INT64, directory.shape), "page_table": (_dev(table), TP.INT32, table.shape),
             "key": (_dev(key), ONNX[dtype], key.shape), "value": (_dev(value), ONNX[dtype], value.shape),
             "position": (_dev(pos), TP.INT64, pos.shape)}
+    if fill is not None:
+        vals["page_fill"] = (_dev(fill), TP.INT32, fill.shape)
     _bind(io, "pool", pv, TP.UINT8, pool.shape)
     for name, (v, t, shape) in vals.items():
         _bind(io, name, v, t, shape)
@@ -120,14 +108,16 @@ def cuda_update(pool, directory, table, key, value, position, *, layer, num_laye
 
 
 def cuda_attention(q, pool, directory, table, start, *, num_heads, kv_heads, layer, num_layers, page_size,
-                   dtype="float32"):
-    sess = attention_session(dtype, num_heads, kv_heads, layer, num_layers, page_size)
+                   dtype="float32", fill=None):
+    sess = attention_session(dtype, num_heads, kv_heads, layer, num_layers, page_size, fill is not None)
     io = sess.io_binding()
     st = np.broadcast_to(np.asarray(start, np.int64), (q.shape[0],)).copy()
     out = _dev(np.zeros(q.shape, RAW[dtype]))
     keep = [(_dev(q), "query", ONNX[dtype], q.shape), (_dev(pool), "pool", TP.UINT8, pool.shape),
             (_dev(directory), "directory", TP.INT64, directory.shape), (_dev(table), "page_table", TP.INT32, table.shape),
             (_dev(st), "start", TP.INT64, st.shape)]
+    if fill is not None:
+        keep.append((_dev(fill), "page_fill", TP.INT32, fill.shape))
     for v, name, t, shape in keep:
         _bind(io, name, v, t, shape)
     _bind(io, "out", out, ONNX[dtype], q.shape, output=True)

@@ -7,8 +7,6 @@ bytes untouched."""
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 import pytest
 from onnx import TensorProto as TP
@@ -16,71 +14,20 @@ from onnx import helper
 
 from conftest import digest, ort_session
 from ortkv import errors
-from ortkv.errors import CacheInputError, from_native
+from ortkv.errors import CacheInputError
 from ortkv.reference.codecs import KEYS_PER_CHANNEL, PageFormat, _sections, layout
 from ortkv.reference.paged import paged_cache_attention_ref, paged_cache_update_ref, position_map
-from test_paged_ops import (ALL, DIRECT, NP, ONNX, _bind, _logical, _model, _rand, build_pool, run_attention,
+from test_paged_ops import (ALL, DIRECT, _bind, _logical, _model, _rand, build_pool, run_attention,
                             run_update, table_for)
 
 
-# ---- sessions with the optional input --------------------------------------------------------------------------
-@functools.lru_cache(maxsize=None)
-def update_fill_session(dtype, layer, num_layers, kv_heads, page_size):
-    node = helper.make_node("PagedCacheUpdate", ["pool", "directory", "page_table", "key", "value", "position",
-                                                 "page_fill"],
-                            ["pool_out"], name="upd", domain="ortkv", layer=layer, num_layers=num_layers,
-                            kv_num_heads=kv_heads, page_size=page_size)
-    vi = helper.make_tensor_value_info
-    return ort_session(_model(node, [vi("pool", TP.UINT8, ["P"]), vi("directory", TP.INT64, ["N", 2]),
-                                     vi("page_table", TP.INT32, ["B", "M"]), vi("key", ONNX[dtype], ["B", "T", "W"]),
-                                     vi("value", ONNX[dtype], ["B", "T", "W"]), vi("position", TP.INT64, ["B"]),
-                                     vi("page_fill", TP.INT32, ["B", "M"])],
-                              [vi("pool_out", TP.UINT8, ["P"])]))
+# ---- runs with the optional input (test_paged_ops' runs with page_fill bound) ---------------------------------
+def run_update_fill(pool, directory, table, fill, key, value, position, **kw):
+    run_update(pool, directory, table, key, value, position, fill=fill, **kw)
 
 
-@functools.lru_cache(maxsize=None)
-def attention_fill_session(dtype, num_heads, kv_heads, layer, num_layers, page_size):
-    node = helper.make_node("PagedCacheAttention", ["query", "pool", "directory", "page_table", "start", "page_fill"],
-                            ["out"], name="attn", domain="ortkv", num_heads=num_heads, kv_num_heads=kv_heads,
-                            layer=layer, num_layers=num_layers, page_size=page_size)
-    vi = helper.make_tensor_value_info
-    return ort_session(_model(node, [vi("query", ONNX[dtype], ["B", "T", "W"]), vi("pool", TP.UINT8, ["P"]),
-                                     vi("directory", TP.INT64, ["N", 2]), vi("page_table", TP.INT32, ["B", "M"]),
-                                     vi("start", TP.INT64, ["B"]), vi("page_fill", TP.INT32, ["B", "M"])],
-                              [vi("out", ONNX[dtype], ["B", "T", "W"])]))
-
-
-def run_update_fill(pool, directory, table, fill, key, value, position, *, layer, num_layers, kv_heads, page_size,
-                    dtype="float32", fill_type=TP.INT32):
-    sess = update_fill_session(dtype, layer, num_layers, kv_heads, page_size)
-    io = sess.io_binding()
-    keep = [_bind(io, "pool", pool, TP.UINT8), _bind(io, "directory", directory, TP.INT64),
-            _bind(io, "page_table", table, TP.INT32), _bind(io, "key", key, ONNX[dtype]),
-            _bind(io, "value", value, ONNX[dtype]),
-            _bind(io, "position", np.broadcast_to(np.asarray(position, np.int64), (table.shape[0],)), TP.INT64),
-            _bind(io, "page_fill", fill, fill_type), _bind(io, "pool_out", pool, TP.UINT8, output=True)]
-    try:
-        sess.run_with_iobinding(io)
-    except Exception as exc:  # noqa: BLE001 - typed below
-        raise from_native(exc) from exc
-    del keep
-
-
-def run_attention_fill(q, pool, directory, table, fill, start, *, num_heads, kv_heads, layer, num_layers, page_size,
-                       dtype="float32"):
-    sess = attention_fill_session(dtype, num_heads, kv_heads, layer, num_layers, page_size)
-    io = sess.io_binding()
-    out = np.zeros(q.shape, NP[dtype])
-    keep = [_bind(io, "query", q, ONNX[dtype]), _bind(io, "pool", pool, TP.UINT8),
-            _bind(io, "directory", directory, TP.INT64), _bind(io, "page_table", table, TP.INT32),
-            _bind(io, "start", np.broadcast_to(np.asarray(start, np.int64), (q.shape[0],)), TP.INT64),
-            _bind(io, "page_fill", fill, TP.INT32), _bind(io, "out", out, ONNX[dtype], output=True)]
-    try:
-        sess.run_with_iobinding(io)
-    except Exception as exc:  # noqa: BLE001
-        raise from_native(exc) from exc
-    del keep
-    return out
+def run_attention_fill(q, pool, directory, table, fill, start, **kw):
+    return run_attention(q, pool, directory, table, start, fill=fill, **kw)
 
 
 # ---- random layouts ----------------------------------------------------------------------------------------------

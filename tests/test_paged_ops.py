@@ -84,31 +84,41 @@ def _model(node, inputs, outputs):
                              ir_version=10)
 
 
-@functools.lru_cache(maxsize=None)
-def update_session(dtype, layer, num_layers, kv_heads, page_size, value_dtype=None):
-    node = helper.make_node("PagedCacheUpdate", ["pool", "directory", "page_table", "key", "value", "position"],
-                            ["pool_out"], name="upd", domain="ortkv", layer=layer, num_layers=num_layers,
-                            kv_num_heads=kv_heads, page_size=page_size)
+def update_model(dtype, layer, num_layers, kv_heads, page_size, value_dtype=None, fill=False):
+    """One PagedCacheUpdate node; `fill`: with the optional page_fill input (Note [Page fill])."""
+    ins = ["pool", "directory", "page_table", "key", "value", "position"] + (["page_fill"] if fill else [])
+    node = helper.make_node("PagedCacheUpdate", ins, ["pool_out"], name="upd", domain="ortkv", layer=layer,
+                            num_layers=num_layers, kv_num_heads=kv_heads, page_size=page_size)
     vi = helper.make_tensor_value_info
-    return ort_session(_model(node, [vi("pool", TP.UINT8, ["P"]), vi("directory", TP.INT64, ["N", 2]),
-                                     vi("page_table", TP.INT32, ["B", "M"]), vi("key", ONNX[dtype], ["B", "T", "W"]),
-                                     vi("value", ONNX[value_dtype or dtype], ["B", "T", "W"]),
-                                     vi("position", TP.INT64, ["B"])],
-                              [vi("pool_out", TP.UINT8, ["P"])]))
+    return _model(node, [vi("pool", TP.UINT8, ["P"]), vi("directory", TP.INT64, ["N", 2]),
+                         vi("page_table", TP.INT32, ["B", "M"]), vi("key", ONNX[dtype], ["B", "T", "W"]),
+                         vi("value", ONNX[value_dtype or dtype], ["B", "T", "W"]), vi("position", TP.INT64, ["B"])]
+                  + ([vi("page_fill", TP.INT32, ["B", "M"])] if fill else []),
+                  [vi("pool_out", TP.UINT8, ["P"])])
 
 
-@functools.lru_cache(maxsize=None)
-def attention_session(dtype, num_heads, kv_heads, layer, num_layers, page_size, scale=None):
+def attention_model(dtype, num_heads, kv_heads, layer, num_layers, page_size, scale=None, fill=False):
+    """One PagedCacheAttention node; `fill`: with the optional page_fill input (Note [Page fill])."""
     attrs = dict(num_heads=num_heads, kv_num_heads=kv_heads, layer=layer, num_layers=num_layers, page_size=page_size)
     if scale is not None:
         attrs["scale"] = scale
-    node = helper.make_node("PagedCacheAttention", ["query", "pool", "directory", "page_table", "start"], ["out"],
-                            name="attn", domain="ortkv", **attrs)
+    ins = ["query", "pool", "directory", "page_table", "start"] + (["page_fill"] if fill else [])
+    node = helper.make_node("PagedCacheAttention", ins, ["out"], name="attn", domain="ortkv", **attrs)
     vi = helper.make_tensor_value_info
-    return ort_session(_model(node, [vi("query", ONNX[dtype], ["B", "T", "W"]), vi("pool", TP.UINT8, ["P"]),
-                                     vi("directory", TP.INT64, ["N", 2]), vi("page_table", TP.INT32, ["B", "M"]),
-                                     vi("start", TP.INT64, ["B"])],
-                              [vi("out", ONNX[dtype], ["B", "T", "W"])]))
+    return _model(node, [vi("query", ONNX[dtype], ["B", "T", "W"]), vi("pool", TP.UINT8, ["P"]),
+                         vi("directory", TP.INT64, ["N", 2]), vi("page_table", TP.INT32, ["B", "M"]),
+                         vi("start", TP.INT64, ["B"])] + ([vi("page_fill", TP.INT32, ["B", "M"])] if fill else []),
+                  [vi("out", ONNX[dtype], ["B", "T", "W"])])
+
+
+@functools.lru_cache(maxsize=None)
+def update_session(dtype, layer, num_layers, kv_heads, page_size, value_dtype=None, fill=False):
+    return ort_session(update_model(dtype, layer, num_layers, kv_heads, page_size, value_dtype, fill))
+
+
+@functools.lru_cache(maxsize=None)
+def attention_session(dtype, num_heads, kv_heads, layer, num_layers, page_size, scale=None, fill=False):
+    return ort_session(attention_model(dtype, num_heads, kv_heads, layer, num_layers, page_size, scale, fill))
 
 
 def _bind(io, name, arr, onnx_type, output=False):
@@ -118,15 +128,18 @@ def _bind(io, name, arr, onnx_type, output=False):
 
 
 def run_update(pool, directory, table, key, value, position, *, layer, num_layers, kv_heads, page_size,
-               dtype="float32", out=None, value_dtype=None):
-    """One bound run: the pool bound as input and output (or `out` as the output, to test the alias check)."""
-    sess = update_session(dtype, layer, num_layers, kv_heads, page_size, value_dtype)
+               dtype="float32", out=None, value_dtype=None, fill=None, fill_type=TP.INT32):
+    """One bound run: the pool bound as input and output (or `out` as the output, to test the alias check);
+    `fill`: page_fill bound too (declared int32, bound as `fill_type`)."""
+    sess = update_session(dtype, layer, num_layers, kv_heads, page_size, value_dtype, fill is not None)
     io = sess.io_binding()
     keep = [_bind(io, "pool", pool, TP.UINT8), _bind(io, "directory", directory, TP.INT64),
             _bind(io, "page_table", table, TP.INT32), _bind(io, "key", key, ONNX[dtype]),
             _bind(io, "value", value, ONNX[value_dtype or dtype]),
             _bind(io, "position", np.broadcast_to(np.asarray(position, np.int64), (table.shape[0],)), TP.INT64),
             _bind(io, "pool_out", pool if out is None else out, TP.UINT8, output=True)]
+    if fill is not None:
+        keep.append(_bind(io, "page_fill", fill, fill_type))
     try:
         sess.run_with_iobinding(io)
     except Exception as exc:  # noqa: BLE001 - typed below
@@ -135,14 +148,16 @@ def run_update(pool, directory, table, key, value, position, *, layer, num_layer
 
 
 def run_attention(q, pool, directory, table, start, *, num_heads, kv_heads, layer, num_layers, page_size,
-                  dtype="float32", scale=None):
-    sess = attention_session(dtype, num_heads, kv_heads, layer, num_layers, page_size, scale)
+                  dtype="float32", scale=None, fill=None):
+    sess = attention_session(dtype, num_heads, kv_heads, layer, num_layers, page_size, scale, fill is not None)
     io = sess.io_binding()
     out = np.zeros(q.shape, NP[dtype])
     keep = [_bind(io, "query", q, ONNX[dtype]), _bind(io, "pool", pool, TP.UINT8),
             _bind(io, "directory", directory, TP.INT64), _bind(io, "page_table", table, TP.INT32),
             _bind(io, "start", np.broadcast_to(np.asarray(start, np.int64), (q.shape[0],)), TP.INT64),
             _bind(io, "out", out, ONNX[dtype], output=True)]
+    if fill is not None:
+        keep.append(_bind(io, "page_fill", fill, TP.INT32))
     try:
         sess.run_with_iobinding(io)
     except Exception as exc:  # noqa: BLE001
