@@ -157,6 +157,11 @@ Status CheckPage(const std::string& node, const PagedPool& p, const std::string&
                  const std::string& dir_name, const std::string& table_name, int64_t b, int64_t page_index,
                  int64_t needed_tokens);
 
+// Note [Page fill]: page_fill's type and shape (int32 [batch, max_pages], the page table's); the values are
+// not read (the CUDA plans check only this: the values are on the device).
+Status CheckPageFillShape(const std::string& op, const std::string& node, const TensorArg& fill,
+                          const std::string& table_name, int64_t batch, int64_t max_pages);
+
 // Note [Page fill]: validates page_fill (int32 [B, max_pages] like the page table, every value in
 // [0, page_size]) and sets p->page_fill and p->fill_prefix (its prefix sums, written into *prefix, which
 // must outlive every use of *p). `fill` == nullptr (input absent): p keeps the full mapping.

@@ -142,20 +142,26 @@ Status CheckPage(const std::string& node, const PagedPool& p, const std::string&
   return Status::Ok();
 }
 
+Status CheckPageFillShape(const std::string& op, const std::string& node, const TensorArg& fill,
+                          const std::string& table_name, int64_t batch, int64_t max_pages) {
+  if (fill.elem_type == 6 /* int32 */ && fill.dims.size() == 2 && fill.dims[0] == batch && fill.dims[1] == max_pages)
+    return Status::Ok();
+  std::ostringstream m;
+  m << "page_fill '" << fill.name << "' must be int32 [batch=" << batch << ", max_pages=" << max_pages << "], the shape of the "
+    << "page table '" << table_name << "'; got " << ElemTypeName(fill.elem_type) << " of rank " << fill.dims.size();
+  if (fill.dims.size() == 2) m << " [" << fill.dims[0] << ", " << fill.dims[1] << "]";
+  m << ". Remedy: bind one fill per page-table entry (Note [Page fill]). Nothing was written.";
+  return paged::Bad(op, node, m.str());
+}
+
 Status ResolvePageFill(const std::string& op, const std::string& node, const TensorArg* fill,
                        const std::string& table_name, int64_t batch, PagedPool* p, std::vector<int64_t>* prefix) {
   p->page_fill = nullptr;
   p->fill_prefix = nullptr;
   if (fill == nullptr) return Status::Ok();
   const int64_t B = batch;
+  ORTKV_RETURN_IF_ERR(CheckPageFillShape(op, node, *fill, table_name, B, p->max_pages));
   std::ostringstream m;
-  if (fill->elem_type != 6 /* int32 */ || fill->dims.size() != 2 || fill->dims[0] != B || fill->dims[1] != p->max_pages) {
-    m << "page_fill '" << fill->name << "' must be int32 [batch=" << B << ", max_pages=" << p->max_pages << "], the shape of the "
-      << "page table '" << table_name << "'; got " << ElemTypeName(fill->elem_type) << " of rank " << fill->dims.size();
-    if (fill->dims.size() == 2) m << " [" << fill->dims[0] << ", " << fill->dims[1] << "]";
-    m << ". Remedy: bind one fill per page-table entry (Note [Page fill]). Nothing was written.";
-    return paged::Bad(op, node, m.str());
-  }
   const int32_t* f = static_cast<const int32_t*>(fill->data);
   const int64_t ps = p->shape.page_size, mp = p->max_pages;
   prefix->assign(static_cast<size_t>(B * (mp + 1)), 0);

@@ -30,15 +30,7 @@ Status FillShape(const std::string& op, const std::string& node, const TensorArg
   p->page_fill = nullptr;
   p->fill_prefix = nullptr;
   if (fill == nullptr) return Status::Ok();
-  if (fill->elem_type != 6 /* int32 */ || fill->dims.size() != 2 || fill->dims[0] != B || fill->dims[1] != p->max_pages) {
-    std::ostringstream m;
-    m << "page_fill '" << fill->name << "' must be int32 [batch=" << B << ", max_pages=" << p->max_pages
-      << "], the shape of the page table '" << table_name << "'; got " << ElemTypeName(fill->elem_type) << " of rank "
-      << fill->dims.size();
-    if (fill->dims.size() == 2) m << " [" << fill->dims[0] << ", " << fill->dims[1] << "]";
-    m << ". Remedy: bind one fill per page-table entry (Note [Page fill]). Nothing was written.";
-    return paged::Bad(op, node, m.str());
-  }
+  ORTKV_RETURN_IF_ERR(CheckPageFillShape(op, node, *fill, table_name, B, p->max_pages));
   p->page_fill = static_cast<const int32_t*>(fill->data);
   return Status::Ok();
 }
