@@ -3,7 +3,9 @@ with ORT only (no torch, no cupy). SmolLM2-135M heads (9 query / 3 KV heads of 6
 
   dense : ortkv CacheAttention over BSNH float16 caches [B, L, 3, 64] (start = L - 1).
   F16 / INT8 / INT4 : ortkv PagedCacheAttention over one pool of pages of that format (pages of 16
-          tokens, page ids shuffled so that consecutive pages are not adjacent in the pool).
+          tokens, page ids shuffled so that consecutive pages are not adjacent in the pool), default kernel
+          (Note [Paged CUDA v3]: tensor cores).
+  F16 v2 / INT4 v2 : the same, captured with ORTKV_CUDA_ATTENTION=v2 (Note [Paged CUDA v2]), for the A/B.
 R nodes of one kind in one model, each over its own cache / pool, so one call reads R caches one after the
 other (R chosen so that they hold >= 256 MiB of F16 bytes: K/V come from HBM, not from L2; at least 8). Sessions run
 with enable_cuda_graph=1. Each figure is the median over --rounds rounds (the kinds alternate inside a
@@ -39,6 +41,7 @@ HQ, HKV, D, PS = 9, 3, 64, 16
 LENGTHS = [8192, 32768]
 BATCHES = [1, 8]
 FORMATS = [PageFormat.F16, PageFormat.INT8, PageFormat.INT4]
+V2_FORMATS = [PageFormat.F16, PageFormat.INT4]  # also timed with the previous kernel (ORTKV_CUDA_ATTENTION=v2)
 TARGET_BYTES = 256 << 20
 
 
@@ -189,14 +192,14 @@ def main():
     p.add_argument("--out", default="benchmarks/results/paged_attention_cuda.md")
     a = p.parse_args()
     rng = np.random.default_rng(0)
-    kinds = ["dense"] + [f.name for f in FORMATS] + ["ORT-PA"]
+    kinds = ["dense"] + [f.name for f in FORMATS] + [f"{f.name} v2" for f in V2_FORMATS] + ["ORT-PA"]
     lines = ["# PagedCacheAttention (CUDA) vs dense CacheAttention, decode", "",
              f"SmolLM2 heads {HQ}/{HKV}/{D}, float16 queries, pages of {PS} tokens, CUDA graphs; microseconds per "
              f"node (median of {a.rounds} rounds x median of {a.reps} calls). `python "
              "benchmarks/bench_paged_attention_cuda.py`", "",
              "| L | B | R | " + " | ".join(f"{k} us" for k in kinds) +
-             " | F16 / dense | INT8 / F16 | INT4 / F16 | F16 / ORT-PA | ORT-PA graph |",
-             "|---|---|---|" + "---|" * (len(kinds) + 5)]
+             " | F16 / dense | INT8 / F16 | INT4 / F16 | F16 v3 / v2 | INT4 v3 / v2 | F16 / ORT-PA | ORT-PA graph |",
+             "|---|---|---|" + "---|" * (len(kinds) + 7)]
     pa_note = None
     for L in LENGTHS:
         for B in BATCHES:
@@ -204,6 +207,12 @@ def main():
             runners = {"dense": Runner(*dense_case(rng, B, L, R))}
             for f in FORMATS:
                 runners[f.name] = Runner(*paged_case(rng, B, L, R, f))
+            os.environ["ORTKV_CUDA_ATTENTION"] = "v2"  # read when the graph is captured (in Runner())
+            try:
+                for f in V2_FORMATS:
+                    runners[f"{f.name} v2"] = Runner(*paged_case(rng, B, L, R, f))
+            finally:
+                del os.environ["ORTKV_CUDA_ATTENTION"]
             runners["ORT-PA"], pa_graph, why = ort_paged_runner(rng, B, L, R)
             if runners["ORT-PA"] is None:
                 kinds_now = [k for k in kinds if k != "ORT-PA"]
@@ -217,6 +226,7 @@ def main():
             med = {k: statistics.median(v) for k, v in per.items()}
             row = f"| {L} | {B} | {R} | " + " | ".join(f"{med[k]:.1f}" if k in med else "-" for k in kinds)
             row += f" | {med['F16'] / med['dense']:.2f} | {med['INT8'] / med['F16']:.2f} | {med['INT4'] / med['F16']:.2f}"
+            row += f" | {med['F16'] / med['F16 v2']:.2f} | {med['INT4'] / med['INT4 v2']:.2f}"
             row += (f" | {med['F16'] / med['ORT-PA']:.2f} | {'yes' if pa_graph else 'no'} |" if "ORT-PA" in med
                     else " | - | - |")
             lines.append(row)

@@ -229,7 +229,7 @@ def test_unknown_kernel_name_is_refused(rng, monkeypatch):
     B, C, Hq, Hkv, D, T = 2, 64, 4, 2, 64, 1
     start = np.array([3, 63])
     q, k, v = _poisoned_case(rng, TP.FLOAT16, 1, B, C, Hq, Hkv, D, T, start)
-    monkeypatch.setenv("ORTKV_CUDA_ATTENTION", "v3")
+    monkeypatch.setenv("ORTKV_CUDA_ATTENTION", "v4")
     sess = _session(cache_attention_model(Hq, Hkv, 1, TP.FLOAT16))
     io = sess.io_binding()
     qd, kd, vd = _dev(q, TP.FLOAT16), _dev(k, TP.FLOAT16), _dev(v, TP.FLOAT16)  # kept alive: bound by pointer
@@ -239,8 +239,8 @@ def test_unknown_kernel_name_is_refused(rng, monkeypatch):
     sd = ort.OrtValue.ortvalue_from_numpy(start, "cuda", 0)
     io.bind_ortvalue_input("start", sd)
     io.bind_output("out", "cuda", 0)
-    with pytest.raises(Exception, match=r"ORTKV_CUDA_ATTENTION='v3' is not a CacheAttention CUDA kernel; "
-                                        r"set v1 or v2, or unset it"):
+    with pytest.raises(Exception, match=r"ORTKV_CUDA_ATTENTION='v4' is not a CUDA attention kernel; "
+                                        r"set v1, v2 or v3, or unset it"):
         sess.run_with_iobinding(io)
     assert _host(kd, TP.FLOAT16).tobytes() == k.tobytes() and _host(vd, TP.FLOAT16).tobytes() == v.tobytes()
     assert _ortkv.cuda_take_error() is None

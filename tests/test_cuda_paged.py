@@ -198,6 +198,18 @@ def test_attention_split_k_8k_tokens(rng, B):
     _attn_case(rng, ALL, B=B, T=1, lengths=lengths, PS=64, NL=1, layer=0)
 
 
+@pytest.mark.parametrize("kernel", ["v2", "v3"])
+@pytest.mark.parametrize("D,T,dtype", [(64, 1, "float16"), (128, 5, "float16"), (64, 3, "bfloat16"),
+                                       (128, 1, "bfloat16")])
+def test_attention_each_kernel_every_format(rng, monkeypatch, kernel, D, T, dtype):
+    """The streaming kernel (Note [Paged CUDA v2]) and the tensor-core one (Note [Paged CUDA v3], the default for
+    16-bit queries, head size 64 / 128, pages of a multiple of 16) each against the reference: every format in one
+    pool, sequences ending inside a 16-key tile, a row of 8K keys (split, chunk edges inside tiles), G = 3 and 8."""
+    monkeypatch.setenv("ORTKV_CUDA_ATTENTION", kernel)
+    _attn_case(rng, ALL, B=3, T=T, lengths=[8203, 37, 16 + T], PS=16, D=D, NL=1, layer=0, dtype=dtype)
+    _attn_case(rng, ALL, B=2, T=T, lengths=[301, 64], PS=32, D=D, H=2, G=8, dtype=dtype)
+
+
 def test_attention_chunks_longer_than_one_page_window(rng):
     """Pages of 4 tokens, 4 rows x 8 query tokens (few splits): a block's key chunk spans > 256 pages, so the v2
     kernel resolves its pages in several windows (Note [Paged CUDA v2])."""

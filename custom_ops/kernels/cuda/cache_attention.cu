@@ -770,16 +770,23 @@ cudaError_t Launch(const CacheAttentionCudaView& v, const Args& a, cudaStream_t 
 
 }  // namespace
 
-// ORTKV_CUDA_ATTENTION: unset, empty or "v2" = Note [CacheAttention CUDA v2] where it applies; "v1" =
-// the first kernel everywhere (for A/B measurements), for CacheAttention and PagedCacheAttention
-// (Note [Paged CUDA v2]). Read at every launch (a captured CUDA graph
-// keeps the kernel of its capture).
-Status CudaAttentionKernelChoice(bool* v1) {
+// ORTKV_CUDA_ATTENTION: unset or empty = the newest kernel that applies (CacheAttention: Note [CacheAttention
+// CUDA v2]; PagedCacheAttention: Note [Paged CUDA v3], else v2); "v1", "v2", "v3" pick one for A/B runs
+// (CacheAttention takes v2 for "v3"; a kernel that does not apply to a call falls back to an older one).
+// Read at every launch (a captured CUDA graph keeps the kernel of its capture).
+Status CudaAttentionKernelChoice(int* level) {
   const char* e = std::getenv("ORTKV_CUDA_ATTENTION");
-  *v1 = e != nullptr && std::strcmp(e, "v1") == 0;
-  if (e == nullptr || *e == '\0' || *v1 || std::strcmp(e, "v2") == 0) return Status::Ok();
+  *level = 0;
+  if (e == nullptr || *e == '\0') return Status::Ok();
+  for (int v = 1; v <= 3; ++v) {
+    const char name[3] = {'v', static_cast<char>('0' + v), '\0'};
+    if (std::strcmp(e, name) == 0) {
+      *level = v;
+      return Status::Ok();
+    }
+  }
   return Status(Code::kInvalidArgument, std::string("ORTKV_CUDA_ATTENTION='") + e +
-                                            "' is not a CacheAttention CUDA kernel; set v1 or v2, or unset it");
+                                            "' is not a CUDA attention kernel; set v1, v2 or v3, or unset it");
 }
 
 
@@ -818,9 +825,9 @@ Status CacheAttentionCuda(const CacheAttentionCudaView& v, void* stream_ptr) {
     return Status(Code::kInvalidArgument, "CacheAttention CUDA: " + std::to_string(blocks) +
                                               " blocks exceed the grid limit; split the batch");
   }
-  bool v1 = false;
-  ORTKV_RETURN_IF_ERR(CudaAttentionKernelChoice(&v1));
-  const bool v2 = !v1 && v.vec && v.D <= kAttnCudaMaxHeadSize &&
+  int level = 0;
+  ORTKV_RETURN_IF_ERR(CudaAttentionKernelChoice(&level));
+  const bool v2 = level != 1 && v.vec && v.D <= kAttnCudaMaxHeadSize &&
                   (v.elem_type == kFloat16 || v.elem_type == kBFloat16);  // Note [CacheAttention CUDA v2]
   cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
   cudaError_t e;

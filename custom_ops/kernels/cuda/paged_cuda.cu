@@ -1553,6 +1553,29 @@ int CurrentMajor() {
   return major;
 }
 
+// The base-2 combine after a v2 / v3 attention (a.v.splits: the trimmed split count): reports the blocks'
+// failure keys and merges the partials; a programmatic dependent on sm_90+ (Note [CacheAttention CUDA v2 waves]).
+template <typename T>
+cudaError_t LaunchCombine(const AttnArgs& a, cudaStream_t stream) {
+  const unsigned combine_blocks = a.v.splits > 1 ? static_cast<unsigned>(a.v.units() * a.v.group()) : 1u;
+  const int threads = static_cast<int>(std::min<int64_t>(256, (a.v.D + 31) / 32 * 32));
+  if (CurrentMajor() >= 9) {
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(combine_blocks);
+    cfg.blockDim = dim3(threads);
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    if (cudaLaunchKernelEx(&cfg, PagedCombineKernel<T, true>, a) == cudaSuccess) return cudaSuccess;
+    (void)cudaGetLastError();
+  }
+  PagedCombineKernel<T, true><<<combine_blocks, threads, 0, stream>>>(a);
+  return cudaGetLastError();
+}
+
 template <typename T, int TPK, int GM>
 cudaError_t LaunchOne(AttnArgs a, cudaStream_t stream) {
   static const int per_sm = [] {
@@ -1575,23 +1598,7 @@ cudaError_t LaunchOne(AttnArgs a, cudaStream_t stream) {
   PagedAttentionV2<T, TPK, GM><<<static_cast<unsigned>(base * a.v.splits), kThreads, sizeof(Smem), stream>>>(a);
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return e;
-  const unsigned combine_blocks = a.v.splits > 1 ? static_cast<unsigned>(a.v.units() * a.v.group()) : 1u;
-  const int threads = static_cast<int>(std::min<int64_t>(256, (a.v.D + 31) / 32 * 32));
-  if (CurrentMajor() >= 9) {
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(combine_blocks);
-    cfg.blockDim = dim3(threads);
-    cfg.stream = stream;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    if (cudaLaunchKernelEx(&cfg, PagedCombineKernel<T, true>, a) == cudaSuccess) return cudaSuccess;
-    (void)cudaGetLastError();
-  }
-  PagedCombineKernel<T, true><<<combine_blocks, threads, 0, stream>>>(a);
-  return cudaGetLastError();
+  return LaunchCombine<T>(a, stream);
 }
 
 template <typename T, int TPK>
@@ -1613,6 +1620,534 @@ cudaError_t Launch(const AttnArgs& a, int gm, cudaStream_t stream) {
 }
 
 }  // namespace pv2
+
+// ---- PagedCacheAttention v3: Note [Paged CUDA v3] ----------------------------------------------------
+// Note [Paged CUDA v3]
+// ~~~~~~~~~~~~~~~~~~~~
+// v2 (Note [Paged CUDA v2]) keeps HBM busy but is bound by instruction issue: for every key row its
+// threads do the query heads' dot products and the value sums in FP32 (~30 warp instructions per key
+// row at head size 64), so a page that moves 4x fewer bytes (INT4) was no faster than an F16 page. v3
+// moves those products onto the tensor cores (mma.sync m16n8k16, FP32 accumulators):
+//   * A warp owns whole tiles of 16 consecutive keys (page_size % 16 == 0: a tile lies in one page) and
+//     streams them through its own kStages-deep cp.async ring; no block barrier inside the key loop.
+//   * F16 and BF16 pages are copied straight into a float16 tile [16 keys][D] in shared memory, 16-byte
+//     chunks swizzled by (row & 7) so ldmatrix reads them without bank conflicts. Narrow pages (INT8,
+//     FP8, INT4, INT2 and the per-channel key formats) copy their payload and scales raw (fewer bytes)
+//     and the warp decodes them IN PLACE into that tile (each lane first loads its pieces into
+//     registers, __syncwarp, then stores the 16-bit values): the decode is the same per-format code as
+//     v2 (DecodePiece), run once per value instead of once per value and query head.
+//   * S = Q K^T: A = the group's query heads (rows 0..7, padding rows zero; scale * log2(e) folded in,
+//     rounded to the tile's 16-bit type), B = the key tile via ldmatrix (its row-major [key][D] IS the
+//     "col" operand). P V: A = the probabilities, taken from S's accumulators without a shuffle (the
+//     C layout of two n-tiles is the A layout of one k-step), B = the value tile via ldmatrix.trans.
+//     BF16 pages use the bf16 mma with bf16 copies of Q and P; every other format decodes to float16.
+//   * Online softmax in base 2 per query head (a quad of lanes holds one head's scores), lazy rescale
+//     as v2. Keys of a tile outside the block's window score -inf, and their value rows are zeroed
+//     before the product (0 * NaN would poison the sum: rows past a sequence's length are never
+//     trusted, as the NaN-poisoned tests check).
+//   * Page resolution (windows of kMaxPages pages in shared memory, every check of PageProblem), the
+//     per-block failure keys, the one-wave split count, the base-2 partials and the PDL combine are
+//     v2's. Precision: Q and P are rounded to 16 bits before the products (FlashAttention's choice);
+//     accumulation is FP32.
+// v3 runs for float16 / bfloat16 queries with head size 64 or 128, page_size % 16 == 0, no page_fill;
+// ORTKV_CUDA_ATTENTION=v2 (or v1) selects the older kernels for A/B runs.
+namespace pv3 {
+
+using pv2::Bits;
+using pv2::CpAsync;
+using pv2::CpAsyncCommit;
+using pv2::CpAsyncWait;
+using pv2::DecodePiece;
+using pv2::FormatInfo;
+using pv2::IsKC;
+using pv2::kMaxPages;
+using pv2::LoadPiece;
+using pv2::ScaleBytes;
+
+constexpr int kTile = 16;
+
+template <int D>
+struct Cfg {
+  static constexpr int kStages = D <= 64 ? 3 : 2;
+  static constexpr int kRegion = kTile * D * 2;          // one tile of K (or V) as 16-bit values
+  static constexpr int kStageBytes = 2 * kRegion + 128;  // K, V, then 64 bytes of K scales and of V scales
+  static constexpr int kWarpBytes = kStages * kStageBytes;
+  static constexpr int kRingBytes = kWarps * kWarpBytes;
+  static constexpr int kCh = D / 8;  // 16-byte chunks per 16-bit row
+};
+
+struct Head {
+  const uint8_t* page[kMaxPages];
+  FormatInfo fi[codecs::kNumPageFormats];
+  unsigned long long key;
+  uint8_t fmt[kMaxPages];
+};
+
+template <int D>
+struct Merge {
+  float m[kWarps][8];
+  float l[kWarps][8];
+  float acc[kWarps][8][D];
+};
+
+template <int D>
+constexpr size_t SmemBytes() {
+  return (sizeof(Head) + 15) / 16 * 16 + Cfg<D>::kRingBytes;
+}
+static_assert(sizeof(Merge<64>) <= Cfg<64>::kRingBytes && sizeof(Merge<128>) <= Cfg<128>::kRingBytes, "");
+
+// byte offset of 16-byte chunk ch of row r in a swizzled tile
+template <int D>
+__device__ __forceinline__ int Sw(int r, int ch) {
+  return r * (D * 2) + ((ch ^ (r & 7)) << 4);
+}
+
+__device__ __forceinline__ void LdMatrix4(unsigned addr, uint32_t* r) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+__device__ __forceinline__ void LdMatrix4T(unsigned addr, uint32_t* r) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+// c += a * b, m16n8k16, a1 = a3 = 0 (rows 8..15 of A are padding)
+template <bool BF>
+__device__ __forceinline__ void Mma(float* c, uint32_t a0, uint32_t a2, uint32_t b0, uint32_t b1) {
+  const uint32_t z = 0;
+  if constexpr (BF) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(z), "r"(a2), "r"(z), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(z), "r"(a2), "r"(z), "r"(b0), "r"(b1));
+  }
+}
+template <bool BF>
+__device__ __forceinline__ uint32_t Pack2(float x, float y) {
+  if constexpr (BF) {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(x, y);
+    return *reinterpret_cast<const uint32_t*>(&h);
+  } else {
+    const __half2 h = __floats2half2_rn(x, y);
+    return *reinterpret_cast<const uint32_t*>(&h);
+  }
+}
+
+// Copies the tile's 16 rows of K and V (rows row0 .. row0 + 15 of the page's K / V payload) into stage st.
+template <int F, int D>
+__device__ __forceinline__ void IssueTile(uint8_t* st, const uint8_t* pg, const FormatInfo& fi, uint32_t row0,
+                                          int lane) {
+  using C = Cfg<D>;
+  const uint8_t* ks = pg + row0 * fi.row_bytes;
+  const uint8_t* vs = pg + fi.v_payload + row0 * fi.row_bytes;
+  if constexpr (Bits(F) == 16) {
+#pragma unroll
+    for (int i = lane; i < kTile * C::kCh; i += 32) {
+      const int r = i / C::kCh, ch = i % C::kCh;
+      CpAsync<16>(st + Sw<D>(r, ch), ks + r * (D * 2) + ch * 16);
+      CpAsync<16>(st + C::kRegion + Sw<D>(r, ch), vs + r * (D * 2) + ch * 16);
+    }
+  } else {
+    const uint32_t bytes = kTile * fi.row_bytes;  // a multiple of 16: D % 16 == 0
+    for (uint32_t c = static_cast<uint32_t>(lane) * 16u; c < bytes; c += 512u) {
+      CpAsync<16>(st + c, ks + c);
+      CpAsync<16>(st + C::kRegion + c, vs + c);
+    }
+    constexpr int kSc = ScaleBytes(F) * kTile / 16;  // 16-byte pieces of one tile's scales: 2 or 4
+    const uint32_t so = row0 * static_cast<uint32_t>(ScaleBytes(F));
+    if (!IsKC(F) && lane < kSc) CpAsync<16>(st + 2 * C::kRegion + lane * 16, pg + fi.k_scales + so + lane * 16);
+    if (lane >= 4 && lane < 4 + kSc)
+      CpAsync<16>(st + 2 * C::kRegion + 64 + (lane - 4) * 16, pg + fi.v_scales + so + (lane - 4) * 16);
+  }
+}
+
+__device__ __forceinline__ uint4 Halves8(const float* x) {
+  uint4 w;
+  w.x = Pack2<false>(x[0], x[1]);
+  w.y = Pack2<false>(x[2], x[3]);
+  w.z = Pack2<false>(x[4], x[5]);
+  w.w = Pack2<false>(x[6], x[7]);
+  return w;
+}
+
+// Decodes a narrow format's raw tile in place into the swizzled float16 tiles; rows not in `valid`
+// (bit r) become zeros. Every lane loads all its pieces before any lane stores.
+template <int F, int D>
+__device__ __forceinline__ void DecodeTile(uint8_t* st, const uint8_t* pg, const FormatInfo& fi, int hk, int lane,
+                                           uint32_t valid) {
+  using C = Cfg<D>;
+  constexpr int kPer = kTile * C::kCh / 32;  // pieces of 8 values per lane, for K and for V
+  constexpr int kB = Bits(F);
+  constexpr int kSb = ScaleBytes(F);
+  uint4 kw[kPer], vw[kPer];
+  uint32_t ksc[kPer], vsc[kPer];
+#pragma unroll
+  for (int p = 0; p < kPer; ++p) {
+    const int i = lane + 32 * p, r = i / C::kCh, ch = i % C::kCh;
+    const uint32_t off = r * fi.row_bytes + ch * kB;  // 8 values of kB bits
+    kw[p] = LoadPiece<F>(st + off);
+    vw[p] = LoadPiece<F>(st + C::kRegion + off);
+    if constexpr (kSb == 4) {
+      ksc[p] = *reinterpret_cast<const uint32_t*>(st + 2 * C::kRegion + r * 4);
+      vsc[p] = *reinterpret_cast<const uint32_t*>(st + 2 * C::kRegion + 64 + r * 4);
+    } else {
+      ksc[p] = *reinterpret_cast<const uint16_t*>(st + 2 * C::kRegion + r * 2);
+      vsc[p] = *reinterpret_cast<const uint16_t*>(st + 2 * C::kRegion + 64 + r * 2);
+    }
+  }
+  __syncwarp();
+#pragma unroll
+  for (int p = 0; p < kPer; ++p) {
+    const int i = lane + 32 * p, r = i / C::kCh, ch = i % C::kCh;
+    float x[8];
+    const bool ok = (valid >> r) & 1u;
+    if constexpr (IsKC(F)) {  // per-channel (s, m) of this head's channels ch * 8 .. + 7
+      const uint4* cp = reinterpret_cast<const uint4*>(pg + fi.k_scales + (static_cast<uint32_t>(hk) * D + ch * 8) * 4u);
+      const uint4 a = __ldg(cp), b = __ldg(cp + 1);
+      const uint32_t cs[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+      constexpr uint32_t mask = (1u << kB) - 1u;
+#pragma unroll
+      for (int e = 0; e < 8; ++e)
+        x[e] = fmaf(__uint_as_float(((kw[p].x >> (kB * e)) & mask) | 0x4B000000u) - 8388608.0f, H(cs[e] & 0xFFFFu),
+                    H(cs[e] >> 16));
+    } else {
+      DecodePiece<F>(kw[p], ksc[p], false, x);
+    }
+    if (!ok)
+#pragma unroll
+      for (int e = 0; e < 8; ++e) x[e] = 0.0f;
+    *reinterpret_cast<uint4*>(st + Sw<D>(r, ch)) = Halves8(x);
+    DecodePiece<F>(vw[p], vsc[p], false, x);
+    if (!ok)
+#pragma unroll
+      for (int e = 0; e < 8; ++e) x[e] = 0.0f;
+    *reinterpret_cast<uint4*>(st + C::kRegion + Sw<D>(r, ch)) = Halves8(x);
+  }
+  __syncwarp();
+}
+
+// Zeroes the value rows of a 16-bit tile that are not in `valid`.
+template <int D>
+__device__ __forceinline__ void ZeroInvalidV(uint8_t* st, int lane, uint32_t valid) {
+  using C = Cfg<D>;
+#pragma unroll
+  for (int i = lane; i < kTile * C::kCh; i += 32) {
+    const int r = i / C::kCh, ch = i % C::kCh;
+    if (!((valid >> r) & 1u)) *reinterpret_cast<uint4*>(st + C::kRegion + Sw<D>(r, ch)) = make_uint4(0u, 0u, 0u, 0u);
+  }
+  __syncwarp();
+}
+
+// The tile's products: s = Q K^T for its 16 keys, the online softmax, o += P V. BF: bf16 operands.
+template <bool BF, int D>
+__device__ __forceinline__ void TileProducts(const uint8_t* st, const uint32_t (*qa)[2], int lane, uint32_t valid,
+                                             float& m, float& l, float (*o)[4]) {
+  using C = Cfg<D>;
+  const unsigned base = static_cast<unsigned>(__cvta_generic_to_shared(st));
+  float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+  {
+    const int r = ((lane >> 4) << 3) + (lane & 7);  // key row this lane addresses
+    const int hi = (lane >> 3) & 1;                 // second 8 dims of the k-step
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) {
+      uint32_t b[4];
+      LdMatrix4(base + Sw<D>(r, 2 * ks + hi), b);
+      Mma<BF>(s[0], qa[ks][0], qa[ks][1], b[0], b[1]);
+      Mma<BF>(s[1], qa[ks][0], qa[ks][1], b[2], b[3]);
+    }
+  }
+  const int c = lane & 3;
+  float mx = -INFINITY;
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int key = nt * 8 + 2 * c + e;
+      s[nt][e] = ((valid >> key) & 1u) ? s[nt][e] : -INFINITY;
+      mx = fmaxf(mx, s[nt][e]);
+    }
+  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+  if (mx > m) {  // the tile holds a valid key: mx is finite
+    const float corr = Exp2(m - mx);
+    l *= corr;
+#pragma unroll
+    for (int nt = 0; nt < D / 8; ++nt) {
+      o[nt][0] *= corr;
+      o[nt][1] *= corr;
+    }
+    m = mx;
+  }
+  float p[2][2];
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      p[nt][e] = Exp2(s[nt][e] - m);  // 0 for an invalid key
+      l += p[nt][e];
+    }
+  const uint32_t pa0 = Pack2<BF>(p[0][0], p[0][1]), pa2 = Pack2<BF>(p[1][0], p[1][1]);
+  {
+    const int r = (((lane >> 3) & 1) << 3) + (lane & 7);  // key row
+    const int hi = lane >> 4;                              // second n-tile of the pair
+#pragma unroll
+    for (int nt2 = 0; nt2 < D / 16; ++nt2) {
+      uint32_t b[4];
+      LdMatrix4T(base + C::kRegion + Sw<D>(r, 2 * nt2 + hi), b);
+      Mma<BF>(o[2 * nt2], pa0, pa2, b[0], b[1]);
+      Mma<BF>(o[2 * nt2 + 1], pa0, pa2, b[2], b[3]);
+    }
+  }
+}
+
+template <typename T, int D>
+__global__ void __launch_bounds__(kThreads) PagedAttentionV3(const AttnArgs args) {
+  using C = Cfg<D>;
+  extern __shared__ __align__(16) unsigned char dsm[];
+  Head& sh = *reinterpret_cast<Head*>(dsm);
+  uint8_t* ring = dsm + (sizeof(Head) + 15) / 16 * 16;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" :::);
+#endif
+  const PagedAttentionCudaView& a = args.v;
+  const int64_t S = a.splits;
+  int64_t blk = blockIdx.x;
+  const int64_t split = blk % S;
+  blk /= S;
+  const int64_t hb = blk % args.head_blocks;
+  const int64_t unit = blk / args.head_blocks;
+  const int64_t t = unit % a.T;
+  const int hk = static_cast<int>((unit / a.T) % a.Hkv);
+  const int64_t b = unit / (a.T * a.Hkv);
+  const int64_t G = a.Hq / a.Hkv;
+  const int64_t g0 = hb * 8;  // the host's head blocks: one for G <= 8, else 8 heads each
+  const int gn = static_cast<int>(G - g0 < 8 ? G - g0 : 8);
+  const int ps = a.p.shape.page_size;  // a multiple of kTile (the launch checks)
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  if (tid == 0) sh.key = kNoError;
+
+  bool bad_start = false;
+  const int64_t st0 = ClampedStart(a, b, &bad_start);
+  const int64_t L = st0 + t + 1;
+  int64_t chunk = (L + S - 1) / S;
+  if (chunk < kPagedMinChunk) chunk = kPagedMinChunk;
+  const int64_t j0 = split * chunk < L ? split * chunk : L;
+  const int64_t j1 = j0 + chunk < L ? j0 + chunk : L;
+
+  if (tid < codecs::kNumPageFormats) {
+    const codecs::PageLayout& lay = a.p.layouts[tid];
+    FormatInfo f;
+    f.row_bytes = static_cast<uint32_t>(lay.row_bytes);
+    f.v_payload = static_cast<uint32_t>(lay.v_payload);
+    f.k_scales = static_cast<uint32_t>(lay.k_scales);
+    f.v_scales = static_cast<uint32_t>(lay.v_scales);
+    f.srb = static_cast<uint32_t>(lay.scale_row_bytes);
+    f.bits = static_cast<uint32_t>(codecs::PayloadBits(static_cast<PageFormat>(tid)));
+    sh.fi[tid] = f;
+  }
+
+  // this lane's query fragments (row g = lane / 4: head g0 + g when g < gn, else zeros), both 16-bit types
+  const int g = lane >> 2, c = lane & 3;
+  uint32_t qh[D / 16][2], qb[D / 16][2];
+  {
+    const float qscale = a.scale * 1.4426950408889634f;
+    const T* qp = static_cast<const T*>(a.q) + ((b * a.T + t) * a.Hq + hk * G + g0 + g) * a.D;
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float x = 0.0f, y = 0.0f;
+        if (g < gn) {
+          const int d = ks * 16 + h * 8 + 2 * c;
+          if constexpr (std::is_same<T, __half>::value) {
+            const float2 v = __half22float2(*reinterpret_cast<const __half2*>(qp + d));
+            x = v.x, y = v.y;
+          } else {
+            const float2 v = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(qp + d));
+            x = v.x, y = v.y;
+          }
+          x *= qscale;
+          y *= qscale;
+        }
+        qh[ks][h] = Pack2<false>(x, y);
+        qb[ks][h] = Pack2<true>(x, y);
+      }
+  }
+  float m = -INFINITY, l = 0.0f, o[D / 8][4];
+#pragma unroll
+  for (int nt = 0; nt < D / 8; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.0f;
+
+  uint8_t* wring = ring + warp * C::kWarpBytes;
+  bool skip = false;
+  for (int64_t s0 = j0; s0 < j1;) {
+    const int64_t p0 = s0 / ps;
+    const int64_t s1 = j1 < (p0 + kMaxPages) * ps ? j1 : (p0 + kMaxPages) * ps;
+    const int64_t p1 = (s1 - 1) / ps;
+    __syncthreads();  // the previous window's page list is no longer read (and sh.fi is written)
+    int bad = 0;
+    for (int64_t pi = p0 + tid; pi <= p1; pi += kThreads) {
+      const int64_t id = TableAt(a.p, b, pi);
+      if (PageProblem(a.p, id, false) != kPageOk) {
+        atomicMin(&sh.key, Key(kClassRow, (static_cast<unsigned long long>(b) << 28) | static_cast<unsigned long long>(pi + 1)));
+        bad = 1;
+      } else {
+        int f = 0;
+        sh.page[pi - p0] = LayerBase(a.p, id, &f);
+        sh.fmt[pi - p0] = static_cast<uint8_t>(f);
+      }
+    }
+    if (__syncthreads_or(bad) != 0) {
+      skip = true;
+      break;
+    }
+    // tiles of 16 keys aligned to 16 (within one page); warp w takes tiles w, w + kWarps, ...
+    const int64_t a0 = s0 & ~static_cast<int64_t>(kTile - 1);
+    const int base_off = static_cast<int>(a0 - p0 * ps);
+    const int lo = static_cast<int>(s0 - a0), win = static_cast<int>(s1 - a0);
+    const int n_tiles = (win + kTile - 1) / kTile;
+    const int mine = n_tiles > warp ? (n_tiles - warp + kWarps - 1) / kWarps : 0;
+    const uint32_t hrow = static_cast<uint32_t>(hk) * ps;
+    int next = 0, stage_in = 0;
+    auto issue = [&]() {
+      if (next < mine) {
+        const int o0 = base_off + (warp + next * kWarps) * kTile;
+        const int lp = o0 / ps;
+        const uint32_t row0 = hrow + static_cast<uint32_t>(o0 - lp * ps);
+        const int f = sh.fmt[lp];
+        uint8_t* st = wring + stage_in * C::kStageBytes;
+#define ORTKV_ISSUE3(F) IssueTile<F, D>(st, sh.page[lp], sh.fi[F], row0, lane)
+        ORTKV_PAGED_FORMAT_SWITCH(f, ORTKV_ISSUE3)
+#undef ORTKV_ISSUE3
+      }
+      CpAsyncCommit();
+      ++next;
+      stage_in = stage_in + 1 == C::kStages ? 0 : stage_in + 1;
+    };
+#pragma unroll
+    for (int s = 0; s < C::kStages - 1; ++s) issue();
+    int stage = 0;
+    for (int it = 0; it < mine; ++it, stage = stage + 1 == C::kStages ? 0 : stage + 1) {
+      CpAsyncWait<C::kStages - 2>();
+      __syncwarp();  // this tile's copies landed for the whole warp; the slot refilled next was read
+      issue();
+      const int off = (warp + it * kWarps) * kTile;  // from a0
+      uint32_t valid = 0xFFFFu;
+      if (off < lo || off + kTile > win) {
+        valid = 0;
+        for (int k = 0; k < kTile; ++k) valid |= (off + k >= lo && off + k < win) ? (1u << k) : 0u;
+      }
+      const int lp = (base_off + off) / ps;
+      const int f = sh.fmt[lp];
+      uint8_t* st = wring + stage * C::kStageBytes;
+      if (Bits(f) != 16) {
+#define ORTKV_DECODE3(F) \
+  if constexpr (Bits(F) != 16) DecodeTile<F, D>(st, sh.page[lp], sh.fi[F], hk, lane, valid);
+        ORTKV_PAGED_FORMAT_SWITCH(f, ORTKV_DECODE3)
+#undef ORTKV_DECODE3
+      } else if (valid != 0xFFFFu) {
+        ZeroInvalidV<D>(st, lane, valid);
+      }
+      if (f == static_cast<int>(PageFormat::kBF16)) {
+        TileProducts<true, D>(st, qb, lane, valid, m, l, o);
+      } else {
+        TileProducts<false, D>(st, qh, lane, valid, m, l, o);
+      }
+    }
+    CpAsyncWait<0>();
+    s0 = s1;
+  }
+  if (skip) {
+    m = -INFINITY;
+    l = 0.0f;
+#pragma unroll
+    for (int nt = 0; nt < D / 8; ++nt) o[nt][0] = o[nt][1] = 0.0f;
+  }
+  l += __shfl_xor_sync(0xffffffffu, l, 1);
+  l += __shfl_xor_sync(0xffffffffu, l, 2);
+  CpAsyncWait<0>();
+  __syncthreads();
+  if (tid == 0) {
+    const unsigned long long sk = bad_start ? Key(kClassRow, static_cast<unsigned long long>(b) << 28) : kNoError;
+    a.block_flags[blockIdx.x] = sk < sh.key ? sk : sh.key;
+  }
+  Merge<D>& mg = *reinterpret_cast<Merge<D>*>(ring);
+  if (c == 0) {
+    mg.m[warp][g] = m;
+    mg.l[warp][g] = l;
+  }
+#pragma unroll
+  for (int nt = 0; nt < D / 8; ++nt) {
+    mg.acc[warp][g][nt * 8 + 2 * c] = o[nt][0];
+    mg.acc[warp][g][nt * 8 + 2 * c + 1] = o[nt][1];
+  }
+  __syncthreads();
+  for (int x = tid; x < gn * D; x += kThreads) {
+    const int gg = x / D, d = x % D;
+    float mb = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) mb = fmaxf(mb, mg.m[w][gg]);
+    float lb = 0.0f, ab = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      const float mw = mg.m[w][gg];
+      const float fct = mw == -INFINITY ? 0.0f : Exp2(mw - mb);
+      lb += mg.l[w][gg] * fct;
+      ab += mg.acc[w][gg][d] * fct;
+    }
+    const int64_t head = hk * G + g0 + gg;
+    if (S == 1) {
+      T* out = static_cast<T*>(a.out) + ((b * a.T + t) * a.Hq + head) * a.D;
+      out[d] = FromF<T>(lb > 0.0f ? ab / lb : 0.0f);
+    } else {
+      float* p = a.partial + ((unit * G + g0 + gg) * S + split) * (a.D + 2);
+      p[d] = ab;
+      if (d == 0) {
+        p[a.D] = mb;
+        p[a.D + 1] = lb;
+      }
+    }
+  }
+}
+
+template <typename T, int D>
+cudaError_t LaunchD(AttnArgs a, cudaStream_t stream) {
+  constexpr size_t kSmem = SmemBytes<D>();
+  static const int per_sm = [] {
+    (void)cudaFuncSetAttribute(PagedAttentionV3<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmem));
+    (void)cudaFuncSetAttribute(PagedAttentionV3<T, D>, cudaFuncAttributePreferredSharedMemoryCarveout,
+                               cudaSharedmemCarveoutMaxShared);
+    (void)cudaGetLastError();
+    int n = 0;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, PagedAttentionV3<T, D>, kThreads, kSmem) != cudaSuccess ||
+        n < 1) {
+      (void)cudaGetLastError();
+      n = 2;
+    }
+    return n;
+  }();
+  const int64_t base = a.v.units() * a.head_blocks;
+  if (a.v.splits > 1 && a.v.sm_count > 0)  // one wave (Note [CacheAttention CUDA v2 waves])
+    a.v.splits = std::max<int64_t>(1, std::min<int64_t>(a.v.splits, static_cast<int64_t>(per_sm) * a.v.sm_count / base));
+  PagedAttentionV3<T, D><<<static_cast<unsigned>(base * a.v.splits), kThreads, kSmem, stream>>>(a);
+  cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) return e;
+  return pv2::LaunchCombine<T>(a, stream);
+}
+
+template <typename T>
+cudaError_t Launch(const AttnArgs& a, cudaStream_t stream) {
+  return a.v.D == 64 ? LaunchD<T, 64>(a, stream) : LaunchD<T, 128>(a, stream);
+}
+
+}  // namespace pv3
 
 Status LaunchError(const char* op, cudaError_t e) {
   return Status(Code::kRuntime, std::string(op) + " CUDA launch failed: " + cudaGetErrorName(e) + ": " +
@@ -1668,10 +2203,12 @@ Status PagedCacheAttentionCuda(const PagedAttentionCudaView& v, void* stream_ptr
     return Status(Code::kInvalidArgument, "PagedCacheAttention CUDA: " + std::to_string(blocks) +
                                               " blocks exceed the grid limit; split the batch");
   cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
-  bool v1 = false;
-  ORTKV_RETURN_IF_ERR(CudaAttentionKernelChoice(&v1));
-  const bool v2 = !v1 && !fill && v.vec && v.D <= kAttnCudaMaxHeadSize && v.p.shape.page_size % pv2::kU == 0 &&
+  int level = 0;
+  ORTKV_RETURN_IF_ERR(CudaAttentionKernelChoice(&level));
+  const bool v2 = level != 1 && !fill && v.vec && v.D <= kAttnCudaMaxHeadSize && v.p.shape.page_size % pv2::kU == 0 &&
                   v.block_flags != nullptr;  // Note [Paged CUDA v2]; page_fill: Note [Page fill] on CUDA
+  const bool v3 = v2 && level != 2 && (v.D == 64 || v.D == 128) && v.p.shape.page_size % pv3::kTile == 0 &&
+                  (v.elem_type == kFloat16 || v.elem_type == kBFloat16);  // Note [Paged CUDA v3]
   cudaError_t e = cudaSuccess;
   if (!v2) {  // the first kernel's blocks atomicMin into one flag: cleared first
     e = cudaMemsetAsync(v.flag, 0xFF, sizeof(unsigned long long), stream);
@@ -1684,9 +2221,13 @@ Status PagedCacheAttentionCuda(const PagedAttentionCudaView& v, void* stream_ptr
     if (e != cudaSuccess) return LaunchError("PagedCacheAttention", e);
   }
   switch (v.elem_type) {
-    case kFloat16: e = v2 ? pv2::Launch<__half>(a, gm, stream) : LaunchAttn<__half>(a, gm, blocks, stream); break;
+    case kFloat16:
+      e = v3 ? pv3::Launch<__half>(a, stream) : v2 ? pv2::Launch<__half>(a, gm, stream) : LaunchAttn<__half>(a, gm, blocks, stream);
+      break;
     case kBFloat16:
-      e = v2 ? pv2::Launch<__nv_bfloat16>(a, gm, stream) : LaunchAttn<__nv_bfloat16>(a, gm, blocks, stream);
+      e = v3   ? pv3::Launch<__nv_bfloat16>(a, stream)
+          : v2 ? pv2::Launch<__nv_bfloat16>(a, gm, stream)
+               : LaunchAttn<__nv_bfloat16>(a, gm, blocks, stream);
       break;
     default: e = v2 ? pv2::Launch<float>(a, gm, stream) : LaunchAttn<float>(a, gm, blocks, stream); break;
   }
