@@ -1640,7 +1640,8 @@ cudaError_t Launch(const AttnArgs& a, int gm, cudaStream_t stream) {
 //     rounded to the tile's 16-bit type), B = the key tile via ldmatrix (its row-major [key][D] IS the
 //     "col" operand). P V: A = the probabilities, taken from S's accumulators without a shuffle (the
 //     C layout of two n-tiles is the A layout of one k-step), B = the value tile via ldmatrix.trans.
-//     BF16 pages use the bf16 mma with bf16 copies of Q and P; every other format decodes to float16.
+//     The products run in the queries' 16-bit type (float16 or bfloat16): pages of that type are copied
+//     straight into the tile, every other format (the other 16-bit type included) is decoded into it.
 //   * Online softmax in base 2 per query head (a quad of lanes holds one head's scores), lazy rescale
 //     as v2. Keys of a tile outside the block's window score -inf, and their value rows are zeroed
 //     before the product (0 * NaN would poison the sum: rows past a sequence's length are never
@@ -1742,13 +1743,13 @@ __device__ __forceinline__ uint32_t Pack2(float x, float y) {
 }
 
 // Copies the tile's 16 rows of K and V (rows row0 .. row0 + 15 of the page's K / V payload) into stage st.
-template <int F, int D>
+template <int F, int D, bool DIRECT>
 __device__ __forceinline__ void IssueTile(uint8_t* st, const uint8_t* pg, const FormatInfo& fi, uint32_t row0,
                                           int lane) {
   using C = Cfg<D>;
   const uint8_t* ks = pg + row0 * fi.row_bytes;
   const uint8_t* vs = pg + fi.v_payload + row0 * fi.row_bytes;
-  if constexpr (Bits(F) == 16) {
+  if constexpr (DIRECT) {  // the page's 16-bit type is the products' type: straight into the swizzled tile
 #pragma unroll
     for (int i = lane; i < kTile * C::kCh; i += 32) {
       const int r = i / C::kCh, ch = i % C::kCh;
@@ -1761,7 +1762,7 @@ __device__ __forceinline__ void IssueTile(uint8_t* st, const uint8_t* pg, const 
       CpAsync<16>(st + c, ks + c);
       CpAsync<16>(st + C::kRegion + c, vs + c);
     }
-    constexpr int kSc = ScaleBytes(F) * kTile / 16;  // 16-byte pieces of one tile's scales: 2 or 4
+    constexpr int kSc = ScaleBytes(F) * kTile / 16;  // 16-byte pieces of one tile's scales: 0, 2 or 4
     const uint32_t so = row0 * static_cast<uint32_t>(ScaleBytes(F));
     if (!IsKC(F) && lane < kSc) CpAsync<16>(st + 2 * C::kRegion + lane * 16, pg + fi.k_scales + so + lane * 16);
     if (lane >= 4 && lane < 4 + kSc)
@@ -1769,18 +1770,20 @@ __device__ __forceinline__ void IssueTile(uint8_t* st, const uint8_t* pg, const 
   }
 }
 
-__device__ __forceinline__ uint4 Halves8(const float* x) {
+template <bool BF>
+__device__ __forceinline__ uint4 Pack8(const float* x) {
   uint4 w;
-  w.x = Pack2<false>(x[0], x[1]);
-  w.y = Pack2<false>(x[2], x[3]);
-  w.z = Pack2<false>(x[4], x[5]);
-  w.w = Pack2<false>(x[6], x[7]);
+  w.x = Pack2<BF>(x[0], x[1]);
+  w.y = Pack2<BF>(x[2], x[3]);
+  w.z = Pack2<BF>(x[4], x[5]);
+  w.w = Pack2<BF>(x[6], x[7]);
   return w;
 }
 
-// Decodes a narrow format's raw tile in place into the swizzled float16 tiles; rows not in `valid`
-// (bit r) become zeros. Every lane loads all its pieces before any lane stores.
-template <int F, int D>
+// Decodes a raw tile (a narrow format, or the other 16-bit type) in place into the swizzled 16-bit tiles of
+// the products' type (BF: bfloat16, else float16); rows not in `valid` (bit r) become zeros. Every lane loads
+// all its pieces before any lane stores.
+template <int F, int D, bool BF>
 __device__ __forceinline__ void DecodeTile(uint8_t* st, const uint8_t* pg, const FormatInfo& fi, int hk, int lane,
                                            uint32_t valid) {
   using C = Cfg<D>;
@@ -1798,9 +1801,11 @@ __device__ __forceinline__ void DecodeTile(uint8_t* st, const uint8_t* pg, const
     if constexpr (kSb == 4) {
       ksc[p] = *reinterpret_cast<const uint32_t*>(st + 2 * C::kRegion + r * 4);
       vsc[p] = *reinterpret_cast<const uint32_t*>(st + 2 * C::kRegion + 64 + r * 4);
-    } else {
+    } else if constexpr (kSb == 2) {
       ksc[p] = *reinterpret_cast<const uint16_t*>(st + 2 * C::kRegion + r * 2);
       vsc[p] = *reinterpret_cast<const uint16_t*>(st + 2 * C::kRegion + 64 + r * 2);
+    } else {
+      ksc[p] = vsc[p] = 0u;  // 16-bit pages have no scales
     }
   }
   __syncwarp();
@@ -1824,12 +1829,12 @@ __device__ __forceinline__ void DecodeTile(uint8_t* st, const uint8_t* pg, const
     if (!ok)
 #pragma unroll
       for (int e = 0; e < 8; ++e) x[e] = 0.0f;
-    *reinterpret_cast<uint4*>(st + Sw<D>(r, ch)) = Halves8(x);
+    *reinterpret_cast<uint4*>(st + Sw<D>(r, ch)) = Pack8<BF>(x);
     DecodePiece<F>(vw[p], vsc[p], false, x);
     if (!ok)
 #pragma unroll
       for (int e = 0; e < 8; ++e) x[e] = 0.0f;
-    *reinterpret_cast<uint4*>(st + C::kRegion + Sw<D>(r, ch)) = Halves8(x);
+    *reinterpret_cast<uint4*>(st + C::kRegion + Sw<D>(r, ch)) = Pack8<BF>(x);
   }
   __syncwarp();
 }
@@ -1911,6 +1916,8 @@ __device__ __forceinline__ void TileProducts(const uint8_t* st, const uint32_t (
 template <typename T, int D>
 __global__ void __launch_bounds__(kThreads) PagedAttentionV3(const AttnArgs args) {
   using C = Cfg<D>;
+  constexpr bool BF = std::is_same<T, __nv_bfloat16>::value;  // the products' 16-bit type is the queries'
+  constexpr int kDirect = BF ? static_cast<int>(PageFormat::kBF16) : static_cast<int>(PageFormat::kF16);
   extern __shared__ __align__(16) unsigned char dsm[];
   Head& sh = *reinterpret_cast<Head*>(dsm);
   uint8_t* ring = dsm + (sizeof(Head) + 15) / 16 * 16;
@@ -1954,9 +1961,9 @@ __global__ void __launch_bounds__(kThreads) PagedAttentionV3(const AttnArgs args
     sh.fi[tid] = f;
   }
 
-  // this lane's query fragments (row g = lane / 4: head g0 + g when g < gn, else zeros), both 16-bit types
+  // this lane's query fragments (row g = lane / 4: head g0 + g when g < gn, else zeros)
   const int g = lane >> 2, c = lane & 3;
-  uint32_t qh[D / 16][2], qb[D / 16][2];
+  uint32_t qa[D / 16][2];
   {
     const float qscale = a.scale * 1.4426950408889634f;
     const T* qp = static_cast<const T*>(a.q) + ((b * a.T + t) * a.Hq + hk * G + g0 + g) * a.D;
@@ -1977,8 +1984,7 @@ __global__ void __launch_bounds__(kThreads) PagedAttentionV3(const AttnArgs args
           x *= qscale;
           y *= qscale;
         }
-        qh[ks][h] = Pack2<false>(x, y);
-        qb[ks][h] = Pack2<true>(x, y);
+        qa[ks][h] = Pack2<BF>(x, y);
       }
   }
   float m = -INFINITY, l = 0.0f, o[D / 8][4];
@@ -2023,7 +2029,7 @@ __global__ void __launch_bounds__(kThreads) PagedAttentionV3(const AttnArgs args
         const uint32_t row0 = hrow + static_cast<uint32_t>(o0 - lp * ps);
         const int f = sh.fmt[lp];
         uint8_t* st = wring + stage_in * C::kStageBytes;
-#define ORTKV_ISSUE3(F) IssueTile<F, D>(st, sh.page[lp], sh.fi[F], row0, lane)
+#define ORTKV_ISSUE3(F) IssueTile<F, D, F == kDirect>(st, sh.page[lp], sh.fi[F], row0, lane)
         ORTKV_PAGED_FORMAT_SWITCH(f, ORTKV_ISSUE3)
 #undef ORTKV_ISSUE3
       }
@@ -2047,19 +2053,15 @@ __global__ void __launch_bounds__(kThreads) PagedAttentionV3(const AttnArgs args
       const int lp = (base_off + off) / ps;
       const int f = sh.fmt[lp];
       uint8_t* st = wring + stage * C::kStageBytes;
-      if (Bits(f) != 16) {
+      if (f != kDirect) {
 #define ORTKV_DECODE3(F) \
-  if constexpr (Bits(F) != 16) DecodeTile<F, D>(st, sh.page[lp], sh.fi[F], hk, lane, valid);
+  if constexpr (F != kDirect) DecodeTile<F, D, BF>(st, sh.page[lp], sh.fi[F], hk, lane, valid);
         ORTKV_PAGED_FORMAT_SWITCH(f, ORTKV_DECODE3)
 #undef ORTKV_DECODE3
       } else if (valid != 0xFFFFu) {
         ZeroInvalidV<D>(st, lane, valid);
       }
-      if (f == static_cast<int>(PageFormat::kBF16)) {
-        TileProducts<true, D>(st, qb, lane, valid, m, l, o);
-      } else {
-        TileProducts<false, D>(st, qh, lane, valid, m, l, o);
-      }
+      TileProducts<BF, D>(st, qa, lane, valid, m, l, o);
     }
     CpAsyncWait<0>();
     s0 = s1;
