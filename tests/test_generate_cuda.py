@@ -104,6 +104,36 @@ def test_cuda_graph_decode_equals_uncaptured_decode():
     np.testing.assert_array_equal(runs[True], runs[False])
 
 
+@pytest.mark.parametrize("graph", [False, True])
+def test_decoder_picks_the_greedy_token_of_its_own_logits(graph):
+    """Note [Greedy in the decoder]: the float16 ortkv decoder's greedy output is the ArgMax of the step's own
+    logits (bound in the same run), two rows, with and without the CUDA graph; and NaN logits are refused by
+    name (row, token) as the separate greedy session refuses them."""
+    from ortkv.errors import OrtkvError
+    from ortkv.generate.runners import checked_greedy
+
+    cfg = _cfg(cuda_graph=graph)
+    r = OrtkvRunner(model_path(cfg, "ortkv"), cfg)
+    try:
+        assert r._greedy_out
+        lengths = np.array([len(p) for p in PROMPTS])
+        ids = np.full((len(PROMPTS), lengths.max()), 2, np.int64)
+        for b, p in enumerate(PROMPTS):
+            ids[b, : len(p)] = p
+        r.start(len(PROMPTS), cfg.search.max_length)
+        tok = r.prefill_tokens(ids, lengths)
+        for _ in range(6):
+            nxt = r.step_tokens(tok)
+            logits = r._io["logits"].numpy()[:, -1]
+            np.testing.assert_array_equal(nxt, logits.argmax(-1))
+            tok = nxt
+    finally:
+        r.close()
+    V = cfg.model.vocab_size
+    with pytest.raises(OrtkvError, match=r"the logits of row 1 hold NaN at token 7"):
+        checked_greedy(np.array([3, 4]), np.array([V, 7]), V)
+
+
 def test_second_generation_captures_its_own_graph():
     """A new start() (new arenas: new pointers, another batch) gets a new graph id, not the old replay."""
     cfg = _cfg(cuda_graph=True)

@@ -157,12 +157,16 @@ class GreedyToken:
         io.bind_output("nan", "cpu")
         self.sess.run_with_iobinding(io)
         nxt, nan = (v.numpy() for v in io.get_outputs())
-        vocab = logits_value.shape()[-1]
-        if (nan != vocab).any():
-            b = int(np.flatnonzero(nan != vocab)[0])
-            raise OrtkvError(f"the logits of row {b} hold NaN at token {int(nan[b])}: the model produced no usable "
-                             "distribution")
-        return nxt.astype(np.int64)
+        return checked_greedy(nxt, nan, logits_value.shape()[-1])
+
+
+def checked_greedy(nxt: np.ndarray, nan: np.ndarray, vocab: int) -> np.ndarray:
+    """The greedy picks [B] int64, unless a row's logits hold NaN (nan[b] != vocab: that token's id)."""
+    if (nan != vocab).any():
+        b = int(np.flatnonzero(nan != vocab)[0])
+        raise OrtkvError(f"the logits of row {b} hold NaN at token {int(nan[b])}: the model produced no usable "
+                         "distribution")
+    return nxt.astype(np.int64)
 
 
 @functools.cache
@@ -294,6 +298,8 @@ class OrtkvRunner:
         self._io = None
         self.last_token = LastToken(cfg) if self.device != "cpu" else None
         self.greedy_token = GreedyToken(cfg) if self.device != "cpu" else None
+        # Note [Greedy in the decoder] (builder.py): the float16 decoders pick the decode step's token themselves
+        self._greedy_out = self.device != "cpu" and any(o.name == "greedy" for o in self.sess.session.get_outputs())
         _check_layers(cfg, path, len(self.sess.caches) // 2)
 
     @property
@@ -340,6 +346,8 @@ class OrtkvRunner:
             new = lambda shape, t: ort.OrtValue.ortvalue_from_shape_and_type(shape, t, "cuda", dev)  # noqa: E731
             self._io = {"input_ids": new([batch, 1], np.int64), "positions": new([batch], np.int64),
                         "logits": new([batch, 1, cfg.model.vocab_size], np.float32)}
+            if self._greedy_out:  # Note [Greedy in the decoder] in builder.py
+                self._io["greedy"] = new([batch, 2], np.int64)
             self._decode_ro = ort.RunOptions()
             self._prefill_ro = ort.RunOptions()
             if self.cuda_graph:
@@ -399,14 +407,22 @@ class OrtkvRunner:
         io = self._io
         io["input_ids"].update_inplace(np.ascontiguousarray(next_ids.reshape(-1, 1), np.int64))
         io["positions"].update_inplace(self.lengths)
-        self.sess.run(["logits"], {"input_ids": io["input_ids"], "positions": io["positions"]},
-                      run_options=self._decode_ro, bound_outputs={"logits": io["logits"]})
+        bound = {"logits": io["logits"]}
+        if self._greedy_out:
+            bound["greedy"] = io["greedy"]
+        self.sess.run(list(bound), {"input_ids": io["input_ids"], "positions": io["positions"]},
+                      run_options=self._decode_ro, bound_outputs=bound)
         self.lengths += 1
         return io["logits"]
 
     def step_tokens(self, next_ids: np.ndarray) -> np.ndarray:
-        """Greedy: one decode step, then each row's next token [B], chosen on the device."""
-        return self.greedy_token(self._step_device(next_ids), self._zero_index(len(next_ids)))
+        """Greedy: one decode step, then each row's next token [B], chosen on the device (by the decoder
+        itself when it has the greedy output: Note [Greedy in the decoder] in builder.py)."""
+        if not self._greedy_out:
+            return self.greedy_token(self._step_device(next_ids), self._zero_index(len(next_ids)))
+        self._step_device(next_ids)
+        picked = self._io["greedy"].numpy()  # [B, 2]: the pick, the first NaN's id (vocab if none)
+        return checked_greedy(picked[:, 0], picked[:, 1], self.cfg.model.vocab_size)
 
     def _zero_index(self, batch: int) -> np.ndarray:
         if getattr(self, "_zeros", None) is None or len(self._zeros) != batch:
