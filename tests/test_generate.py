@@ -421,6 +421,13 @@ def test_float16_graphs_are_float16_with_float32_logits(slice_weights):
             assert axes == {"CacheUpdate": [0], "CacheAttention": [0]}
         if variant == "genai":
             assert sum(n.op_type == "GroupQueryAttention" for n in m.graph.node) == 2
+        # Note [Greedy in the decoder]: only the float16 ortkv decoder picks its token itself
+        greedy = [o for o in m.graph.output if o.name == "greedy"]
+        assert len(greedy) == (variant == "ortkv")
+        if greedy:
+            assert greedy[0].type.tensor_type.elem_type == TP.INT64
+    m32 = builder.build(slice_weights, "ortkv", max_positions=256)
+    assert "greedy" not in {o.name for o in m32.graph.output}
     m32 = builder.build(slice_weights, "genai", max_positions=256)
     assert {t.data_type for t in m32.graph.initializer} <= {TP.FLOAT, TP.INT64}
     with pytest.raises(ValueError, match="dtype must be one of"):

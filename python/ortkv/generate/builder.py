@@ -363,10 +363,10 @@ def build(weights: LlamaWeights, variant: str, max_positions: int | None = None,
         g.init("greedy_last", np.array([-1], np.int64))
         g.init("greedy_end", np.array([np.iinfo(np.int64).max], np.int64))
         g.init("greedy_pads", np.array([0, 0, 0, 0, 0, 1], np.int64))
-        g.inits.append(numpy_helper.from_array(np.array(0.5, np.float32), "greedy_pad_value"))  # float32 logits
+        g.init("greedy_pad_value", np.array(0.5, np.float32))  # in the model's float type, as the 0 / 1 flags
         last = g.op("Slice", ["logits", "greedy_last", "greedy_end", "axis1"])  # [B, 1, V]
         pick = g.op("ArgMax", [last], axis=2, keepdims=0, select_last_index=0)  # [B, 1]
-        isnan = g.op("Cast", [g.op("IsNaN", [last])], to=TP.FLOAT)
+        isnan = g.op("Cast", [g.op("IsNaN", [last])], to=FT)
         nan = g.op("ArgMax", [g.op("Pad", [isnan, "greedy_pads", "greedy_pad_value"], mode="constant")], axis=2,
                    keepdims=0, select_last_index=0)
         g.op("Concat", [pick, nan], ["greedy"], axis=1)
