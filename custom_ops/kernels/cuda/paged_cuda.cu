@@ -7,7 +7,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <sstream>
 #include <string>
 
@@ -717,7 +716,6 @@ struct AttnArgs {
   PagedAttentionCudaView v;
   int64_t head_blocks;
   int tpk;
-  int prefetch = 0;  // v3: tiles ahead of the copies whose bytes are prefetched into L2 (Note [Paged CUDA v3])
 };
 
 __device__ __forceinline__ int64_t ClampedStart(const PagedAttentionCudaView& v, int64_t b, bool* bad) {
@@ -1668,7 +1666,6 @@ using pv2::LoadPiece;
 using pv2::ScaleBytes;
 
 constexpr int kTile = 16;
-constexpr int kPrefetchTiles = 4;  // default of ORTKV_PAGED_PREFETCH
 
 template <int D>
 struct Cfg {
@@ -2037,23 +2034,6 @@ __global__ void __launch_bounds__(kThreads) PagedAttentionV3(const AttnArgs args
 #undef ORTKV_ISSUE3
       }
       CpAsyncCommit();
-      if (args.prefetch > 0 && next + args.prefetch < mine) {  // the tile `prefetch` copies later, into L2
-        const int o1 = base_off + (warp + (next + args.prefetch) * kWarps) * kTile;
-        const int lq = o1 / ps;
-        const int fq = sh.fmt[lq];
-        const FormatInfo& fi = sh.fi[fq];
-        const uint32_t r1 = hrow + static_cast<uint32_t>(o1 - lq * ps);
-        const uint8_t* pg = sh.page[lq];
-        const uint32_t lines = (kTile * fi.row_bytes + 127u) / 128u;  // of K's payload, and of V's
-        const uint32_t n = 2u * lines + (fi.srb > 0 ? 2u : 0u);
-        for (uint32_t i = static_cast<uint32_t>(lane); i < n; i += 32u) {
-          const uint8_t* line = i < lines       ? pg + r1 * fi.row_bytes + i * 128u
-                                : i < 2 * lines ? pg + fi.v_payload + r1 * fi.row_bytes + (i - lines) * 128u
-                                : i == 2 * lines ? (IsKC(fq) ? nullptr : pg + fi.k_scales + r1 * fi.srb)
-                                                 : pg + fi.v_scales + r1 * fi.srb;
-          if (line != nullptr) asm volatile("prefetch.global.L2 [%0];" ::"l"(line));
-        }
-      }
       ++next;
       stage_in = stage_in + 1 == C::kStages ? 0 : stage_in + 1;
     };
@@ -2164,17 +2144,8 @@ cudaError_t LaunchD(AttnArgs a, cudaStream_t stream) {
   return pv2::LaunchCombine<T>(a, stream);
 }
 
-// ORTKV_PAGED_PREFETCH: tiles ahead to prefetch into L2 (0 = none); read at each launch, for A/B runs.
-int PrefetchTiles() {
-  const char* e = std::getenv("ORTKV_PAGED_PREFETCH");
-  if (e == nullptr || *e == '\0') return kPrefetchTiles;
-  const int n = std::atoi(e);
-  return n < 0 ? 0 : (n > 64 ? 64 : n);
-}
-
 template <typename T>
-cudaError_t Launch(AttnArgs a, cudaStream_t stream) {
-  a.prefetch = PrefetchTiles();
+cudaError_t Launch(const AttnArgs& a, cudaStream_t stream) {
   return a.v.D == 64 ? LaunchD<T, 64>(a, stream) : LaunchD<T, 128>(a, stream);
 }
 
