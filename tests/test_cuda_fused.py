@@ -141,11 +141,11 @@ def test_cuda_rotary_errors_leave_caches_unchanged(rng):
     assert state() == before
     _run(sess, onnx_type, bufs, np.array([-2, 0]))
     assert state() == before
-    with pytest.raises(RuntimeError, match=r"E_INPUT.*RotaryCacheUpdate node 'rcu': position -2 for row 0 of 'k'"):
+    with pytest.raises(Exception, match=r"E_INPUT.*RotaryCacheUpdate node 'rcu': position -2 for row 0 of 'k'"):
         _run(sess, onnx_type, bufs, np.array([0, 0]))  # the next run reports it
     assert state() == before and _ortkv.cuda_take_error() is None
     other = bufs["k"].clone()
-    with pytest.raises(RuntimeError, match=r"E_ALIAS.*output 'k_out' at 0x[0-9a-f]+ is not the storage of input 'k'"):
+    with pytest.raises(Exception, match=r"E_ALIAS.*output 'k_out' at 0x[0-9a-f]+ is not the storage of input 'k'"):
         _run(sess, onnx_type, bufs, np.array([0, 0]), k_out=other)
     assert state() == before and _host(other, np_type).tobytes() == before[0]
     # a write-protected token of the VALUE cache: row 0, head 1, position 2 (D float16 = 16 bytes)
@@ -158,7 +158,7 @@ def test_cuda_rotary_errors_leave_caches_unchanged(rng):
         assert state() == before
     finally:
         assert _ortkv.unprotect_range(rid)
-    with pytest.raises(RuntimeError, match=r"rotary table 'cos' has shape \[4, 4\]"):
+    with pytest.raises(Exception, match=r"rotary table 'cos' has shape \[4, 4\]"):
         short = dict(bufs, cos=bufs["cos"][:4].clone(), sin=bufs["sin"][:4].clone())
         _run(sess, onnx_type, short, np.array([0, 0]))
     assert state() == before
