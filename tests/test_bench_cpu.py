@@ -216,7 +216,10 @@ def test_float_layers_use_skip_norms_and_fused_projections(two_layer_weights, va
     assert ops["SkipSimplifiedLayerNormalization"] == 2 * 2 and ops["SimplifiedLayerNormalization"] == 1
     # projections: QKV, output, gate/up, down per layer, and the LM head; one Split per fused pair/triple
     matmuls = ops["MatMul"] - (2 * 2 if variant == "copy" else 0)  # the copy model's attention MatMuls
-    assert matmuls == 2 * 4 + 1 and ops["Split"] == 2 * 2
+    # the ortkv decoder takes QKV and gate/up unsplit (RotaryCacheUpdate, SwiGLU: Note [Fused ortkv layer])
+    assert matmuls == 2 * 4 + 1 and ops["Split"] == (0 if variant == "ortkv" else 2 * 2)
+    if variant == "ortkv":
+        assert ops["RotaryCacheUpdate"] == ops["SwiGLU"] == 2 and not ops["CacheUpdate"] and not ops["RotaryEmbedding"]
     model = builder.build(w32, variant, max_positions=64)
     last = [n for n in model.graph.node if n.op_type == "SkipSimplifiedLayerNormalization"][-1]
     assert last.input[2] == "final_norm" and list(last.output) == ["l1_out_norm"]  # nobody reads the last sum
@@ -230,7 +233,9 @@ def test_q4_layers_keep_add_and_norm(two_layer_weights):
     _, w4 = two_layer_weights
     ops = _op_counts(builder.build(w4, "ortkv", max_positions=64))
     assert ops["SkipSimplifiedLayerNormalization"] == 0 and ops["SimplifiedLayerNormalization"] == 2 * 2 + 1
-    assert ops["MatMulNBits"] == 2 * 4 + 1 and ops["Split"] == 2 * 2
+    # Note [Fused ortkv layer]: RotaryCacheUpdate takes QKV unsplit; gate/up keep their Split (no SwiGLU for q4)
+    assert ops["MatMulNBits"] == 2 * 4 + 1 and ops["Split"] == 2 and ops["RotaryCacheUpdate"] == 2
+    assert not ops["SwiGLU"]
 
 
 def test_warmup_runs_an_untimed_generation_first(monkeypatch):

@@ -197,7 +197,7 @@ int TakeFrom(ortkv_device_error* words, char* msg, size_t cap) {
   }
   std::ostringstream m;
   if (label.op.rfind("Paged", 0) == 0) return FinishPaged(words, e, code, label, msg, cap);
-  const bool update = label.op == "CacheUpdate";
+  const bool update = label.op == "CacheUpdate" || label.op == "RotaryCacheUpdate";  // both write word [0]
   const char* what = update ? "position" : "start";
   const char* tail = update ? " Nothing was written" : " The output of that run is not valid (reads were clamped to the cache)";
   ortkv::Code c = ortkv::Code::kInvalidArgument;

@@ -42,40 +42,40 @@ std::string Shape(const std::vector<int64_t>& d) {
   return s.str();
 }
 
-Status Bad(const std::string& node, const std::string& what) {
-  return Status(Code::kInvalidArgument, "CacheUpdate node '" + node + "': " + what);
+Status Bad(const char* op, const std::string& node, const std::string& what) {
+  return Status(Code::kInvalidArgument, std::string(op) + " node '" + node + "': " + what);
 }
 
 }  // namespace
 
 namespace {
 
-Status Plan(const std::string& node, const TensorArg& cache, const TensorArg& values, const TensorArg& position,
+Status Plan(const char* op, const std::string& node, const TensorArg& cache, const TensorArg& values, const TensorArg& position,
             int64_t seq_axis, bool read_positions, CacheUpdateView* view) {
   const int64_t rank = static_cast<int64_t>(cache.dims.size());
   std::ostringstream m;
   if (rank < 3) {
     m << "input '" << cache.name << "' has rank " << rank << " (shape " << Shape(cache.dims)
       << "); a cache needs rank >= 3, e.g. BNSH [batch, heads, capacity, head_size]";
-    return Bad(node, m.str());
+    return Bad(op, node, m.str());
   }
   for (int64_t i = 0; i < rank; ++i) {
     if (cache.dims[i] == 0) {
       m << "input '" << cache.name << "' has shape " << Shape(cache.dims) << " with no elements (dim " << i
         << " is 0); a cache holds at least one slot in every dim, so allocate it with every dim >= 1";
-      return Bad(node, m.str());
+      return Bad(op, node, m.str());
     }
   }
   const size_t esize = ElemSize(cache.elem_type);
   if (esize == 0) {
     m << "input '" << cache.name << "' is " << ElemTypeName(cache.elem_type) << " (type "
-      << cache.elem_type << "); CacheUpdate takes float32, float16 or bfloat16";
-    return Bad(node, m.str());
+      << cache.elem_type << "); " << op << " takes float32, float16 or bfloat16";
+    return Bad(op, node, m.str());
   }
   if (values.elem_type != cache.elem_type) {
     m << "input '" << values.name << "' is " << ElemTypeName(values.elem_type) << " but '" << cache.name
       << "' is " << ElemTypeName(cache.elem_type) << "; the new values must have the cache's element type";
-    return Bad(node, m.str());
+    return Bad(op, node, m.str());
   }
   // seq_axis 0 (exactly; -rank is not accepted) is SBNH, the batch then on axis 1 (Note [CacheUpdate SBNH])
   const bool token_major = seq_axis == 0;
@@ -84,21 +84,21 @@ Status Plan(const std::string& node, const TensorArg& cache, const TensorArg& va
     m << "attribute seq_axis=" << seq_axis << " resolves to axis " << axis << " of the rank-" << rank
       << " '" << cache.name << "'; the sequence axis must be 0 (SBNH: [capacity, batch, ...]) or in [1, " << rank - 1
       << "] (axis 0 is the batch): -2 for BNSH, 1 for BSNH";
-    return Bad(node, m.str());
+    return Bad(op, node, m.str());
   }
   const int64_t batch_axis = token_major ? 1 : 0;
   if (values.dims.size() != cache.dims.size()) {
     m << "input '" << values.name << "' has shape " << Shape(values.dims) << " (rank " << values.dims.size()
       << ") but '" << cache.name << "' has shape " << Shape(cache.dims) << " (rank " << rank
       << "); they must differ only along the sequence axis " << axis;
-    return Bad(node, m.str());
+    return Bad(op, node, m.str());
   }
   for (int64_t i = 0; i < rank; ++i) {
     if (i != axis && values.dims[i] != cache.dims[i]) {
       m << "input '" << values.name << "' has shape " << Shape(values.dims) << " but '" << cache.name
         << "' has shape " << Shape(cache.dims) << ": dim " << i << " is " << values.dims[i] << ", expected "
         << cache.dims[i] << " (only the sequence axis " << axis << " may differ)";
-      return Bad(node, m.str());
+      return Bad(op, node, m.str());
     }
   }
   const int64_t n = values.dims[axis];
@@ -106,11 +106,11 @@ Status Plan(const std::string& node, const TensorArg& cache, const TensorArg& va
   if (n < 1) {
     m << "input '" << values.name << "' (shape " << Shape(values.dims) << ") holds " << n
       << " tokens along the sequence axis " << axis << "; n must be >= 1";
-    return Bad(node, m.str());
+    return Bad(op, node, m.str());
   }
   if (position.elem_type != kInt64) {
     m << "input '" << position.name << "' is " << ElemTypeName(position.elem_type) << "; position must be int64";
-    return Bad(node, m.str());
+    return Bad(op, node, m.str());
   }
   const int64_t rows = cache.dims[batch_axis];
   int64_t stride = 0;
@@ -119,25 +119,25 @@ Status Plan(const std::string& node, const TensorArg& cache, const TensorArg& va
       m << "input '" << position.name << "' has " << position.dims[0] << " entries but '" << cache.name
         << "' has batch size " << rows << " (axis " << batch_axis << " of shape " << Shape(cache.dims)
         << "); pass a scalar for every row or one position per row";
-      return Bad(node, m.str());
+      return Bad(op, node, m.str());
     }
     stride = 1;
   } else if (!position.dims.empty()) {
     m << "input '" << position.name << "' has shape " << Shape(position.dims)
       << "; position must be a scalar or a vector of length batch (" << rows << ")";
-    return Bad(node, m.str());
+    return Bad(op, node, m.str());
   }
   const int64_t* pos = static_cast<const int64_t*>(position.data);
   for (int64_t r = 0; read_positions && r < rows; ++r) {
     const int64_t p = pos[r * stride];
     if (p < 0) {
       m << "position " << p << " for row " << r << " of '" << cache.name << "' is negative; positions start at 0";
-      return Bad(node, m.str());
+      return Bad(op, node, m.str());
     }
     if (p > capacity - n) {
       // p >= 0 and n >= 1 here, so their sum fits in uint64 even at p = INT64_MAX (as int64 it overflows).
       const uint64_t end = static_cast<uint64_t>(p) + static_cast<uint64_t>(n);
-      m << "CacheUpdate node '" << node << "': row " << r << ": position " << p << " + n " << n << " = "
+      m << op << " node '" << node << "': row " << r << ": position " << p << " + n " << n << " = "
         << end << " exceeds capacity " << capacity << " of '" << cache.name << "' (shape "
         << Shape(cache.dims) << ", sequence axis " << axis
         << "). Nothing was written. Remedy: evict or start a new sequence, or allocate a cache with capacity >= "
@@ -178,7 +178,7 @@ Status Plan(const std::string& node, const TensorArg& cache, const TensorArg& va
       << ") (" << view->bytes_written() << " and " << cache_hi - cache_lo
       << " bytes); the new values must not share memory with the cache they are written into. Nothing was "
          "written. Remedy: copy the values into their own buffer first (e.g. np.array(values, copy=True))";
-    return Bad(node, m.str());
+    return Bad(op, node, m.str());
   }
   return Status::Ok();
 }
@@ -187,12 +187,17 @@ Status Plan(const std::string& node, const TensorArg& cache, const TensorArg& va
 
 Status PlanCacheUpdate(const std::string& node, const TensorArg& cache, const TensorArg& values,
                        const TensorArg& position, int64_t seq_axis, CacheUpdateView* view) {
-  return Plan(node, cache, values, position, seq_axis, true, view);
+  return Plan("CacheUpdate", node, cache, values, position, seq_axis, true, view);
 }
 
 Status PlanCacheUpdateDevice(const std::string& node, const TensorArg& cache, const TensorArg& values,
                              const TensorArg& position, int64_t seq_axis, CacheUpdateView* view) {
-  return Plan(node, cache, values, position, seq_axis, false, view);
+  return Plan("CacheUpdate", node, cache, values, position, seq_axis, false, view);
+}
+
+Status PlanCacheWrite(const char* op, const std::string& node, const TensorArg& cache, const TensorArg& values,
+                      const TensorArg& position, int64_t seq_axis, bool read_positions, CacheUpdateView* view) {
+  return Plan(op, node, cache, values, position, seq_axis, read_positions, view);
 }
 
 void CacheUpdatePairSpan(const CacheUpdateView& v, int64_t pair, uintptr_t* first, uintptr_t* last) {

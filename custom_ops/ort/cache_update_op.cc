@@ -43,6 +43,7 @@
 #include "ortkv/cache_update.h"
 #include "ortkv/core.h"
 #include "cuda_util.h"
+#include "cache_write.h"
 
 namespace ortkv_ort {
 namespace {
@@ -59,11 +60,15 @@ struct CacheUpdateKernel {
   int32_t label = -1;  // Note [CUDA deferred errors]
 };
 
+}  // namespace
+
+// What CacheUpdate and RotaryCacheUpdate share (declared in cache_write.h).
+
 // The protected ranges (write-protected or uncommitted) that overlap the whole cache on its device,
 // for the CUDA kernel to check each row's span against on the device (the positions are not on the
 // host). Under a captured CUDA graph the ranges in force at capture time stay in the graph.
-Status CollectDeviceRanges(const CacheUpdateKernel& k, const CacheUpdateView& v, int device_id,
-                           ortkv::DeviceRangeCheck* out) {
+Status CollectCacheDeviceRanges(const char* op, const std::string& node, const std::string& cache_name,
+                                const CacheUpdateView& v, int device_id, ortkv::DeviceRangeCheck* out) {
   out->count = 0;
   if (ortkv_core_protected_count() == 0) return Status::Ok();
   const uintptr_t lo = reinterpret_cast<uintptr_t>(v.cache);
@@ -82,8 +87,8 @@ Status CollectDeviceRanges(const CacheUpdateKernel& k, const CacheUpdateView& v,
     if (kind == 0) continue;
     if (out->count == ortkv::kMaxDeviceRanges) {
       std::ostringstream m;
-      m << "CacheUpdate node '" << k.names.node << "': more than " << ortkv::kMaxDeviceRanges
-        << " write-protected or uncommitted ranges overlap the cache '" << k.names.inputs[0]
+      m << op << " node '" << node << "': more than " << ortkv::kMaxDeviceRanges
+        << " write-protected or uncommitted ranges overlap the cache '" << cache_name
         << "' on cuda:" << device_id << "; the CUDA kernel checks at most " << ortkv::kMaxDeviceRanges
         << ". Nothing was written. Remedy: commit the arena further, or merge the read-only prefixes";
       return Status(Code::kInvalidArgument, m.str());
@@ -98,20 +103,37 @@ Status CollectDeviceRanges(const CacheUpdateKernel& k, const CacheUpdateView& v,
   return Status::Ok();
 }
 
-Status CheckWriteProtection(const CacheUpdateKernel& k, const CacheUpdateView& v, int device_type,
-                            int device_id) {  // Note [Write-protection check] in ort_util.h
+Status CheckCacheWriteProtection(const char* op, const std::string& node, const std::string& cache_name,
+                                 const CacheUpdateView& v, int device_type, int device_id) {
+  // Note [Write-protection check] in ort_util.h
   return CheckProtectedWrites(
       device_type, device_id, v.pairs(),
       [&](int64_t pair, uintptr_t* first, uintptr_t* last) { ortkv::CacheUpdatePairSpan(v, pair, first, last); },
       [&](int64_t pair) {
         std::ostringstream m;
-        m << "CacheUpdate node '" << k.names.node << "': row " << v.pair_row(pair) << " of '" << k.names.inputs[0]
+        m << op << " node '" << node << "': row " << v.pair_row(pair) << " of '" << cache_name
           << "' would write";
         return std::make_pair(m.str(), std::string());
       },
       "commit the arena up to the last token before the run (Arena.commit).",
       "bind the owner's writable storage, or fork the sequence into its own pages.");
 }
+
+
+OrtStatus* CheckCacheAlias(const char* op, const std::string& node, const std::string& out_name,
+                           const std::string& in_name, const void* out_data, const void* in_data) {
+  if (out_data == in_data) return nullptr;
+  std::ostringstream m;
+  m << op << " node '" << node << "': output '" << out_name << "' at " << Hex(out_data)
+    << " is not the storage of input '" << in_name << "' at " << Hex(in_data)
+    << "; the updated cache MUST alias the cache and ortkv never copies a cache, so nothing was written. "
+    << "Remedy: bind ONE buffer to both names through IOBinding (bind_ortvalue_input('" << in_name
+    << "', v) and bind_ortvalue_output('" << out_name << "', v) with the same OrtValue v, or "
+    << "bind_input/bind_output with the same buffer_ptr), or run the model through ortkv.MutableCacheSession.";
+  return ToOrtStatus(Status(Code::kAlias, m.str()));
+}
+
+namespace {
 
 // Note [CacheUpdate flat values]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -184,21 +206,14 @@ OrtStatus* Compute(void* op_kernel, OrtKernelContext* ctx) {
   ORTKV_RETURN_IF_ORT_ERROR(g_api->KernelContext_GetOutput(ctx, 0, cache.dims.data(), cache.dims.size(), &out));
   void* out_data = nullptr;
   ORTKV_RETURN_IF_ORT_ERROR(g_api->GetTensorMutableData(out, &out_data));
-  if (out_data != cache.data) {
-    std::ostringstream m;
-    m << "CacheUpdate node '" << k.names.node << "': output '" << k.names.outputs[0] << "' at " << Hex(out_data)
-      << " is not the storage of input '" << k.names.inputs[0] << "' at " << Hex(cache.data)
-      << "; the updated cache MUST alias the cache and ortkv never copies a cache, so nothing was written. "
-      << "Remedy: bind ONE buffer to both names through IOBinding (bind_ortvalue_input('" << k.names.inputs[0]
-      << "', v) and bind_ortvalue_output('" << k.names.outputs[0] << "', v) with the same OrtValue v, or "
-      << "bind_input/bind_output with the same buffer_ptr), or run the model through ortkv.MutableCacheSession.";
-    return ToOrtStatus(Status(Code::kAlias, m.str()));
-  }
+  ORTKV_RETURN_IF_ORT_ERROR(
+      CheckCacheAlias("CacheUpdate", k.names.node, k.names.outputs[0], k.names.inputs[0], out_data, cache.data));
   ortkv::CoreLease lease;  // check and write as one, against Arena release/close (Note [Arena lease])
   if (k.cuda) {
 #if defined(ORTKV_WITH_CUDA)
     ortkv::DeviceRangeCheck ranges;
-    ORTKV_RETURN_IF_ORT_ERROR(ToOrtStatus(CollectDeviceRanges(k, view, device_id, &ranges)));
+    ORTKV_RETURN_IF_ORT_ERROR(
+        ToOrtStatus(CollectCacheDeviceRanges("CacheUpdate", k.names.node, k.names.inputs[0], view, device_id, &ranges)));
     if (view.bytes_written() == 0) return nullptr;
     void* stream = nullptr;
     ORTKV_RETURN_IF_ORT_ERROR(g_api->KernelContext_GetGPUComputeStream(ctx, &stream));
@@ -207,7 +222,8 @@ OrtStatus* Compute(void* op_kernel, OrtKernelContext* ctx) {
     return ToOrtStatus(Status(Code::kRuntime, "CacheUpdate: this build of ortkv has no CUDA kernels"));
 #endif
   }
-  ORTKV_RETURN_IF_ORT_ERROR(ToOrtStatus(CheckWriteProtection(k, view, device_type, device_id)));
+  ORTKV_RETURN_IF_ORT_ERROR(ToOrtStatus(
+      CheckCacheWriteProtection("CacheUpdate", k.names.node, k.names.inputs[0], view, device_type, device_id)));
   if (view.bytes_written() == 0) return nullptr;
   // Small updates (one decode step) are cheaper than a thread-pool dispatch; split big ones.
   constexpr int64_t kParallelBytes = 1 << 20;

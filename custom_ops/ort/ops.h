@@ -13,11 +13,15 @@ void AppendCacheAttentionOps(std::vector<const OrtCustomOp*>* ops);
 // PagedCacheUpdate and PagedCacheAttention for the CPU EP, and the CUDA EP in CUDA builds (paged_ops.cc).
 void AppendPagedOps(std::vector<const OrtCustomOp*>* ops);
 
+// RotaryCacheUpdate and SwiGLU for the CPU EP, and the CUDA EP in CUDA builds (rotary_cache_update_op.cc).
+void AppendFusedOps(std::vector<const OrtCustomOp*>* ops);
+
 inline std::vector<const OrtCustomOp*> AllOps() {
   std::vector<const OrtCustomOp*> ops;
   AppendCacheUpdateOps(&ops);
   AppendCacheAttentionOps(&ops);
   AppendPagedOps(&ops);
+  AppendFusedOps(&ops);
   return ops;
 }
 

@@ -81,6 +81,11 @@ Status PlanCacheUpdate(const std::string& node, const TensorArg& cache, const Te
 Status PlanCacheUpdateDevice(const std::string& node, const TensorArg& cache, const TensorArg& values,
                              const TensorArg& position, int64_t seq_axis, CacheUpdateView* view);
 
+// The same checks for another op that writes a cache the way CacheUpdate does (RotaryCacheUpdate): `op` names
+// the op in the messages; read_positions false for positions in device memory (PlanCacheUpdateDevice).
+Status PlanCacheWrite(const char* op, const std::string& node, const TensorArg& cache, const TensorArg& values,
+                      const TensorArg& position, int64_t seq_axis, bool read_positions, CacheUpdateView* view);
+
 // [first, last): the bytes that the update writes for one (row, outer) pair (see the Note).
 void CacheUpdatePairSpan(const CacheUpdateView& view, int64_t pair, uintptr_t* first, uintptr_t* last);
 

@@ -54,6 +54,9 @@ def to_paged(model: onnx.ModelProto, num_heads: int, kv_heads: int, page_size: i
         raise OrtkvError("to_paged: the model has no CacheAttention node; pass the ortkv decoder")
     removed, new_nodes = set(), {}
     for i in range(layers):
+        if f"update_k_{i}" not in by_name:  # RotaryCacheUpdate (Note [Fused ortkv layer] in builder.py)
+            raise OrtkvError("to_paged: the ortkv decoder must have BSNH caches written by CacheUpdate "
+                             "(builder.build(..., cache_layout='BSNH'), not fused)")
         uk, uv, att = by_name[f"update_k_{i}"], by_name[f"update_v_{i}"], by_name[f"attention_{i}"]
         if uk.op_type != "CacheUpdate" or dict((a.name, a.i) for a in uk.attribute).get("seq_axis") != 1:
             raise OrtkvError("to_paged: the ortkv decoder must have BSNH caches (cache_layout 'BSNH')")

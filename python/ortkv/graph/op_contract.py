@@ -105,6 +105,37 @@ _add(OpContract(
     limits={"max_group": 64},  # query heads per KV head (the CPU kernel's per-group accumulators)
     kernel="CPU, CUDA",
 ))
+# Note [RotaryCacheUpdate] / Note [SwiGLU] in custom_ops/include/ortkv/rotary_cache_update.h
+_add(OpContract(
+    DOMAIN, "RotaryCacheUpdate",
+    inputs=(Port("qkv", FLOATS, "[batch, tokens, (num_heads + 2 kv_num_heads) * head_size]: the fused QKV "
+                 "projection's output (q, then k, then v columns); float32 on the CPU"),
+            Port("k_cache", FLOATS, "rank 4 in the layout of seq_axis: BNSH [batch, kv_heads, capacity, head_size] "
+                 "(-2 / 2), BSNH [batch, capacity, kv_heads, head_size] (1), SBNH [capacity, batch, kv_heads, "
+                 "head_size] (0)"),
+            Port("v_cache", FLOATS, "the key cache's shape and type"),
+            Port("positions", (TensorProto.INT64,), "scalar or [batch]: each row's first new token's position"),
+            Port("cos_cache", FLOATS, "[rows, head_size / 2] with rows >= capacity (com.microsoft.RotaryEmbedding's "
+                 "table)"),
+            Port("sin_cache", FLOATS, "the cos table's shape")),
+    outputs=(Port("q_rot", FLOATS, "[batch, tokens, num_heads * head_size]"),
+             Port("k_cache_out", FLOATS, "the key cache"), Port("v_cache_out", FLOATS, "the value cache")),
+    must_alias=((1, 1), (2, 2)),
+    attrs=(Attr("num_heads", INT, required=True, minimum=1, doc="query heads"),
+           Attr("kv_num_heads", INT, required=True, minimum=1, doc="KV heads"),
+           Attr("seq_axis", INT, default=-2, allowed=(-2, 2, 1, 0),
+                doc="the caches' sequence axis: -2 or 2 BNSH, 1 BSNH, 0 SBNH")),
+    kernel="CPU, CUDA",
+))
+_add(OpContract(
+    DOMAIN, "SwiGLU",
+    inputs=(Port("x", FLOATS, "[..., 2 * F]: gate then up (the fused [wg | wu] projection's output); float32 on "
+                 "the CPU"),),
+    outputs=(Port("y", FLOATS, "[..., F] = silu(gate) * up"),),
+    must_alias=(),
+    attrs=(),
+    kernel="CPU, CUDA",
+))
 # The paged ops (Note [Paged cache physical form] in custom_ops/include/ortkv/paged.h): one uint8 pool of
 # page slots, a directory (format, byte offset) per page id and a page table per sequence; the directory
 # and the page table are host-managed and only read by the ops.

@@ -195,6 +195,78 @@ def cache_attention(ctx, node, label, ins):
     return [q]
 
 
+def rotary_cache_update(ctx, node, label, ins):
+    """RotaryCacheUpdate (Note [RotaryCacheUpdate] in custom_ops/include/ortkv/rotary_cache_update.h): q_rot
+    [batch, tokens, num_heads * head_size], and the two caches (outputs 1, 2 alias inputs 1, 2)."""
+    op = "RotaryCacheUpdate"
+    qkv, kc, vc, pos, cos, sin = _pad(ins, 6)[:6]
+    qn, kn, vn, pn, cn, sn = (list(node.input) + [""] * 6)[:6]
+    unknown = [ValueType(qkv.elem), kc, vc]
+    if not _contract(ctx, node, label):
+        return unknown
+    hq, hkv = attribute(node, "num_heads"), attribute(node, "kv_num_heads")
+    seq_axis = attribute(node, "seq_axis")
+    cache_axis = {1: 1, 0: 0}.get(seq_axis, 2)
+    batch_axis = 1 if seq_axis == 0 else 0
+    head_axis = 1 if cache_axis == 2 else 2
+    for name, t in ((qn, qkv), (kn, kc), (vn, vc), (cn, cos), (sn, sin)):
+        if t.elem is not None and qkv.elem is not None and t.elem != qkv.elem:
+            ctx.error("op-input", label, f"{op} node '{label}': '{name}' is {elem_name(t.elem)} but '{qn}' is "
+                      f"{elem_name(qkv.elem)}; qkv, both caches and the rotary tables must have one element type")
+            return unknown
+    for name, t, rank, what in ((qn, qkv, 3, "[batch, tokens, (num_heads + 2 kv_num_heads) * head_size]"),
+                                (kn, kc, 4, LAYOUT_DOC[cache_axis]), (vn, vc, 4, LAYOUT_DOC[cache_axis]),
+                                (cn, cos, 2, "[rows, head_size / 2]"), (sn, sin, 2, "[rows, head_size / 2]")):
+        if t.rank is not None and t.rank != rank:
+            ctx.error("op-input", label, f"{op} node '{label}': '{name}' {list_dims(t.shape)} must be {what}")
+            return unknown
+    for i in range(4):
+        _meet_dim(ctx, label, op, vn, vc, i, kn, kc, i, "the key and value caches share one shape")
+    for i in range(2):
+        _meet_dim(ctx, label, op, sn, sin, i, cn, cos, i, "the sin and cos tables share one shape")
+    _meet_value(ctx, label, op, kn, kc, head_axis, hkv, f"kv_num_heads={hkv}")
+    _meet_dim(ctx, label, op, qn, qkv, 0, kn, kc, batch_axis, "batch")
+    qkv, kc = ctx.type_of(qn), ctx.type_of(kn)
+    width = qkv.shape[2] if qkv.shape is not None else None
+    d = None
+    if isinstance(width, int):
+        if width % (hq + 2 * hkv) or (width // (hq + 2 * hkv)) % 2:
+            ctx.error("op-input", label, f"{op} node '{label}': '{qn}' width {width} must be (num_heads + 2 "
+                      f"kv_num_heads) * head_size = {hq + 2 * hkv} * head_size with an even head_size")
+            return unknown
+        d = width // (hq + 2 * hkv)
+        _meet_value(ctx, label, op, kn, kc, 3, d, f"head_size {d} from '{qn}'")
+        _meet_value(ctx, label, op, cn, cos, 1, d // 2, f"head_size / 2 = {d // 2}")
+    kc, cos = ctx.type_of(kn), ctx.type_of(cn)
+    cap = kc.shape[cache_axis] if kc.shape is not None else None
+    rows = cos.shape[0] if cos.shape is not None else None
+    if isinstance(cap, int) and isinstance(rows, int) and rows < cap:
+        ctx.error("op-input", label, f"{op} node '{label}': rotary table '{cn}' has {rows} rows but the caches hold "
+                  f"{cap} positions; it needs a row for every position a cache can hold (rows >= capacity)")
+    _position(ctx, label, op, pn, pos, kc, kn, batch_axis)
+    n = qkv.shape[1] if qkv.shape is not None else None
+    ctx.check_capacity(label, op, pn, n, cap, f"'{kn}'", "position")
+    q = ValueType(qkv.elem, None if qkv.shape is None else (qkv.shape[0], qkv.shape[1], None if d is None else hq * d))
+    return [q, ctx.type_of(kn), ctx.type_of(vn)]
+
+
+def swiglu(ctx, node, label, ins):
+    """SwiGLU (Note [SwiGLU]): x [..., 2F] -> [..., F]."""
+    x = ins[0] if ins else ValueType()
+    if not _contract(ctx, node, label):
+        return [ValueType(x.elem)]
+    if x.elem is not None and x.elem not in FLOATS:
+        ctx.error("op-input", label, f"SwiGLU node '{label}': input '{node.input[0]}' is {elem_name(x.elem)}; "
+                  f"SwiGLU takes float32, float16 or bfloat16")
+    if not x.shape:
+        return [ValueType(x.elem, x.shape)]
+    last = x.shape[-1]
+    if isinstance(last, int) and last % 2:
+        ctx.error("op-input", label, f"SwiGLU node '{label}': input '{node.input[0]}' {list_dims(x.shape)} has an "
+                  f"odd last dim {last}; it must be 2 * F (gate, then up)")
+    return [ValueType(x.elem, tuple(x.shape[:-1]) + (last // 2 if isinstance(last, int) else None,))]
+
+
 # The CPU kernel's sizes (custom_ops/include/ortkv/cache_attention.h): keys go by in blocks of 64 with an
 # online softmax; split-K aims at 24 tasks, so (units x splits) < 24 + units <= 48 when it splits.
 _ATTN_BLOCK_KEYS, _ATTN_MAX_SPLIT_TASKS = 64, 48
@@ -397,6 +469,8 @@ OP_RULES = {
     ("ortkv", "CacheAttention"): cache_attention,
     ("ortkv", "PagedCacheUpdate"): paged_cache_update,
     ("ortkv", "PagedCacheAttention"): paged_cache_attention,
+    ("ortkv", "RotaryCacheUpdate"): rotary_cache_update,
+    ("ortkv", "SwiGLU"): swiglu,
     ("com.microsoft", "SimplifiedLayerNormalization"): simplified_layer_norm,
     ("", "SimplifiedLayerNormalization"): simplified_layer_norm,  # ORT also registers it in the onnx domain
     ("com.microsoft", "SkipSimplifiedLayerNormalization"): skip_simplified_layer_norm,
