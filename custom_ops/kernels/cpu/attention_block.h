@@ -155,6 +155,140 @@ struct F32Rows {  // rows of float32 with a stride of ts floats (a dense cache, 
   ORTKV_INLINE V16 Chunk(int64_t j, int i) const { return Load(p + j * ts + 16 * i); }
 };
 
+// Note [CPU attention native width]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// The 16-float vectors of BlockRows are one zmm in the AVX-512 copy but two ymm in the AVX2 copy and
+// four xmm in the baseline one, and there GCC lowers them badly: the score loop's 16 accumulators
+// (32 ymm for 16 registers) and the value loop's p[j] * row (a scalar broadcast to a two-register
+// vector, built through the stack) spill, and the AVX2 copy ran at ~2.6 GB/s, slower than the
+// baseline one (measured with the kernel functions driven from C++, one thread, K/V in L2:
+// avx512 18.7, avx2 3.4, baseline 4.4 GB/s). The dense float32 kernel (BlockNative) is therefore
+// written for a vector of W floats, W the width of the copy's registers (kLanes: 16 AVX-512,
+// 8 AVX2, 4 baseline): scores W keys at a time (a W-key transpose tree, as Note [CacheAttention
+// score transpose] for 16), the query read from L1 next to each key chunk, and the value pass in
+// passes of at most 8 accumulator registers (two interleaved sets where they fit, for two
+// independent FMA chains). The softmax between them stays on the 16-float helpers (a few
+// instructions per key). The paged kernel keeps BlockRows: its float16 / bfloat16 row sources
+// convert 16 channels per call.
+template <int W>
+struct VecOf;
+template <>
+struct VecOf<16> {
+  typedef V16 T;
+  typedef V16u U;
+};
+template <>
+struct VecOf<8> {
+  typedef V8 T;
+  typedef float U __attribute__((vector_size(32), may_alias, aligned(4)));
+};
+template <>
+struct VecOf<4> {
+  typedef V4 T;
+  typedef float U __attribute__((vector_size(16), may_alias, aligned(4)));
+};
+
+template <int W>
+ORTKV_INLINE typename VecOf<W>::T LoadN(const float* p) {
+  return *reinterpret_cast<const typename VecOf<W>::U*>(p);
+}
+template <int W>
+ORTKV_INLINE void StoreN(float* p, typename VecOf<W>::T x) {
+  *reinterpret_cast<typename VecOf<W>::U*>(p) = x;
+}
+
+ORTKV_INLINE float HSum(V16 x) { return Sum(x); }
+ORTKV_INLINE float HSum(V8 x) {
+  const V4 b = __builtin_shufflevector(x, x, 0, 1, 2, 3) + __builtin_shufflevector(x, x, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+ORTKV_INLINE float HSum(V4 b) { return (b[0] + b[2]) + (b[1] + b[3]); }
+
+// x[j] holds key j's W partial products; returns the W sums in key order (W = 16, 8, 4).
+ORTKV_INLINE V16 SumKeys(const V16* x) { return Sum16(x); }
+ORTKV_INLINE V8 SumKeys(const V8* x) {
+  V8 h[4], q[2];
+  for (int i = 0; i < 4; ++i)  // [a: 4 partials, b: 4 partials]
+    h[i] = __builtin_shufflevector(x[2 * i], x[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+           __builtin_shufflevector(x[2 * i], x[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+  for (int i = 0; i < 2; ++i)  // [a a b b c c d d]
+    q[i] = __builtin_shufflevector(h[2 * i], h[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13) +
+           __builtin_shufflevector(h[2 * i], h[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15);
+  return __builtin_shufflevector(q[0], q[1], 0, 2, 4, 6, 8, 10, 12, 14) +
+         __builtin_shufflevector(q[0], q[1], 1, 3, 5, 7, 9, 11, 13, 15);
+}
+ORTKV_INLINE V4 SumKeys(const V4* x) {
+  const V4 h0 = __builtin_shufflevector(x[0], x[1], 0, 1, 4, 5) + __builtin_shufflevector(x[0], x[1], 2, 3, 6, 7);
+  const V4 h1 = __builtin_shufflevector(x[2], x[3], 0, 1, 4, 5) + __builtin_shufflevector(x[2], x[3], 2, 3, 6, 7);
+  return __builtin_shufflevector(h0, h1, 0, 2, 4, 6) + __builtin_shufflevector(h0, h1, 1, 3, 5, 7);
+}
+
+// Accumulator registers per value pass: the largest divisor of NC that is at most 8.
+constexpr int ValueRegs(int nc) { return nc % 8 == 0 ? 8 : nc % 6 == 0 ? 6 : nc % 4 == 0 ? 4 : nc % 3 == 0 ? 3 : nc % 2 == 0 ? 2 : 1; }
+
+// One block of n float32 keys (rows k, v with stride ts floats) for all G heads, head size D, in
+// vectors of W floats (Note [CPU attention native width]).
+template <int W, int D>
+ORTKV_INLINE void BlockNative(const State& s, int64_t G, const float* k, const float* v, int64_t ts, int64_t n) {
+  typedef typename VecOf<W>::T VN;
+  static_assert(D % W == 0, "whole vectors per row");
+  constexpr int NC = D / W;
+  for (int64_t g = 0; g < G; ++g) {
+    const float* qg = s.qs + g * D;
+    float* sc = s.sc + g * kAttnBlockKeys;
+    int64_t j = 0;
+    for (; j + W <= n; j += W) {
+      VN a[W];
+#pragma GCC unroll 16
+      for (int x = 0; x < W; ++x) {
+        const float* kr = k + (j + x) * ts;
+        VN t = LoadN<W>(qg) * LoadN<W>(kr);
+#pragma GCC unroll 16
+        for (int i = 1; i < NC; ++i) t += LoadN<W>(qg + i * W) * LoadN<W>(kr + i * W);
+        a[x] = t;
+      }
+      StoreN<W>(sc + j, SumKeys(a));
+    }
+    for (; j < n; ++j) {
+      const float* kr = k + j * ts;
+      VN t = LoadN<W>(qg) * LoadN<W>(kr);
+      for (int i = 1; i < NC; ++i) t += LoadN<W>(qg + i * W) * LoadN<W>(kr + i * W);
+      sc[j] = HSum(t);
+    }
+  }
+  constexpr int R = ValueRegs(NC);
+  constexpr bool kTwo = 2 * R <= 8;  // two accumulator sets (even and odd keys) where they fit
+  for (int64_t g = 0; g < G; ++g) {
+    const float alpha = Softmax(s, g, n);
+    const float* p = s.sc + g * kAttnBlockKeys;
+    float* ag = s.acc + g * D;
+    for (int c0 = 0; c0 < NC; c0 += R) {
+      const float* vc = v + c0 * W;
+      VN av[R], bv[R];
+#pragma GCC unroll 8
+      for (int i = 0; i < R; ++i) av[i] = LoadN<W>(ag + (c0 + i) * W) * alpha, bv[i] = VN{};
+      int64_t j = 0;
+      if (kTwo) {
+        for (; j + 2 <= n; j += 2) {
+          const VN p0 = VN{} + p[j], p1 = VN{} + p[j + 1];
+#pragma GCC unroll 8
+          for (int i = 0; i < R; ++i) {
+            av[i] += p0 * LoadN<W>(vc + j * ts + i * W);
+            bv[i] += p1 * LoadN<W>(vc + (j + 1) * ts + i * W);
+          }
+        }
+      }
+      for (; j < n; ++j) {
+        const VN p0 = VN{} + p[j];
+#pragma GCC unroll 8
+        for (int i = 0; i < R; ++i) av[i] += p0 * LoadN<W>(vc + j * ts + i * W);
+      }
+#pragma GCC unroll 8
+      for (int i = 0; i < R; ++i) StoreN<W>(ag + (c0 + i) * W, kTwo ? av[i] + bv[i] : av[i]);
+    }
+  }
+}
+
 // Any head size: the same steps with plain loops.
 ORTKV_INLINE void BlockAny(const State& s, int64_t G, int64_t D, const float* k, const float* v, int64_t ts,
                            int64_t n) {
