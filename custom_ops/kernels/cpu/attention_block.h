@@ -224,7 +224,11 @@ ORTKV_INLINE V4 SumKeys(const V4* x) {
 }
 
 // Accumulator registers per value pass: the largest divisor of NC that is at most 8.
-constexpr int ValueRegs(int nc) { return nc % 8 == 0 ? 8 : nc % 6 == 0 ? 6 : nc % 4 == 0 ? 4 : nc % 3 == 0 ? 3 : nc % 2 == 0 ? 2 : 1; }
+constexpr int ValueRegs(int nc) {
+  int r = 8;
+  while (nc % r != 0) --r;
+  return r;
+}
 
 // One block of n float32 keys (rows k, v with stride ts floats) for all G heads, head size D, in
 // vectors of W floats (Note [CPU attention native width]).
@@ -270,7 +274,7 @@ ORTKV_INLINE void BlockNative(const State& s, int64_t G, const float* k, const f
       int64_t j = 0;
       if (kTwo) {
         for (; j + 2 <= n; j += 2) {
-          const VN p0 = VN{} + p[j], p1 = VN{} + p[j + 1];
+          const float p0 = p[j], p1 = p[j + 1];  // scalar * vector: one broadcast
 #pragma GCC unroll 8
           for (int i = 0; i < R; ++i) {
             av[i] += p0 * LoadN<W>(vc + j * ts + i * W);
@@ -279,7 +283,7 @@ ORTKV_INLINE void BlockNative(const State& s, int64_t G, const float* k, const f
         }
       }
       for (; j < n; ++j) {
-        const VN p0 = VN{} + p[j];
+        const float p0 = p[j];
 #pragma GCC unroll 8
         for (int i = 0; i < R; ++i) av[i] += p0 * LoadN<W>(vc + j * ts + i * W);
       }
