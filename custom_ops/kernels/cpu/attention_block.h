@@ -169,8 +169,9 @@ struct F32Rows {  // rows of float32 with a stride of ts floats (a dense cache, 
 // passes of at most 8 accumulator registers per head, for up to 3 heads at once where their
 // accumulators fit (ValuesHeads: each value chunk is loaded once for the 3 heads, 12 independent FMA
 // chains; ~6 % faster from DRAM than one head at a time in the same driver). The softmax between
-// them stays on the 16-float helpers (a few instructions per key). The paged kernel keeps BlockRows: its float16 / bfloat16 row sources
-// convert 16 channels per call.
+// them stays on the 16-float helpers (a few instructions per key). The paged kernel runs its
+// float32 rows (blocks it decoded into a buffer) through BlockNative too, but keeps BlockRows for
+// float16 / bfloat16 pages read in place: their row sources convert 16 channels per call.
 template <int W>
 struct VecOf;
 template <>
