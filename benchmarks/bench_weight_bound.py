@@ -203,13 +203,17 @@ def main(argv=None) -> int:
         return 0
 
     decode_rate(8)  # builds the float32 decoder on first use (not timed)
-    from ortkv.generate.cache import models_root
+    from ortkv.generate import models
+    from ortkv.generate.cli import apply_overrides
+    from ortkv.generate.config import GenAIConfig
 
-    candidates = sorted(models_root().glob("*f32*/ortkv/model.onnx"))
-    if not candidates:
-        print("no float32 ortkv decoder in the model cache", file=sys.stderr)
+    # the decoder `ortkv generate --weights float32` runs (this checkout's build tag), not whichever
+    # float32 build of another version sorts last in the model cache
+    model = Path(models.model_path(apply_overrides(GenAIConfig(), {"ortkv.weights": "float32"}), "ortkv",
+                                   log=lambda *x: None))
+    if not model.exists():
+        print(f"no float32 ortkv decoder at {model}", file=sys.stderr)
         return 1
-    model = candidates[-1]
     per_token, total = weight_bytes_per_token(model)
 
     reads, copies, rates, splits = [], [], [], []

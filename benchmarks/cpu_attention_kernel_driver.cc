@@ -7,8 +7,8 @@
 //
 //   g++ -O3 -std=c++17 -pthread -Icustom_ops/include -Icustom_ops/kernels/cpu \
 //       benchmarks/cpu_attention_kernel_driver.cc custom_ops/kernels/cpu/cache_attention.cc \
-//       custom_ops/kernels/cache_update_plan.cc -o /tmp/attn_driver
-//   /tmp/attn_driver L THREADS [B]          e.g. /tmp/attn_driver 8192 1
+//       custom_ops/kernels/cache_update_plan.cc -o attn_driver
+//   ./attn_driver KEYS THREADS [BATCH]      e.g. ./attn_driver 8192 1
 #include <algorithm>
 #include <atomic>
 #include <chrono>
