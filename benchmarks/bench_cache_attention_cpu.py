@@ -9,12 +9,13 @@
   read kernel: a STREAM-like READ kernel (sum of a 256 MiB float32 array with 8 independent vector
               accumulators), compiled here with the system C compiler (-O2 -march=native) and called
               through ctypes on one thread and on two (halves, the GIL released): the bytes a core
-              pair can read, the quantity attention needs. Decode attention's "% of read" is against
-              its two-thread figure; "% of copy" against the numpy copy reference (read + write bytes,
+              pair can read, the quantity attention needs; also the same sum as 8 interleaved streams
+              (faster on VMs whose prefetcher follows one stream per 4 KiB page). Decode attention's
+              "% of read" is against the best two-thread read figure of the two; "% of copy" against the numpy copy reference (read + write bytes,
               STREAM's count). Without a C compiler the read kernel is skipped (reported as "-").
   attention : one CacheAttention node through ORT (CPU EP, IOBinding, caches bound in place),
               SmolLM2-135M shapes (9 query heads, 3 KV heads, head size 64, float32, BNSH caches),
-              one new token (decode) over L = 2K / 8K / 16K keys, batch 1 and 4. GB/s = bytes of K and
+              one new token (decode) over L = 2K / 8K / 32K keys, batch 1 and 4. GB/s = bytes of K and
               V read per call (2 * B * Hkv * L * D * 4) / time per call.
               cold: one cache pair per layer, enough layers for >= 256 MiB of K/V, run one after the
                     other like a model's layers, so every call reads its K/V from DRAM, not from L3.
@@ -26,6 +27,7 @@
   reports the medians over rounds.
 
     python benchmarks/bench_cache_attention_cpu.py [--threads 2,1] [--rounds 3] [--compare OLD_LIB_DIR]
+                                                   [--isa best,avx2,baseline] [--spin]
                                                    [--out benchmarks/results/cache_attention_cpu.md]
 """
 
@@ -48,7 +50,7 @@ import numpy as np
 from _report import emit  # benchmarks/ is on sys.path when a script runs
 
 HQ, HKV, D = 9, 3, 64
-CASES = [(1, 2048), (1, 8192), (1, 16384), (1, 32768), (4, 2048), (4, 8192), (4, 16384)]  # (batch, keys)
+CASES = [(1, 2048), (1, 8192), (1, 32768), (4, 2048), (4, 8192), (4, 32768)]  # (batch, keys)
 COLD_BYTES = 256 << 20
 OLD_DIR = "OLD_DIR"
 
@@ -118,11 +120,27 @@ float ortkv_bench_read(const float* p, size_t n) {  /* n: a multiple of 128 floa
   for (int i = 0; i < 16; ++i) t += s[i];
   return t;
 }
+/* The same bytes as 8 interleaved streams (the range cut in 8 parts, 256 bytes of each in turn): a core
+   whose hardware prefetcher follows one stream per 4 KiB page reads more this way on some VMs. */
+float ortkv_bench_read8(const float* p, size_t n) {  /* n: a multiple of 8 * 64 floats */
+  v16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+  size_t part = n / 8;
+  for (size_t i = 0; i < part; i += 64)
+    for (int s = 0; s < 8; ++s) {
+      const v16* q = (const v16*)(p + s * part + i);
+      a0 += q[0]; a1 += q[1]; a2 += q[2]; a3 += q[3];
+    }
+  v16 s = (a0 + a1) + (a2 + a3);
+  float t = 0;
+  for (int i = 0; i < 16; ++i) t += s[i];
+  return t;
+}
 """
 
 
 def read_kernel():
-    """The STREAM-like read kernel as a Python callable f(array_slice) -> float, or None without a compiler."""
+    """The STREAM-like read kernels (one stream, eight streams) as Python callables f(array_slice) -> float,
+    or None without a compiler."""
     import ctypes
     import shutil
     import tempfile
@@ -137,27 +155,33 @@ def read_kernel():
     r = subprocess.run([cc, "-O2", "-march=native", "-shared", "-fPIC", src, "-o", lib], capture_output=True)
     if r.returncode != 0:
         return None
-    fn = ctypes.CDLL(lib).ortkv_bench_read
-    fn.restype = ctypes.c_float
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    return lambda a: fn(a.ctypes.data, a.size)
+    fns = []
+    for name in ("ortkv_bench_read", "ortkv_bench_read8"):
+        fn = getattr(ctypes.CDLL(lib), name)
+        fn.restype = ctypes.c_float
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        fns.append(lambda a, fn=fn: fn(a.ctypes.data, a.size))
+    return fns
 
 
 def read_bandwidth(passes: int = 9) -> dict:
     """GB/s read by the read kernel over 256 MiB on one thread and on two (halves); {} without a compiler."""
-    fn = read_kernel()
-    if fn is None:
+    fns = read_kernel()
+    if fns is None:
         return {}
     n = (256 << 20) // 4
     raw = np.ones(n + 16, np.float32)
     off = (-raw.ctypes.data % 64) // 4
     src = raw[off:off + n]  # 64-byte aligned
     half = n // 2
-    t1 = _median_time(lambda: fn(src), passes)
+    res = {}
     pool = concurrent.futures.ThreadPoolExecutor(2)
-    t2 = _median_time(lambda: list(pool.map(fn, [src[:half], src[half:]])), passes)
+    for tag, fn in zip(("", "8"), fns):
+        t1 = _median_time(lambda: fn(src), passes)
+        t2 = _median_time(lambda: list(pool.map(fn, [src[:half], src[half:]])), passes)
+        res[f"kread{tag}_1t"], res[f"kread{tag}_2t"] = src.nbytes / t1 / 1e9, src.nbytes / t2 / 1e9
     pool.shutdown()
-    return {"kread_1t": src.nbytes / t1 / 1e9, "kread_2t": src.nbytes / t2 / 1e9}
+    return res
 
 
 def _model():
@@ -177,15 +201,15 @@ def _model():
                              ir_version=10)
 
 
-def attention(lib: str, threads: int, passes: int = 15, cases=None) -> dict:
+def attention(lib: str, threads: int, passes: int = 15, cases=None, spin: bool = False) -> dict:
     import onnxruntime as ort
 
     so = ort.SessionOptions()
     so.register_custom_ops_library(lib)
     so.intra_op_num_threads = threads
-    # idle pool threads sleep instead of spinning: on a shared machine a spinning worker takes the
-    # core the calling thread needs (ORT's default spins; this only changes waiting, not the kernel)
-    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    # default: idle pool threads sleep instead of spinning: on a shared machine a spinning worker takes
+    # the core the calling thread needs. --spin keeps ORT's default (spinning), as the decoders run.
+    so.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
     sess = ort.InferenceSession(_model().SerializeToString(), so, providers=["CPUExecutionProvider"])
     rng = np.random.default_rng(0)
     res = {}
@@ -223,19 +247,25 @@ def attention(lib: str, threads: int, passes: int = 15, cases=None) -> dict:
     return res
 
 
-def measure(lib: str, threads: list[int], cases=None) -> dict:
-    return {"bandwidth": bandwidth(), "attention": {str(t): attention(lib, t, cases=cases) for t in threads}}
+def measure(lib: str, threads: list[int], cases=None, spin: bool = False) -> dict:
+    return {"bandwidth": bandwidth(), "attention": {str(t): attention(lib, t, cases=cases, spin=spin) for t in threads}}
 
 
 def _parse_cases(text: str | None):
     return [tuple(int(x) for x in c.split("x")) for c in text.split(",")] if text else None
 
 
-def _child(lib: str, threads: str, cases: str | None) -> dict:
+def _child(lib: str, threads: str, cases: str | None, isa: str, spin: bool) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", "--lib", lib, "--threads", threads]
     if cases:
         cmd += ["--cases", cases]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    if spin:
+        cmd.append("--spin")
+    env = dict(os.environ)
+    env.pop("ORTKV_CPU_ISA", None)
+    if isa != "best":  # Note [CPU attention ISA dispatch]: the child's kernels are forced to this copy
+        env["ORTKV_CPU_ISA"] = isa
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
@@ -261,31 +291,37 @@ def main(argv=None) -> int:
     p.add_argument("--threads", default="2,1", help="ORT intra-op thread counts, comma-separated (default 2,1)")
     p.add_argument("--rounds", type=int, default=3, help="fresh processes per library, alternating (default 3)")
     p.add_argument("--cases", help="BATCHxKEYS,... (default: all of " + ",".join(f"{b}x{k}" for b, k in CASES) + ")")
+    p.add_argument("--isa", default="best", help="kernel copies to measure, comma-separated: best (the CPU's, "
+                   "default), avx512, avx2, baseline (ORTKV_CPU_ISA in the child); each is one more column set")
+    p.add_argument("--spin", action="store_true", help="let ORT's idle pool threads spin (ORT's default, what the "
+                   "decoders use) instead of sleeping")
     p.add_argument("--out", help="also write the Markdown report to this file")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.child:
-        print(json.dumps(measure(a.lib, [int(x) for x in a.threads.split(",")], _parse_cases(a.cases))))
+        print(json.dumps(measure(a.lib, [int(x) for x in a.threads.split(",")], _parse_cases(a.cases), a.spin)))
         return 0
     import onnxruntime as ort
 
     import ortkv
 
-    libs = {"new": a.lib or ortkv.get_library_path()}
+    base = {"new": a.lib or ortkv.get_library_path()}
     if a.compare:
-        libs = {"old": os.path.join(a.compare, "libortkv.so"), **libs}
+        base = {"old": os.path.join(a.compare, "libortkv.so"), **base}
+    isas = a.isa.split(",")
+    libs = {(f"{name} {isa}" if len(isas) > 1 else name): (lib, isa) for name, lib in base.items() for isa in isas}
     runs: dict[str, list] = {k: [] for k in libs}
     load0 = os.getloadavg()[0]
     for r in range(a.rounds):
-        for name, lib in libs.items():
-            runs[name].append(_child(lib, a.threads, a.cases))
+        for name, (lib, isa) in libs.items():
+            runs[name].append(_child(lib, a.threads, a.cases, isa, a.spin))
             print(f"round {r + 1}/{a.rounds} {name}: done", file=sys.stderr)
     allruns = [x for v in runs.values() for x in v]
     bw = {k: _med(allruns, "bandwidth", k) for k in ("copy_1t", "copy_2t", "triad_1t", "reference", "read_1t", "read_2t")}
-    for k in ("kread_1t", "kread_2t"):
+    for k in ("kread_1t", "kread_2t", "kread8_1t", "kread8_2t"):
         bw[k] = _med(allruns, "bandwidth", k) if all(k in r["bandwidth"] for r in allruns) else None
     ref = bw["reference"]
-    rref = bw["kread_2t"]
+    rref = max(bw["kread_2t"], bw["kread8_2t"]) if bw["kread_2t"] else None  # the best two-thread read
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
     report = [f"# bench_cache_attention_cpu ({platform.node()}, {cpu}, {os.cpu_count()} CPUs, "
               f"onnxruntime {ort.__version__}, {time.strftime('%Y-%m-%d %H:%M')})", "",
@@ -294,19 +330,23 @@ def main(argv=None) -> int:
               f"{a.rounds} rounds, each library in a fresh process per round, alternating "
               f"({' / '.join(libs)}); every figure is the median over rounds of per-round medians. The machine "
               "is shared with other builds (see the load average at the end), so single figures move by 10-30 %;"
-              " ORT pool threads sleep rather than spin while idle (session.intra_op.allow_spinning 0).", "",
+              + (" ORT pool threads spin while idle (ORT's default, as in the decoders)." if a.spin else
+                 " ORT pool threads sleep rather than spin while idle (session.intra_op.allow_spinning 0).")
+              + (f" Kernel copies: {', '.join(isas)} (ORTKV_CPU_ISA in the child process; best = what the CPU has)."
+                 if isas != ["best"] else ""), "",
               "## Measured memory bandwidth (256 MiB arrays, median over all rounds)", "",
               "| numpy copy, 1 thread | copy, 2 threads | triad, 1 thread (STREAM count) | **copy reference** (highest) | "
-              "np.sum, 1 thread | np.sum, 2 threads | read kernel, 1 thread | **read kernel, 2 threads** |",
-              "|---:|---:|---:|---:|---:|---:|---:|---:|",
+              "np.sum, 1 thread | np.sum, 2 threads | read kernel, 1 thread | read kernel, 2 threads | "
+              "8-stream read, 1 thread | 8-stream read, 2 threads | **read reference** (best 2-thread read) |",
+              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
               f"| {bw['copy_1t']:.1f} GB/s | {bw['copy_2t']:.1f} GB/s | {bw['triad_1t']:.1f} GB/s | **{ref:.1f} GB/s** | "
-              f"{bw['read_1t']:.1f} GB/s | {bw['read_2t']:.1f} GB/s | {_gbs(bw['kread_1t'])} | **{_gbs(bw['kread_2t'])}** |",
-              ""]
+              f"{bw['read_1t']:.1f} GB/s | {bw['read_2t']:.1f} GB/s | {_gbs(bw['kread_1t'])} | {_gbs(bw['kread_2t'])} | "
+              f"{_gbs(bw['kread8_1t'])} | {_gbs(bw['kread8_2t'])} | **{_gbs(rref)}** |", ""]
     for threads in a.threads.split(","):
         report += [f"## CacheAttention decode, {HQ} query heads / {HKV} KV heads x {D}, float32 BNSH, "
                    f"ORT intra-op threads {threads}", "",
                    "GB/s = K+V bytes read per call / time per call; % copy = of the copy reference (read + write "
-                   "bytes), % read = of the two-thread read kernel (read bytes). cold: "
+                   "bytes), % read = of the read reference (the best two-thread read kernel, read bytes). cold: "
                    "rotating over a model's worth of layers (>= 256 MiB of K/V, read from DRAM); hot: one layer "
                    "repeated.", ""]
         head = "| case | K+V bytes/call | layers (cold) |"

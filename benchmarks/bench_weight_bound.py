@@ -13,8 +13,15 @@ as a fraction of that bound.
                     weights can be streamed at. Also the copy rate (read + written bytes) for information.
   decode          : `ortkv generate --json` (float32 weights, batch 1, `--tokens` new tokens), the
                     decode_tok_s it reports; rounds alternate bandwidth and decode.
+  --parts         : where a step's time goes, in the same rounds (one child process per round): the
+                    decoder's unprofiled step (wall, and ORT's run_with_iobinding inside it), the
+                    decoder's MatMul nodes ALONE (a session of just those nodes on the decoder's own
+                    weights, M = 1, every output returned) and the same products through numpy's BLAS
+                    (x @ W per weight: another GEMV on the same bytes). The MatMul nodes' GB/s against
+                    the read bandwidth says whether ORT's float32 GEMV or the rest of the step is
+                    what stands between the decode rate and the bound.
 
-    python benchmarks/bench_weight_bound.py [--rounds 3] [--tokens 256] [--threads 2]
+    python benchmarks/bench_weight_bound.py [--rounds 3] [--tokens 256] [--threads 2] [--parts]
                                             [--out benchmarks/results/weight_bound.md]
 """
 
@@ -85,30 +92,139 @@ def decode_rate(tokens: int) -> float:
     return float(rows[-1]["decode_tok_s"])
 
 
+PROMPT_IDS = [1, 9690, 2409, 253, 655, 28, 665, 588, 253, 1165, 8325, 653]  # any in-vocabulary ids
+
+
+def _matmul_only(path: Path):
+    """(serialized model of the decoder's MatMul nodes whose B is an initializer, alone: one input per K,
+    every output returned; feeds; the distinct weights as numpy arrays)."""
+    from onnx import TensorProto as TP
+    from onnx import helper, numpy_helper
+
+    m = onnx.load(str(path))  # with its external data: the weights are the decoder's own
+    inits = {t.name: t for t in m.graph.initializer}
+    nodes, used, ins, outs = [], [], {}, []
+    for n in m.graph.node:
+        if n.op_type != "MatMul" or n.input[1] not in inits:
+            continue
+        K = int(inits[n.input[1]].dims[0])
+        ins.setdefault(K, helper.make_tensor_value_info(f"x{K}", TP.FLOAT, [1, 1, K]))
+        nodes.append(helper.make_node("MatMul", [f"x{K}", n.input[1]], [n.output[0]], name=n.name))
+        if n.input[1] not in used:
+            used.append(n.input[1])
+        outs.append(helper.make_tensor_value_info(n.output[0], TP.FLOAT, None))
+    graph = helper.make_graph(nodes, "matmul_only", list(ins.values()), outs, [inits[u] for u in used])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=m.ir_version)
+    rng = np.random.default_rng(0)
+    feeds = {f"x{K}": rng.standard_normal((1, 1, K)).astype(np.float32) for K in ins}
+    return model.SerializeToString(), feeds, [numpy_helper.to_array(inits[u]) for u in used]
+
+
+def parts(threads: int, steps: int) -> dict:
+    """One child's split of a float32 decode step (ms): wall, ORT run, MatMul nodes alone, numpy GEMV."""
+    import onnxruntime as ort
+
+    from ortkv.generate import models, runners
+    from ortkv.generate.cli import apply_overrides
+    from ortkv.generate.config import GenAIConfig
+
+    cfg = apply_overrides(GenAIConfig(), {"ortkv.weights": "float32", "ortkv.intra_op_num_threads": threads})
+    path = models.model_path(cfg, "ortkv", log=lambda *x: None)
+    r = runners.make_runner("ortkv", cfg, log=lambda *x: None)
+    sess, ort_s = r.sess.session, []
+    run = sess.run_with_iobinding
+
+    def timed(io, run_options=None):
+        t = time.perf_counter()
+        run(io, run_options)
+        ort_s.append(time.perf_counter() - t)
+
+    sess.run_with_iobinding = timed
+    ids = np.array([PROMPT_IDS], np.int64)
+    for _ in range(2):  # the first pass is untimed
+        r.start(1, 2048)
+        logits = r.prefill(ids, np.array([ids.shape[1]], np.int64))
+        ort_s.clear()
+        wall = []
+        for _ in range(steps):
+            nxt = np.array([int(np.argmax(logits[0]))], np.int64)
+            t = time.perf_counter()
+            logits = r.step(nxt)
+            wall.append(time.perf_counter() - t)
+    r.close()
+    model, feeds, ws = _matmul_only(path)
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    so.log_severity_level = 3
+    s = ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
+    for _ in range(10):
+        s.run(None, feeds)
+    mm = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        s.run(None, feeds)
+        mm.append(time.perf_counter() - t)
+    del s
+    xs = {w.shape[0]: np.ones((1, w.shape[0]), np.float32) for w in ws}
+    for w in ws:
+        xs[w.shape[0]] @ w
+    blas = []
+    for _ in range(max(10, steps // 4)):
+        t = time.perf_counter()
+        for w in ws:
+            xs[w.shape[0]] @ w
+        blas.append(time.perf_counter() - t)
+    ms = lambda x: 1e3 * float(np.median(x))  # noqa: E731
+    return {"wall": ms(wall), "run": ms(ort_s), "matmul": ms(mm), "blas": ms(blas),
+            "matmul_bytes": int(sum(w.nbytes for w in ws)), "matmul_nodes": len(_count_nodes(model))}
+
+
+def _count_nodes(model: bytes) -> list:
+    return list(onnx.load_from_string(model).graph.node)
+
+
+def _parts_child(threads: int, steps: int) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--parts-child", "--threads", str(threads), "--tokens", str(steps)]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
+    ap.add_argument("--parts", action="store_true", help="also split the step: wall, ORT run, MatMul nodes alone")
+    ap.add_argument("--parts-child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    if args.parts_child:
+        print(json.dumps(parts(args.threads, args.tokens)))
+        return 0
 
     decode_rate(8)  # builds the float32 decoder on first use (not timed)
-    from ortkv.generate.cache import models_root
+    from ortkv.generate import models
+    from ortkv.generate.cli import apply_overrides
+    from ortkv.generate.config import GenAIConfig
 
-    candidates = sorted(models_root().glob("*f32*/ortkv/model.onnx"))
-    if not candidates:
-        print("no float32 ortkv decoder in the model cache", file=sys.stderr)
+    # the decoder `ortkv generate --weights float32` runs (this checkout's build tag), not whichever
+    # float32 build of another version sorts last in the model cache
+    model = Path(models.model_path(apply_overrides(GenAIConfig(), {"ortkv.weights": "float32"}), "ortkv",
+                                   log=lambda *x: None))
+    if not model.exists():
+        print(f"no float32 ortkv decoder at {model}", file=sys.stderr)
         return 1
-    model = candidates[-1]
     per_token, total = weight_bytes_per_token(model)
 
-    reads, copies, rates = [], [], []
+    reads, copies, rates, splits = [], [], [], []
+    load0 = os.getloadavg()[0]
     for r in range(args.rounds):
         rd, cp = read_bandwidth(args.threads)
         reads.append(rd)
         copies.append(cp)
         rates.append(decode_rate(args.tokens))
+        if args.parts:
+            splits.append(_parts_child(args.threads, args.tokens))
         print(f"round {r + 1}: read {rd:.1f} GB/s, copy {cp:.1f} GB/s, decode {rates[-1]:.1f} tok/s", file=sys.stderr)
     rd, cp, tok = statistics.median(reads), statistics.median(copies), statistics.median(rates)
     bound = rd * 1e9 / per_token
@@ -116,7 +232,7 @@ def main(argv=None) -> int:
         "# Float32 decode vs the weight-read bound (CPU)",
         "",
         f"`python benchmarks/bench_weight_bound.py --rounds {args.rounds} --tokens {args.tokens} "
-        f"--threads {args.threads}`; decoder `{model.parent.parent.name}/ortkv`, prompt {PROMPT!r}, batch 1, "
+        f"--threads {args.threads}{' --parts' if args.parts else ''}`; decoder `{model.parent.parent.name}/ortkv`, prompt {PROMPT!r}, batch 1, "
         f"{os.cpu_count()} CPUs. Medians of {args.rounds} alternating rounds.",
         "",
         "| quantity | value |",
@@ -132,6 +248,33 @@ def main(argv=None) -> int:
         "Per round (read GB/s, copy GB/s, decode tok/s): "
         + "; ".join(f"{a:.1f}, {b:.1f}, {c:.1f}" for a, b, c in zip(reads, copies, rates)),
     ]
+    if splits:
+        med = {k: statistics.median(x[k] for x in splits) for k in ("wall", "run", "matmul", "blas")}
+        mb = splits[0]["matmul_bytes"]
+        bound_ms = per_token / (rd * 1e9) * 1e3
+        lines += [
+            "",
+            f"## Where a step goes (--parts; {args.tokens} decode steps after a 12-token prefill, medians, then the "
+            "median over rounds)",
+            "",
+            "| quantity | ms per step | GB/s of weights | vs read bandwidth |",
+            "|---|---:|---:|---:|",
+            f"| weight-read bound ({per_token / 1e6:.1f} MB at {rd:.1f} GB/s) | {bound_ms:.2f} | {rd:.1f} | 1.00 |",
+            f"| decode step, wall (Python + session wrapper + ORT run) | {med['wall']:.2f} | "
+            f"{per_token / med['wall'] / 1e6:.1f} | {bound_ms / med['wall']:.2f} |",
+            f"| ORT run inside it | {med['run']:.2f} | | |",
+            f"| the {splits[0]['matmul_nodes']} MatMul nodes alone (ORT / MLAS, M = 1, {mb / 1e6:.1f} MB) | "
+            f"{med['matmul']:.2f} | {mb / med['matmul'] / 1e6:.1f} | {mb / med['matmul'] / 1e6 / rd:.2f} |",
+            f"| the same products through numpy's BLAS (x @ W) | {med['blas']:.2f} | {mb / med['blas'] / 1e6:.1f} | "
+            f"{mb / med['blas'] / 1e6 / rd:.2f} |",
+            f"| every other node + ORT's gaps (ORT run - MatMul alone) | {med['run'] - med['matmul']:.2f} | | |",
+            f"| Python around the run (wall - ORT run) | {med['wall'] - med['run']:.2f} | | |",
+            "",
+            "Per round (wall, run, MatMul alone, BLAS ms): "
+            + "; ".join(f"{x['wall']:.2f}, {x['run']:.2f}, {x['matmul']:.2f}, {x['blas']:.2f}" for x in splits),
+        ]
+    lines += ["", f"load average (1 min) on {os.cpu_count()} CPUs: {load0:.1f} at the start, "
+              f"{os.getloadavg()[0]:.1f} at the end"]
     return emit("\n".join(lines), args.out)
 
 

@@ -170,3 +170,12 @@ def test_all_scores_far_below_zero(rng, keys):
     s = (k[0, 0, :keys].astype(np.float64) @ q[0, 0, :D].astype(np.float64)) / 8
     assert s.max() < -100, s.max()  # the case is what it says
     np.testing.assert_allclose(out, ref, rtol=2e-4, atol=2e-4)
+
+
+@pytest.mark.parametrize("seq_axis", [1, 2])
+@pytest.mark.parametrize("keys,starts", [(32768, [32767 - 45]), (8192 + 50, [8191, 100, 8192 + 49, 5000])])
+def test_long_context_split_k(rng, keys, starts, seq_axis):
+    """Decode at long contexts (Note [CacheAttention CPU split-K], Note [CPU attention native width]):
+    one row of 32K keys split over 8 chunks of 64-key blocks, and 4 rows of up to 8K keys; NaN past
+    every row's valid length, against the numpy reference."""
+    _run_and_check(rng, 9, 3, 64, keys, starts, seq_axis=seq_axis, tol=3e-5)

@@ -155,6 +155,180 @@ struct F32Rows {  // rows of float32 with a stride of ts floats (a dense cache, 
   ORTKV_INLINE V16 Chunk(int64_t j, int i) const { return Load(p + j * ts + 16 * i); }
 };
 
+// Note [CPU attention native width]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// The 16-float vectors of BlockRows are one zmm in the AVX-512 copy but two ymm in the AVX2 copy and
+// four xmm in the baseline one, and there GCC lowers them badly: the score loop's 16 accumulators
+// (32 ymm for 16 registers) and the value loop's p[j] * row (a scalar broadcast to a two-register
+// vector, built through the stack) spill, and the AVX2 copy ran at ~2.6 GB/s, slower than the
+// baseline one (benchmarks/cpu_attention_kernel_driver.cc, one thread, K/V in L2: avx512 18.7,
+// avx2 3.4, baseline 4.4 GB/s). The dense float32 kernel (BlockNative) is therefore
+// written for a vector of W floats, W the width of the copy's registers (kLanes: 16 AVX-512,
+// 8 AVX2, 4 baseline): scores W keys at a time (a W-key transpose tree, as Note [CacheAttention
+// score transpose] for 16), the query read from L1 next to each key chunk, and the value pass in
+// passes of at most 8 accumulator registers per head, for two heads at once where their
+// accumulators fit (ValuesHeads: each value chunk is loaded once for both heads, even and odd keys
+// in two accumulator sets per head). Three heads per load in one set each measured ~6 % faster from
+// DRAM in the driver, but its summation order moved the q4 / q8 teacher-forced agreement with
+// llama.cpp from 215 to 212 of 224 positions (tests/test_q4.py asks >= 213); with two sets per head
+// the AVX-512 copy sums in BlockRows' order and its outputs are the old kernel's, bit for bit. The softmax between
+// them stays on the 16-float helpers (a few instructions per key). The paged kernel runs its
+// float32 rows (blocks it decoded into a buffer) through BlockNative too, but keeps BlockRows for
+// float16 / bfloat16 pages read in place: their row sources convert 16 channels per call.
+// Same driver, old and new kernel alternating on a loaded machine (load ~5), one thread, GB/s with
+// K/V in L2 (128 keys) / from DRAM (8K keys): avx2 1.6 -> 8.3 / 1.3 -> 3.4, baseline 1.8 -> 4.0 /
+// 1.3 -> 2.6, avx512 9.3 -> 12.3 / 3.8 -> 4.1 (one head per value pass).
+template <int W>
+struct VecOf;
+template <>
+struct VecOf<16> {
+  typedef V16 T;
+  typedef V16u U;
+};
+template <>
+struct VecOf<8> {
+  typedef V8 T;
+  typedef float U __attribute__((vector_size(32), may_alias, aligned(4)));
+};
+template <>
+struct VecOf<4> {
+  typedef V4 T;
+  typedef float U __attribute__((vector_size(16), may_alias, aligned(4)));
+};
+
+template <int W>
+ORTKV_INLINE typename VecOf<W>::T LoadN(const float* p) {
+  return *reinterpret_cast<const typename VecOf<W>::U*>(p);
+}
+template <int W>
+ORTKV_INLINE void StoreN(float* p, typename VecOf<W>::T x) {
+  *reinterpret_cast<typename VecOf<W>::U*>(p) = x;
+}
+
+ORTKV_INLINE float HSum(V16 x) { return Sum(x); }
+ORTKV_INLINE float HSum(V8 x) {
+  const V4 b = __builtin_shufflevector(x, x, 0, 1, 2, 3) + __builtin_shufflevector(x, x, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+ORTKV_INLINE float HSum(V4 b) { return (b[0] + b[2]) + (b[1] + b[3]); }
+
+// x[j] holds key j's W partial products; returns the W sums in key order (W = 16, 8, 4).
+ORTKV_INLINE V16 SumKeys(const V16* x) { return Sum16(x); }
+ORTKV_INLINE V8 SumKeys(const V8* x) {
+  V8 h[4], q[2];
+  for (int i = 0; i < 4; ++i)  // [a: 4 partials, b: 4 partials]
+    h[i] = __builtin_shufflevector(x[2 * i], x[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+           __builtin_shufflevector(x[2 * i], x[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+  for (int i = 0; i < 2; ++i)  // [a a b b c c d d]
+    q[i] = __builtin_shufflevector(h[2 * i], h[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13) +
+           __builtin_shufflevector(h[2 * i], h[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15);
+  return __builtin_shufflevector(q[0], q[1], 0, 2, 4, 6, 8, 10, 12, 14) +
+         __builtin_shufflevector(q[0], q[1], 1, 3, 5, 7, 9, 11, 13, 15);
+}
+ORTKV_INLINE V4 SumKeys(const V4* x) {
+  const V4 h0 = __builtin_shufflevector(x[0], x[1], 0, 1, 4, 5) + __builtin_shufflevector(x[0], x[1], 2, 3, 6, 7);
+  const V4 h1 = __builtin_shufflevector(x[2], x[3], 0, 1, 4, 5) + __builtin_shufflevector(x[2], x[3], 2, 3, 6, 7);
+  return __builtin_shufflevector(h0, h1, 0, 2, 4, 6) + __builtin_shufflevector(h0, h1, 1, 3, 5, 7);
+}
+
+// Accumulator registers per value pass: the largest divisor of NC that is at most 8.
+constexpr int ValueRegs(int nc) {
+  int r = 8;
+  while (nc % r != 0) --r;
+  return r;
+}
+
+// acc += p v over the block's n value rows for the H heads [g0, g0 + H) at once: each value chunk is
+// loaded once for all H heads (Note [CPU attention native width]).
+template <int W, int D, int H, bool kTwo>
+ORTKV_INLINE void ValuesHeads(const State& s, int64_t g0, const float* alpha, const float* v, int64_t ts, int64_t n) {
+  typedef typename VecOf<W>::T VN;
+  constexpr int NC = D / W;
+  constexpr int R = ValueRegs(NC);
+  for (int c0 = 0; c0 < NC; c0 += R) {
+    const float* vc = v + c0 * W;
+    VN av[H][R], bv[H][R];  // kTwo: even keys in av, odd keys in bv (two FMA chains per register)
+#pragma GCC unroll 4
+    for (int h = 0; h < H; ++h)
+#pragma GCC unroll 8
+      for (int i = 0; i < R; ++i)
+        av[h][i] = LoadN<W>(s.acc + (g0 + h) * D + (c0 + i) * W) * alpha[g0 + h], bv[h][i] = VN{};
+    const float* p = s.sc + g0 * kAttnBlockKeys;
+    int64_t j = 0;
+    if (kTwo) {
+      for (; j + 2 <= n; j += 2) {
+        VN x[R], y[R];
+#pragma GCC unroll 8
+        for (int i = 0; i < R; ++i) x[i] = LoadN<W>(vc + j * ts + i * W), y[i] = LoadN<W>(vc + (j + 1) * ts + i * W);
+#pragma GCC unroll 4
+        for (int h = 0; h < H; ++h) {
+          const float p0 = p[h * kAttnBlockKeys + j], p1 = p[h * kAttnBlockKeys + j + 1];
+#pragma GCC unroll 8
+          for (int i = 0; i < R; ++i) av[h][i] += p0 * x[i], bv[h][i] += p1 * y[i];
+        }
+      }
+    }
+    for (; j < n; ++j) {
+      VN x[R];
+#pragma GCC unroll 8
+      for (int i = 0; i < R; ++i) x[i] = LoadN<W>(vc + j * ts + i * W);
+#pragma GCC unroll 4
+      for (int h = 0; h < H; ++h) {
+        const float ph = p[h * kAttnBlockKeys + j];
+#pragma GCC unroll 8
+        for (int i = 0; i < R; ++i) av[h][i] += ph * x[i];
+      }
+    }
+#pragma GCC unroll 4
+    for (int h = 0; h < H; ++h)
+#pragma GCC unroll 8
+      for (int i = 0; i < R; ++i) StoreN<W>(s.acc + (g0 + h) * D + (c0 + i) * W, kTwo ? av[h][i] + bv[h][i] : av[h][i]);
+  }
+}
+
+// One block of n float32 keys (rows k, v with stride ts floats) for all G heads, head size D, in
+// vectors of W floats (Note [CPU attention native width]).
+template <int W, int D>
+ORTKV_INLINE void BlockNative(const State& s, int64_t G, const float* k, const float* v, int64_t ts, int64_t n) {
+  typedef typename VecOf<W>::T VN;
+  static_assert(D % W == 0, "whole vectors per row");
+  constexpr int NC = D / W;
+  for (int64_t g = 0; g < G; ++g) {
+    const float* qg = s.qs + g * D;
+    float* sc = s.sc + g * kAttnBlockKeys;
+    int64_t j = 0;
+    for (; j + W <= n; j += W) {
+      VN a[W];
+#pragma GCC unroll 16
+      for (int x = 0; x < W; ++x) {
+        const float* kr = k + (j + x) * ts;
+        VN t = LoadN<W>(qg) * LoadN<W>(kr);
+#pragma GCC unroll 16
+        for (int i = 1; i < NC; ++i) t += LoadN<W>(qg + i * W) * LoadN<W>(kr + i * W);
+        a[x] = t;
+      }
+      StoreN<W>(sc + j, SumKeys(a));
+    }
+    for (; j < n; ++j) {
+      const float* kr = k + j * ts;
+      VN t = LoadN<W>(qg) * LoadN<W>(kr);
+      for (int i = 1; i < NC; ++i) t += LoadN<W>(qg + i * W) * LoadN<W>(kr + i * W);
+      sc[j] = HSum(t);
+    }
+  }
+  // weights of every head, then acc += p v with each value chunk loaded once for two heads (the same
+  // even / odd summation order per head as BlockRows: the AVX-512 copy's outputs are bit-identical)
+  float alpha[64];  // at most 64 query heads per KV head (the plan's limit)
+  for (int64_t g = 0; g < G; ++g) alpha[g] = Softmax(s, g, n);
+  constexpr int R = ValueRegs(NC);
+  int64_t g = 0;
+  if (R <= 4) {  // two heads at once, even / odd keys in two accumulator sets: 2 x 2 x R <= 16 registers
+    for (; g + 2 <= G; g += 2) ValuesHeads<W, D, 2, true>(s, g, alpha, v, ts, n);
+    for (; g < G; ++g) ValuesHeads<W, D, 1, true>(s, g, alpha, v, ts, n);
+  }
+  for (; g < G; ++g) ValuesHeads<W, D, 1, (2 * R <= 8)>(s, g, alpha, v, ts, n);
+}
+
 // Any head size: the same steps with plain loops.
 ORTKV_INLINE void BlockAny(const State& s, int64_t G, int64_t D, const float* k, const float* v, int64_t ts,
                            int64_t n) {

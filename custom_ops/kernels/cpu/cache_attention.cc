@@ -24,16 +24,19 @@ Status Bad(const std::string& node, const std::string& what) {
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
 namespace isa_avx512 {
+constexpr int kLanes = 16;  // Note [CPU attention native width]
 #include "cache_attention_task.inc"
 }  // namespace isa_avx512
 #pragma GCC pop_options
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 namespace isa_avx2 {
+constexpr int kLanes = 8;  // Note [CPU attention native width]
 #include "cache_attention_task.inc"
 }  // namespace isa_avx2
 #pragma GCC pop_options
 namespace isa_baseline {
+constexpr int kLanes = 4;  // Note [CPU attention native width]
 #include "cache_attention_task.inc"
 }  // namespace isa_baseline
 

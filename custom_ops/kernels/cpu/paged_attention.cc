@@ -175,6 +175,7 @@ ORTKV_INLINE void DecodeRun(const PageView& pg, int kv, int32_t head, int32_t r,
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
 namespace isa_avx512 {
 #define ORTKV_ISA 2
+constexpr int kLanes = 16;  // Note [CPU attention native width]
 #include "paged_attention_task.inc"
 #undef ORTKV_ISA
 }  // namespace isa_avx512
@@ -183,12 +184,14 @@ namespace isa_avx512 {
 #pragma GCC target("avx2,fma,f16c")
 namespace isa_avx2 {
 #define ORTKV_ISA 1
+constexpr int kLanes = 8;  // Note [CPU attention native width]
 #include "paged_attention_task.inc"
 #undef ORTKV_ISA
 }  // namespace isa_avx2
 #pragma GCC pop_options
 namespace isa_baseline {
 #define ORTKV_ISA 0
+constexpr int kLanes = 4;  // Note [CPU attention native width]
 #include "paged_attention_task.inc"
 #undef ORTKV_ISA
 }  // namespace isa_baseline

@@ -1,0 +1,82 @@
+// The CPU CacheAttention kernel functions driven from C++, without ORT or Python: one decode token of
+// SmolLM2-135M shapes (9 query heads, 3 KV heads, head size 64, float32 BNSH) over L keys, B rows, on
+// 1 or 2 std::threads taking tasks from one counter. cold: rotating over >= 256 MiB of K/V (a model's
+// layers, read from DRAM); hot: the first layer repeated. Prints GB/s of K+V read per call (medians of
+// 15 passes). ORTKV_CPU_ISA=baseline|avx2|avx512 forces a kernel copy (Note [CPU attention ISA dispatch]).
+// Used for the figures in Note [CPU attention native width]. Build from the repository root:
+//
+//   g++ -O3 -std=c++17 -pthread -Icustom_ops/include -Icustom_ops/kernels/cpu \
+//       benchmarks/cpu_attention_kernel_driver.cc custom_ops/kernels/cpu/cache_attention.cc \
+//       custom_ops/kernels/cache_update_plan.cc -o attn_driver
+//   ./attn_driver KEYS THREADS [BATCH]      e.g. ./attn_driver 8192 1
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <thread>
+#include <vector>
+
+#include "attention_block.h"
+#include "ortkv/cache_attention.h"
+
+using namespace ortkv;
+
+int main(int argc, char** argv) {
+  if (argc < 3) {
+    std::fprintf(stderr, "usage: %s KEYS THREADS [BATCH]\n", argv[0]);
+    return 2;
+  }
+  const int64_t L = std::atoll(argv[1]);
+  const int threads = std::atoi(argv[2]);
+  const int64_t B = argc > 3 ? std::atoll(argv[3]) : 1;
+  const int64_t Hq = 9, Hkv = 3, D = 64;
+  const size_t per = static_cast<size_t>(B * Hkv * L * D);
+  const int layers = static_cast<int>(std::max<int64_t>(3, (int64_t{256} << 20) / static_cast<int64_t>(per * 8)));
+  std::vector<std::vector<float>> ks(layers), vs(layers);
+  for (int i = 0; i < layers; ++i) ks[i].assign(per, 0.01f * (i % 7)), vs[i].assign(per, 0.5f);
+  std::vector<float> q(B * Hq * D, 0.1f), out(B * Hq * D);
+  std::vector<int64_t> start(B, L - 1);
+  std::vector<float> partial;
+  auto run = [&](int i) {
+    CacheAttentionView a;
+    a.q = q.data(), a.k = ks[i].data(), a.v = vs[i].data(), a.out = out.data();
+    a.start = start.data(), a.start_stride = 1;
+    a.B = B, a.T = 1, a.Hq = Hq, a.Hkv = Hkv, a.D = D, a.C = L;
+    a.row_stride = Hkv * L * D, a.tok_stride = D, a.head_stride = L * D, a.scale = 0.125f;
+    a.splits = attn_cpu::CpuSplits(a.units(), L);
+    partial.resize(std::max<int64_t>(1, a.partial_floats()));
+    a.partial = partial.data();
+    std::atomic<int64_t> next{0};
+    auto work = [&] {
+      std::vector<float> sc(a.scratch_floats());
+      for (int64_t t; (t = next++) < a.tasks();) CacheAttentionCpu(a, t, t + 1, sc.data());
+    };
+    if (threads <= 1) {
+      work();
+    } else {
+      std::thread th(work);
+      work();
+      th.join();
+    }
+    CacheAttentionCombine(a);
+  };
+  std::vector<double> cold, hot;
+  for (int pass = 0; pass < 15; ++pass) {
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int i = 0; i < layers; ++i) run(i);
+    const auto t1 = std::chrono::steady_clock::now();
+    for (int i = 0; i < layers; ++i) run(0);
+    const auto t2 = std::chrono::steady_clock::now();
+    cold.push_back(std::chrono::duration<double>(t1 - t0).count() / layers);
+    hot.push_back(std::chrono::duration<double>(t2 - t1).count() / layers);
+  }
+  std::sort(cold.begin(), cold.end());
+  std::sort(hot.begin(), hot.end());
+  const double bytes = 2.0 * static_cast<double>(per) * 4;
+  std::printf("L=%lld B=%lld threads=%d isa=%s: cold %.1f GB/s (%.0f us per call), hot %.1f GB/s\n",
+              static_cast<long long>(L), static_cast<long long>(B), threads,
+              attn_cpu::CpuIsaName(attn_cpu::CpuIsaOnce().isa), bytes / cold[7] / 1e9, cold[7] * 1e6,
+              bytes / hot[7] / 1e9);
+  return 0;
+}
