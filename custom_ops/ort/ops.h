@@ -12,12 +12,15 @@ void AppendCacheUpdateOps(std::vector<const OrtCustomOp*>* ops);
 void AppendCacheAttentionOps(std::vector<const OrtCustomOp*>* ops);
 // PagedCacheUpdate and PagedCacheAttention for the CPU EP, and the CUDA EP in CUDA builds (paged_ops.cc).
 void AppendPagedOps(std::vector<const OrtCustomOp*>* ops);
+// MatMulQ4 (Q4_1 weights kept exactly) for the CPU EP (matmul_q4_op.cc).
+void AppendMatMulQ4Ops(std::vector<const OrtCustomOp*>* ops);
 
 inline std::vector<const OrtCustomOp*> AllOps() {
   std::vector<const OrtCustomOp*> ops;
   AppendCacheUpdateOps(&ops);
   AppendCacheAttentionOps(&ops);
   AppendPagedOps(&ops);
+  AppendMatMulQ4Ops(&ops);
   return ops;
 }
 

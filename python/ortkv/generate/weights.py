@@ -167,6 +167,52 @@ def q8_from_q4_1(w: Q4Weight) -> Q4Weight:
                     BLOCK)
 
 
+Q4_TILE = 16  # output columns per MatMulQ4 tile (Note [MatMulQ4 layout] in custom_ops/include/ortkv/matmul_q4.h)
+
+
+@dataclass(frozen=True)
+class MatMulQ4Pack:
+    """A Q4_1 matrix in ortkv.MatMulQ4's kernel order (Note [MatMulQ4 layout]): codes uint8 [T, K / 32, 256],
+    scales d and mins m float16 [T, K / 32, 16], T = ceil(N / 16) tiles of 16 output columns (zero-padded)."""
+
+    codes: np.ndarray
+    scales: np.ndarray
+    mins: np.ndarray
+    K: int
+    N: int
+
+
+def pack_matmul_q4(w: Q4Weight) -> MatMulQ4Pack:
+    """Repack a Q4_1 matrix (bits 4, block 32, zero points 0, minimums) for ortkv.MatMulQ4, exactly: d and m
+    were float16 in the GGUF (q4_from_gguf widened them to float32 without loss), so they go back to float16
+    bit for bit; a matrix whose d or m is not a float16 value is refused (the pack would round it)."""
+    if w.bits != 4 or w.block_size != BLOCK or w.mins is None:
+        raise OrtkvError(f"pack_matmul_q4 needs a Q4_1 matrix (bits 4, block {BLOCK}, minimums); got bits {w.bits}, "
+                         f"block {w.block_size}, minimums {'yes' if w.mins is not None else 'no'}")
+    if w.K % BLOCK:
+        raise OrtkvError(f"pack_matmul_q4: K={w.K} is not a multiple of {BLOCK}; MatMulQ4 takes K in whole Q4_1 blocks")
+    if w.zero_points is not None and w.zero_point_values().any():
+        raise OrtkvError("pack_matmul_q4: the matrix has nonzero 4-bit zero points; MatMulQ4 carries Q4_1's "
+                         "w = d * q + m only (zero points 0)")
+    d16, m16 = w.scales.astype(np.float16), w.mins.astype(np.float16)
+    if not (np.array_equal(d16.astype(np.float32), w.scales) and np.array_equal(m16.astype(np.float32), w.mins)):
+        raise OrtkvError("pack_matmul_q4: a block scale or minimum is not a float16 value; MatMulQ4 stores them as "
+                         "float16 (the GGUF's Q4_1 form) and would round them")
+    kb, tiles = w.K // BLOCK, -(-w.N // Q4_TILE)
+    pad = tiles * Q4_TILE - w.N
+    q = np.pad(w.codes().astype(np.uint8), ((0, pad), (0, 0), (0, 0)))  # [Np, kb, 32]
+    # [T, 16 columns, kb, 2 halves, 4 groups, 4 bytes] -> [T, kb, 4 groups, 16 columns, 4 bytes]
+    q = q.reshape(tiles, Q4_TILE, kb, 2, 4, 4)
+    byte = q[:, :, :, 0] | (q[:, :, :, 1] << 4)  # element 4g + j low, 16 + 4g + j high
+    codes = np.ascontiguousarray(byte.transpose(0, 2, 3, 1, 4)).reshape(tiles, kb, 256)
+
+    def tiled(a):  # [N, kb] -> [T, kb, 16]
+        a = np.pad(a, ((0, pad), (0, 0)))
+        return np.ascontiguousarray(a.reshape(tiles, Q4_TILE, kb).transpose(0, 2, 1))
+
+    return MatMulQ4Pack(codes, tiled(d16), tiled(m16), w.K, w.N)
+
+
 def quantize_q8(w: np.ndarray) -> Q4Weight:
     """Q8_0's rule (d = max |w| / 127 per block of 32) for an embedding stored in another type."""
     w = np.asarray(w, np.float32)
