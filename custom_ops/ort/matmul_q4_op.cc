@@ -1,7 +1,7 @@
 // MatMulQ4(X, codes, scales, mins) -> Y, domain "ortkv", opset 1, CPU EP: Y[..., N] = X[..., K] @ W with W a
 // Q4_1 matrix kept exactly (Note [MatMulQ4 layout], Note [MatMulQ4 arithmetic], Note [MatMulQ4 dispatch] in
 // ortkv/matmul_q4.h). Attributes: K, N (required), isa ("auto" by default; "avx512vnni", "avx2", "scalar"
-// force one path). X float32 [..., K]; codes uint8 [ceil(N / 16), K / 32, 256]; scales, mins float16
+// force one path), act_terms (1 by default, or 2: Note [MatMulQ4 activation terms]). X float32 [..., K]; codes uint8 [ceil(N / 16), K / 32, 256]; scales, mins float16
 // [ceil(N / 16), K / 32, 16]; Y float32 [..., N].
 #include <memory>
 #include <string>
@@ -16,7 +16,7 @@ namespace {
 
 struct MatMulQ4Kernel {
   NodeNames names;
-  int64_t K = 0, N = 0;
+  int64_t K = 0, N = 0, act_terms = 1;
   ortkv::Q4Isa isa = ortkv::Q4Isa::kScalar;
 };
 
@@ -55,6 +55,7 @@ OrtStatus* Compute(void* op_kernel, OrtKernelContext* ctx) {
   ORTKV_RETURN_IF_ORT_ERROR(
       ToOrtStatus(ortkv::PlanMatMulQ4(k.names.node, args[0], args[1], args[2], args[3], k.K, k.N, &view)));
   view.isa = k.isa;
+  view.act_terms = k.act_terms;
   std::vector<int64_t> out_dims = args[0].dims;
   out_dims.back() = k.N;
   OrtValue* out = nullptr;
@@ -67,11 +68,12 @@ OrtStatus* Compute(void* op_kernel, OrtKernelContext* ctx) {
   thread_local std::vector<int8_t> xq;
   thread_local std::vector<float> xes;
   const size_t blocks = static_cast<size_t>(view.M * view.blocks());
-  if (xq.size() < static_cast<size_t>(view.M * view.K)) xq.resize(static_cast<size_t>(view.M * view.K));
-  if (xes.size() < 2 * blocks) xes.resize(2 * blocks);
+  const size_t terms = static_cast<size_t>(view.act_terms);
+  if (xq.size() < terms * static_cast<size_t>(view.M * view.K)) xq.resize(terms * static_cast<size_t>(view.M * view.K));
+  if (xes.size() < (terms + 1) * blocks) xes.resize((terms + 1) * blocks);
   view.xq = xq.data();
   view.xe = xes.data();
-  view.xs = xes.data() + blocks;
+  view.xs = xes.data() + terms * blocks;
   Job job{&view, kTilesPerTask};
   const int64_t quant_tasks = (view.M + kQuantRowsPerTask - 1) / kQuantRowsPerTask;
   if (quant_tasks == 1) {
@@ -123,6 +125,12 @@ OrtStatus* Create(const OrtCustomOp*, const OrtApi* api, const OrtKernelInfo* in
   }
   if (k->N <= 0) {
     const std::string m = where + "attribute N=" + std::to_string(k->N) + " is missing or < 1; set N to the output width";
+    return api->CreateStatus(ORT_INVALID_ARGUMENT, m.c_str());
+  }
+  ORTKV_RETURN_IF_ORT_ERROR(OptionalAttribute(api, info, k->names.node, "act_terms", int64_t{1}, &k->act_terms));
+  if (k->act_terms != 1 && k->act_terms != 2) {
+    const std::string m = where + "attribute act_terms=" + std::to_string(k->act_terms) +
+                          " must be 1 (one int8 term per activation block) or 2 (int8 + its rounding residual)";
     return api->CreateStatus(ORT_INVALID_ARGUMENT, m.c_str());
   }
   std::string isa;

@@ -30,6 +30,15 @@
 // MatMul] in builder.py). Every ISA path runs the same quantization code, so the paths differ only in the
 // order of the float additions.
 //
+// Note [MatMulQ4 activation terms]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Attribute act_terms = 2 quantizes each activation block into TWO int8 terms: a1 as above, then the
+// rounding residual r = x - e1 a1 the same way (a2, e2), and y sums d e1 q.a1 + d e2 q.a2 + m s. The
+// activation error falls from ~e1 / 2 to ~e1 / 254 (float-like) for one more integer dot per block and row:
+// at one token the kernel is bound by the weight bytes, which do not change. The FFN down projection reads
+// the SwiGLU product, whose int8 blocks lose the most (Note [Accuracy levels] in builder.py); the builder
+// gives it act_terms 2.
+//
 // Note [MatMulQ4 dispatch]
 // ~~~~~~~~~~~~~~~~~~~~~~~~
 // Three copies of the tile kernel: AVX512-VNNI (vpdpbusd, 16 columns per zmm), AVX2 (vpmaddubsw +
@@ -69,9 +78,10 @@ struct MatMulQ4View {
   float* y = nullptr;              // [M, N]
   int64_t M = 0, K = 0, N = 0;
   Q4Isa isa = Q4Isa::kScalar;
+  int64_t act_terms = 1;  // int8 terms per activation block, 1 or 2 (Note [MatMulQ4 activation terms])
   // the quantized activations (Note [MatMulQ4 arithmetic]), owned by the caller
-  int8_t* xq = nullptr;  // [M, K]
-  float* xe = nullptr;   // [M, KB] scales e
+  int8_t* xq = nullptr;  // [M, KB, act_terms, 32]
+  float* xe = nullptr;   // [M, KB, act_terms] scales e
   float* xs = nullptr;   // [M, KB] sums s
 
   int64_t blocks() const { return K / kQ4Block; }

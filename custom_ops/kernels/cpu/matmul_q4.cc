@@ -57,7 +57,7 @@ inline int32_t Load32(const int8_t* p) {
 }
 
 // ---- scalar -------------------------------------------------------------------------------------------
-template <int R>
+template <int R, int S>
 void TileScalar(const MatMulQ4View& v, int64_t t, int64_t m0) {
   const int64_t KB = v.blocks();
   const uint8_t* wc = v.codes + t * KB * kQ4TileBytes;
@@ -69,16 +69,19 @@ void TileScalar(const MatMulQ4View& v, int64_t t, int64_t m0) {
     for (int c = 0; c < kQ4TileCols; ++c) {
       const float d = HalfToFloat(ws[b * kQ4TileCols + c]), m = HalfToFloat(wm[b * kQ4TileCols + c]);
       for (int r = 0; r < R; ++r) {
-        const int8_t* a = v.xq + (m0 + r) * v.K + b * kQ4Block;
-        int32_t dot = 0;
-        for (int g = 0; g < 4; ++g) {
-          for (int j = 0; j < 4; ++j) {
-            const uint8_t byte = line[g * 64 + c * 4 + j];
-            dot += static_cast<int32_t>(byte & 0x0F) * a[4 * g + j] + static_cast<int32_t>(byte >> 4) * a[16 + 4 * g + j];
-          }
-        }
         const int64_t kb = (m0 + r) * KB + b;
-        acc[r][c] += d * v.xe[kb] * static_cast<float>(dot) + m * v.xs[kb];
+        for (int sp = 0; sp < S; ++sp) {
+          const int8_t* a = v.xq + (kb * S + sp) * kQ4Block;
+          int32_t dot = 0;
+          for (int g = 0; g < 4; ++g) {
+            for (int j = 0; j < 4; ++j) {
+              const uint8_t byte = line[g * 64 + c * 4 + j];
+              dot += static_cast<int32_t>(byte & 0x0F) * a[4 * g + j] + static_cast<int32_t>(byte >> 4) * a[16 + 4 * g + j];
+            }
+          }
+          acc[r][c] += d * v.xe[kb * S + sp] * static_cast<float>(dot);
+        }
+        acc[r][c] += m * v.xs[kb];
       }
     }
   }
@@ -94,7 +97,7 @@ void TileScalar(const MatMulQ4View& v, int64_t t, int64_t m0) {
 namespace q4_avx2 {
 
 // One block of 16 columns for R rows, as two halves of 8 columns (a ymm of 8 int32 lanes each).
-template <int R>
+template <int R, int S>
 void Tile(const MatMulQ4View& v, int64_t t, int64_t m0) {
   const int64_t KB = v.blocks();
   const uint8_t* wc = v.codes + t * KB * kQ4TileBytes;
@@ -116,17 +119,19 @@ void Tile(const MatMulQ4View& v, int64_t t, int64_t m0) {
       const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ws + b * kQ4TileCols + h * 8)));
       const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wm + b * kQ4TileCols + h * 8)));
       for (int r = 0; r < R; ++r) {
-        const int8_t* a = v.xq + (m0 + r) * v.K + b * kQ4Block;
-        // |q a| <= 15 * 127: 2 products per maddubs lane, 8 of those summed stay within int16 (30480)
-        __m256i s16 = _mm256_maddubs_epi16(lo[0], _mm256_set1_epi32(Load32(a)));
-        s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(hi[0], _mm256_set1_epi32(Load32(a + 16))));
-        for (int g = 1; g < 4; ++g) {
-          s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(lo[g], _mm256_set1_epi32(Load32(a + 4 * g))));
-          s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(hi[g], _mm256_set1_epi32(Load32(a + 16 + 4 * g))));
-        }
-        const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, ones));
         const int64_t kb = (m0 + r) * KB + b;
-        acc[r][h] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_set1_ps(v.xe[kb])), acc[r][h]);
+        for (int sp = 0; sp < S; ++sp) {
+          const int8_t* a = v.xq + (kb * S + sp) * kQ4Block;
+          // |q a| <= 15 * 127: 2 products per maddubs lane, 8 of those summed stay within int16 (30480)
+          __m256i s16 = _mm256_maddubs_epi16(lo[0], _mm256_set1_epi32(Load32(a)));
+          s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(hi[0], _mm256_set1_epi32(Load32(a + 16))));
+          for (int g = 1; g < 4; ++g) {
+            s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(lo[g], _mm256_set1_epi32(Load32(a + 4 * g))));
+            s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(hi[g], _mm256_set1_epi32(Load32(a + 16 + 4 * g))));
+          }
+          const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, ones));
+          acc[r][h] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_set1_ps(v.xe[kb * S + sp])), acc[r][h]);
+        }
         acc[r][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(v.xs[kb]), acc[r][h]);
       }
     }
@@ -154,7 +159,7 @@ void Tile(const MatMulQ4View& v, int64_t t, int64_t m0) {
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")
 namespace q4_vnni {
 
-template <int R>
+template <int R, int S>
 void Tile(const MatMulQ4View& v, int64_t t, int64_t m0) {
   const int64_t KB = v.blocks();
   const uint8_t* wc = v.codes + t * KB * kQ4TileBytes;
@@ -174,17 +179,19 @@ void Tile(const MatMulQ4View& v, int64_t t, int64_t m0) {
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ws + b * kQ4TileCols)));
     const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wm + b * kQ4TileCols)));
     for (int r = 0; r < R; ++r) {
-      const int8_t* a = v.xq + (m0 + r) * v.K + b * kQ4Block;
-      // two independent vpdpbusd chains (low and high halves of the block), added at the end
-      __m512i s0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[0], _mm512_set1_epi32(Load32(a)));
-      __m512i s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi[0], _mm512_set1_epi32(Load32(a + 16)));
-      for (int g = 1; g < 4; ++g) {
-        s0 = _mm512_dpbusd_epi32(s0, lo[g], _mm512_set1_epi32(Load32(a + 4 * g)));
-        s1 = _mm512_dpbusd_epi32(s1, hi[g], _mm512_set1_epi32(Load32(a + 16 + 4 * g)));
-      }
-      const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
       const int64_t kb = (m0 + r) * KB + b;
-      acc[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(d, _mm512_set1_ps(v.xe[kb])), acc[r]);
+      for (int sp = 0; sp < S; ++sp) {
+        const int8_t* a = v.xq + (kb * S + sp) * kQ4Block;
+        // two independent vpdpbusd chains (low and high halves of the block), added at the end
+        __m512i s0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[0], _mm512_set1_epi32(Load32(a)));
+        __m512i s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi[0], _mm512_set1_epi32(Load32(a + 16)));
+        for (int g = 1; g < 4; ++g) {
+          s0 = _mm512_dpbusd_epi32(s0, lo[g], _mm512_set1_epi32(Load32(a + 4 * g)));
+          s1 = _mm512_dpbusd_epi32(s1, hi[g], _mm512_set1_epi32(Load32(a + 16 + 4 * g)));
+        }
+        const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
+        acc[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(d, _mm512_set1_ps(v.xe[kb * S + sp])), acc[r]);
+      }
       acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(v.xs[kb]), acc[r]);
     }
   }
@@ -200,14 +207,19 @@ namespace {
 
 using TileFn = void (*)(const MatMulQ4View&, int64_t, int64_t);
 
-template <int R>
-TileFn Pick(Q4Isa isa) {
+template <int R, int S>
+TileFn PickIsa(Q4Isa isa) {
   switch (isa) {
-    case Q4Isa::kAvx512Vnni: return q4_vnni::Tile<R>;
-    case Q4Isa::kAvx2: return q4_avx2::Tile<R>;
+    case Q4Isa::kAvx512Vnni: return q4_vnni::Tile<R, S>;
+    case Q4Isa::kAvx2: return q4_avx2::Tile<R, S>;
     case Q4Isa::kScalar: break;
   }
-  return TileScalar<R>;
+  return TileScalar<R, S>;
+}
+
+template <int R>
+TileFn Pick(const MatMulQ4View& v) {
+  return v.act_terms == 2 ? PickIsa<R, 2>(v.isa) : PickIsa<R, 1>(v.isa);
 }
 
 }  // namespace
@@ -309,27 +321,40 @@ Status PlanMatMulQ4(const std::string& node, const TensorArg& x, const TensorArg
   return Status::Ok();
 }
 
+namespace {
+// One block of 32 values to int8: a = round(x * 127 / amax), e = amax / 127 (Note [MatMulQ4 arithmetic]).
+inline float QuantizeBlock(const float* x, int8_t* q) {
+  float amax = 0.0f;
+  for (int i = 0; i < kQ4Block; ++i) amax = std::max(amax, std::fabs(x[i]));
+  const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+  for (int i = 0; i < kQ4Block; ++i) q[i] = static_cast<int8_t>(std::nearbyint(x[i] * inv));
+  return amax / 127.0f;
+}
+}  // namespace
+
 void MatMulQ4QuantizeRows(const MatMulQ4View& v, int64_t m0, int64_t m1) {
-  const int64_t KB = v.blocks();
+  const int64_t KB = v.blocks(), S = v.act_terms;
   for (int64_t m = m0; m < m1; ++m) {
     for (int64_t b = 0; b < KB; ++b) {
       const float* x = v.x + m * v.K + b * kQ4Block;
-      int8_t* q = v.xq + m * v.K + b * kQ4Block;
-      float amax = 0.0f, sum = 0.0f;
-      for (int i = 0; i < kQ4Block; ++i) {
-        amax = std::max(amax, std::fabs(x[i]));
-        sum += x[i];
+      const int64_t kb = m * KB + b;
+      float sum = 0.0f;
+      for (int i = 0; i < kQ4Block; ++i) sum += x[i];
+      v.xs[kb] = sum;
+      int8_t* q = v.xq + kb * S * kQ4Block;
+      const float e = QuantizeBlock(x, q);
+      v.xe[kb * S] = e;
+      if (S == 2) {  // Note [MatMulQ4 activation terms]: the rounding residual as a second int8 term
+        float res[kQ4Block];
+        for (int i = 0; i < kQ4Block; ++i) res[i] = x[i] - e * static_cast<float>(q[i]);
+        v.xe[kb * S + 1] = QuantizeBlock(res, q + kQ4Block);
       }
-      const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-      for (int i = 0; i < kQ4Block; ++i) q[i] = static_cast<int8_t>(std::nearbyint(x[i] * inv));
-      v.xe[m * KB + b] = amax / 127.0f;
-      v.xs[m * KB + b] = sum;
     }
   }
 }
 
 void MatMulQ4Tiles(const MatMulQ4View& v, int64_t t0, int64_t t1) {
-  const TileFn f4 = Pick<4>(v.isa), f3 = Pick<3>(v.isa), f2 = Pick<2>(v.isa), f1 = Pick<1>(v.isa);
+  const TileFn f4 = Pick<4>(v), f3 = Pick<3>(v), f2 = Pick<2>(v), f1 = Pick<1>(v);
   static_assert(kRows == 4, "the row loop below unrolls 4 / 3 / 2 / 1");
   for (int64_t t = t0; t < t1; ++t) {
     int64_t m = 0;

@@ -381,6 +381,15 @@ def matmul_nbits(ctx, node, label, ins):
     return [ValueType(a.elem, None if not a.shape else tuple(a.shape[:-1]) + (n,))]
 
 
+def matmul_q4(ctx, node, label, ins):
+    """ortkv.MatMulQ4 (custom_ops/include/ortkv/matmul_q4.h): X float32 [..., K] -> Y float32 [..., N]."""
+    a = ins[0] if ins else ValueType()
+    n, k = _int_attr(node, "N"), _int_attr(node, "K")
+    if a.shape and k is not None:
+        _meet_value(ctx, label, "MatMulQ4", node.input[0], a, len(a.shape) - 1, k, f"K={k}")
+    return [ValueType(TensorProto.FLOAT, None if not a.shape else tuple(a.shape[:-1]) + (n,))]
+
+
 def group_query_attention(ctx, node, label, ins):
     q, past_k = _pad(ins, 4)[0], _pad(ins, 4)[3]
     hq, hkv = _int_attr(node, "num_heads"), _int_attr(node, "kv_num_heads")
@@ -402,6 +411,7 @@ OP_RULES = {
     ("com.microsoft", "SkipSimplifiedLayerNormalization"): skip_simplified_layer_norm,
     ("com.microsoft", "RotaryEmbedding"): passthrough,
     ("com.microsoft", "MatMulNBits"): matmul_nbits,
+    ("ortkv", "MatMulQ4"): matmul_q4,
     ("com.microsoft", "GroupQueryAttention"): group_query_attention,
 }
 
