@@ -116,17 +116,8 @@ OrtStatus* Create(const OrtCustomOp*, const OrtApi* api, const OrtKernelInfo* in
   ORTKV_RETURN_IF_ORT_ERROR(ReadNodeNames(api, info, 4, 1, &k->names));
   ORTKV_RETURN_IF_ORT_ERROR(OptionalAttribute(api, info, k->names.node, "K", int64_t{0}, &k->K));
   ORTKV_RETURN_IF_ORT_ERROR(OptionalAttribute(api, info, k->names.node, "N", int64_t{0}, &k->N));
+  // K and N are checked with the inputs on every run (PlanMatMulQ4): the message can then name X and its shape
   const std::string where = "[ortkv:E_INPUT] MatMulQ4 node '" + k->names.node + "': ";
-  if (k->K <= 0 || k->K % ortkv::kQ4Block != 0) {
-    const std::string m = where + "attribute K=" + std::to_string(k->K) + " (input '" + k->names.inputs[0] +
-                          "') is not a positive multiple of 32 (the Q4_1 block); MatMulQ4 takes only such K: use "
-                          "MatMul or MatMulNBits for this matrix";
-    return api->CreateStatus(ORT_INVALID_ARGUMENT, m.c_str());
-  }
-  if (k->N <= 0) {
-    const std::string m = where + "attribute N=" + std::to_string(k->N) + " is missing or < 1; set N to the output width";
-    return api->CreateStatus(ORT_INVALID_ARGUMENT, m.c_str());
-  }
   ORTKV_RETURN_IF_ORT_ERROR(OptionalAttribute(api, info, k->names.node, "act_terms", int64_t{1}, &k->act_terms));
   if (k->act_terms != 1 && k->act_terms != 2) {
     const std::string m = where + "attribute act_terms=" + std::to_string(k->act_terms) +

@@ -276,11 +276,15 @@ Status PlanMatMulQ4(const std::string& node, const TensorArg& x, const TensorArg
   const std::string where = "MatMulQ4 node '" + node + "': ";
   const std::string remedy = "; repack the Q4_1 matrix with ortkv.generate.weights.pack_matmul_q4 (Note [MatMulQ4 layout])";
   if (K <= 0 || K % kQ4Block != 0) {
-    return Status(Code::kInvalidArgument, where + "K=" + std::to_string(K) +
-                                              " is not a positive multiple of 32 (the Q4_1 block); MatMulQ4 takes "
+    return Status(Code::kInvalidArgument, where + "attribute K=" + std::to_string(K) + " (X '" + x.name + "' " +
+                                              Dims(x.dims) +
+                                              ") is not a positive multiple of 32 (the Q4_1 block); MatMulQ4 takes "
                                               "only such K: use MatMul or MatMulNBits for this matrix");
   }
-  if (N <= 0) return Status(Code::kInvalidArgument, where + "N=" + std::to_string(N) + " must be >= 1");
+  if (N <= 0) {
+    return Status(Code::kInvalidArgument,
+                  where + "attribute N=" + std::to_string(N) + " is missing or < 1; set N to the output width");
+  }
   if (x.elem_type != kFloat32) {
     return Status(Code::kInvalidArgument, where + "input '" + x.name + "' has element type " +
                                               std::to_string(x.elem_type) + "; MatMulQ4 takes float32 X (type 1)");
