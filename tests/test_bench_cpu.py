@@ -230,7 +230,7 @@ def test_q4_layers_keep_add_and_norm(two_layer_weights):
     _, w4 = two_layer_weights
     ops = _op_counts(builder.build(w4, "ortkv", max_positions=64))
     assert ops["SkipSimplifiedLayerNormalization"] == 0 and ops["SimplifiedLayerNormalization"] == 2 * 2 + 1
-    assert ops["MatMulNBits"] == 2 * 4 + 1 and ops["Split"] == 2 * 2
+    assert ops["MatMulQ4"] == 2 * 4 and ops["MatMulNBits"] == 1 and ops["Split"] == 2 * 2
 
 
 def test_warmup_runs_an_untimed_generation_first(monkeypatch):

@@ -174,14 +174,14 @@ class GenAIConfig:
                              "onnxruntime would run the CPU ones and copy the page pool across every step); "
                              "reinstall ortkv with CUDA on, use cache 'arena' on CUDA, or run the paged cache on "
                              "the CPU")
-        if o.weights == "q4" and device != "cpu":  # Note [Fast 4-bit path] in weights.py
-            raise OrtkvError(f"ortkv.weights = 'q4' on {device}: the q4 decoders' projections are ortkv.MatMulQ4, a CPU "
-                             "kernel (onnxruntime would run them on the CPU and copy activations across every "
-                             "step); use weights 'float32' on CUDA, or run q4 on the CPU")
         if o.weights in ("q4", "q8") and self.dtype == "float16":
             raise OrtkvError(f"ortkv.weights = {o.weights!r} with ortkv.dtype float16 ({'auto on ' + device if o.dtype == 'auto' else 'set'}): "
                              "the 4-bit decoders are built in float32 only (q4 and q8 alike); use weights 'float32' (float16 models "
                              "dequantize the GGUF) or dtype 'float32'")
+        if o.weights == "q4" and device != "cpu":  # Note [Fast 4-bit path] in weights.py
+            raise OrtkvError(f"ortkv.weights = 'q4' on {device}: the q4 decoders' projections are ortkv.MatMulQ4, a CPU "
+                             "kernel (onnxruntime would run them on the CPU and copy activations across every "
+                             "step); use weights 'float32' on CUDA, or run q4 on the CPU")
         return self
 
     # -- what "auto" means on the configured device ----------------------------------------------
