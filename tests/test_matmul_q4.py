@@ -1,7 +1,7 @@
 """ortkv.MatMulQ4 (custom_ops/include/ortkv/matmul_q4.h): a Q4_1 matrix kept exactly, int8 activations.
 Every ISA path (forced with the node attribute ``isa``) against a numpy reference of the same arithmetic
 (the int8 activation quantization included: Note [MatMulQ4 arithmetic]) and, separately, against the exact
-float product within the bound that quantization allows; odd shapes, batch dims, and the refusals."""
+float product within the bound that quantization allows (|x^ - x| <= e / 2 per element); odd shapes, batch dims, and the refusals."""
 
 from __future__ import annotations
 
@@ -57,22 +57,28 @@ def quantize_blocks(x: np.ndarray):
     return a, e
 
 
-def reference(x: np.ndarray, w: weights.Q4Weight, terms: int = 1) -> np.ndarray:
-    """Note [MatMulQ4 arithmetic] in numpy: y = sum_b d e sum_i q a + m s, the integer dots exact, the float
-    terms in float64 (the kernel's float32 sums differ from these only by rounding)."""
+def activation_terms(x: np.ndarray, terms: int):
+    """[(a, e)] per int8 term (Note [MatMulQ4 activation terms]): the second quantizes the first's residual."""
     x = np.asarray(x, np.float32)
     a1, e1 = quantize_blocks(x)
     parts = [(a1, e1)]
     if terms == 2:
         resid = (x.reshape(a1.shape) - e1 * a1.astype(np.float32)).astype(np.float32)
         parts.append(quantize_blocks(resid.reshape(x.shape)))
-    s = x.reshape(a1.shape).astype(np.float64).sum(-1)  # [..., KB]
+    return parts
+
+
+def reference(x: np.ndarray, w: weights.Q4Weight, terms: int = 1) -> np.ndarray:
+    """Note [MatMulQ4 arithmetic] in numpy: y = sum_b d e sum_i q a + m s with s = e sum(a) (the dequantized
+    activations' block sum), the integer dots exact, the float terms in float64 (the kernel's float32 sums
+    differ from these only by rounding)."""
     q = w.codes().astype(np.int64)  # [N, KB, 32]
-    y = s @ w.mins.T.astype(np.float64)  # [..., N]
-    for a, e in parts:
+    y = 0.0
+    for a, e in activation_terms(x, terms):
+        s = e[..., 0].astype(np.float64) * a.sum(-1)  # [..., KB]
         dots = np.einsum("...bi,nbi->...nb", a, q)  # exact integers
-        y = y + np.einsum("...nb,nb,...b->...n", dots.astype(np.float64), w.scales.astype(np.float64),
-                          e[..., 0].astype(np.float64))
+        y = y + s @ w.mins.T.astype(np.float64) + np.einsum(
+            "...nb,nb,...b->...n", dots.astype(np.float64), w.scales.astype(np.float64), e[..., 0].astype(np.float64))
     return y
 
 
@@ -168,14 +174,21 @@ def test_matches_the_numpy_reference_of_the_same_arithmetic(isa, terms, shape, N
 
 
 def _quantization_bound(x, w, terms):
-    """|y - x @ W| <= sum_b e_last / 2 * sum_i |d q_i| (the minimum term is exact: the float sum of x)."""
-    a1, e1 = quantize_blocks(x)
-    e = e1
-    if terms == 2:
-        resid = (x.reshape(a1.shape) - e1 * a1.astype(np.float32)).astype(np.float32)
-        e = quantize_blocks(resid.reshape(x.shape))[1]
-    dq = np.abs(w.codes().astype(np.float64) * w.scales[..., None]).sum(-1)  # [N, KB]
-    return np.einsum("...b,nb->...n", e[..., 0].astype(np.float64) / 2, dq)
+    """y = x^ @ W, so |y - x @ W| <= sum_b e_last / 2 * sum_i |w_i| over the block (w = d q + m)."""
+    e = activation_terms(x, terms)[-1][1]
+    wabs = np.abs(w.dequantize().astype(np.float64)).T.reshape(w.N, -1, 32).sum(-1)  # [N, KB]
+    return np.einsum("...b,nb->...n", e[..., 0].astype(np.float64) / 2, wabs)
+
+
+def test_reference_is_the_product_of_the_dequantized_activations():
+    """y = x^ @ W with x^ = the sum of e a over the terms: the arithmetic in one line (minimum term included)."""
+    rng = np.random.default_rng(11)
+    w = q4_1(rng, 40, 96)
+    x = rng.standard_normal((3, 96)).astype(np.float32)
+    for terms in (1, 2):
+        xh = sum(e.astype(np.float64) * a for a, e in activation_terms(x, terms)).reshape(3, 96)
+        np.testing.assert_allclose(reference(x, w, terms), xh @ w.dequantize().astype(np.float64), rtol=1e-9,
+                                   atol=1e-9)
 
 
 @pytest.mark.parametrize("isa", [isa_param(i) for i in ISAS])

@@ -140,7 +140,7 @@ def _q4_ops(model: onnx.ModelProto):
 def test_q4_graph_is_in_the_fast_form(two_layers, variant):
     """Issue 12: the old q4 graph gave MatMulNBits FLOAT zero points (MLAS then dequantizes the whole weight
     every call: ~5x slower than float32) and kept a float32 embedding and LM head. Now: the ortkv and copy
-    variants carry every Q4_1 projection as one ortkv.MatMulQ4 (two int8 activation terms); the genai variant
+    variants carry every Q4_1 projection as one ortkv.MatMulQ4 (one int8 activation term); the genai variant
     (onnxruntime-genai loads no ortkv op) MatMulNBits with uint8 zero points and accuracy_level set; no float32
     weight larger than a minimums table, an 8-bit embedding lookup and LM head."""
     w4, _ = two_layers
@@ -156,7 +156,7 @@ def test_q4_graph_is_in_the_fast_form(two_layers, variant):
         assert attrs.get("accuracy_level") == (0 if n.input[1].endswith("_wd_q4") else 4), n.name
     for n in q4op:
         attrs = {a.name: helper.get_attribute_value(a) for a in n.attribute}
-        assert n.domain == "ortkv" and attrs["act_terms"] == 2 and "isa" not in attrs, n.name
+        assert n.domain == "ortkv" and attrs["act_terms"] == 1 and "isa" not in attrs, n.name
         assert [inits[i].data_type for i in n.input[1:]] == [TP.UINT8, TP.FLOAT16, TP.FLOAT16], n.name
     if variant == "genai":
         assert len(nbits) == 2 * 4 + 1 and not q4op  # per layer QKV, output, gate/up, down; the LM head
@@ -240,7 +240,7 @@ def test_q4_top1_agreement_with_llama_cpp():
     finally:
         r.close()
     matches, total = sum(x["top1_matches"] for x in res), sum(x["positions"] for x in res)
-    assert total == 224 and matches / total >= 0.95, res  # measured 217/224 (MatMulQ4, two int8 terms)
+    assert total == 224 and matches / total >= 0.95, res  # measured 217/224 (MatMulQ4)
 
 
 # -- weights "q8": the Q4_1 blocks on MatMulNBits' 8-bit grid (Note [8-bit from Q4_1] in weights.py) -----------

@@ -23,21 +23,25 @@
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~
 // As llama.cpp's q4_1 x q8_1 dot: each 32-block of a row of X is quantized once per call to int8,
 // a = round(x * 127 / amax) (round half to even; amax = max |x| over the block, a = 0 for an all-zero
-// block) with the float scale e = amax / 127, and the block's float sum s = sum(x) is kept. Then
-//   y[n] = sum_b ( d[n,b] * e[b] * sum_i q[n,b,i] a[b,i]  +  m[n,b] * s[b] )
-// The integer dot is exact; the minimum term uses the exact float sum of x (llama.cpp uses e * sum(a),
-// which carries the int8 rounding into the term that nearly cancels d * sum(q x): Note [Block sums as a
-// MatMul] in builder.py). Every ISA path runs the same quantization code, so the paths differ only in the
+// block) with the float scale e = amax / 127, and the block sum of the DEQUANTIZED values s = e * sum(a)
+// is kept. Then
+//   y[n] = sum_b ( d[n,b] * e[b] * sum_i q[n,b,i] a[b,i]  +  m[n,b] * s[b] )  =  x^ @ W  exactly (but for
+// float rounding), x^ = e * a the dequantized activations. The minimum term must use x^'s sum, not x's:
+// with the exact sum(x) the result is x^ @ (d q) + x @ m, whose error (x^ - x) @ (d q) is that of the
+// UNcentred d q, while m ~ -8 d nearly cancels it in W (Note [Block sums as a MatMul] in builder.py); with
+// s = e * sum(a) the error is (x^ - x) @ W, W's centred values. Teacher-forced top-1 agreement with
+// llama.cpp (224 positions): exact float sums 211/224 (under the 95 % bar), s = e * sum(a) 217/224. The
+// integer dot is exact; every ISA path runs the same quantization code, so the paths differ only in the
 // order of the float additions.
 //
 // Note [MatMulQ4 activation terms]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // Attribute act_terms = 2 quantizes each activation block into TWO int8 terms: a1 as above, then the
-// rounding residual r = x - e1 a1 the same way (a2, e2), and y sums d e1 q.a1 + d e2 q.a2 + m s. The
-// activation error falls from ~e1 / 2 to ~e1 / 254 (float-like) for one more integer dot per block and row:
-// at one token the kernel is bound by the weight bytes, which do not change. The FFN down projection reads
-// the SwiGLU product, whose int8 blocks lose the most (Note [Accuracy levels] in builder.py); the builder
-// gives it act_terms 2.
+// rounding residual r = x - e1 a1 the same way (a2, e2), so x^ = e1 a1 + e2 a2, y sums d e1 q.a1 + d e2 q.a2
+// + m (e1 sum(a1) + e2 sum(a2)). The activation error falls from ~e1 / 2 to ~e1 / 254 (float-like) for a
+// second integer dot per block and row, ~1.4x the kernel's time at one thread on SmolLM2's shapes
+// (benchmarks/bench_matmul_q4.py). The decoders use one term (llama.cpp's own arithmetic); the builder gives
+// two where MatMulNBits would keep float activations (accuracy_level 0, tests).
 //
 // Note [MatMulQ4 dispatch]
 // ~~~~~~~~~~~~~~~~~~~~~~~~

@@ -326,13 +326,20 @@ Status PlanMatMulQ4(const std::string& node, const TensorArg& x, const TensorArg
 }
 
 namespace {
-// One block of 32 values to int8: a = round(x * 127 / amax), e = amax / 127 (Note [MatMulQ4 arithmetic]).
-inline float QuantizeBlock(const float* x, int8_t* q) {
+// One block of 32 values to int8: a = round(x * 127 / amax), e = amax / 127 (Note [MatMulQ4 arithmetic]);
+// *sum = e * sum(a), the block sum of the dequantized values.
+inline float QuantizeBlock(const float* x, int8_t* q, float* sum) {
   float amax = 0.0f;
   for (int i = 0; i < kQ4Block; ++i) amax = std::max(amax, std::fabs(x[i]));
   const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-  for (int i = 0; i < kQ4Block; ++i) q[i] = static_cast<int8_t>(std::nearbyint(x[i] * inv));
-  return amax / 127.0f;
+  int32_t total = 0;
+  for (int i = 0; i < kQ4Block; ++i) {
+    q[i] = static_cast<int8_t>(std::nearbyint(x[i] * inv));
+    total += q[i];
+  }
+  const float e = amax / 127.0f;
+  *sum = e * static_cast<float>(total);
+  return e;
 }
 }  // namespace
 
@@ -342,17 +349,17 @@ void MatMulQ4QuantizeRows(const MatMulQ4View& v, int64_t m0, int64_t m1) {
     for (int64_t b = 0; b < KB; ++b) {
       const float* x = v.x + m * v.K + b * kQ4Block;
       const int64_t kb = m * KB + b;
-      float sum = 0.0f;
-      for (int i = 0; i < kQ4Block; ++i) sum += x[i];
-      v.xs[kb] = sum;
       int8_t* q = v.xq + kb * S * kQ4Block;
-      const float e = QuantizeBlock(x, q);
+      float sum = 0.0f;
+      const float e = QuantizeBlock(x, q, &sum);
       v.xe[kb * S] = e;
       if (S == 2) {  // Note [MatMulQ4 activation terms]: the rounding residual as a second int8 term
-        float res[kQ4Block];
+        float res[kQ4Block], sum2 = 0.0f;
         for (int i = 0; i < kQ4Block; ++i) res[i] = x[i] - e * static_cast<float>(q[i]);
-        v.xe[kb * S + 1] = QuantizeBlock(res, q + kQ4Block);
+        v.xe[kb * S + 1] = QuantizeBlock(res, q + kQ4Block, &sum2);
+        sum += sum2;
       }
+      v.xs[kb] = sum;
     }
   }
 }

@@ -222,8 +222,8 @@ def build(weights: LlamaWeights, variant: str, max_positions: int | None = None,
     g.init("split_qkv", np.array([H * D, Hkv * D, Hkv * D], np.int64))
     g.init("split_gu", np.array([cfg.ffn, cfg.ffn], np.int64))
     use_q4_op = variant != "genai" if matmul_q4 is None else bool(matmul_q4)
-    # MatMulQ4's activations: two int8 terms unless accuracy_level 4 is asked for (Note [MatMulQ4 activation terms])
-    q4_terms = 1 if accuracy_level == 4 else 2
+    # MatMulQ4's activations: one int8 term (llama.cpp's q8_1), two for accuracy_level 0 (Note [MatMulQ4 activation terms])
+    q4_terms = 2 if accuracy_level == 0 else 1
     if weights.layers and isinstance(weights.layers[0]["wq"], Q4Weight) and weights.layers[0]["wq"].mins is not None \
             and not use_q4_op:
         g.init("axis_last", np.array([-1], np.int64))

@@ -46,11 +46,11 @@ class LlamaConfig:
 # * the ortkv and copy decoders carry each projection as ONE ortkv.MatMulQ4 node (custom_ops/include/ortkv/
 #   matmul_q4.h): the codes, d and m repacked once at build time into tiles of 16 output columns
 #   (pack_matmul_q4, Note [MatMulQ4 layout]), activations quantized per block of 32 to int8 as llama.cpp's
-#   q8_1 with the block's exact float sum for the minimum term (Note [MatMulQ4 arithmetic]), integer dots on
-#   AVX512-VNNI / AVX2 / scalar (Note [MatMulQ4 dispatch]). The builder gives every MatMulQ4 two int8
-#   activation terms (act_terms 2, Note [MatMulQ4 activation terms]): teacher-forced agreement 217/224 = 96.9 %
-#   (one term: 211/224, under the 95 % bar, as MLAS with every matrix at accuracy_level 4). A decode step has
-#   4 MatMulQ4 per layer and no minimum-term nodes (639 nodes instead of 1,119).
+#   q8_1, the minimum term on the dequantized activations' block sums (Note [MatMulQ4 arithmetic]), integer
+#   dots on AVX512-VNNI / AVX2 / scalar (Note [MatMulQ4 dispatch]). Teacher-forced agreement with llama.cpp:
+#   217/224 = 96.9 % (with the exact float sums of x in the minimum term 211/224; MLAS with every matrix at
+#   accuracy_level 4 also 211, the shipped MLAS form 215). A decode step has 4 MatMulQ4 per layer and no
+#   minimum-term nodes (639 nodes instead of 1,119).
 # * the genai decoder (onnxruntime-genai loads no ortkv op library) keeps the MLAS form, split in two terms:
 #     x @ W = MatMulNBits(x; codes q, scales d, uint8 zero points 0)  +  blocksum(x) @ M
 #   where blocksum(x) [.., K / 32] sums x over each block and M [K / 32, N] holds the minimums (one blocksum
