@@ -352,3 +352,44 @@ def test_q8_top1_agreement_with_llama_cpp():
         r.close()
     matches, total = sum(x["top1_matches"] for x in res), sum(x["positions"] for x in res)
     assert total == 224 and matches / total >= 0.95, res
+
+
+def test_profile_decode_floor_times_the_matmulq4_nodes(two_layers, tmp_path):
+    """benchmarks/profile_decode.py --floor: with q4 weights its 'projections alone' session holds the decoder's
+    MatMulQ4 nodes (and the 8-bit LM head) on the decoder's own weights, and they compute x @ W."""
+    import importlib.util
+    import sys
+
+    bench = Path(__file__).resolve().parent.parent / "benchmarks"
+    sys.path.insert(0, str(bench))
+    try:
+        spec = importlib.util.spec_from_file_location("profile_decode", bench / "profile_decode.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(str(bench))
+    from ortkv.generate import models
+
+    w4, _ = two_layers
+    path = models.save_decoder(builder.build(w4, "ortkv", max_positions=64), tmp_path, "ortkv")
+    only, feeds, count = mod._matmulnbits_only(path)
+    model = onnx.load_from_string(only)
+    assert count == 2 * 4 + 1
+    assert collections.Counter(n.op_type for n in model.graph.node) == {"MatMulQ4": 8, "MatMulNBits": 1}
+    so = ort.SessionOptions()
+    so.register_custom_ops_library(ortkv.get_library_path())
+    sess = ort.InferenceSession(only, so, providers=["CPUExecutionProvider"])
+    outs = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
+    q4 = {"l0_wqkv": concat_n3(w4.layers[0], ("wq", "wk", "wv")), "l1_wd": w4.layers[1]["wd"]}
+    for node in model.graph.node:
+        key = node.input[1].replace("_q4codes", "")
+        if key not in q4:
+            continue
+        K = next(a.i for a in node.attribute if a.name == "K")
+        ref = feeds[f"x{K}"][0, 0].astype(np.float64) @ q4[key].dequantize()
+        got = outs[node.output[0]].reshape(-1)
+        assert np.abs(got - ref).max() <= 0.03 * np.abs(ref).max(), key
+
+
+def concat_n3(layer, names):
+    return weights.concat_n([layer[n] for n in names])
