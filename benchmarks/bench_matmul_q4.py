@@ -1,5 +1,5 @@
 """One projection, four ways, on SmolLM2-135M's shapes (issue 12): ortkv.MatMulQ4 (Q4_1 exactly, Note [MatMulQ4
-layout] in custom_ops/include/ortkv/matmul_q4.h) with one and two int8 activation terms, against onnxruntime's
+layout] in custom_ops/include/ortkv/matmul_q4.h) with one int8 activation term (the decoders') and two, against onnxruntime's
 MatMulNBits 4-bit (uint8 zero points, accuracy_level 4) alone, MatMulNBits 4-bit + the Q4_1 minimum term
 (Reshape + ReduceSum + MatMul + Add: the old q4 graph, genai's today) and MatMulNBits 8-bit (weights q8,
 Note [8-bit from Q4_1]).
@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import emit  # noqa: E402
 
 SHAPES = [("QKV", 576, 960), ("output", 576, 576), ("gate/up", 576, 3072), ("down", 1536, 576)]
-VARIANTS = ["MatMulQ4 (2 terms)", "MatMulQ4 (1 term)", "MatMulNBits 4-bit", "MatMulNBits 4-bit + minimum term",
+VARIANTS = ["MatMulQ4 (1 term)", "MatMulQ4 (2 terms)", "MatMulNBits 4-bit", "MatMulNBits 4-bit + minimum term",
             "MatMulNBits 8-bit"]
 
 
@@ -101,8 +101,8 @@ def main(argv=None) -> int:
              "", f"`python benchmarks/bench_matmul_q4.py --rounds {a.rounds} --threads {a.threads} --m {a.m} "
              f"--copies {a.copies}`, {time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} CPUs; microseconds per node "
              f"({a.copies} nodes of one shape on different weights per session, {a.runs} runs per round, variants "
-             f"alternating, medians of {a.rounds} rounds); ratio: the median of the per-round ratios of MatMulQ4 "
-             "(2 terms) to the variant (> 1: MatMulQ4 faster).", "",
+             f"alternating, medians of {a.rounds} rounds); ratio: the median of the per-round ratios of the variant "
+             "to MatMulQ4 with one int8 activation term, as the q4 decoders run it (> 1: MatMulQ4 faster).", "",
              "| shape (K x N) | M | " + " | ".join(VARIANTS) + " |", "|---|---:|" + "---:|" * len(VARIANTS)]
     for M in (int(x) for x in a.m.split(",")):
         for label, K, N in SHAPES:
