@@ -32,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
+import ortkv
 from ortkv.generate import models, runners
 from ortkv.generate.cli import apply_overrides
 from ortkv.generate.config import GenAIConfig
@@ -176,19 +177,18 @@ def _matmulnbits_only(path: Path):
     inits = {t.name: t for t in m.graph.initializer}
     nodes, used, ins, outs = [], [], {}, []
     for n in m.graph.node:
-        if n.op_type != "MatMulNBits":
+        if n.op_type not in ("MatMulNBits", "MatMulQ4"):  # MatMulQ4: the q4 projections (Note [Fast 4-bit path])
             continue
         K = next(a.i for a in n.attribute if a.name == "K")
         ins.setdefault(K, helper.make_tensor_value_info(f"x{K}", TP.FLOAT, [1, 1, K]))
-        node = helper.make_node("MatMulNBits", [f"x{K}", *n.input[1:]], [n.output[0]], name=n.name,
-                                domain="com.microsoft")
+        node = helper.make_node(n.op_type, [f"x{K}", *n.input[1:]], [n.output[0]], name=n.name, domain=n.domain)
         node.attribute.extend(n.attribute)
         nodes.append(node)
         used += [i for i in n.input[1:] if i in inits and i not in used]
         outs.append(helper.make_tensor_value_info(n.output[0], TP.FLOAT, None))
     graph = helper.make_graph(nodes, "matmulnbits_only", list(ins.values()), outs, [inits[u] for u in used])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)],
-                              ir_version=m.ir_version)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1),
+                                                    helper.make_opsetid("ortkv", 1)], ir_version=m.ir_version)
     rng = np.random.default_rng(0)
     feeds = {f"x{K}": rng.standard_normal((1, 1, K)).astype(np.float32) for K in ins}
     return model.SerializeToString(), feeds, len(nodes)
@@ -201,10 +201,10 @@ def floor(a) -> int:
               f"CPU, {os.cpu_count()} CPUs, {time.strftime('%Y-%m-%d %H:%M')})", "",
               f"command: `python benchmarks/profile_decode.py --floor --weights {a.weights} --rounds {a.rounds} "
               f"--threads {a.threads} --steps {a.steps}`; per round: the decoder ({a.steps} decode steps after a "
-              f"12-token prefill, one untimed generation first), then its MatMulNBits nodes alone ({a.steps} runs "
+              f"12-token prefill, one untimed generation first), then its MatMulNBits / MatMulQ4 nodes alone ({a.steps} runs "
               "after 10 untimed), each in its own session, closed before the next; per round the medians, then the "
               f"median over the rounds. 1-minute load average at the start: {os.getloadavg()[0]:.1f}", "",
-              "| weights | MatMulNBits nodes | step wall ms | ORT run ms | MatMulNBits alone ms | other nodes + ORT's gaps "
+              "| weights | MatMulNBits / MatMulQ4 nodes | step wall ms | ORT run ms | those nodes alone ms | other nodes + ORT's gaps "
               "ms | Python around the run ms | wall per round |", "|---|---:|---:|---:|---:|---:|---:|---|"]
     for w in a.weights.split(","):
         cfg = apply_overrides(GenAIConfig(), {"ortkv.weights": w, "ortkv.intra_op_num_threads": a.threads})
@@ -237,6 +237,7 @@ def floor(a) -> int:
             walls.append(1e3 * float(np.median(wall)))
             runs.append(1e3 * float(np.median(ort_s)))
             so = ort.SessionOptions()
+            so.register_custom_ops_library(ortkv.get_library_path())  # MatMulQ4
             so.intra_op_num_threads = a.threads
             so.log_severity_level = 3
             s = ort.InferenceSession(only, so, providers=["CPUExecutionProvider"])

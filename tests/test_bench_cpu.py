@@ -233,9 +233,10 @@ def test_q4_layers_keep_add_and_norm(two_layer_weights):
     _, w4 = two_layer_weights
     ops = _op_counts(builder.build(w4, "ortkv", max_positions=64))
     assert ops["SkipSimplifiedLayerNormalization"] == 0 and ops["SimplifiedLayerNormalization"] == 2 * 2 + 1
-    # Note [Fused ortkv layer]: RotaryCacheUpdate takes QKV unsplit; gate/up keep their Split (no SwiGLU for q4)
-    assert ops["MatMulNBits"] == 2 * 4 + 1 and ops["Split"] == 2 and ops["RotaryCacheUpdate"] == 2
-    assert not ops["SwiGLU"]
+    # Note [Fused ortkv layer]: RotaryCacheUpdate takes QKV unsplit; gate/up keep their Split (no SwiGLU for q4);
+    # the projections are ortkv.MatMulQ4, the 8-bit LM head MatMulNBits (Note [Fast 4-bit path])
+    assert ops["MatMulQ4"] == 2 * 4 and ops["MatMulNBits"] == 1 and ops["Split"] == 2
+    assert ops["RotaryCacheUpdate"] == 2 and not ops["SwiGLU"]
 
 
 def test_warmup_runs_an_untimed_generation_first(monkeypatch):

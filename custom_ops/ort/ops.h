@@ -12,6 +12,8 @@ void AppendCacheUpdateOps(std::vector<const OrtCustomOp*>* ops);
 void AppendCacheAttentionOps(std::vector<const OrtCustomOp*>* ops);
 // PagedCacheUpdate and PagedCacheAttention for the CPU EP, and the CUDA EP in CUDA builds (paged_ops.cc).
 void AppendPagedOps(std::vector<const OrtCustomOp*>* ops);
+// MatMulQ4 (Q4_1 weights kept exactly) for the CPU EP (matmul_q4_op.cc).
+void AppendMatMulQ4Ops(std::vector<const OrtCustomOp*>* ops);
 
 // RotaryCacheUpdate and SwiGLU for the CPU EP, and the CUDA EP in CUDA builds (rotary_cache_update_op.cc).
 void AppendFusedOps(std::vector<const OrtCustomOp*>* ops);
@@ -22,6 +24,7 @@ inline std::vector<const OrtCustomOp*> AllOps() {
   AppendCacheAttentionOps(&ops);
   AppendPagedOps(&ops);
   AppendFusedOps(&ops);
+  AppendMatMulQ4Ops(&ops);
   return ops;
 }
 

@@ -197,7 +197,7 @@ def main(argv=None) -> int:
 # new tokens per row greedily, decode_tok_s = (N - 1) x B / decode seconds (the first new token comes from
 # the prefill), the same thread count (ortkv's intra_op_num_threads = the driver's --threads), max_length
 # positions per row (the driver's n_ctx = max_length x B, one KV stream per row, f16 K/V). ortkv runs with
-# --weights q4 by default: the GGUF's Q4_1 blocks as MatMulNBits (weights.py Note [Fast 4-bit path]).
+# --weights q4 by default: the GGUF's Q4_1 blocks as ortkv.MatMulQ4 (weights.py Note [Fast 4-bit path]).
 # Both sides warm up the same way: the driver runs an untimed prefill + one step before it times (its
 # default), and each ortkv worker likewise (ortkv.warmup: an untimed 2-token generation on the same runner,
 # then a fresh cache for the timed one). Without it the first generation in a process paid its cold costs

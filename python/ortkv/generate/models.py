@@ -24,7 +24,8 @@ BUILD_TAG = "smollm2-135m-{weights}-v4"  # bump when the graphs change; + "-bsnh
 # {weights}: f32, q4mlas, or f16 (float16 models of the dequantized GGUF, Note [Float16 models] in builder.py)
 # the q4 graphs changed form (Note [Fast 4-bit path] in weights.py): their own tag, so that a cache built
 # by an older ortkv is not reused, and the float32 decoders are not rebuilt
-WEIGHTS_TAG = {"float32": "f32", "q4": "q4mlas", "q8": "q8from41"}  # q8: Note [8-bit from Q4_1] in weights.py
+WEIGHTS_TAG = {"float32": "f32", "q4": "q4op", "q8": "q8from41"}  # q8: Note [8-bit from Q4_1] in weights.py;
+# q4op: the projections are ortkv.MatMulQ4 (Note [Fast 4-bit path]; "q4mlas" was MatMulNBits + the minimum term)
 
 
 def gguf_path(cfg: GenAIConfig, log=print) -> Path:

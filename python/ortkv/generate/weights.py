@@ -37,23 +37,31 @@ class LlamaConfig:
 
 
 # Note [Fast 4-bit path]
-# ORT's CPU MatMulNBits (MLAS) has fast kernels only for some forms of its inputs. Measured on a 2-core
-# AVX512-VNNI machine, one token (M = 1) (benchmarks/results/q4_cpu.md has the table):
-#   576 x 1536, bits 4, block 32:  float zero points ~10 ms (every call dequantizes the whole weight to
-#   float32 first), uint8 zero points ~0.7 ms with accuracy_level 0, ~0.03-0.3 ms with accuracy_level 4
-#   (int8 activations, VNNI dot products); no zero points ~ the same as uint8.
-# Q4_1 stores w = d * q + m per block of 32 with a float minimum m; MatMulNBits' uint8 zero point is an
-# integer z in [0, 15] (w = s * (q - z)), which carries m only when -m / d happens to be an integer.
-# Requantizing the dequantized values to that form (least-squares scale and integer zero point per block)
-# adds an error as large as Q4_1's own (relative RMS ~7.5 %) and dropped teacher-forced top-1 agreement
-# with llama.cpp from 96.4 % to 74.1 %. So Q4_1 is kept EXACTLY, split in two terms:
-#   x @ W = MatMulNBits(x; codes q, scales d, uint8 zero points 0)  +  blocksum(x) @ M
-# where blocksum(x) [.., K / 32] sums x over each block and M [K / 32, N] holds the minimums m: a float
-# MatMul 32 x smaller than the weight (the builder shares blocksum(x) between the matrices that read the
-# same x). The tied embedding / LM head is Q8_0 in the GGUF (w = d * q, q int8): that form IS
-# MatMulNBits' and GatherBlockQuantized's 8-bit symmetric one (uint8 q + 128, default zero point 128), so
-# it is carried exactly too (q8_from_gguf); MatMulNBits bits 8 with accuracy_level 4 is the fastest LM
-# head measured (~1.5 ms against ~16 ms for float32 MatMul and ~3.6 ms at 4 bits).
+# Q4_1 stores w = d * q + m per block of 32 with a float16 scale d and a float16 minimum m. ORT's CPU
+# MatMulNBits (MLAS) has fast kernels only for integer zero points (w = s * (q - z), z in [0, 15]), which
+# carry m only when -m / d happens to be an integer; float zero points run ~10 ms for one 576 x 1536 token
+# (every call dequantizes the whole weight; benchmarks/results/q4_cpu.md). Requantizing the dequantized
+# values to integer zero points adds an error as large as Q4_1's own (relative RMS ~7.5 %) and dropped
+# teacher-forced top-1 agreement with llama.cpp from 96.4 % to 74.1 %. So Q4_1 is kept EXACTLY:
+# * the ortkv and copy decoders carry each projection as ONE ortkv.MatMulQ4 node (custom_ops/include/ortkv/
+#   matmul_q4.h): the codes, d and m repacked once at build time into tiles of 16 output columns
+#   (pack_matmul_q4, Note [MatMulQ4 layout]), activations quantized per block of 32 to int8 as llama.cpp's
+#   q8_1, the minimum term on the dequantized activations' block sums (Note [MatMulQ4 arithmetic]), integer
+#   dots on AVX512-VNNI / AVX2 / scalar (Note [MatMulQ4 dispatch]). Teacher-forced agreement with llama.cpp:
+#   217/224 = 96.9 % (with the exact float sums of x in the minimum term 211/224; MLAS with every matrix at
+#   accuracy_level 4 also 211, the shipped MLAS form 215). A decode step has 4 MatMulQ4 per layer and no
+#   minimum-term nodes (639 nodes instead of 1,119).
+# * the genai decoder (onnxruntime-genai loads no ortkv op library) keeps the MLAS form, split in two terms:
+#     x @ W = MatMulNBits(x; codes q, scales d, uint8 zero points 0)  +  blocksum(x) @ M
+#   where blocksum(x) [.., K / 32] sums x over each block and M [K / 32, N] holds the minimums (one blocksum
+#   per projection input, shared): Reshape + ReduceSum + MatMul + Add per projection. build(matmul_q4=False)
+#   gives this form to every variant.
+# MatMulQ4 is a CPU kernel: config refuses weights q4 on CUDA (onnxruntime would place the nodes on the CPU and
+# copy activations every step). The tied embedding / LM head is Q8_0 in the GGUF (w = d * q, q int8): that
+# form IS MatMulNBits' and GatherBlockQuantized's 8-bit symmetric one (uint8 q + 128, default zero point 128),
+# so it is carried exactly too (q8_from_gguf); MatMulNBits bits 8 with accuracy_level 4 is the fastest LM head
+# measured (~1.5 ms against ~16 ms for float32 MatMul and ~3.6 ms at 4 bits), reading ~30 MB per token near the
+# machine's bandwidth, so it stays MatMulNBits.
 
 # Note [8-bit from Q4_1]
 # weights "q8" puts every Q4_1 block on MatMulNBits' 8-bit grid (bits 8, block 32, uint8 zero points,
@@ -167,6 +175,52 @@ def q8_from_q4_1(w: Q4Weight) -> Q4Weight:
                     BLOCK)
 
 
+Q4_TILE = 16  # output columns per MatMulQ4 tile (Note [MatMulQ4 layout] in custom_ops/include/ortkv/matmul_q4.h)
+
+
+@dataclass(frozen=True)
+class MatMulQ4Pack:
+    """A Q4_1 matrix in ortkv.MatMulQ4's kernel order (Note [MatMulQ4 layout]): codes uint8 [T, K / 32, 256],
+    scales d and mins m float16 [T, K / 32, 16], T = ceil(N / 16) tiles of 16 output columns (zero-padded)."""
+
+    codes: np.ndarray
+    scales: np.ndarray
+    mins: np.ndarray
+    K: int
+    N: int
+
+
+def pack_matmul_q4(w: Q4Weight) -> MatMulQ4Pack:
+    """Repack a Q4_1 matrix (bits 4, block 32, zero points 0, minimums) for ortkv.MatMulQ4, exactly: d and m
+    were float16 in the GGUF (q4_from_gguf widened them to float32 without loss), so they go back to float16
+    bit for bit; a matrix whose d or m is not a float16 value is refused (the pack would round it)."""
+    if w.bits != 4 or w.block_size != BLOCK or w.mins is None:
+        raise OrtkvError(f"pack_matmul_q4 needs a Q4_1 matrix (bits 4, block {BLOCK}, minimums); got bits {w.bits}, "
+                         f"block {w.block_size}, minimums {'yes' if w.mins is not None else 'no'}")
+    if w.K % BLOCK:
+        raise OrtkvError(f"pack_matmul_q4: K={w.K} is not a multiple of {BLOCK}; MatMulQ4 takes K in whole Q4_1 blocks")
+    if w.zero_points is not None and w.zero_point_values().any():
+        raise OrtkvError("pack_matmul_q4: the matrix has nonzero 4-bit zero points; MatMulQ4 carries Q4_1's "
+                         "w = d * q + m only (zero points 0)")
+    d16, m16 = w.scales.astype(np.float16), w.mins.astype(np.float16)
+    if not (np.array_equal(d16.astype(np.float32), w.scales) and np.array_equal(m16.astype(np.float32), w.mins)):
+        raise OrtkvError("pack_matmul_q4: a block scale or minimum is not a float16 value; MatMulQ4 stores them as "
+                         "float16 (the GGUF's Q4_1 form) and would round them")
+    kb, tiles = w.K // BLOCK, -(-w.N // Q4_TILE)
+    pad = tiles * Q4_TILE - w.N
+    q = np.pad(w.codes().astype(np.uint8), ((0, pad), (0, 0), (0, 0)))  # [Np, kb, 32]
+    # [T, 16 columns, kb, 2 halves, 4 groups, 4 bytes] -> [T, kb, 4 groups, 16 columns, 4 bytes]
+    q = q.reshape(tiles, Q4_TILE, kb, 2, 4, 4)
+    byte = q[:, :, :, 0] | (q[:, :, :, 1] << 4)  # element 4g + j low, 16 + 4g + j high
+    codes = np.ascontiguousarray(byte.transpose(0, 2, 3, 1, 4)).reshape(tiles, kb, 256)
+
+    def tiled(a):  # [N, kb] -> [T, kb, 16]
+        a = np.pad(a, ((0, pad), (0, 0)))
+        return np.ascontiguousarray(a.reshape(tiles, Q4_TILE, kb).transpose(0, 2, 1))
+
+    return MatMulQ4Pack(codes, tiled(d16), tiled(m16), w.K, w.N)
+
+
 def quantize_q8(w: np.ndarray) -> Q4Weight:
     """Q8_0's rule (d = max |w| / 127 per block of 32) for an embedding stored in another type."""
     w = np.asarray(w, np.float32)
@@ -258,8 +312,8 @@ def read_config(reader) -> LlamaConfig:
 
 
 def load(path, layers: int | None = None, log=None, fmt: str = "float32") -> tuple[LlamaWeights, SmolTokenizer]:
-    """Read the GGUF: matrices dequantized to float32, or (fmt="q4") kept 4-bit in MatMulNBits' fast form
-    (+ the Q4_1 minimums), or (fmt="q8") the Q4_1 blocks on the 8-bit grid (Note [8-bit from Q4_1]); q4 and
+    """Read the GGUF: matrices dequantized to float32, or (fmt="q4") kept as Q4_1 exactly (codes, scales, minimums:
+    MatMulQ4 or MatMulNBits + the minimum term, Note [Fast 4-bit path]), or (fmt="q8") the Q4_1 blocks on the 8-bit grid (Note [8-bit from Q4_1]); q4 and
     q8 carry the embedding / LM head as 8-bit blocks (Note [Fast 4-bit path]); norms are float32 either way.
     ``layers`` limits the blocks read (tests)."""
     if fmt not in WEIGHT_FORMATS:

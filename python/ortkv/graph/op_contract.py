@@ -31,6 +31,7 @@ DOMAIN = "ortkv"
 FLOATS = (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16)
 INT = AttributeProto.INT
 FLOAT = AttributeProto.FLOAT
+STRING = AttributeProto.STRING
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,7 @@ class Port:
 @dataclass(frozen=True)
 class Attr:
     name: str
-    kind: int  # AttributeProto.INT or FLOAT
+    kind: int  # AttributeProto.INT, FLOAT or STRING
     required: bool = False
     default: object = None
     allowed: tuple | None = None  # the only values the kernel runs with (None: see minimum / the rule)
@@ -172,6 +173,25 @@ _add(OpContract(
     kernel="CPU",
 ))
 
+# Note [MatMulQ4 layout] (custom_ops/include/ortkv/matmul_q4.h): a Q4_1 matrix kept exactly, repacked at build
+# time (ortkv.generate.weights.pack_matmul_q4) into tiles of 16 output columns.
+_add(OpContract(
+    DOMAIN, "MatMulQ4",
+    inputs=(Port("X", (TensorProto.FLOAT,), "[..., K]"),
+            Port("codes", (TensorProto.UINT8,), "[ceil(N / 16), K / 32, 256]: 4-bit codes, two per byte"),
+            Port("scales", (TensorProto.FLOAT16,), "[ceil(N / 16), K / 32, 16]: Q4_1 block scales d"),
+            Port("mins", (TensorProto.FLOAT16,), "[ceil(N / 16), K / 32, 16]: Q4_1 block minimums m")),
+    outputs=(Port("Y", (TensorProto.FLOAT,), "[..., N]"),),
+    must_alias=(),
+    attrs=(Attr("K", INT, required=True, minimum=1, doc="the inner dimension; a multiple of 32 (the Q4_1 block)"),
+           Attr("N", INT, required=True, minimum=1, doc="output columns"),
+           Attr("act_terms", INT, default=1, allowed=(1, 2),
+                doc="int8 terms per activation block (Note [MatMulQ4 activation terms])"),
+           Attr("isa", STRING, default="auto", allowed=("auto", "avx512vnni", "avx2", "scalar"),
+                doc="the kernel copy; auto: the best the CPU runs (Note [MatMulQ4 dispatch])")),
+    kernel="CPU",
+))
+
 # Where a kernel runs what the contract refuses (documented, tested in tests/test_op_contract.py):
 KERNEL_LENIENCY: dict[str, str] = {}
 
@@ -180,7 +200,7 @@ def contract_of(node) -> OpContract | None:
     return CONTRACTS.get((node.domain, node.op_type))
 
 
-_KIND_NAME = {INT: "int", FLOAT: "float"}
+_KIND_NAME = {INT: "int", FLOAT: "float", STRING: "string"}
 
 
 def attribute(node, name: str, contract: OpContract | None = None):
@@ -197,6 +217,8 @@ def attribute(node, name: str, contract: OpContract | None = None):
             return int(a.i)
         if a.type == spec.kind == FLOAT:
             return float(a.f)
+        if a.type == spec.kind == STRING:
+            return a.s.decode("utf-8", "replace")
         break
     return spec.default if spec else None
 
@@ -219,7 +241,7 @@ def attribute_problems(node, contract: OpContract) -> list[str]:
             problems.append(f"attribute {spec.name} is {kind}; it must be {_KIND_NAME[spec.kind]} ({spec.doc}; "
                             f"the kernel reads a {kind} {spec.name} as absent)")
             continue
-        value = a.i if spec.kind == INT else a.f
+        value = a.i if spec.kind == INT else a.f if spec.kind == FLOAT else a.s.decode("utf-8", "replace")
         if spec.allowed is not None and value not in spec.allowed:
             problems.append(f"attribute {spec.name}={value}; allowed: {', '.join(map(str, spec.allowed))} "
                             f"({spec.doc})")

@@ -453,6 +453,41 @@ def matmul_nbits(ctx, node, label, ins):
     return [ValueType(a.elem, None if not a.shape else tuple(a.shape[:-1]) + (n,))]
 
 
+def matmul_q4(ctx, node, label, ins):
+    """ortkv.MatMulQ4 (Note [MatMulQ4 layout] in custom_ops/include/ortkv/matmul_q4.h): X float32 [..., K],
+    codes uint8 [T, K / 32, 256], scales / mins float16 [T, K / 32, 16] with T = ceil(N / 16) -> Y float32
+    [..., N]; K a multiple of 32."""
+    op = "MatMulQ4"
+    x = _pad(ins, 4)[0]
+    if not _contract(ctx, node, label):
+        return [ValueType(TensorProto.FLOAT)]
+    n, k = attribute(node, "N"), attribute(node, "K")
+    out = ValueType(TensorProto.FLOAT, None if x.shape is None or not x.shape else tuple(x.shape[:-1]) + (n,))
+    if k % 32:
+        ctx.error("op-input", label, f"{op} node '{label}': attribute K={k} is not a multiple of 32 (the Q4_1 block); "
+                  "MatMulQ4 takes only such K: use MatMul or MatMulNBits for this matrix")
+        return [out]
+    if x.elem is not None and x.elem != TensorProto.FLOAT:
+        ctx.error("op-input", label, f"{op} node '{label}': X '{node.input[0]}' is {elem_name(x.elem)}; MatMulQ4 "
+                  "takes float32 X")
+    if x.shape is not None and len(x.shape) == 0:
+        ctx.error("op-input", label, f"{op} node '{label}': X '{node.input[0]}' is a scalar; it must be [..., K={k}]")
+        return [out]
+    if x.shape:
+        _meet_value(ctx, label, op, node.input[0], x, len(x.shape) - 1, k, f"K={k}")
+    tiles, blocks = -(-n // 16), k // 32
+    for i, (port, last) in enumerate((("codes", 256), ("scales", 16), ("mins", 16)), start=1):
+        t = _pad(ins, 4)[i]
+        want = (tiles, blocks, last)
+        if t.elem is not None and t.elem != (TensorProto.UINT8 if i == 1 else TensorProto.FLOAT16) or \
+                t.shape is not None and all(isinstance(d, int) for d in t.shape) and tuple(t.shape) != want:
+            ctx.error("op-input", label, f"{op} node '{label}': {port} '{node.input[i]}' is {elem_name(t.elem)} "
+                      f"{list_dims(t.shape) if t.shape is not None else '[?]'}; expected "
+                      f"{'uint8' if i == 1 else 'float16'} {list(want)} for K={k}, N={n}; repack the Q4_1 matrix "
+                      "with ortkv.generate.weights.pack_matmul_q4 (Note [MatMulQ4 layout])")
+    return [out]
+
+
 def group_query_attention(ctx, node, label, ins):
     q, past_k = _pad(ins, 4)[0], _pad(ins, 4)[3]
     hq, hkv = _int_attr(node, "num_heads"), _int_attr(node, "kv_num_heads")
@@ -476,6 +511,7 @@ OP_RULES = {
     ("com.microsoft", "SkipSimplifiedLayerNormalization"): skip_simplified_layer_norm,
     ("com.microsoft", "RotaryEmbedding"): passthrough,
     ("com.microsoft", "MatMulNBits"): matmul_nbits,
+    ("ortkv", "MatMulQ4"): matmul_q4,
     ("com.microsoft", "GroupQueryAttention"): group_query_attention,
 }
 
