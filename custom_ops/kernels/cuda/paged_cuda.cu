@@ -1630,18 +1630,19 @@ cudaError_t Launch(const AttnArgs& a, int gm, cudaStream_t stream) {
 // moves those products onto the tensor cores (mma.sync m16n8k16, FP32 accumulators):
 //   * A warp owns whole tiles of 16 consecutive keys (page_size % 16 == 0: a tile lies in one page) and
 //     streams them through its own kStages-deep cp.async ring; no block barrier inside the key loop.
-//   * F16 and BF16 pages are copied straight into a float16 tile [16 keys][D] in shared memory, 16-byte
-//     chunks swizzled by (row & 7) so ldmatrix reads them without bank conflicts. Narrow pages (INT8,
-//     FP8, INT4, INT2 and the per-channel key formats) copy their payload and scales raw (fewer bytes)
-//     and the warp decodes them IN PLACE into that tile (each lane first loads its pieces into
+//   * Pages of the queries' 16-bit type are copied straight into a 16-bit tile [16 keys][D] in shared
+//     memory, 16-byte chunks swizzled by (row & 7) so ldmatrix reads them without bank conflicts. Every
+//     other page (INT8, FP8, INT4, INT2, the per-channel key formats, and the other 16-bit type) copies
+//     its payload and scales raw (fewer bytes) and the warp decodes them IN PLACE into that tile (each lane first loads its pieces into
 //     registers, __syncwarp, then stores the 16-bit values): the decode is the same per-format code as
 //     v2 (DecodePiece), run once per value instead of once per value and query head.
 //   * S = Q K^T: A = the group's query heads (rows 0..7, padding rows zero; scale * log2(e) folded in,
 //     rounded to the tile's 16-bit type), B = the key tile via ldmatrix (its row-major [key][D] IS the
 //     "col" operand). P V: A = the probabilities, taken from S's accumulators without a shuffle (the
 //     C layout of two n-tiles is the A layout of one k-step), B = the value tile via ldmatrix.trans.
-//     The products run in the queries' 16-bit type (float16 or bfloat16): pages of that type are copied
-//     straight into the tile, every other format (the other 16-bit type included) is decoded into it.
+//     The products run in the queries' 16-bit type (float16 or bfloat16; bfloat16 P against a float16
+//     reference failed the float16 tolerance on the H200). A BF16 page under float16 queries becomes
+//     float16 (its values came from float16 queries, so they fit).
 //   * Online softmax in base 2 per query head (a quad of lanes holds one head's scores), lazy rescale
 //     as v2. Keys of a tile outside the block's window score -inf, and their value rows are zeroed
 //     before the product (0 * NaN would poison the sum: rows past a sequence's length are never
@@ -1651,7 +1652,12 @@ cudaError_t Launch(const AttnArgs& a, int gm, cudaStream_t stream) {
 //     v2's. Precision: Q and P are rounded to 16 bits before the products (FlashAttention's choice);
 //     accumulation is FP32.
 // v3 runs for float16 / bfloat16 queries with head size 64 or 128, page_size % 16 == 0, no page_fill;
-// ORTKV_CUDA_ATTENTION=v2 (or v1) selects the older kernels for A/B runs.
+// ORTKV_CUDA_ATTENTION=v2 (or v1) selects the older kernels for A/B runs. H200 (SmolLM2 heads, pages of 16):
+// 0.84-1.01x v2's time for F16 pages, 0.91-0.96x for INT4, and INT4 still no faster than F16: a warp keeps
+// 2 tiles in flight in a ring sized for F16 tiles and decodes narrow tiles through shared memory, and that
+// per-tile chain, not the bytes, sets the pace (benchmarks/results/paged_attention_cuda_h200.md; an L2
+// prefetch of later tiles was slower). Next: decode into the mma operand registers, several narrow tiles
+// per ring slot.
 namespace pv3 {
 
 using pv2::Bits;
