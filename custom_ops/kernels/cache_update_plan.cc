@@ -34,14 +34,6 @@ size_t ElemSize(int32_t t) {
 
 namespace {
 
-std::string Shape(const std::vector<int64_t>& d) {
-  std::ostringstream s;
-  s << "[";
-  for (size_t i = 0; i < d.size(); ++i) s << (i ? ", " : "") << d[i];
-  s << "]";
-  return s.str();
-}
-
 Status Bad(const char* op, const std::string& node, const std::string& what) {
   return Status(Code::kInvalidArgument, std::string(op) + " node '" + node + "': " + what);
 }
@@ -55,13 +47,13 @@ Status Plan(const char* op, const std::string& node, const TensorArg& cache, con
   const int64_t rank = static_cast<int64_t>(cache.dims.size());
   std::ostringstream m;
   if (rank < 3) {
-    m << "input '" << cache.name << "' has rank " << rank << " (shape " << Shape(cache.dims)
+    m << "input '" << cache.name << "' has rank " << rank << " (shape " << ShapeText(cache.dims)
       << "); a cache needs rank >= 3, e.g. BNSH [batch, heads, capacity, head_size]";
     return Bad(op, node, m.str());
   }
   for (int64_t i = 0; i < rank; ++i) {
     if (cache.dims[i] == 0) {
-      m << "input '" << cache.name << "' has shape " << Shape(cache.dims) << " with no elements (dim " << i
+      m << "input '" << cache.name << "' has shape " << ShapeText(cache.dims) << " with no elements (dim " << i
         << " is 0); a cache holds at least one slot in every dim, so allocate it with every dim >= 1";
       return Bad(op, node, m.str());
     }
@@ -88,15 +80,15 @@ Status Plan(const char* op, const std::string& node, const TensorArg& cache, con
   }
   const int64_t batch_axis = token_major ? 1 : 0;
   if (values.dims.size() != cache.dims.size()) {
-    m << "input '" << values.name << "' has shape " << Shape(values.dims) << " (rank " << values.dims.size()
-      << ") but '" << cache.name << "' has shape " << Shape(cache.dims) << " (rank " << rank
+    m << "input '" << values.name << "' has shape " << ShapeText(values.dims) << " (rank " << values.dims.size()
+      << ") but '" << cache.name << "' has shape " << ShapeText(cache.dims) << " (rank " << rank
       << "); they must differ only along the sequence axis " << axis;
     return Bad(op, node, m.str());
   }
   for (int64_t i = 0; i < rank; ++i) {
     if (i != axis && values.dims[i] != cache.dims[i]) {
-      m << "input '" << values.name << "' has shape " << Shape(values.dims) << " but '" << cache.name
-        << "' has shape " << Shape(cache.dims) << ": dim " << i << " is " << values.dims[i] << ", expected "
+      m << "input '" << values.name << "' has shape " << ShapeText(values.dims) << " but '" << cache.name
+        << "' has shape " << ShapeText(cache.dims) << ": dim " << i << " is " << values.dims[i] << ", expected "
         << cache.dims[i] << " (only the sequence axis " << axis << " may differ)";
       return Bad(op, node, m.str());
     }
@@ -104,7 +96,7 @@ Status Plan(const char* op, const std::string& node, const TensorArg& cache, con
   const int64_t n = values.dims[axis];
   const int64_t capacity = cache.dims[axis];
   if (n < 1) {
-    m << "input '" << values.name << "' (shape " << Shape(values.dims) << ") holds " << n
+    m << "input '" << values.name << "' (shape " << ShapeText(values.dims) << ") holds " << n
       << " tokens along the sequence axis " << axis << "; n must be >= 1";
     return Bad(op, node, m.str());
   }
@@ -117,13 +109,13 @@ Status Plan(const char* op, const std::string& node, const TensorArg& cache, con
   if (position.dims.size() == 1) {
     if (position.dims[0] != rows) {
       m << "input '" << position.name << "' has " << position.dims[0] << " entries but '" << cache.name
-        << "' has batch size " << rows << " (axis " << batch_axis << " of shape " << Shape(cache.dims)
+        << "' has batch size " << rows << " (axis " << batch_axis << " of shape " << ShapeText(cache.dims)
         << "); pass a scalar for every row or one position per row";
       return Bad(op, node, m.str());
     }
     stride = 1;
   } else if (!position.dims.empty()) {
-    m << "input '" << position.name << "' has shape " << Shape(position.dims)
+    m << "input '" << position.name << "' has shape " << ShapeText(position.dims)
       << "; position must be a scalar or a vector of length batch (" << rows << ")";
     return Bad(op, node, m.str());
   }
@@ -139,7 +131,7 @@ Status Plan(const char* op, const std::string& node, const TensorArg& cache, con
       const uint64_t end = static_cast<uint64_t>(p) + static_cast<uint64_t>(n);
       m << op << " node '" << node << "': row " << r << ": position " << p << " + n " << n << " = "
         << end << " exceeds capacity " << capacity << " of '" << cache.name << "' (shape "
-        << Shape(cache.dims) << ", sequence axis " << axis
+        << ShapeText(cache.dims) << ", sequence axis " << axis
         << "). Nothing was written. Remedy: evict or start a new sequence, or allocate a cache with capacity >= "
         << end;
       return Status(Code::kCapacity, m.str());

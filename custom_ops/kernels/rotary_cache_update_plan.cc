@@ -10,14 +10,6 @@ namespace {
 
 constexpr const char* kOp = "RotaryCacheUpdate";
 
-std::string Shape(const std::vector<int64_t>& d) {
-  std::ostringstream s;
-  s << "[";
-  for (size_t i = 0; i < d.size(); ++i) s << (i ? ", " : "") << d[i];
-  s << "]";
-  return s.str();
-}
-
 Status Bad(const std::string& node, const std::string& what) {
   return Status(Code::kInvalidArgument, std::string(kOp) + " node '" + node + "': " + what);
 }
@@ -60,14 +52,14 @@ Status PlanRotaryCacheUpdate(const std::string& node, const TensorArg& qkv, cons
   const int64_t all_heads = heads + 2 * kv_heads;
   if (qkv.dims.size() != 3 || qkv.dims[2] % all_heads != 0 || qkv.dims[2] / all_heads < 2 ||
       (qkv.dims[2] / all_heads) % 2 != 0) {
-    m << "input '" << qkv.name << "' has shape " << Shape(qkv.dims) << "; it must be [batch, tokens, (num_heads + 2 "
+    m << "input '" << qkv.name << "' has shape " << ShapeText(qkv.dims) << "; it must be [batch, tokens, (num_heads + 2 "
       << "kv_num_heads) * head_size] = [batch, tokens, " << all_heads << " * head_size] with an even head_size (the "
       << "fused QKV projection's output, num_heads=" << heads << ", kv_num_heads=" << kv_heads << ")";
     return Bad(node, m.str());
   }
   const int64_t B = qkv.dims[0], T = qkv.dims[1], D = qkv.dims[2] / all_heads;
   if (B < 1 || T < 1) {
-    m << "input '" << qkv.name << "' has shape " << Shape(qkv.dims) << "; batch and tokens must be >= 1";
+    m << "input '" << qkv.name << "' has shape " << ShapeText(qkv.dims) << "; batch and tokens must be >= 1";
     return Bad(node, m.str());
   }
   int layout;
@@ -92,21 +84,21 @@ Status PlanRotaryCacheUpdate(const std::string& node, const TensorArg& qkv, cons
     const bool ok = c->dims.size() == 4 && c->dims[batch_axis] == B && c->dims[head_axis] == kv_heads &&
                     c->dims[3] == D && c->dims[seq] >= 1;
     if (!ok) {
-      m << "cache '" << c->name << "' has shape " << Shape(c->dims) << "; it must be " << kLayoutDoc[layout]
+      m << "cache '" << c->name << "' has shape " << ShapeText(c->dims) << "; it must be " << kLayoutDoc[layout]
         << " with batch " << B << ", kv_heads " << kv_heads << " and head_size " << D << " (from '" << qkv.name
-        << "' " << Shape(qkv.dims) << ")";
+        << "' " << ShapeText(qkv.dims) << ")";
       return Bad(node, m.str());
     }
   }
   if (v_cache.dims != k_cache.dims) {
-    m << "cache '" << v_cache.name << "' has shape " << Shape(v_cache.dims) << " but '" << k_cache.name << "' has "
-      << Shape(k_cache.dims) << "; the key and value caches share one shape";
+    m << "cache '" << v_cache.name << "' has shape " << ShapeText(v_cache.dims) << " but '" << k_cache.name << "' has "
+      << ShapeText(k_cache.dims) << "; the key and value caches share one shape";
     return Bad(node, m.str());
   }
   const int64_t capacity = k_cache.dims[seq];
   for (const TensorArg* t : {&cos_cache, &sin_cache}) {
     if (t->dims.size() != 2 || t->dims[1] != D / 2 || t->dims[0] < capacity) {
-      m << "rotary table '" << t->name << "' has shape " << Shape(t->dims) << "; it must be [rows, head_size / 2] = "
+      m << "rotary table '" << t->name << "' has shape " << ShapeText(t->dims) << "; it must be [rows, head_size / 2] = "
         << "[rows, " << D / 2 << "] with rows >= the caches' capacity " << capacity << " (a row for every position "
         << "a cache can hold). Remedy: build the tables for at least " << capacity << " positions, or allocate "
         << "caches of at most " << (t->dims.size() == 2 ? t->dims[0] : 0) << " positions";
@@ -160,7 +152,7 @@ Status CheckSwiGLU(const std::string& node, const TensorArg& x, int64_t* rows, i
     return Status(Code::kInvalidArgument, m.str());
   }
   if (x.dims.empty() || x.dims.back() % 2 != 0 || x.dims.back() < 2) {
-    m << "SwiGLU node '" << node << "': input '" << x.name << "' has shape " << Shape(x.dims) << "; its last dim "
+    m << "SwiGLU node '" << node << "': input '" << x.name << "' has shape " << ShapeText(x.dims) << "; its last dim "
       << "must be 2 * F >= 2 (gate then up, the fused [wg | wu] projection's output)";
     return Status(Code::kInvalidArgument, m.str());
   }

@@ -1,8 +1,11 @@
 // Status values below the framework: kernels, codecs and the VMM return these; the ORT adapter turns
 // them into OrtStatus, the bindings into Python exceptions. Nothing throws across a C boundary.
 #pragma once
+#include <cstdint>
+#include <sstream>
 #include <string>
 #include <utility>
+#include <vector>
 
 namespace ortkv {
 
@@ -17,6 +20,15 @@ enum class Code {
   kUncommitted,      // E_UNCOMMITTED: the write would land in reserved memory not committed yet
   kRuntime,          // E_RUNTIME: a driver or launch failure
 };
+
+// A tensor's dims as error messages write them: "[2, 3, 64]".
+inline std::string ShapeText(const std::vector<int64_t>& d) {
+  std::ostringstream s;
+  s << "[";
+  for (size_t i = 0; i < d.size(); ++i) s << (i ? ", " : "") << d[i];
+  s << "]";
+  return s.str();
+}
 
 inline const char* CodeTag(Code c) {
   switch (c) {

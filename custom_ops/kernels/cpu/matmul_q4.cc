@@ -14,14 +14,6 @@ namespace {
 
 constexpr int kRows = 4;  // rows of X per pass over a tile
 
-std::string Dims(const std::vector<int64_t>& d) {
-  std::ostringstream o;
-  o << "[";
-  for (size_t i = 0; i < d.size(); ++i) o << (i ? ", " : "") << d[i];
-  o << "]";
-  return o.str();
-}
-
 // IEEE half -> float, portable (the scalar path; the SIMD paths use vcvtph2ps).
 inline float HalfToFloat(uint16_t h) {
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
@@ -277,7 +269,7 @@ Status PlanMatMulQ4(const std::string& node, const TensorArg& x, const TensorArg
   const std::string remedy = "; repack the Q4_1 matrix with ortkv.generate.weights.pack_matmul_q4 (Note [MatMulQ4 layout])";
   if (K <= 0 || K % kQ4Block != 0) {
     return Status(Code::kInvalidArgument, where + "attribute K=" + std::to_string(K) + " (X '" + x.name + "' " +
-                                              Dims(x.dims) +
+                                              ShapeText(x.dims) +
                                               ") is not a positive multiple of 32 (the Q4_1 block); MatMulQ4 takes "
                                               "only such K: use MatMul or MatMulNBits for this matrix");
   }
@@ -290,7 +282,7 @@ Status PlanMatMulQ4(const std::string& node, const TensorArg& x, const TensorArg
                                               std::to_string(x.elem_type) + "; MatMulQ4 takes float32 X (type 1)");
   }
   if (x.dims.empty() || x.dims.back() != K) {
-    return Status(Code::kInvalidArgument, where + "input '" + x.name + "' has shape " + Dims(x.dims) +
+    return Status(Code::kInvalidArgument, where + "input '" + x.name + "' has shape " + ShapeText(x.dims) +
                                               "; its last dimension must be K=" + std::to_string(K) +
                                               " (the node's attribute)");
   }
@@ -301,7 +293,7 @@ Status PlanMatMulQ4(const std::string& node, const TensorArg& x, const TensorArg
     return Status(Code::kInvalidArgument, where + "codes '" + codes.name + "' are " +
                                               (codes.elem_type != kUint8 ? "of element type " + std::to_string(codes.elem_type) + ", "
                                                                          : std::string()) +
-                                              "shape " + Dims(codes.dims) + "; expected uint8 " + Dims(want_codes) + nk + remedy);
+                                              "shape " + ShapeText(codes.dims) + "; expected uint8 " + ShapeText(want_codes) + nk + remedy);
   }
   for (const TensorArg* s : {&scales, &mins}) {
     const char* what = s == &scales ? "scales" : "mins";
@@ -309,7 +301,7 @@ Status PlanMatMulQ4(const std::string& node, const TensorArg& x, const TensorArg
       return Status(Code::kInvalidArgument, where + what + " '" + s->name + "' are " +
                                                 (s->elem_type != kFloat16 ? "of element type " + std::to_string(s->elem_type) + ", "
                                                                           : std::string()) +
-                                                "shape " + Dims(s->dims) + "; expected float16 " + Dims(want_scales) + nk +
+                                                "shape " + ShapeText(s->dims) + "; expected float16 " + ShapeText(want_scales) + nk +
                                                 remedy);
     }
   }
