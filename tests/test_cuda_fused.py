@@ -9,32 +9,17 @@ from __future__ import annotations
 import json
 import re
 
-import ml_dtypes
 import numpy as np
 import pytest
-from onnx import TensorProto as TP
 
 import ortkv
 from conftest import DTYPES
 from ortkv.reference import rotary_cache_update_ref, swiglu_ref
+from test_cuda import _to_torch, _torch
 from test_rotary_cache_update import LAYOUTS, rotary_model, swiglu_model, tables, written_mask
 
 pytestmark = pytest.mark.cuda
 TOL = {"float32": 2e-5, "float16": 1e-2, "bfloat16": 6e-2}  # inputs ~N(0, 1): a few ulp of the output type
-
-
-def _torch():
-    import torch
-
-    return torch
-
-
-def _to_torch(arr):
-    torch = _torch()
-    raw = torch.from_numpy(np.ascontiguousarray(arr).view(np.uint8).copy())
-    tdtype = {np.dtype(np.float32): torch.float32, np.dtype(np.float16): torch.float16,
-              np.dtype(ml_dtypes.bfloat16): torch.bfloat16}[arr.dtype]
-    return raw.view(tdtype).reshape(arr.shape).cuda()
 
 
 def _host(t, np_type):
