@@ -12,6 +12,7 @@
 
 #include "ortkv/cache_attention.h"
 #include "ortkv/core.h"
+#include "device_common.cuh"
 
 namespace ortkv {
 namespace {
@@ -27,25 +28,6 @@ struct Raw {
   static constexpr int kWords = sizeof(T) * kEPT / 16;
   uint4 w[kWords];
 };
-
-__device__ __forceinline__ float ToF(float x) { return x; }
-__device__ __forceinline__ float ToF(__half x) { return __half2float(x); }
-__device__ __forceinline__ float ToF(__nv_bfloat16 x) { return __bfloat162float(x); }
-template <typename T>
-__device__ __forceinline__ T FromF(float x);
-template <>
-__device__ __forceinline__ float FromF<float>(float x) { return x; }
-template <>
-__device__ __forceinline__ __half FromF<__half>(float x) { return __float2half_rn(x); }
-template <>
-__device__ __forceinline__ __nv_bfloat16 FromF<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
-
-// 2^x in one instruction (ex2.approx: relative error ~2^-22; 2^-inf = +0).
-__device__ __forceinline__ float Exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
 
 // Loads elements [d0, d0 + 8) of a row (zeros past D). VEC: one or two aligned 16-byte loads.
 template <typename T, bool VEC>
@@ -367,23 +349,9 @@ constexpr int kSlotWords = kU * 2 * kThreads;  // uint4 words per stage
 constexpr int kRingBytes = kStages * kSlotWords * 16;
 
 template <int GM>
-struct Merge {
-  float m[kWarps][GM];
-  float l[kWarps][GM];
-  float acc[kWarps][GM][kAttnCudaMaxHeadSize];
-};
+using Merge = WarpMerge<kWarps, GM>;
 static_assert(sizeof(Merge<kAttnCudaHeads>) <= kRingBytes, "the merge arrays must fit in the ring");
 static_assert(kRingBytes <= 48 * 1024, "static shared memory limit");
-
-__device__ __forceinline__ void CpAsync16(void* smem, const void* gmem) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
-}
-__device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void CpAsyncWait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
 
 __device__ __forceinline__ void Unpack8(const uint4& w, float* f, const __half*) {
   const __half2* h = reinterpret_cast<const __half2*>(&w);
@@ -486,8 +454,8 @@ __global__ void __launch_bounds__(kThreads) AttentionKernelV2(const Args a) {
 #pragma unroll
       for (int u = 0; u < kU; ++u) {
         if (jn + u * kNkg < j1) {
-          CpAsync16(slot + (2 * u) * kThreads, kn + u * kNkg * ts);
-          CpAsync16(slot + (2 * u + 1) * kThreads, vn + u * kNkg * ts);
+          CpAsync<16>(slot + (2 * u) * kThreads, kn + u * kNkg * ts);
+          CpAsync<16>(slot + (2 * u + 1) * kThreads, vn + u * kNkg * ts);
         }
       }
     }

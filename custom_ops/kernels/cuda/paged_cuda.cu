@@ -14,6 +14,7 @@
 #include "ortkv/cache_attention.h"
 #include "ortkv/core.h"
 #include "ortkv/paged_cuda.h"
+#include "device_common.cuh"
 
 namespace ortkv {
 
@@ -597,27 +598,8 @@ constexpr int kThreads = kWarps * 32;
 constexpr int kEPT = 8;
 constexpr int kUnroll = 4;
 
-__device__ __forceinline__ float ToF(float x) { return x; }
-__device__ __forceinline__ float ToF(__half x) { return __half2float(x); }
-__device__ __forceinline__ float ToF(__nv_bfloat16 x) { return __bfloat162float(x); }
-template <typename T>
-__device__ __forceinline__ T FromF(float x);
-template <>
-__device__ __forceinline__ float FromF<float>(float x) { return x; }
-template <>
-__device__ __forceinline__ __half FromF<__half>(float x) { return __float2half_rn(x); }
-template <>
-__device__ __forceinline__ __nv_bfloat16 FromF<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
-
 __device__ __forceinline__ float H(uint32_t bits16) { return __half2float(__ushort_as_half(static_cast<unsigned short>(bits16))); }
 __device__ __forceinline__ float Bf(uint32_t bits16) { return __uint_as_float(bits16 << 16); }
-
-// 2^x in one instruction (ex2.approx, as the dense v2 kernel; 2^-inf = +0).
-__device__ __forceinline__ float Exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
 
 // Channels [d0, d0 + 8) of row `tok` of (kv, head) of a page layer at `base` in format fmt, in registers.
 // VEC: D % 8 == 0 (every load below is then aligned); else element by element (zeros past D).
@@ -1073,37 +1055,60 @@ struct FormatInfo {
   uint32_t row_bytes, v_payload, k_scales, v_scales, srb, bits;
 };
 
-struct Smem {
-  uint4 ring[kStages * kStageBytes / 16];
+// A block's resolved pages (shared memory), for v2 and v3: one key window of up to kMaxPages pages at a time,
+// each format's layout, and the block's first failure (kNoError if none), written to block_flags at the end.
+struct PageWindow {
   const uint8_t* page[kMaxPages];
-  unsigned long long key;  // the block's first failure (kNoError if none), written to block_flags at the end
+  unsigned long long key;
   FormatInfo fi[codecs::kNumPageFormats];
   uint8_t fmt[kMaxPages];
 };
 
-template <int GM>
-struct Merge {
-  float m[kWarps][GM];
-  float l[kWarps][GM];
-  float acc[kWarps][GM][kAttnCudaMaxHeadSize];
-};
-static_assert(sizeof(Merge<kAttnCudaHeads>) <= kStages * kStageBytes, "merge arrays fit the ring");
-static_assert((kThreads / 16) * GroupBytes<16>() <= kStageBytes && (kThreads / 32) * GroupBytes<32>() <= kStageBytes, "");
-
-template <int N>
-__device__ __forceinline__ void CpAsync(void* smem, const void* gmem) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  if constexpr (N == 16) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
-  } else {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(s), "l"(gmem), "n"(N) : "memory");
+// Threads 0 .. kNumPageFormats - 1 fill w.fi (read after the next barrier).
+__device__ __forceinline__ void LoadFormats(const PagedAttentionCudaView& a, int tid, PageWindow& w) {
+  if (tid < codecs::kNumPageFormats) {
+    const codecs::PageLayout& lay = a.p.layouts[tid];
+    FormatInfo f;
+    f.row_bytes = static_cast<uint32_t>(lay.row_bytes);
+    f.v_payload = static_cast<uint32_t>(lay.v_payload);
+    f.k_scales = static_cast<uint32_t>(lay.k_scales);
+    f.v_scales = static_cast<uint32_t>(lay.v_scales);
+    f.srb = static_cast<uint32_t>(lay.scale_row_bytes);
+    f.bits = static_cast<uint32_t>(codecs::PayloadBits(static_cast<PageFormat>(tid)));
+    w.fi[tid] = f;
   }
 }
-__device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void CpAsyncWait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+
+// Every thread of the block: resolves row b's pages p0 .. p1 into w (table, directory, every check of
+// PageProblem) after a barrier (the previous window's list is no longer read, and w.fi is written). A bad
+// page is recorded in w.key (atomicMin); true when the window has one (then nothing of it may be read).
+__device__ __forceinline__ bool ResolveWindow(const PagedAttentionCudaView& a, int64_t b, int64_t p0, int64_t p1,
+                                              int tid, PageWindow& w) {
+  __syncthreads();
+  int bad = 0;
+  for (int64_t pi = p0 + tid; pi <= p1; pi += kThreads) {
+    const int64_t id = TableAt(a.p, b, pi);
+    if (PageProblem(a.p, id, false) != kPageOk) {
+      atomicMin(&w.key, Key(kClassRow, (static_cast<unsigned long long>(b) << 28) | static_cast<unsigned long long>(pi + 1)));
+      bad = 1;
+    } else {
+      int f = 0;
+      w.page[pi - p0] = LayerBase(a.p, id, &f);
+      w.fmt[pi - p0] = static_cast<uint8_t>(f);
+    }
+  }
+  return __syncthreads_or(bad) != 0;
 }
+
+struct Smem {
+  uint4 ring[kStages * kStageBytes / 16];
+  PageWindow w;
+};
+
+template <int GM>
+using Merge = WarpMerge<kWarps, GM>;
+static_assert(sizeof(Merge<kAttnCudaHeads>) <= kStages * kStageBytes, "merge arrays fit the ring");
+static_assert((kThreads / 16) * GroupBytes<16>() <= kStageBytes && (kThreads / 32) * GroupBytes<32>() <= kStageBytes, "");
 
 // 8 channels of a row piece `w` in the compile-time format F. `half`: which 16-bit half of the word
 // holds the piece (INT2 payload); sc: the row's scale word ((s) or (s, m) as float16 bits).
@@ -1291,7 +1296,7 @@ __global__ void __launch_bounds__(kThreads) PagedAttentionV2(const AttnArgs args
   const int gn = static_cast<int>(G - g0 < GM ? G - g0 : GM);
   const int D = static_cast<int>(a.D);
   const int ps = a.p.shape.page_size;  // a multiple of kU (the launch checks)
-  if (threadIdx.x == 0) sm.key = kNoError;  // read and written only after the barriers below
+  if (threadIdx.x == 0) sm.w.key = kNoError;  // read and written only after the barriers below
 
   bool bad_start = false;
   const int64_t st = ClampedStart(a, b, &bad_start);
@@ -1307,17 +1312,7 @@ __global__ void __launch_bounds__(kThreads) PagedAttentionV2(const AttnArgs args
   const int d0 = sub * kEPT;
   const bool dv = d0 < D;
 
-  if (tid < codecs::kNumPageFormats) {
-    const codecs::PageLayout& lay = a.p.layouts[tid];
-    FormatInfo f;
-    f.row_bytes = static_cast<uint32_t>(lay.row_bytes);
-    f.v_payload = static_cast<uint32_t>(lay.v_payload);
-    f.k_scales = static_cast<uint32_t>(lay.k_scales);
-    f.v_scales = static_cast<uint32_t>(lay.v_scales);
-    f.srb = static_cast<uint32_t>(lay.scale_row_bytes);
-    f.bits = static_cast<uint32_t>(codecs::PayloadBits(static_cast<PageFormat>(tid)));
-    sm.fi[tid] = f;
-  }
+  LoadFormats(a, tid, sm.w);
 
   const float qscale = a.scale * 1.4426950408889634f;
   const T* qp = static_cast<const T*>(a.q) + ((b * a.T + t) * a.Hq + hk * G + g0) * a.D;
@@ -1347,20 +1342,7 @@ __global__ void __launch_bounds__(kThreads) PagedAttentionV2(const AttnArgs args
     const int64_t p0 = s0 / ps;
     const int64_t s1 = j1 < (p0 + kMaxPages) * ps ? j1 : (p0 + kMaxPages) * ps;
     const int64_t p1 = (s1 - 1) / ps;
-    __syncthreads();  // the previous window's page list is no longer read (and sm.fi is written)
-    int bad = 0;
-    for (int64_t pi = p0 + tid; pi <= p1; pi += kThreads) {
-      const int64_t id = TableAt(a.p, b, pi);
-      if (PageProblem(a.p, id, false) != kPageOk) {
-        atomicMin(&sm.key, Key(kClassRow, (static_cast<unsigned long long>(b) << 28) | static_cast<unsigned long long>(pi + 1)));
-        bad = 1;
-      } else {
-        int f = 0;
-        sm.page[pi - p0] = LayerBase(a.p, id, &f);
-        sm.fmt[pi - p0] = static_cast<uint8_t>(f);
-      }
-    }
-    if (__syncthreads_or(bad) != 0) {
+    if (ResolveWindow(a, b, p0, p1, tid, sm.w)) {
       skip = true;
       break;
     }
@@ -1380,9 +1362,9 @@ __global__ void __launch_bounds__(kThreads) PagedAttentionV2(const AttnArgs args
         const int o = base_off + on;
         const int lp = o / ps;
         const uint32_t row0 = hrow + static_cast<uint32_t>(o - lp * ps);
-        const int f = sm.fmt[lp];
-        const FormatInfo& fi = sm.fi[f];
-        const uint8_t* pg = sm.page[lp];
+        const int f = sm.w.fmt[lp];
+        const FormatInfo& fi = sm.w.fi[f];
+        const uint8_t* pg = sm.w.page[lp];
         uint8_t* g = reinterpret_cast<uint8_t*>(sm.ring) + stage_in * kStageBytes + kg * GroupBytes<TPK>();
 #define ORTKV_ISSUE(F) IssueGroup<F, TPK>(g, pg, fi, row0, sub)
         ORTKV_PAGED_FORMAT_SWITCH(f, ORTKV_ISSUE)
@@ -1412,10 +1394,10 @@ __global__ void __launch_bounds__(kThreads) PagedAttentionV2(const AttnArgs args
       float kf[kU][kEPT], vf[kU][kEPT];
       if (any && dv) {
         const int lp = (base_off + oc) / ps;
-        const int f = sm.fmt[lp];
-        const FormatInfo& fi = sm.fi[f];
+        const int f = sm.w.fmt[lp];
+        const FormatInfo& fi = sm.w.fi[f];
         const uint8_t* g = reinterpret_cast<const uint8_t*>(sm.ring) + stage * kStageBytes + kg * GroupBytes<TPK>();
-#define ORTKV_DECODE(F) DecodeGroup<F, TPK>(g, sm.page[lp], fi, hk, D, d0, ok, kf, vf)
+#define ORTKV_DECODE(F) DecodeGroup<F, TPK>(g, sm.w.page[lp], fi, hk, D, d0, ok, kf, vf)
         ORTKV_PAGED_FORMAT_SWITCH(f, ORTKV_DECODE)
 #undef ORTKV_DECODE
       } else {
@@ -1482,7 +1464,7 @@ __global__ void __launch_bounds__(kThreads) PagedAttentionV2(const AttnArgs args
   __syncthreads();
   if (threadIdx.x == 0) {  // every block writes its key: no memset of the flags before the launch
     const unsigned long long sk = bad_start ? Key(kClassRow, static_cast<unsigned long long>(b) << 28) : kNoError;
-    a.block_flags[blockIdx.x] = sk < sm.key ? sk : sm.key;
+    a.block_flags[blockIdx.x] = sk < sm.w.key ? sk : sm.w.key;
   }
   Merge<GM>& mg = *reinterpret_cast<Merge<GM>*>(sm.ring);
 #pragma unroll
@@ -1661,9 +1643,6 @@ cudaError_t Launch(const AttnArgs& a, int gm, cudaStream_t stream) {
 namespace pv3 {
 
 using pv2::Bits;
-using pv2::CpAsync;
-using pv2::CpAsyncCommit;
-using pv2::CpAsyncWait;
 using pv2::DecodePiece;
 using pv2::FormatInfo;
 using pv2::IsKC;
@@ -1683,25 +1662,15 @@ struct Cfg {
   static constexpr int kCh = D / 8;  // 16-byte chunks per 16-bit row
 };
 
-struct Head {
-  const uint8_t* page[kMaxPages];
-  FormatInfo fi[codecs::kNumPageFormats];
-  unsigned long long key;
-  uint8_t fmt[kMaxPages];
-};
+using pv2::PageWindow;
 
-template <int D>
-struct Merge {
-  float m[kWarps][8];
-  float l[kWarps][8];
-  float acc[kWarps][8][D];
-};
+using Merge = WarpMerge<kWarps, 8>;  // up to 8 query heads per block
 
 template <int D>
 constexpr size_t SmemBytes() {
-  return (sizeof(Head) + 15) / 16 * 16 + Cfg<D>::kRingBytes;
+  return (sizeof(PageWindow) + 15) / 16 * 16 + Cfg<D>::kRingBytes;
 }
-static_assert(sizeof(Merge<64>) <= Cfg<64>::kRingBytes && sizeof(Merge<128>) <= Cfg<128>::kRingBytes, "");
+static_assert(sizeof(Merge) <= Cfg<64>::kRingBytes && sizeof(Merge) <= Cfg<128>::kRingBytes, "");
 
 // byte offset of 16-byte chunk ch of row r in a swizzled tile
 template <int D>
@@ -1925,8 +1894,8 @@ __global__ void __launch_bounds__(kThreads) PagedAttentionV3(const AttnArgs args
   constexpr bool BF = std::is_same<T, __nv_bfloat16>::value;  // the products' 16-bit type is the queries'
   constexpr int kDirect = BF ? static_cast<int>(PageFormat::kBF16) : static_cast<int>(PageFormat::kF16);
   extern __shared__ __align__(16) unsigned char dsm[];
-  Head& sh = *reinterpret_cast<Head*>(dsm);
-  uint8_t* ring = dsm + (sizeof(Head) + 15) / 16 * 16;
+  PageWindow& sh = *reinterpret_cast<PageWindow*>(dsm);
+  uint8_t* ring = dsm + (sizeof(PageWindow) + 15) / 16 * 16;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" :::);
 #endif
@@ -1955,17 +1924,7 @@ __global__ void __launch_bounds__(kThreads) PagedAttentionV3(const AttnArgs args
   const int64_t j0 = split * chunk < L ? split * chunk : L;
   const int64_t j1 = j0 + chunk < L ? j0 + chunk : L;
 
-  if (tid < codecs::kNumPageFormats) {
-    const codecs::PageLayout& lay = a.p.layouts[tid];
-    FormatInfo f;
-    f.row_bytes = static_cast<uint32_t>(lay.row_bytes);
-    f.v_payload = static_cast<uint32_t>(lay.v_payload);
-    f.k_scales = static_cast<uint32_t>(lay.k_scales);
-    f.v_scales = static_cast<uint32_t>(lay.v_scales);
-    f.srb = static_cast<uint32_t>(lay.scale_row_bytes);
-    f.bits = static_cast<uint32_t>(codecs::PayloadBits(static_cast<PageFormat>(tid)));
-    sh.fi[tid] = f;
-  }
+  LoadFormats(a, tid, sh);
 
   // this lane's query fragments (row g = lane / 4: head g0 + g when g < gn, else zeros)
   const int g = lane >> 2, c = lane & 3;
@@ -2003,20 +1962,7 @@ __global__ void __launch_bounds__(kThreads) PagedAttentionV3(const AttnArgs args
     const int64_t p0 = s0 / ps;
     const int64_t s1 = j1 < (p0 + kMaxPages) * ps ? j1 : (p0 + kMaxPages) * ps;
     const int64_t p1 = (s1 - 1) / ps;
-    __syncthreads();  // the previous window's page list is no longer read (and sh.fi is written)
-    int bad = 0;
-    for (int64_t pi = p0 + tid; pi <= p1; pi += kThreads) {
-      const int64_t id = TableAt(a.p, b, pi);
-      if (PageProblem(a.p, id, false) != kPageOk) {
-        atomicMin(&sh.key, Key(kClassRow, (static_cast<unsigned long long>(b) << 28) | static_cast<unsigned long long>(pi + 1)));
-        bad = 1;
-      } else {
-        int f = 0;
-        sh.page[pi - p0] = LayerBase(a.p, id, &f);
-        sh.fmt[pi - p0] = static_cast<uint8_t>(f);
-      }
-    }
-    if (__syncthreads_or(bad) != 0) {
+    if (ResolveWindow(a, b, p0, p1, tid, sh)) {
       skip = true;
       break;
     }
@@ -2086,7 +2032,7 @@ __global__ void __launch_bounds__(kThreads) PagedAttentionV3(const AttnArgs args
     const unsigned long long sk = bad_start ? Key(kClassRow, static_cast<unsigned long long>(b) << 28) : kNoError;
     a.block_flags[blockIdx.x] = sk < sh.key ? sk : sh.key;
   }
-  Merge<D>& mg = *reinterpret_cast<Merge<D>*>(ring);
+  Merge& mg = *reinterpret_cast<Merge*>(ring);
   if (c == 0) {
     mg.m[warp][g] = m;
     mg.l[warp][g] = l;

@@ -12,21 +12,10 @@
 
 #include "ortkv/rotary_cache_update.h"
 #include "cache_write_check.cuh"
+#include "device_common.cuh"
 
 namespace ortkv {
 namespace {
-
-__device__ __forceinline__ float ToF(float x) { return x; }
-__device__ __forceinline__ float ToF(__half x) { return __half2float(x); }
-__device__ __forceinline__ float ToF(__nv_bfloat16 x) { return __bfloat162float(x); }
-template <typename T>
-__device__ __forceinline__ T FromF(float x);
-template <>
-__device__ __forceinline__ float FromF<float>(float x) { return x; }
-template <>
-__device__ __forceinline__ __half FromF<__half>(float x) { return __float2half_rn(x); }
-template <>
-__device__ __forceinline__ __nv_bfloat16 FromF<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
 
 template <typename T>
 struct RotaryArgs {
