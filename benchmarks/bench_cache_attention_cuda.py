@@ -13,11 +13,11 @@ with com.microsoft.GroupQueryAttention on the same shapes, for both ortkv kernel
               >= 256 MiB: the K/V come from HBM, not from the 50 MB L2). Decode: one new token per row,
               every row holding L keys (start = L - 1). GB/s = bytes of K and V read per node
               (2 * B * Hkv * L * D * 2) / time per node.
-                v2    : ortkv CacheAttention (seq_axis 1, BSNH caches [B, L, Hkv, D]), default kernel
-                        (Note [CacheAttention CUDA v2]).
-                v1    : the same model and caches in a second session run with ORTKV_CUDA_ATTENTION=v1
-                        (the first kernel; the variable is read at each launch, so it is set before
-                        each of that session's calls, capture included).
+                v3    : ortkv CacheAttention (seq_axis 1, BSNH caches [B, L, Hkv, D]), default kernel
+                        (Note [CacheAttention CUDA v3]).
+                v2, v1: the same model and caches in sessions of their own run with
+                        ORTKV_CUDA_ATTENTION=v2 / v1 (the older kernels; the variable is read at each
+                        launch, so it is set before each of that session's calls, capture included).
                 gqa   : com.microsoft.GroupQueryAttention, BNSH past/present bound to ONE buffer of
                         L tokens (GenAI's share-buffer decode: seqlens_k = L - 1, the new key/value
                         written at slot L - 1 by the op).
@@ -56,7 +56,8 @@ from ortkv.graph import make_cache_attention  # noqa: E402
 
 HEADS = [(9, 3, 64), (32, 8, 128)]  # SmolLM2-135M; a Llama-8B-like layer
 KERNEL_ENV = "ORTKV_CUDA_ATTENTION"
-KINDS = ("v2", "v1", "gqa")
+KINDS = ("v3", "v2", "v1", "gqa")
+DEFAULT_KINDS = ("v3", "v2", "gqa")
 LENGTHS = [1024, 8192, 32768, 131072]
 BATCHES = [1, 8, 64]
 POOL_BYTES = 256 << 20
@@ -240,12 +241,12 @@ def memcpy_case(nbytes=1 << 30, backend="auto"):
 
 
 def attention_case(kind, Hq, Hkv, D, L, B, shared=None):
-    """A timing function for one kind (v2, v1: ortkv; gqa) and what must stay alive. v1 reuses v2's
-    device buffers (`shared`: the second value returned for v2) in a session of its own."""
+    """A timing function for one kind (v3, v2, v1: ortkv; gqa) and what must stay alive. v2 and v1 reuse v3's
+    device buffers (`shared`: the second value returned for the first ortkv kind) in a session of their own."""
     pair = 2 * B * L * Hkv * D * 2
     R = max(1, min(16, math.ceil(POOL_BYTES / pair)))
     nodes, ins, outs, keep = [], [], [], []
-    ortkv_kind = kind in ("v1", "v2")
+    ortkv_kind = kind in ("v1", "v2", "v3")
     if shared is not None:
         feeds = shared[1]
     else:
@@ -312,14 +313,14 @@ def _fmt_table(rows, copy_bw):
     gb = lambda x: f"{x / 1e9:.0f}" if x else "-"  # noqa: E731
     pct = lambda x: f"{x / copy_bw:.0%}" if x else "-"  # noqa: E731
     ratio = lambda x, y: f"{x / y:.2f}" if x and y else "-"  # noqa: E731
-    lines = ["| Hq/Hkv/D | keys L | batch | K+V MiB per node | v2 GB/s | v2 / copy | v1 GB/s | v1 / copy | "
-             "GQA GB/s | GQA / copy | v2 / v1 | v2 / GQA | note |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    lines = ["| Hq/Hkv/D | keys L | batch | K+V MiB per node | v3 GB/s | v3 / copy | v2 GB/s | v2 / copy | "
+             "v1 GB/s | GQA GB/s | GQA / copy | v3 / v2 | v3 / GQA | note |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for Hq, Hkv, D, L, B, med, note in rows:
-        a, o, g = med.get("v2"), med.get("v1"), med.get("gqa")
+        a, o, v1, g = med.get("v3"), med.get("v2"), med.get("v1"), med.get("gqa")
         mib = 2 * B * L * Hkv * D * 2 / (1 << 20)
         lines.append(f"| {Hq}/{Hkv}/{D} | {L} | {B} | {mib:.1f} | {gb(a)} | {pct(a)} | {gb(o)} | {pct(o)} | "
-                     f"{gb(g)} | {pct(g)} | {ratio(a, o)} | {ratio(a, g)} | {note} |")
+                     f"{gb(v1)} | {gb(g)} | {pct(g)} | {ratio(a, o)} | {ratio(a, g)} | {note} |")
     return lines
 
 
@@ -334,8 +335,12 @@ def main() -> int:
     ap.add_argument("--max-gib", type=float, default=40.0, help="skip shapes whose R cache pairs exceed this")
     ap.add_argument("--copy", choices=["auto", "torch", "cupy", "cudart"], default="auto",
                     help="how to run the cudaMemcpy reference (auto: the first that works, in this order)")
+    ap.add_argument("--kinds", default=",".join(DEFAULT_KINDS), help=f"comma-separated, of {KINDS}")
     ap.add_argument("--out")
     args = ap.parse_args()
+    kinds = tuple(k for k in args.kinds.split(",") if k)
+    if not kinds or any(k not in KINDS for k in kinds):
+        ap.error(f"--kinds takes a comma-separated list of {KINDS}, not {args.kinds!r}")
     import onnxruntime as ort
 
     heads = [tuple(int(x) for x in h.split("/")) for h in args.heads.split(",")]
@@ -355,13 +360,14 @@ def main() -> int:
                 if pair * max(1, min(16, math.ceil(POOL_BYTES / pair))) > args.max_gib * (1 << 30):
                     rows.append((Hq, Hkv, D, L, B, {}, "skipped: over --max-gib"))
                     continue
-                res = {k: [] for k in KINDS}
+                res = {k: [] for k in kinds}
                 note = ""
                 fns = {}
-                for kind in KINDS:
+                for kind in kinds:
+                    first = next((k for k in fns if k != "gqa"), None)  # ortkv kinds share one set of buffers
                     try:
                         fns[kind] = attention_case(kind, Hq, Hkv, D, L, B,
-                                                   shared=fns["v2"][1] if kind == "v1" and "v2" in fns else None)
+                                                   shared=fns[first][1] if kind != "gqa" and first else None)
                     except Exception as exc:  # noqa: BLE001 - reported in the table
                         note += f"{kind}: {type(exc).__name__}: {str(exc).splitlines()[0][:120]} "
                 for _ in range(args.rounds):
@@ -382,7 +388,8 @@ def main() -> int:
              f"**{copy_bw / 1e9:.0f} GB/s** = {copy_bw / 2e9:.0f} GB/s copied (rounds: "
              f"{', '.join(f'{c / 1e9:.0f}' for c in copies)}). ORT Identity, same size and count: "
              f"{ident_bw / 1e9:.0f} GB/s. Host load (1 min): {os.getloadavg()[0]:.2f}.", "",
-             "v2: the default kernel (Note [CacheAttention CUDA v2]); v1: `ORTKV_CUDA_ATTENTION=v1`; "
+             "v3: the default kernel (Note [CacheAttention CUDA v3]); v2, v1: `ORTKV_CUDA_ATTENTION=v2` / `v1` "
+             "(the older kernels, for A/B); "
              "GB/s = bytes of K and V read per node / time; x / copy = that over the copy's read + write bytes/s. "
              + ("Caches hold standard-normal float16 values (a 64 MiB block repeated)."
                 if _FILL.get("filled") else "Caches were NOT filled (no libcudart): their contents are arbitrary."),

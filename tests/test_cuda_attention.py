@@ -188,7 +188,8 @@ def test_attention_bad_start_is_clamped_and_reported(rng, bad):
     _check(out[:1], q[:1], k[:1], v[:1], start[:1], Hq, Hkv, 1, TP.FLOAT16)
 
 
-# --- the two kernels (Note [CacheAttention CUDA v2]; ORTKV_CUDA_ATTENTION=v1 selects the first) ----
+# --- the kernels (Note [CacheAttention CUDA v3], the default for 16-bit caches with head size 64 / 128; v2
+# (Note [CacheAttention CUDA v2]) and the first (v1) through ORTKV_CUDA_ATTENTION) ---------------------------
 KERNEL_CASES = {  # onnx_type, layout, B, C, Hq, Hkv, D, T, start
     "f16-BSNH-16K-split-g3": (TP.FLOAT16, 1, 8, 16384, 9, 3, 64, 1, [16383, 10, 5000, 16000, 1, 8191, 12345, 300]),
     "bf16-BNSH-8K-d128-g4": (TP.BFLOAT16, 2, 2, 8192, 32, 8, 128, 1, [8191, 3000]),
@@ -200,29 +201,37 @@ KERNEL_CASES = {  # onnx_type, layout, B, C, Hq, Hkv, D, T, start
     "f16-BSNH-16K-B5-wave": (TP.FLOAT16, 1, 5, 16384, 9, 3, 64, 1, [16383, 4000, 9, 12000, 256]),
     # 300 units: the plan's 2 splits trimmed to 1 (the block writes the output, no combine)
     "f16-BSNH-B100-no-split": (TP.FLOAT16, 1, 100, 600, 9, 3, 64, 1, [(37 * i) % 600 for i in range(100)]),
+    # v3: 2..8 splits merged in a thread-block cluster (a decode step's short rows in a 2048-token cache)
+    "f16-SBNH-2K-cluster": (TP.FLOAT16, 0, 1, 2048, 9, 3, 64, 1, [100]),
+    "bf16-BSNH-2K-cluster-B4": (TP.BFLOAT16, 1, 4, 2048, 9, 3, 64, 1, [0, 15, 255, 2047]),
+    # v3: G = 32 (four head blocks of 8), head size 128, rows ending inside a 16-key tile
+    "f16-BNSH-d128-g32": (TP.FLOAT16, 2, 2, 4100, 32, 1, 128, 1, [4099, 1000]),
 }
 
 
 @pytest.mark.parametrize("case", KERNEL_CASES.values(), ids=KERNEL_CASES.keys())
-def test_both_kernels_match_oracle_and_each_other(rng, monkeypatch, case):
+def test_every_kernel_matches_oracle_and_each_other(rng, monkeypatch, case):
     """One session run with each kernel (the variable is read at every launch): split chunks with
     empty tails, head sizes 40 / 96 (threads past D idle) / 128 / 256, head blocks (16 heads per KV
     head), groups of 5 and 6 heads (partly used blocks of 8), prefill, v2's one-wave split counts
-    (Note [CacheAttention CUDA v2 waves]); NaN-poisoned tails."""
+    (Note [CacheAttention CUDA v2 waves]), v3's cluster merge; NaN-poisoned tails. v3 applies to head
+    sizes 64 / 128 (others fall back to v2: the same result)."""
     onnx_type, layout, B, C, Hq, Hkv, D, T, start = case
     start = np.array(start)
     q, k, v = _poisoned_case(rng, onnx_type, layout, B, C, Hq, Hkv, D, T, start)
     sess = _session(cache_attention_model(Hq, Hkv, layout, onnx_type))
     outs = {}
-    for kernel in ("v1", "v2"):
+    for kernel in ("v1", "v2", "v3"):
         monkeypatch.setenv("ORTKV_CUDA_ATTENTION", kernel)
         outs[kernel], k_after, v_after = _run_attention(sess, onnx_type, q, k, v, start)
         _check(outs[kernel], q, k, v, start, Hq, Hkv, layout, onnx_type)
         assert k_after.tobytes() == k.tobytes() and v_after.tobytes() == v.tobytes()
         assert _ortkv.cuda_take_error() is None
-    # both accumulate in float32: they may differ by a rounding of the output type, not more
+    # all accumulate in float32: v1 and v2 may differ by a rounding of the output type, not more; v3 also
+    # rounds q and the probabilities to the cache's 16-bit type before its tensor-core products
     scale = np.abs(outs["v1"]).max()
     assert np.abs(outs["v1"] - outs["v2"]).max() <= RTOL[onnx_type] / 2 * scale
+    assert np.abs(outs["v1"] - outs["v3"]).max() <= RTOL[onnx_type] * scale
 
 
 def test_unknown_kernel_name_is_refused(rng, monkeypatch):

@@ -124,7 +124,7 @@ Status PlanCacheAttentionCuda(const std::string& node, const TensorArg& q, const
 // Launches the attention (and the combine when splits > 1) on `stream` (a cudaStream_t).
 Status CacheAttentionCuda(const CacheAttentionCudaView& view, void* stream);
 // ORTKV_CUDA_ATTENTION (for A/B runs): *level = 0 when unset or empty (the newest kernel that applies), 1, 2
-// or 3 for "v1", "v2", "v3" (CacheAttention has no v3: it runs v2); anything else is an error.
+// or 3 for "v1", "v2", "v3"; anything else is an error.
 Status CudaAttentionKernelChoice(int* level);
 // The number of SMs of a CUDA device (0 if the query fails).
 int CudaSmCount(int device);

@@ -9,10 +9,14 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <type_traits>
 
 #include "ortkv/cache_attention.h"
 #include "ortkv/core.h"
 #include "device_common.cuh"
+#include "tile_mma.cuh"
+
+#include <cooperative_groups.h>
 
 namespace ortkv {
 namespace {
@@ -288,9 +292,9 @@ __global__ void __launch_bounds__(kThreads) AttentionKernel(const Args a) {
 // One block per (unit, query head): merges the S chunks' (acc, m, l) into the output. LOG2: the
 // partials' m is in base 2 (the v2 kernel's scores carry log2(e), Note [CacheAttention CUDA v2]).
 template <typename T, bool LOG2>
-__global__ void CombineKernel(const Args a) {
+__global__ void __launch_bounds__(kMergeThreads) CombineKernel(const Args a) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  // launched as a programmatic dependent of the v2 attention (Note [CacheAttention CUDA v2 waves]):
+  // launched as a programmatic dependent of the v2 / v3 attention (Note [CacheAttention CUDA v2 waves]):
   // wait for that grid to complete and its partials to be visible (a no-op for a plain launch)
   if (LOG2) asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
@@ -298,23 +302,8 @@ __global__ void CombineKernel(const Args a) {
   const int64_t uh = blockIdx.x;  // unit * G + g
   const int64_t g = uh % G, unit = uh / G;
   const int64_t t = unit % a.T, hk = (unit / a.T) % a.Hkv, b = unit / (a.T * a.Hkv);
-  const int64_t S = a.splits;
-  const float* p = a.partial + uh * S * (a.D + 2);
-  float mx = -INFINITY;
-  for (int64_t c = 0; c < S; ++c) mx = fmaxf(mx, p[c * (a.D + 2) + a.D]);
-  T* o = static_cast<T*>(a.out) + ((b * a.T + t) * a.Hq + hk * G + g) * a.D;
-  for (int d = threadIdx.x; d < a.D; d += blockDim.x) {
-    float den = 0.0f, num = 0.0f;
-    for (int64_t c = 0; c < S; ++c) {
-      const float* pc = p + c * (a.D + 2);
-      const float mc = pc[a.D];
-      if (mc == -INFINITY) continue;  // an empty chunk (chunk 0 never is)
-      const float w = LOG2 ? Exp2(mc - mx) : __expf(mc - mx);
-      den += w * pc[a.D + 1];
-      num += w * pc[d];
-    }
-    o[d] = FromF<T>(num / den);
-  }
+  MergeSplits<T, LOG2>(a.partial + uh * a.splits * (a.D + 2), static_cast<int>(a.splits), static_cast<int>(a.D),
+                       static_cast<T*>(a.out) + ((b * a.T + t) * a.Hq + hk * G + g) * a.D);
 }
 
 // Note [CacheAttention CUDA v2]
@@ -666,7 +655,7 @@ cudaError_t LaunchOne(const CacheAttentionCudaView& v, Args a, cudaStream_t stre
   AttentionKernelV2<T, TPK, GM><<<static_cast<unsigned>(base * a.splits), kThreads, 0, stream>>>(a);
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess || a.splits == 1) return e;
-  const int threads = static_cast<int>(std::min<int64_t>(256, (v.D + 31) / 32 * 32));
+  const int threads = kMergeThreads;
   const unsigned combine_blocks = static_cast<unsigned>(v.units() * v.group());
   if (CurrentDevice().major >= 9) {
     cudaLaunchConfig_t cfg = {};
@@ -707,6 +696,326 @@ cudaError_t Launch(const CacheAttentionCudaView& v, const Args& a, int gm, cudaS
 
 }  // namespace v2
 
+
+// Note [CacheAttention CUDA v3]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// The decode kernel for float16 / bfloat16 caches with head size 64 or 128 and 16-byte aligned rows: the
+// default (ORTKV_CUDA_ATTENTION=v2 / v1 select the older kernels for A/B runs). v2 (above) keeps HBM busy
+// but spends ~24 warp instructions per key row on FP32 dot products, shuffles and value sums; at 8K keys x
+// batch 8 of SmolLM2's heads that made it 1.4x slower than a kernel that only reads the same bytes, and its
+// combine (one thread per output element looping over the splits' partials, a load latency each) added
+// ~6 us per node on the H200. v3 takes Note [Paged CUDA v3]'s tensor-core tile (kernels/cuda/tile_mma.cuh)
+// for a dense cache:
+//   * A block is one unit (b, hk, t), up to 8 of its query heads and one key chunk (a multiple of 16 keys);
+//     its warps take the chunk's 16-key tiles in turn (warp w: tiles w, w + NW, ...), each through its own
+//     ST-deep cp.async ring of swizzled 16-bit K / V tiles: no block barrier inside the key loop.
+//   * S = Q K^T and P V on mma.sync m16n8k16 (FP32 accumulators, Q and P rounded to the cache's 16-bit
+//     type), online softmax in base 2, as the paged kernel; the keys of a tile past the chunk score -inf
+//     and their value rows are zeroed (never copied: nothing past a row's length is read).
+//   * The q fragments and `start` are loaded together, before the first copies (one latency, not two).
+//   * With 2..8 splits (sm_90+) the unit's split blocks are launched as one thread-block cluster: each
+//     block leaves its merged (m, l, acc) in shared memory, cluster rank 0 reads them through distributed
+//     shared memory and writes the output, so there is no partial workspace traffic and no second launch.
+//     Only then: capping larger split counts at 8 costs more blocks than the merge saves (8K keys x 1 row:
+//     13.2 us clustered at 8 splits vs 8.4 us unclustered at 132), and clusters of 16 schedule badly.
+//   * Otherwise the partials are merged by CombineKernel (MergeSplits in device_common.cuh: all loads of a
+//     merge issued together; the combine it replaced looped over the splits one load at a time per output
+//     element, ~6 us per node at 22 splits).
+// H200, standalone (benchmarks/cuda/attention_sweep.cu, CUDA graph replays, float16, BSNH), us per node,
+// v2 -> v3: 9/3/64 heads 8K x 8 25.8 -> 19.0, 8K x 1 15.1 -> 8.4, 131K x 1 62.1 -> 33.4, 128 keys x 1 (a
+// decode step's layer) 7.7 -> 5.6; 32/8/128 heads 8K x 8 80.5 -> 70.5. A kernel that only reads the same
+// bytes (no products) takes 14.4 us at 8K x 8 (its best split count): v3 alone is at 16.5 there, the
+// merge adds the rest.
+namespace v3 {
+
+using tile16::kTile;
+using tile16::Pack2;
+using tile16::Sw;
+using tile16::TileProducts;
+using tile16::ZeroInvalidV;
+
+constexpr int kHeads = 8;  // query heads per block: rows 0..7 of the mma's A
+constexpr int64_t kMaxCluster = 8;  // the portable cluster size
+
+template <int D, int NW, int ST>
+struct Cfg {
+  static constexpr int kRegion = kTile * D * 2;      // one tile of K (or V), 16-bit values
+  static constexpr int kStageBytes = 2 * kRegion;    // K, then V
+  static constexpr int kWarpBytes = ST * kStageBytes;
+  static constexpr int kRingBytes = NW * kWarpBytes;
+  static constexpr int kCh = D / 8;                  // 16-byte chunks per row
+  static constexpr size_t kMergeBytes =
+      kRingBytes > sizeof(WarpMerge<NW, kHeads>) ? kRingBytes : sizeof(WarpMerge<NW, kHeads>);
+  static constexpr size_t kFinOffset = (kMergeBytes + 15) / 16 * 16;  // CLUSTER: [kHeads][D + 2] floats
+  static constexpr size_t kSmem = kFinOffset + kHeads * (D + 2) * sizeof(float);
+};
+
+template <typename T, int D, int NW, int ST, bool CLUSTER>
+__global__ void __launch_bounds__(NW * 32) AttentionKernelV3(const Args a) {
+  using C = Cfg<D, NW, ST>;
+  constexpr bool BF = std::is_same<T, __nv_bfloat16>::value;
+  extern __shared__ __align__(16) unsigned char dsm[];
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" :::);  // the combine may be scheduled (it waits)
+#endif
+  const int64_t S = a.splits;
+  int64_t blk = blockIdx.x;
+  const int64_t split = blk % S;
+  blk /= S;
+  const int64_t hb = blk % a.head_blocks;
+  const int64_t unit = blk / a.head_blocks;
+  const int64_t t = unit % a.T;
+  const int64_t hk = (unit / a.T) % a.Hkv;
+  const int64_t b = unit / (a.T * a.Hkv);
+  const int64_t G = a.Hq / a.Hkv;
+  const int64_t g0 = hb * kHeads;
+  const int gn = static_cast<int>(G - g0 < kHeads ? G - g0 : kHeads);
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, c = lane & 3;  // the mma's row (query head g0 + g) and column pair of this lane
+
+  // the raw q pairs of this lane's fragments, loaded with `start` (neither waits for the other)
+  const T* qp = static_cast<const T*>(a.q) + ((b * a.T + t) * a.Hq + hk * G + g0 + g) * a.D;
+  uint32_t qr[D / 16][2];
+#pragma unroll
+  for (int ks = 0; ks < D / 16; ++ks)
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+      qr[ks][h] = g < gn ? *reinterpret_cast<const uint32_t*>(qp + ks * 16 + h * 8 + 2 * c) : 0u;
+  if (blockIdx.x == 0 && tid == 0) ReportStart(a);
+  int64_t st = a.start[b * a.start_stride];
+  const int64_t hi = a.C - a.T;
+  if (st < 0 || st > hi) st = st < 0 ? 0 : hi;
+  const int64_t L = st + t + 1;  // keys [0, L)
+  int64_t chunk = (L + S - 1) / S;
+  if (chunk < kAttnCudaMinChunk) chunk = kAttnCudaMinChunk;
+  chunk = (chunk + kTile - 1) / kTile * kTile;
+  const int64_t j0 = split * chunk < L ? split * chunk : L;
+  const int64_t j1 = j0 + chunk < L ? j0 + chunk : L;
+
+  const int64_t ts = a.tok_stride;
+  const T* kb = static_cast<const T*>(a.k) + b * a.row_stride + hk * a.head_stride;
+  const T* vb = static_cast<const T*>(a.v) + b * a.row_stride + hk * a.head_stride;
+  const int n_tiles = static_cast<int>((j1 - j0 + kTile - 1) / kTile);
+  const int mine = n_tiles > warp ? (n_tiles - warp + NW - 1) / NW : 0;
+  uint8_t* wring = dsm + warp * C::kWarpBytes;
+  int next = 0, stage_in = 0;
+  auto issue = [&]() {
+    if (next < mine) {
+      const int64_t k0 = j0 + static_cast<int64_t>(warp + next * NW) * kTile;
+      uint8_t* sg = wring + stage_in * C::kStageBytes;
+#pragma unroll
+      for (int i = lane; i < kTile * C::kCh; i += 32) {
+        const int r = i / C::kCh, ch = i % C::kCh;
+        if (k0 + r < j1) {
+          CpAsync<16>(sg + Sw<D>(r, ch), kb + (k0 + r) * ts + ch * 8);
+          CpAsync<16>(sg + C::kRegion + Sw<D>(r, ch), vb + (k0 + r) * ts + ch * 8);
+        }
+      }
+    }
+    CpAsyncCommit();  // one group per tile, empty ones included: the wait below counts groups
+    ++next;
+    stage_in = stage_in + 1 == ST ? 0 : stage_in + 1;
+  };
+#pragma unroll
+  for (int s = 0; s < ST - 1; ++s) issue();
+
+  uint32_t qa[D / 16][2];
+  {
+    const float qscale = a.scale * 1.4426950408889634f;  // base-2 scores
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float x, y;
+        if constexpr (BF) {
+          const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&qr[ks][h]));
+          x = f.x, y = f.y;
+        } else {
+          const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&qr[ks][h]));
+          x = f.x, y = f.y;
+        }
+        qa[ks][h] = Pack2<BF>(x * qscale, y * qscale);
+      }
+  }
+  float m = -INFINITY, l = 0.0f, o[D / 8][4];
+#pragma unroll
+  for (int nt = 0; nt < D / 8; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.0f;
+
+  int stage = 0;
+  for (int it = 0; it < mine; ++it, stage = stage + 1 == ST ? 0 : stage + 1) {
+    CpAsyncWait<ST - 2>();
+    __syncwarp();  // this tile's copies landed for the whole warp; the slot refilled next was read
+    issue();
+    const int64_t k0 = j0 + static_cast<int64_t>(warp + it * NW) * kTile;
+    const uint32_t valid = k0 + kTile <= j1 ? 0xFFFFu : (1u << static_cast<int>(j1 - k0)) - 1u;
+    uint8_t* sg = wring + stage * C::kStageBytes;
+    if (valid != 0xFFFFu) ZeroInvalidV<D>(sg, lane, valid);
+    TileProducts<BF, D>(sg, qa, lane, valid, m, l, o);
+  }
+  l += __shfl_xor_sync(0xffffffffu, l, 1);
+  l += __shfl_xor_sync(0xffffffffu, l, 2);
+  CpAsyncWait<0>();
+  __syncthreads();  // the ring becomes the merge arrays
+  WarpMerge<NW, kHeads>& mg = *reinterpret_cast<WarpMerge<NW, kHeads>*>(dsm);
+  if (c == 0) {
+    mg.m[warp][g] = m;
+    mg.l[warp][g] = l;
+  }
+#pragma unroll
+  for (int nt = 0; nt < D / 8; ++nt) {
+    mg.acc[warp][g][nt * 8 + 2 * c] = o[nt][0];
+    mg.acc[warp][g][nt * 8 + 2 * c + 1] = o[nt][1];
+  }
+  __syncthreads();
+  // CLUSTER: the block's merged (m, l, acc) of each head, for the cluster's rank 0 to read (after the ring)
+  float* fin = reinterpret_cast<float*>(dsm + C::kFinOffset);  // [kHeads][D + 2]: acc, m, l
+  for (int x = tid; x < gn * D; x += NW * 32) {
+    const int gg = x / D, d = x % D;
+    float mb = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < NW; ++w) mb = fmaxf(mb, mg.m[w][gg]);
+    float lb = 0.0f, ab = 0.0f;
+#pragma unroll
+    for (int w = 0; w < NW; ++w) {
+      const float mw = mg.m[w][gg];
+      const float f = mw == -INFINITY ? 0.0f : Exp2(mw - mb);
+      lb += mg.l[w][gg] * f;
+      ab += mg.acc[w][gg][d] * f;
+    }
+    if constexpr (CLUSTER) {
+      fin[gg * (D + 2) + d] = ab;
+      if (d == 0) {
+        fin[gg * (D + 2) + D] = mb;
+        fin[gg * (D + 2) + D + 1] = lb;
+      }
+      continue;
+    }
+    if (S == 1) {
+      T* out = static_cast<T*>(a.out) + ((b * a.T + t) * a.Hq + hk * G + g0 + gg) * a.D;
+      out[d] = FromF<T>(ab / lb);
+    } else {
+      float* p = a.partial + ((unit * G + g0 + gg) * S + split) * (a.D + 2);
+      p[d] = ab;
+      if (d == 0) {
+        p[a.D] = mb;
+        p[a.D + 1] = lb;
+      }
+    }
+  }
+  if constexpr (CLUSTER) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    // the S blocks of this unit and head block form one cluster (split = rank): rank 0 reads the others'
+    // `fin` through distributed shared memory and writes the output; nobody leaves before it has read
+    namespace cg = cooperative_groups;
+    cg::cluster_group cl = cg::this_cluster();
+    cl.sync();
+    if (cl.block_rank() == 0) {
+      for (int x = tid; x < gn * D; x += NW * 32) {
+        const int gg = x / D, d = x % D;
+        float mx = -INFINITY;
+        for (int r = 0; r < static_cast<int>(S); ++r)
+          mx = fmaxf(mx, cl.map_shared_rank(fin, r)[gg * (D + 2) + D]);
+        float num = 0.0f, den = 0.0f;
+        for (int r = 0; r < static_cast<int>(S); ++r) {
+          const float* f = cl.map_shared_rank(fin, r) + gg * (D + 2);
+          const float mr = f[D];
+          if (mr == -INFINITY) continue;  // a chunk with no keys
+          const float wr = Exp2(mr - mx);
+          den += wr * f[D + 1];
+          num += wr * f[d];
+        }
+        T* out = static_cast<T*>(a.out) + ((b * a.T + t) * a.Hq + hk * G + g0 + gg) * a.D;
+        out[d] = FromF<T>(num / den);
+      }
+    }
+    cl.sync();
+#endif
+  }
+}
+
+template <typename T, int D, int NW, int ST>
+int BlocksPerSm() {
+  static const int per_sm = [] {
+    using C = Cfg<D, NW, ST>;
+    for (auto* k : {AttentionKernelV3<T, D, NW, ST, false>, AttentionKernelV3<T, D, NW, ST, true>}) {
+      (void)cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(C::kSmem));
+      (void)cudaFuncSetAttribute(k, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared);
+      (void)cudaFuncSetAttribute(k, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+    }
+    (void)cudaGetLastError();
+    int n = 0;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, AttentionKernelV3<T, D, NW, ST, false>, NW * 32, C::kSmem) !=
+            cudaSuccess ||
+        n < 1) {
+      (void)cudaGetLastError();
+      n = 2;
+    }
+    return n;
+  }();
+  return per_sm;
+}
+
+// The attention with `splits` already chosen (a.splits), then the combine when it splits.
+// CLUSTER (sm_90+, 2 <= splits <= kMaxCluster): the unit's split blocks form one thread-block cluster and merge
+// through distributed shared memory, no combine launch; falls back to the partials + combine if refused.
+template <typename T, int D, int NW, int ST>
+cudaError_t LaunchWith(const Args& a, int64_t base, cudaStream_t stream, bool cluster) {
+  using C = Cfg<D, NW, ST>;
+  const unsigned blocks = static_cast<unsigned>(base * a.splits);
+  if (cluster && a.splits > 1) {
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(blocks);
+    cfg.blockDim = dim3(NW * 32);
+    cfg.dynamicSmemBytes = C::kSmem;
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = static_cast<unsigned>(a.splits);
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    if (cudaLaunchKernelEx(&cfg, AttentionKernelV3<T, D, NW, ST, true>, a) == cudaSuccess) return cudaSuccess;
+    (void)cudaGetLastError();  // refused: the partials and the combine below
+  }
+  AttentionKernelV3<T, D, NW, ST, false><<<blocks, NW * 32, C::kSmem, stream>>>(a);
+  cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess || a.splits == 1) return e;
+  const unsigned combine_blocks = static_cast<unsigned>(a.B * a.T * a.Hq);
+  if (v2::CurrentDevice().major >= 9) {
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(combine_blocks);
+    cfg.blockDim = dim3(kMergeThreads);
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    if (cudaLaunchKernelEx(&cfg, CombineKernel<T, true>, a) == cudaSuccess) return cudaSuccess;
+    (void)cudaGetLastError();  // refused: a plain launch below
+  }
+  CombineKernel<T, true><<<combine_blocks, kMergeThreads, 0, stream>>>(a);
+  return cudaGetLastError();
+}
+
+template <typename T, int D, int NW, int ST>
+cudaError_t LaunchCfg(const CacheAttentionCudaView& v, Args a, cudaStream_t stream) {
+  a.head_blocks = (v.group() + kHeads - 1) / kHeads;
+  const int64_t base = v.units() * a.head_blocks;
+  a.splits = v2::WaveSplits(v.splits, base, BlocksPerSm<T, D, NW, ST>());  // Note [CacheAttention CUDA v2 waves]
+  // Note [CacheAttention CUDA v3]: a cluster merge only where it does not cost blocks (splits <= 8, portable)
+  const bool cluster = a.splits >= 2 && a.splits <= kMaxCluster && v2::CurrentDevice().major >= 9;
+  return LaunchWith<T, D, NW, ST>(a, base, stream, cluster);
+}
+
+template <typename T>
+cudaError_t Launch(const CacheAttentionCudaView& v, const Args& a, cudaStream_t stream) {
+  return v.D == 64 ? LaunchCfg<T, 64, 4, 4>(v, a, stream) : LaunchCfg<T, 128, 4, 3>(v, a, stream);
+}
+
+}  // namespace v3
+
 template <typename T, bool VEC, int GM>
 cudaError_t LaunchGM(const Args& a, int64_t blocks, cudaStream_t stream) {
   AttentionKernel<T, VEC, GM><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(a);
@@ -731,7 +1040,7 @@ cudaError_t Launch(const CacheAttentionCudaView& v, const Args& a, cudaStream_t 
   const int64_t blocks = v.units() * a.head_blocks * v.splits;
   cudaError_t e = v.vec ? LaunchT<T, true>(a, gm, blocks, stream) : LaunchT<T, false>(a, gm, blocks, stream);
   if (e != cudaSuccess || v.splits == 1) return e;
-  const int threads = static_cast<int>(std::min<int64_t>(256, (v.D + 31) / 32 * 32));
+  const int threads = kMergeThreads;
   CombineKernel<T, false><<<static_cast<unsigned>(v.units() * G), threads, 0, stream>>>(a);
   return cudaGetLastError();
 }
@@ -739,8 +1048,8 @@ cudaError_t Launch(const CacheAttentionCudaView& v, const Args& a, cudaStream_t 
 }  // namespace
 
 // ORTKV_CUDA_ATTENTION: unset or empty = the newest kernel that applies (CacheAttention: Note [CacheAttention
-// CUDA v2]; PagedCacheAttention: Note [Paged CUDA v3], else v2); "v1", "v2", "v3" pick one for A/B runs
-// (CacheAttention takes v2 for "v3"; a kernel that does not apply to a call falls back to an older one).
+// CUDA v3], else v2; PagedCacheAttention: Note [Paged CUDA v3], else v2); "v1", "v2", "v3" pick one for A/B
+// runs (a kernel that does not apply to a call falls back to an older one).
 // Read at every launch (a captured CUDA graph keeps the kernel of its capture).
 Status CudaAttentionKernelChoice(int* level) {
   const char* e = std::getenv("ORTKV_CUDA_ATTENTION");
@@ -797,12 +1106,18 @@ Status CacheAttentionCuda(const CacheAttentionCudaView& v, void* stream_ptr) {
   ORTKV_RETURN_IF_ERR(CudaAttentionKernelChoice(&level));
   const bool v2 = level != 1 && v.vec && v.D <= kAttnCudaMaxHeadSize &&
                   (v.elem_type == kFloat16 || v.elem_type == kBFloat16);  // Note [CacheAttention CUDA v2]
+  const bool v3 = v2 && (level == 0 || level == 3) && (v.D == 64 || v.D == 128) &&
+                  v.splits <= kAttnCudaMaxSplits && v2::CurrentDevice().major >= 8;  // Note [CacheAttention CUDA v3]
   cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
   cudaError_t e;
   switch (v.elem_type) {
-    case kFloat16: e = v2 ? v2::Launch<__half>(v, a, gm, stream) : Launch<__half>(v, a, stream); break;
+    case kFloat16:
+      e = v3 ? v3::Launch<__half>(v, a, stream) : v2 ? v2::Launch<__half>(v, a, gm, stream) : Launch<__half>(v, a, stream);
+      break;
     case kBFloat16:
-      e = v2 ? v2::Launch<__nv_bfloat16>(v, a, gm, stream) : Launch<__nv_bfloat16>(v, a, stream);
+      e = v3   ? v3::Launch<__nv_bfloat16>(v, a, stream)
+          : v2 ? v2::Launch<__nv_bfloat16>(v, a, gm, stream)
+               : Launch<__nv_bfloat16>(v, a, stream);
       break;
     default: e = Launch<float>(v, a, stream); break;
   }

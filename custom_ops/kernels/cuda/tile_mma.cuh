@@ -1,0 +1,138 @@
+// Tensor-core tiles of 16 keys for the decode attention kernels (dense CacheAttention v3, Note [CacheAttention
+// CUDA v3]; PagedCacheAttention v3, Note [Paged CUDA v3]): the swizzled 16-bit tile layout in shared memory,
+// ldmatrix / mma.sync m16n8k16 wrappers and one tile's products with the online softmax.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "device_common.cuh"
+
+namespace ortkv {
+namespace {
+namespace tile16 {
+
+constexpr int kTile = 16;  // keys per tile
+
+// byte offset of 16-byte chunk ch of row r in a swizzled tile
+template <int D>
+__device__ __forceinline__ int Sw(int r, int ch) {
+  return r * (D * 2) + ((ch ^ (r & 7)) << 4);
+}
+
+__device__ __forceinline__ void LdMatrix4(unsigned addr, uint32_t* r) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+__device__ __forceinline__ void LdMatrix4T(unsigned addr, uint32_t* r) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+// c += a * b, m16n8k16, a1 = a3 = 0 (rows 8..15 of A are padding)
+template <bool BF>
+__device__ __forceinline__ void Mma(float* c, uint32_t a0, uint32_t a2, uint32_t b0, uint32_t b1) {
+  const uint32_t z = 0;
+  if constexpr (BF) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(z), "r"(a2), "r"(z), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(z), "r"(a2), "r"(z), "r"(b0), "r"(b1));
+  }
+}
+template <bool BF>
+__device__ __forceinline__ uint32_t Pack2(float x, float y) {
+  if constexpr (BF) {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(x, y);
+    return *reinterpret_cast<const uint32_t*>(&h);
+  } else {
+    const __half2 h = __floats2half2_rn(x, y);
+    return *reinterpret_cast<const uint32_t*>(&h);
+  }
+}
+
+// Zeroes the value rows of a 16-bit tile that are not in `valid`.
+template <int D>
+__device__ __forceinline__ void ZeroInvalidV(uint8_t* st, int lane, uint32_t valid) {
+  constexpr int kCh = D / 8;
+#pragma unroll
+  for (int i = lane; i < kTile * kCh; i += 32) {
+    const int r = i / kCh, ch = i % kCh;
+    if (!((valid >> r) & 1u)) *reinterpret_cast<uint4*>(st + kTile * D * 2 + Sw<D>(r, ch)) = make_uint4(0u, 0u, 0u, 0u);
+  }
+  __syncwarp();
+}
+
+// The tile's products: s = Q K^T for its 16 keys, the online softmax, o += P V. BF: bf16 operands.
+template <bool BF, int D>
+__device__ __forceinline__ void TileProducts(const uint8_t* st, const uint32_t (*qa)[2], int lane, uint32_t valid,
+                                             float& m, float& l, float (*o)[4]) {
+  const unsigned base = static_cast<unsigned>(__cvta_generic_to_shared(st));
+  float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+  {
+    const int r = ((lane >> 4) << 3) + (lane & 7);  // key row this lane addresses
+    const int hi = (lane >> 3) & 1;                 // second 8 dims of the k-step
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) {
+      uint32_t b[4];
+      LdMatrix4(base + Sw<D>(r, 2 * ks + hi), b);
+      Mma<BF>(s[0], qa[ks][0], qa[ks][1], b[0], b[1]);
+      Mma<BF>(s[1], qa[ks][0], qa[ks][1], b[2], b[3]);
+    }
+  }
+  const int c = lane & 3;
+  float mx = -INFINITY;
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int key = nt * 8 + 2 * c + e;
+      s[nt][e] = ((valid >> key) & 1u) ? s[nt][e] : -INFINITY;
+      mx = fmaxf(mx, s[nt][e]);
+    }
+  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+  if (mx > m) {  // the tile holds a valid key: mx is finite
+    const float corr = Exp2(m - mx);
+    l *= corr;
+#pragma unroll
+    for (int nt = 0; nt < D / 8; ++nt) {
+      o[nt][0] *= corr;
+      o[nt][1] *= corr;
+    }
+    m = mx;
+  }
+  float p[2][2];
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      p[nt][e] = Exp2(s[nt][e] - m);  // 0 for an invalid key
+      l += p[nt][e];
+    }
+  const uint32_t pa0 = Pack2<BF>(p[0][0], p[0][1]), pa2 = Pack2<BF>(p[1][0], p[1][1]);
+  {
+    const int r = (((lane >> 3) & 1) << 3) + (lane & 7);  // key row
+    const int hi = lane >> 4;                              // second n-tile of the pair
+#pragma unroll
+    for (int nt2 = 0; nt2 < D / 16; ++nt2) {
+      uint32_t b[4];
+      LdMatrix4T(base + kTile * D * 2 + Sw<D>(r, 2 * nt2 + hi), b);
+      Mma<BF>(o[2 * nt2], pa0, pa2, b[0], b[1]);
+      Mma<BF>(o[2 * nt2 + 1], pa0, pa2, b[2], b[3]);
+    }
+  }
+}
+
+}  // namespace tile16
+}  // namespace
+}  // namespace ortkv
