@@ -15,6 +15,7 @@
 #include "ortkv/core.h"
 #include "ortkv/paged_cuda.h"
 #include "device_common.cuh"
+#include "tile_mma.cuh"
 
 namespace ortkv {
 
@@ -925,7 +926,7 @@ __device__ void ReportAttention(const PagedAttentionCudaView& a, unsigned long l
 // LOG2: the partials' m is in base 2 (Note [Paged CUDA v2]); then the combine may be a programmatic
 // dependent of the attention, and waits for it before reading the flag and the partials.
 template <typename T, bool LOG2>
-__global__ void PagedCombineKernel(const AttnArgs args) {
+__global__ void __launch_bounds__(kMergeThreads) PagedCombineKernel(const AttnArgs args) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   if (LOG2) asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
@@ -953,23 +954,8 @@ __global__ void PagedCombineKernel(const AttnArgs args) {
   const int64_t uh = blockIdx.x;
   const int64_t g = uh % G, unit = uh / G;
   const int64_t t = unit % a.T, hk = (unit / a.T) % a.Hkv, b = unit / (a.T * a.Hkv);
-  const int64_t S = a.splits;
-  const float* p = a.partial + uh * S * (a.D + 2);
-  float mx = -INFINITY;
-  for (int64_t c = 0; c < S; ++c) mx = fmaxf(mx, p[c * (a.D + 2) + a.D]);
-  T* o = static_cast<T*>(a.out) + ((b * a.T + t) * a.Hq + hk * G + g) * a.D;
-  for (int d = threadIdx.x; d < a.D; d += blockDim.x) {
-    float den = 0.0f, num = 0.0f;
-    for (int64_t c = 0; c < S; ++c) {
-      const float* pc = p + c * (a.D + 2);
-      const float mc = pc[a.D];
-      if (mc == -INFINITY) continue;  // an empty chunk, or one refused for a bad page
-      const float w = LOG2 ? Exp2(mc - mx) : __expf(mc - mx);
-      den += w * pc[a.D + 1];
-      num += w * pc[d];
-    }
-    o[d] = FromF<T>(den > 0.0f ? num / den : 0.0f);
-  }
+  MergeSplits<T, LOG2>(a.partial + uh * a.splits * (a.D + 2), static_cast<int>(a.splits), static_cast<int>(a.D),
+                       static_cast<T*>(a.out) + ((b * a.T + t) * a.Hq + hk * G + g) * a.D);
 }
 
 template <typename T, bool VEC>
@@ -990,7 +976,7 @@ cudaError_t LaunchAttn(const AttnArgs& a, int gm, int64_t blocks, cudaStream_t s
   if (e != cudaSuccess) return e;
   const int64_t G = a.v.group();
   const unsigned combine_blocks = a.v.splits > 1 ? static_cast<unsigned>(a.v.units() * G) : 1u;
-  const int threads = static_cast<int>(std::min<int64_t>(256, (a.v.D + 31) / 32 * 32));
+  const int threads = kMergeThreads;
   PagedCombineKernel<T, false><<<combine_blocks, threads, 0, stream>>>(a);
   return cudaGetLastError();
 }
@@ -1540,7 +1526,7 @@ int CurrentMajor() {
 template <typename T>
 cudaError_t LaunchCombine(const AttnArgs& a, cudaStream_t stream) {
   const unsigned combine_blocks = a.v.splits > 1 ? static_cast<unsigned>(a.v.units() * a.v.group()) : 1u;
-  const int threads = static_cast<int>(std::min<int64_t>(256, (a.v.D + 31) / 32 * 32));
+  const int threads = kMergeThreads;
   if (CurrentMajor() >= 9) {
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = dim3(combine_blocks);
@@ -1650,7 +1636,14 @@ using pv2::kMaxPages;
 using pv2::LoadPiece;
 using pv2::ScaleBytes;
 
-constexpr int kTile = 16;
+using tile16::kTile;
+using tile16::LdMatrix4;
+using tile16::LdMatrix4T;
+using tile16::Mma;
+using tile16::Pack2;
+using tile16::Sw;
+using tile16::TileProducts;
+using tile16::ZeroInvalidV;
 
 template <int D>
 struct Cfg {
@@ -1671,51 +1664,6 @@ constexpr size_t SmemBytes() {
   return (sizeof(PageWindow) + 15) / 16 * 16 + Cfg<D>::kRingBytes;
 }
 static_assert(sizeof(Merge) <= Cfg<64>::kRingBytes && sizeof(Merge) <= Cfg<128>::kRingBytes, "");
-
-// byte offset of 16-byte chunk ch of row r in a swizzled tile
-template <int D>
-__device__ __forceinline__ int Sw(int r, int ch) {
-  return r * (D * 2) + ((ch ^ (r & 7)) << 4);
-}
-
-__device__ __forceinline__ void LdMatrix4(unsigned addr, uint32_t* r) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-__device__ __forceinline__ void LdMatrix4T(unsigned addr, uint32_t* r) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-// c += a * b, m16n8k16, a1 = a3 = 0 (rows 8..15 of A are padding)
-template <bool BF>
-__device__ __forceinline__ void Mma(float* c, uint32_t a0, uint32_t a2, uint32_t b0, uint32_t b1) {
-  const uint32_t z = 0;
-  if constexpr (BF) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(z), "r"(a2), "r"(z), "r"(b0), "r"(b1));
-  } else {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(z), "r"(a2), "r"(z), "r"(b0), "r"(b1));
-  }
-}
-template <bool BF>
-__device__ __forceinline__ uint32_t Pack2(float x, float y) {
-  if constexpr (BF) {
-    const __nv_bfloat162 h = __floats2bfloat162_rn(x, y);
-    return *reinterpret_cast<const uint32_t*>(&h);
-  } else {
-    const __half2 h = __floats2half2_rn(x, y);
-    return *reinterpret_cast<const uint32_t*>(&h);
-  }
-}
 
 // Copies the tile's 16 rows of K and V (rows row0 .. row0 + 15 of the page's K / V payload) into stage st.
 template <int F, int D, bool DIRECT>
@@ -1758,6 +1706,76 @@ __device__ __forceinline__ uint4 Pack8(const float* x) {
 // Decodes a raw tile (a narrow format, or the other 16-bit type) in place into the swizzled 16-bit tiles of
 // the products' type (BF: bfloat16, else float16); rows not in `valid` (bit r) become zeros. Every lane loads
 // all its pieces before any lane stores.
+// Note [Half2 decode]: for float16 products (Note [Paged CUDA v3]) the narrow formats decode straight into
+// packed float16 pairs instead of 8 FP32 values rounded afterwards (~2.3x fewer instructions for INT4: the
+// decode, not the bytes, set the pace of narrow tiles). A code c of 4 / 2 bits (or a byte u) ORed under the
+// exponent of 1024.0h IS the float16 1024 + c (the mantissa has 10 bits), so one LOP3 makes two of them; the
+// subtraction of 1024 (1152 for INT8's offset byte) is exact, and the one rounding is the final
+// hfma2(c, s, m) / hmul2(c, s): the FP32 path rounded twice (FP32 FMA, then to float16), so the two may differ
+// in the last float16 bit, within every format's bound. Pairs come out as (x_i, x_i+4) and are re-paired
+// with two PRMTs per 4 values.
+template <int F>
+__host__ __device__ constexpr bool HalfDecodes() {
+  return F == static_cast<int>(PageFormat::kInt8) || F == static_cast<int>(PageFormat::kFp8E4M3) ||
+         F == static_cast<int>(PageFormat::kInt4) || F == static_cast<int>(PageFormat::kInt4KC) ||
+         F == static_cast<int>(PageFormat::kInt2) || F == static_cast<int>(PageFormat::kInt2KC);
+}
+
+__device__ __forceinline__ uint32_t HFma2(uint32_t a, uint32_t b, uint32_t c) {
+  uint32_t d;
+  asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+}
+__device__ __forceinline__ uint32_t HSub2(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+__device__ __forceinline__ uint32_t HMul2(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+
+// Eight values of a per-row-scaled piece (w as LoadPiece gives it, sc its row's scale word) as float16.
+template <int F>
+__device__ __forceinline__ uint4 DecodeHalf8(const uint4& w, uint32_t sc) {
+  constexpr PageFormat f = static_cast<PageFormat>(F);
+  const uint32_t s2 = (sc & 0xFFFFu) * 0x10001u;  // (s, s)
+  if constexpr (f == PageFormat::kInt8) {
+    const uint32_t lo = w.x ^ 0x80808080u, hi = w.y ^ 0x80808080u;  // codes + 128
+    const uint32_t off = 0x64806480u;                                // (1152, 1152)
+    uint4 r;
+    r.x = HMul2(HSub2(__byte_perm(lo, 0x64646464u, 0x4140), off), s2);
+    r.y = HMul2(HSub2(__byte_perm(lo, 0x64646464u, 0x4342), off), s2);
+    r.z = HMul2(HSub2(__byte_perm(hi, 0x64646464u, 0x4140), off), s2);
+    r.w = HMul2(HSub2(__byte_perm(hi, 0x64646464u, 0x4342), off), s2);
+    return r;
+  } else if constexpr (f == PageFormat::kFp8E4M3) {
+    uint32_t h[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const __half2_raw x = __nv_cvt_fp8x2_to_halfraw2(
+          static_cast<__nv_fp8x2_storage_t>(((i < 2 ? w.x : w.y) >> (16 * (i & 1))) & 0xFFFFu), __NV_E4M3);
+      h[i] = HMul2(static_cast<uint32_t>(x.x) | (static_cast<uint32_t>(x.y) << 16), s2);
+    }
+    return make_uint4(h[0], h[1], h[2], h[3]);
+  } else {  // INT4 / INT2 (and the values of the *_KC formats): x = c * s + m
+    const uint32_t m2 = (sc >> 16) * 0x10001u;
+    constexpr bool k4 = f == PageFormat::kInt4 || f == PageFormat::kInt4KC;
+    // t: codes 0..3 in the low half, 4..7 in the high half, each at bits (4 or 2) * i of its half
+    const uint32_t t = k4 ? w.x : ((w.x & 0xFFu) | ((w.x & 0xFF00u) << 8));
+    constexpr uint32_t mask = k4 ? 0x000F000Fu : 0x00030003u;
+    constexpr int step = k4 ? 4 : 2;
+    uint32_t v[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)  // (x_i, x_i+4)
+      v[i] = HFma2(HSub2(((t >> (step * i)) & mask) | 0x64006400u, 0x64006400u), s2, m2);
+    return make_uint4(__byte_perm(v[0], v[1], 0x5410), __byte_perm(v[2], v[3], 0x5410),
+                      __byte_perm(v[0], v[1], 0x7632), __byte_perm(v[2], v[3], 0x7632));
+  }
+}
+
 template <int F, int D, bool BF>
 __device__ __forceinline__ void DecodeTile(uint8_t* st, const uint8_t* pg, const FormatInfo& fi, int hk, int lane,
                                            uint32_t valid) {
@@ -1789,6 +1807,12 @@ __device__ __forceinline__ void DecodeTile(uint8_t* st, const uint8_t* pg, const
     const int i = lane + 32 * p, r = i / C::kCh, ch = i % C::kCh;
     float x[8];
     const bool ok = (valid >> r) & 1u;
+    if constexpr (!BF && HalfDecodes<F>()) {  // Note [Half2 decode]
+      const uint4 z = make_uint4(0u, 0u, 0u, 0u);
+      if constexpr (!IsKC(F)) *reinterpret_cast<uint4*>(st + Sw<D>(r, ch)) = ok ? DecodeHalf8<F>(kw[p], ksc[p]) : z;
+      *reinterpret_cast<uint4*>(st + C::kRegion + Sw<D>(r, ch)) = ok ? DecodeHalf8<F>(vw[p], vsc[p]) : z;
+      if constexpr (!IsKC(F)) continue;
+    }
     if constexpr (IsKC(F)) {  // per-channel (s, m) of this head's channels ch * 8 .. + 7
       const uint4* cp = reinterpret_cast<const uint4*>(pg + fi.k_scales + (static_cast<uint32_t>(hk) * D + ch * 8) * 4u);
       const uint4 a = __ldg(cp), b = __ldg(cp + 1);
@@ -1805,6 +1829,7 @@ __device__ __forceinline__ void DecodeTile(uint8_t* st, const uint8_t* pg, const
 #pragma unroll
       for (int e = 0; e < 8; ++e) x[e] = 0.0f;
     *reinterpret_cast<uint4*>(st + Sw<D>(r, ch)) = Pack8<BF>(x);
+    if constexpr (!BF && HalfDecodes<F>()) continue;  // the values were decoded above (Note [Half2 decode])
     DecodePiece<F>(vw[p], vsc[p], false, x);
     if (!ok)
 #pragma unroll
@@ -1812,80 +1837,6 @@ __device__ __forceinline__ void DecodeTile(uint8_t* st, const uint8_t* pg, const
     *reinterpret_cast<uint4*>(st + C::kRegion + Sw<D>(r, ch)) = Pack8<BF>(x);
   }
   __syncwarp();
-}
-
-// Zeroes the value rows of a 16-bit tile that are not in `valid`.
-template <int D>
-__device__ __forceinline__ void ZeroInvalidV(uint8_t* st, int lane, uint32_t valid) {
-  using C = Cfg<D>;
-#pragma unroll
-  for (int i = lane; i < kTile * C::kCh; i += 32) {
-    const int r = i / C::kCh, ch = i % C::kCh;
-    if (!((valid >> r) & 1u)) *reinterpret_cast<uint4*>(st + C::kRegion + Sw<D>(r, ch)) = make_uint4(0u, 0u, 0u, 0u);
-  }
-  __syncwarp();
-}
-
-// The tile's products: s = Q K^T for its 16 keys, the online softmax, o += P V. BF: bf16 operands.
-template <bool BF, int D>
-__device__ __forceinline__ void TileProducts(const uint8_t* st, const uint32_t (*qa)[2], int lane, uint32_t valid,
-                                             float& m, float& l, float (*o)[4]) {
-  using C = Cfg<D>;
-  const unsigned base = static_cast<unsigned>(__cvta_generic_to_shared(st));
-  float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-  {
-    const int r = ((lane >> 4) << 3) + (lane & 7);  // key row this lane addresses
-    const int hi = (lane >> 3) & 1;                 // second 8 dims of the k-step
-#pragma unroll
-    for (int ks = 0; ks < D / 16; ++ks) {
-      uint32_t b[4];
-      LdMatrix4(base + Sw<D>(r, 2 * ks + hi), b);
-      Mma<BF>(s[0], qa[ks][0], qa[ks][1], b[0], b[1]);
-      Mma<BF>(s[1], qa[ks][0], qa[ks][1], b[2], b[3]);
-    }
-  }
-  const int c = lane & 3;
-  float mx = -INFINITY;
-#pragma unroll
-  for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int key = nt * 8 + 2 * c + e;
-      s[nt][e] = ((valid >> key) & 1u) ? s[nt][e] : -INFINITY;
-      mx = fmaxf(mx, s[nt][e]);
-    }
-  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-  if (mx > m) {  // the tile holds a valid key: mx is finite
-    const float corr = Exp2(m - mx);
-    l *= corr;
-#pragma unroll
-    for (int nt = 0; nt < D / 8; ++nt) {
-      o[nt][0] *= corr;
-      o[nt][1] *= corr;
-    }
-    m = mx;
-  }
-  float p[2][2];
-#pragma unroll
-  for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      p[nt][e] = Exp2(s[nt][e] - m);  // 0 for an invalid key
-      l += p[nt][e];
-    }
-  const uint32_t pa0 = Pack2<BF>(p[0][0], p[0][1]), pa2 = Pack2<BF>(p[1][0], p[1][1]);
-  {
-    const int r = (((lane >> 3) & 1) << 3) + (lane & 7);  // key row
-    const int hi = lane >> 4;                              // second n-tile of the pair
-#pragma unroll
-    for (int nt2 = 0; nt2 < D / 16; ++nt2) {
-      uint32_t b[4];
-      LdMatrix4T(base + C::kRegion + Sw<D>(r, 2 * nt2 + hi), b);
-      Mma<BF>(o[2 * nt2], pa0, pa2, b[0], b[1]);
-      Mma<BF>(o[2 * nt2 + 1], pa0, pa2, b[2], b[3]);
-    }
-  }
 }
 
 template <typename T, int D>
