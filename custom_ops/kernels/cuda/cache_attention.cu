@@ -713,11 +713,14 @@ cudaError_t Launch(const CacheAttentionCudaView& v, const Args& a, int gm, cudaS
 //     type), online softmax in base 2, as the paged kernel; the keys of a tile past the chunk score -inf
 //     and their value rows are zeroed (never copied: nothing past a row's length is read).
 //   * The q fragments and `start` are loaded together, before the first copies (one latency, not two).
-//   * With 2..8 splits (sm_90+) the unit's split blocks are launched as one thread-block cluster: each
+//   * With 2..8 splits and at most one block per SM (sm_90+; a decode step's short rows: 128 keys x 1 row
+//     5.6 us vs 6.4 with the combine) the unit's split blocks are launched as one thread-block cluster: each
 //     block leaves its merged (m, l, acc) in shared memory, cluster rank 0 reads them through distributed
 //     shared memory and writes the output, so there is no partial workspace traffic and no second launch.
 //     Only then: capping larger split counts at 8 costs more blocks than the merge saves (8K keys x 1 row:
-//     13.2 us clustered at 8 splits vs 8.4 us unclustered at 132), and clusters of 16 schedule badly.
+//     13.2 us clustered at 8 splits vs 8.4 us unclustered at 132), clusters of 16 schedule badly, and a
+//     grid that fills the SMs with clusters of big blocks left SMs idle (32/8/128 heads, 8K x 8, 4 splits
+//     of 100 KiB blocks: 109 us clustered, 70.5 us with the combine).
 //   * Otherwise the partials are merged by CombineKernel (MergeSplits in device_common.cuh: all loads of a
 //     merge issued together; the combine it replaced looped over the splits one load at a time per output
 //     element, ~6 us per node at 22 splits).
@@ -1004,8 +1007,9 @@ cudaError_t LaunchCfg(const CacheAttentionCudaView& v, Args a, cudaStream_t stre
   a.head_blocks = (v.group() + kHeads - 1) / kHeads;
   const int64_t base = v.units() * a.head_blocks;
   a.splits = v2::WaveSplits(v.splits, base, BlocksPerSm<T, D, NW, ST>());  // Note [CacheAttention CUDA v2 waves]
-  // Note [CacheAttention CUDA v3]: a cluster merge only where it does not cost blocks (splits <= 8, portable)
-  const bool cluster = a.splits >= 2 && a.splits <= kMaxCluster && v2::CurrentDevice().major >= 9;
+  // Note [CacheAttention CUDA v3]: a cluster merge only for a grid of at most one block per SM with 2..8 splits
+  const bool cluster = a.splits >= 2 && a.splits <= kMaxCluster && v2::CurrentDevice().major >= 9 &&
+                       base * a.splits <= v2::CurrentDevice().sms;
   return LaunchWith<T, D, NW, ST>(a, base, stream, cluster);
 }
 
