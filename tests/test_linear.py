@@ -172,3 +172,80 @@ def test_shape_inference_gives_n(rng):
     sess = session(linear_model(16, 24, ["b", "t", 16], w=rng.standard_normal((24, 16)).astype(np.float32)))
     (y,) = sess.run(None, {"x": np.ones((2, 3, 16), np.float32)})
     assert y.shape == (2, 3, 24)
+
+
+# -- the float16 decoders (Note [Linear projections] in builder.py) -----------------------------------------------
+
+@pytest.fixture(scope="module")
+def slice_weights():
+    from ortkv.generate import weights
+    from ortkv.generate.assets import smollm2_gguf
+
+    w, _ = weights.load(smollm2_gguf(), layers=2)
+    return w
+
+
+def test_builder_uses_linear_for_float16_ortkv_and_copy_only(slice_weights):
+    from ortkv.generate import builder
+
+    for variant in builder.VARIANTS:
+        for dtype in ("float32", "float16"):
+            m = builder.build(slice_weights, variant, max_positions=64, dtype=dtype, cache_layout="SBNH")
+            ops = [n.op_type for n in m.graph.node]
+            inits = {t.name for t in m.graph.initializer}
+            if dtype == "float16" and variant != "genai":
+                # 4 projections per layer (fused QKV, output, fused gate / up, down) + the LM head; no MatMul but the
+                # copy model's attention (2 per layer)
+                assert ops.count("Linear") == 2 * 4 + 1, variant
+                assert ops.count("MatMul") == (2 * 2 if variant == "copy" else 0), variant
+                head = [n for n in m.graph.node if n.op_type == "Linear" and n.output[0] == "logits_float16"]
+                assert [list(head[0].input)] == [[head[0].input[0], "embed"]]  # the table itself, [vocab, E]
+                assert "lm_head" not in inits
+                w = {t.name: t for t in m.graph.initializer}["l0_wqkv"]
+                assert list(w.dims) == [(9 + 2 * 3) * 64, 576]  # [N, K]
+                # the checker's Linear rule accepts every node (CacheAttention's float16 finding is about its CPU kernel)
+                mine = [f for f in check(m, plan=False).findings if "Linear" in f.message]
+                assert not mine, mine
+            else:
+                assert "Linear" not in ops and "lm_head" in inits, (variant, dtype)
+    forced = builder.build(slice_weights, "copy", max_positions=64, dtype="float16", linear=False)
+    assert "Linear" not in [n.op_type for n in forced.graph.node]
+    forced = builder.build(slice_weights, "genai", max_positions=64, dtype="float32", linear=True)
+    assert [n.op_type for n in forced.graph.node].count("Linear") == 2 * 4 + 1
+
+
+def _copy_greedy(model, prompt, steps):
+    """The copy decoder on the CPU: prefill, then ``steps`` greedy steps; (tokens, logits of every run)."""
+    from ortkv.generate import builder
+
+    sess = session(model)
+    past = {n: np.zeros((1, 3, 0, 64), np.float16) for i in range(2) for n in builder.genai_names(i)[:2]}
+    ids, tokens, logits, pos = np.array([prompt]), [], [], 0
+    for _ in range(steps + 1):
+        T = ids.shape[1]
+        feeds = {"input_ids": ids, "attention_mask": np.ones((1, pos + T), np.int64),
+                 "position_ids": np.arange(pos, pos + T)[None], **past}
+        out = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
+        for i in range(2):
+            pk, pv, ok, ov = builder.genai_names(i)
+            past[pk], past[pv] = out[ok], out[ov]
+        logits.append(out["logits"][0])
+        pos += T
+        tokens.append(int(out["logits"][0, -1].argmax()))
+        ids = np.array([[tokens[-1]]])
+    return tokens, logits
+
+
+@pytest.mark.parametrize("prompt", [[504, 3575, 282, 4649, 314], [1, 504, 3575, 282, 4649, 314, 7042, 30, 198]])
+def test_float16_linear_decoder_matches_the_matmul_decoder_on_cpu(slice_weights, prompt):
+    """The float16 copy decoder with Linear (float16 in, float32 accumulation, one rounding) against the same
+    decoder with ORT's MatMul, on the CPU: logits within float16 noise, the same greedy tokens (prefill + 8)."""
+    from ortkv.generate import builder
+
+    runs = {lin: _copy_greedy(builder.build(slice_weights, "copy", max_positions=64, dtype="float16", linear=lin),
+                              prompt, 8) for lin in (True, False)}
+    assert runs[True][0] == runs[False][0]
+    for a, b in zip(runs[True][1], runs[False][1]):
+        scale = np.abs(b).max()
+        assert np.abs(a - b).max() <= 0.02 * scale, (np.abs(a - b).max(), scale)
+        assert (a.argmax(-1) == b.argmax(-1)).all()
