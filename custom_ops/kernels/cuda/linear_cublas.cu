@@ -2,6 +2,7 @@
 // Host code only.
 #include <cuda_runtime.h>
 #include <dlfcn.h>
+#include <library_types.h>
 
 #include <map>
 #include <memory>
@@ -53,6 +54,17 @@ constexpr int kCudaR16F = 2, kCudaR16BF = 14;       // cudaDataType
 constexpr int kComputeF32 = 68;                     // CUBLAS_COMPUTE_32F
 constexpr int kGemmDefault = -1;                    // CUBLAS_GEMM_DEFAULT
 constexpr size_t kWorkspaceBytes = size_t{4} << 20;  // per (device, stream)
+static_assert(kCudaR16F == CUDA_R_16F && kCudaR16BF == CUDA_R_16BF, "cudaDataType values (library_types.h)");
+#if __has_include(<cublas_api.h>)  // where the toolkit has cuBLAS's headers, check the declared ABI against them
+}  // namespace
+}  // namespace ortkv
+#include <cublas_api.h>
+namespace ortkv {
+namespace {
+static_assert(kOpN == CUBLAS_OP_N && kOpT == CUBLAS_OP_T && kComputeF32 == CUBLAS_COMPUTE_32F &&
+                  kGemmDefault == CUBLAS_GEMM_DEFAULT,
+              "cuBLAS enum values");
+#endif
 
 const char* CublasStatusName(int s) {
   switch (s) {
