@@ -419,7 +419,8 @@ def test_float16_graphs_are_float16_with_float32_logits(slice_weights):
             axes = {n.op_type: [a.i for a in n.attribute if a.name == "seq_axis"] for n in m.graph.node
                     if n.domain == "ortkv"}
             # Note [Fused ortkv layer]: RotaryCacheUpdate writes the caches, SwiGLU is the MLP's activation
-            assert axes == {"RotaryCacheUpdate": [0], "CacheAttention": [0], "SwiGLU": []}
+            # Note [Linear projections]: the float16 projections and LM head are ortkv.Linear
+            assert axes == {"RotaryCacheUpdate": [0], "CacheAttention": [0], "SwiGLU": [], "Linear": []}
         if variant == "genai":
             assert sum(n.op_type == "GroupQueryAttention" for n in m.graph.node) == 2
         # Note [Greedy in the decoder]: only the float16 ortkv decoder picks its token itself
@@ -451,7 +452,9 @@ def test_float16_graph_computes_the_float32_logits(slice_weights, variant):
     outs = {}
     for dtype in ("float32", "float16"):
         m = builder.build(slice_weights, variant, max_positions=64, dtype=dtype)
-        sess = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+        so = ort.SessionOptions()
+        so.register_custom_ops_library(ortkv.get_library_path())  # the float16 copy model's ortkv.Linear
+        sess = ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
         np_t = np.float16 if dtype == "float16" else np.float32
         feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids), "position_ids": np.arange(5)[None]}
         for i in range(2):

@@ -72,6 +72,7 @@ def test_float16_baselines_run_every_compute_node_on_cuda(variant, tmp_path):
     so = ort.SessionOptions()
     so.enable_profiling = True
     so.profile_file_prefix = str(tmp_path / variant)
+    so.register_custom_ops_library(ortkv.get_library_path())  # the float16 copy model's ortkv.Linear
     sess = ort.InferenceSession(str(model_path(cfg, variant)), so,
                                 providers=[("CUDAExecutionProvider", {"device_id": "0"}), "CPUExecutionProvider"])
     feeds = {"input_ids": np.array([[504, 3575]]), "attention_mask": np.ones((1, 2), np.int64),

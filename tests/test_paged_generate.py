@@ -448,10 +448,10 @@ def test_float16_decoder_rewrites_onto_the_paged_ops():
     producer = {o: n for n in model.graph.node for o in n.output}
     inits = {t.name: t.data_type for t in model.graph.initializer}
     for n in model.graph.node:
-        if n.op_type == "PagedCacheUpdate":  # v = Split(MatMul(x, the fused float16 projection))
+        if n.op_type == "PagedCacheUpdate":  # v = Split(Linear(x, the fused float16 projection)) (Note [Linear projections])
             split = producer[n.input[4]]
             matmul = producer[split.input[0]]
-            assert (split.op_type, matmul.op_type) == ("Split", "MatMul")
+            assert (split.op_type, matmul.op_type) == ("Split", "Linear")
             assert inits[matmul.input[1]] == onnx.TensorProto.FLOAT16
     assert [o.type.tensor_type.elem_type for o in model.graph.output if o.name == "logits"] == [onnx.TensorProto.FLOAT]
     assert alias_of(model, pool_output(1)) == POOL

@@ -14,6 +14,8 @@ void AppendCacheAttentionOps(std::vector<const OrtCustomOp*>* ops);
 void AppendPagedOps(std::vector<const OrtCustomOp*>* ops);
 // MatMulQ4 (Q4_1 weights kept exactly) for the CPU EP (matmul_q4_op.cc).
 void AppendMatMulQ4Ops(std::vector<const OrtCustomOp*>* ops);
+// Linear (Y = X W^T) for the CPU EP, and the CUDA EP in CUDA builds (linear_op.cc).
+void AppendLinearOps(std::vector<const OrtCustomOp*>* ops);
 
 // RotaryCacheUpdate and SwiGLU for the CPU EP, and the CUDA EP in CUDA builds (rotary_cache_update_op.cc).
 void AppendFusedOps(std::vector<const OrtCustomOp*>* ops);
@@ -25,6 +27,7 @@ inline std::vector<const OrtCustomOp*> AllOps() {
   AppendPagedOps(&ops);
   AppendFusedOps(&ops);
   AppendMatMulQ4Ops(&ops);
+  AppendLinearOps(&ops);
   return ops;
 }
 

@@ -150,7 +150,7 @@ def rope_tables(cfg, rows: int) -> tuple[np.ndarray, np.ndarray]:
 def build(weights: LlamaWeights, variant: str, max_positions: int | None = None,
           cache_layout: str = "BNSH", accuracy_level: int | None = None, dtype: str = "float32",
           fused_norm: bool | None = None, fused: bool | None = None,
-          matmul_q4: bool | None = None) -> onnx.ModelProto:
+          matmul_q4: bool | None = None, linear: bool | None = None) -> onnx.ModelProto:
     """cache_layout (ortkv variant): BNSH [B, kv_heads, capacity, D] (each head's keys contiguous: the
     fastest for CacheAttention on CPU), BSNH [B, capacity, kv_heads, D] (token-major per row) or SBNH
     [capacity, B, kv_heads, D] (seq_axis 0: token-major per tensor, one contiguous prefix whatever the batch,
@@ -162,7 +162,10 @@ def build(weights: LlamaWeights, variant: str, max_positions: int | None = None,
     and SwiGLU (Note [Fused ortkv layer]); None: with BNSH and SBNH caches, not BSNH (the paged decoder's base).
     matmul_q4 (q4 weights): None for the ortkv and copy variants' ortkv.MatMulQ4 projections and the genai
     variant's MatMulNBits + minimum term (onnxruntime-genai does not load ortkv's op library), or True / False for
-    either form (Note [Fast 4-bit path] in weights.py)."""
+    either form (Note [Fast 4-bit path] in weights.py). linear (float weights): None for ortkv.Linear (Note [Linear] in
+    custom_ops/include/ortkv/linear.h) as every projection and the tied LM head of the float16 ortkv and copy
+    decoders, MatMul elsewhere (genai: onnxruntime-genai loads no ortkv ops; float32: ORT's MLAS is at the CPU's
+    read bound), or True / False for every variant and dtype (Note [Linear projections])."""
     if accuracy_level not in (None, 0, 4):
         raise ValueError(f"accuracy_level must be None, 0 or 4, not {accuracy_level!r}")
     level = ACCURACY_LEVEL if accuracy_level is None else accuracy_level
@@ -194,9 +197,20 @@ def build(weights: LlamaWeights, variant: str, max_positions: int | None = None,
     g.init("rope_cos", cos)
     g.init("rope_sin", sin)
     eq = weights.embed_q
+    # Note [Linear projections]
+    # The float16 ortkv and copy decoders (the copy baseline then differs from ortkv only by its cache, as with
+    # MatMulQ4) compute every float projection and the tied LM head with ortkv.Linear (Note [Linear] in
+    # custom_ops/include/ortkv/linear.h): on CUDA a batch-1 step's 121 projections run our GEMV instead of
+    # cuBLAS's M = 1 GEMMs (3.7 us each, ~2x their bytes' time on the H200). Linear takes W as [N, K], so each
+    # projection is stored transposed once, and the LM head reads the embedding table [vocab, E] as it is:
+    # no 56.6 MB transposed copy (MatMul needs lm_head = embed^T). The genai variant keeps MatMul
+    # (onnxruntime-genai loads no ortkv ops), float32 decoders too (ORT's MLAS is at 0.98 of the CPU's read
+    # bound). The Cast to float32 logits and the greedy output are unchanged. build(linear=True / False) overrides.
+    use_linear = (dtype != "float32" and variant != "genai") if linear is None else bool(linear)
     if eq is None:
         g.init("embed", weights.embed)
-        g.init("lm_head", np.ascontiguousarray(weights.embed.T))
+        if not use_linear:
+            g.init("lm_head", np.ascontiguousarray(weights.embed.T))
     g.init("final_norm", weights.final_norm)
     g.init("shape_kv", np.array([0, 0, Hkv, D], np.int64))
     g.init("zero", np.array(0, np.int64))
@@ -281,6 +295,8 @@ def build(weights: LlamaWeights, variant: str, max_positions: int | None = None,
                                        keepdims=0)  # Note [Block sums as a MatMul]
             mins = g.op("MatMul", [block_sums[key], g.init(name + "_mins", np.ascontiguousarray(w.mins.T))])
             return g.op("Add", [y, mins], outputs)
+        if use_linear:  # Note [Linear projections]: W stored transposed once, [N, K]
+            return g.op("Linear", [x, g.init(name, np.ascontiguousarray(np.asarray(w).T))], outputs, domain="ortkv")
         return g.op("MatMul", [x, g.init(name, w)], outputs)
 
     if eq is None:
@@ -397,10 +413,13 @@ def build(weights: LlamaWeights, variant: str, max_positions: int | None = None,
         norm_next = "final_norm" if last else f"l{i + 1}_attn_norm"
         h, x = add_norm(x, down, norm_next, p + "out_norm", need_sum=not last)
     xn = h if weights.layers else g.op("SimplifiedLayerNormalization", [x, "final_norm"], axis=-1, epsilon=cfg.rms_eps)
+    # the tied LM head: Linear on the embedding table itself, or MatMul on its transposed copy
+    head = (lambda out: g.op("Linear", [xn, "embed"], [out], domain="ortkv")) if use_linear else \
+        (lambda out: g.op("MatMul", [xn, "lm_head"], [out]))
     if eq is None and dtype != "float32":
-        g.op("Cast", [g.op("MatMul", [xn, "lm_head"], ["logits_" + dtype])], ["logits"], to=TP.FLOAT)
+        g.op("Cast", [head("logits_" + dtype)], ["logits"], to=TP.FLOAT)
     elif eq is None:
-        g.op("MatMul", [xn, "lm_head"], ["logits"])
+        head("logits")
     else:
         matmul(xn, "embed", eq, ["logits"])  # initializers embed_q8 (shared with the lookup) and embed_scales
     if variant == "ortkv" and dtype != "float32":

@@ -33,8 +33,9 @@ def gguf_path(cfg: GenAIConfig, log=print) -> Path:
 
 
 def model_dir(cfg: GenAIConfig) -> Path:
-    # f16g: the float16 ortkv decoder picks its greedy token itself (Note [Greedy in the decoder] in builder.py)
-    weights = "f16g" if cfg.dtype == "float16" else WEIGHTS_TAG.get(cfg.ortkv.weights, cfg.ortkv.weights)
+    # f16g: the float16 ortkv decoder picks its greedy token itself (Note [Greedy in the decoder] in builder.py);
+    # f16lin: the float16 ortkv / copy projections are ortkv.Linear (Note [Linear projections] in builder.py)
+    weights = "f16lin" if cfg.dtype == "float16" else WEIGHTS_TAG.get(cfg.ortkv.weights, cfg.ortkv.weights)
     tag = BUILD_TAG.format(weights=weights)
     if cfg.cache_layout != "BNSH":
         # "-bsnh2": the BSNH graphs take K / V flat since Note [CacheUpdate flat values]; an older "-bsnh" build

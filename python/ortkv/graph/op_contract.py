@@ -192,6 +192,18 @@ _add(OpContract(
     kernel="CPU",
 ))
 
+# Note [Linear] (custom_ops/include/ortkv/linear.h): Y = X W^T, W in torch's Linear layout [N, K].
+_add(OpContract(
+    DOMAIN, "Linear",
+    inputs=(Port("X", FLOATS, "[..., K]: float32 / float16 on the CPU, float16 / bfloat16 on CUDA; K a multiple of 8"),
+            Port("W", FLOATS, "[N, K] (torch's Linear layout: MatMul's B transposed), X's type")),
+    outputs=(Port("Y", FLOATS, "[..., N], X's type"),),
+    must_alias=(),
+    attrs=(Attr("rows_per_warp", INT, default=2, allowed=(1, 2, 4),
+                doc="output rows per warp of the CUDA GEMV (M <= 8; Note [Linear GEMV])"),),
+    kernel="CPU, CUDA",
+))
+
 # Where a kernel runs what the contract refuses (documented, tested in tests/test_op_contract.py):
 KERNEL_LENIENCY: dict[str, str] = {}
 

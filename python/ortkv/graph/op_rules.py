@@ -488,6 +488,38 @@ def matmul_q4(ctx, node, label, ins):
     return [out]
 
 
+def linear(ctx, node, label, ins):
+    """ortkv.Linear (Note [Linear] in custom_ops/include/ortkv/linear.h): X [..., K], W [N, K] of X's float type
+    -> Y [..., N]; K a multiple of 8."""
+    op = "Linear"
+    x, w = _pad(ins, 2)[:2]
+    if not _contract(ctx, node, label):
+        return [ValueType(x.elem)]
+    for name, t in ((node.input[0], x), (node.input[1], w)):
+        if t.elem is not None and t.elem not in FLOATS:
+            ctx.error("op-input", label, f"{op} node '{label}': '{name}' is {elem_name(t.elem)}; Linear takes float32, "
+                      "float16 or bfloat16")
+    if x.elem is not None and w.elem is not None and x.elem != w.elem:
+        ctx.error("op-input", label, f"{op} node '{label}': X '{node.input[0]}' is {elem_name(x.elem)} but W "
+                  f"'{node.input[1]}' is {elem_name(w.elem)}; both must have the same float type")
+    if w.shape is not None and len(w.shape) != 2:
+        ctx.error("op-input", label, f"{op} node '{label}': W '{node.input[1]}' is {list_dims(w.shape)}; it must be "
+                  "[N, K] (rank 2, torch's Linear layout: MatMul's B transposed)")
+        return [ValueType(x.elem)]
+    if x.shape is not None and len(x.shape) == 0:
+        ctx.error("op-input", label, f"{op} node '{label}': X '{node.input[0]}' is a scalar; it must be [..., K]")
+        return [ValueType(x.elem)]
+    n = w.shape[0] if w.shape is not None else None
+    if x.shape and w.shape is not None:
+        _meet_dim(ctx, label, op, node.input[0], x, len(x.shape) - 1, node.input[1], w, 1,
+                  "K: W must be [N, K] with X's last dim as K")
+    k = ctx.table.resolve(w.shape[1]) if w.shape is not None else (ctx.table.resolve(x.shape[-1]) if x.shape else None)
+    if isinstance(k, int) and k % 8:
+        ctx.error("op-input", label, f"{op} node '{label}': K = {k} is not a multiple of 8; Linear reads W in 16-byte "
+                  "vectors of 8 elements: use MatMul for this matrix")
+    return [ValueType(x.elem, None if not x.shape else tuple(x.shape[:-1]) + (n,))]
+
+
 def group_query_attention(ctx, node, label, ins):
     q, past_k = _pad(ins, 4)[0], _pad(ins, 4)[3]
     hq, hkv = _int_attr(node, "num_heads"), _int_attr(node, "kv_num_heads")
@@ -512,6 +544,7 @@ OP_RULES = {
     ("com.microsoft", "RotaryEmbedding"): passthrough,
     ("com.microsoft", "MatMulNBits"): matmul_nbits,
     ("ortkv", "MatMulQ4"): matmul_q4,
+    ("ortkv", "Linear"): linear,
     ("com.microsoft", "GroupQueryAttention"): group_query_attention,
 }
 

@@ -1,0 +1,193 @@
+// Linear(X, W) -> Y, domain "ortkv", opset 1, CPU and CUDA EPs: Y[..., N] = X[..., K] @ W^T with W [N, K]
+// (Note [Linear] in ortkv/linear.h). CPU: float32, float16 (computed in float32). CUDA: float16, bfloat16; M <= 8
+// rows run our GEMV (Note [Linear GEMV]), more rows cuBLAS (Note [Linear cuBLAS]). Attribute rows_per_warp (CUDA
+// GEMV only; 1, 2 or 4, default 2): output rows per warp, for measuring the GEMV's variants on a device.
+#include <algorithm>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "ops.h"
+#include "ort_util.h"
+#include "ortkv/linear.h"
+
+namespace ortkv_ort {
+namespace {
+
+using ortkv::Code;
+using ortkv::Status;
+using ortkv::TensorArg;
+
+struct LinearKernel {
+  NodeNames names;
+  bool cuda = false;
+  int64_t rows_per_warp = 2;
+#if defined(ORTKV_WITH_CUDA)
+  ortkv::LinearCublas cublas;
+#endif
+};
+
+// CPU tasks: blocks of rows x columns with ~256K multiply-adds each.
+constexpr int64_t kCpuRowsPerTask = 64;
+constexpr int64_t kCpuMacsPerTask = 256 << 10;
+
+struct CpuJob {
+  const ortkv::LinearView* view;
+  int64_t rows, cols, col_tasks;
+};
+
+void CpuTask(void* user, size_t i) {
+  const auto& j = *static_cast<const CpuJob*>(user);
+  const int64_t mi = static_cast<int64_t>(i) / j.col_tasks, ni = static_cast<int64_t>(i) % j.col_tasks;
+  const int64_t m0 = mi * j.rows, n0 = ni * j.cols;
+  ortkv::LinearCpu(*j.view, m0, std::min(m0 + j.rows, j.view->M), n0, std::min(n0 + j.cols, j.view->N));
+}
+
+OrtStatus* Compute(void* op_kernel, OrtKernelContext* ctx) {
+  auto& k = *static_cast<LinearKernel*>(op_kernel);
+  TensorArg args[2];
+  for (size_t i = 0; i < 2; ++i) {
+    const OrtValue* in = nullptr;
+    ORTKV_RETURN_IF_ORT_ERROR(g_api->KernelContext_GetInput(ctx, i, &in));
+    ORTKV_RETURN_IF_ORT_ERROR(ReadTensor(in, k.names.inputs[i], &args[i], nullptr, nullptr));
+  }
+  const TensorArg& x = args[0];
+  const bool type_ok = k.cuda ? (x.elem_type == ortkv::kFloat16 || x.elem_type == ortkv::kBFloat16)
+                              : (x.elem_type == ortkv::kFloat32 || x.elem_type == ortkv::kFloat16);
+  if (!type_ok) {
+    std::ostringstream m;
+    m << "Linear node '" << k.names.node << "': X '" << x.name << "' is " << ortkv::ElemTypeName(x.elem_type)
+      << (k.cuda ? "; the CUDA kernel takes float16 or bfloat16 (float32 on CUDA: use MatMul)"
+                 : "; the CPU kernel takes float32 or float16 (bfloat16 runs on CUDAExecutionProvider)");
+    return ToOrtStatus(Status(Code::kInvalidArgument, m.str()));
+  }
+  ortkv::LinearView view;
+  ORTKV_RETURN_IF_ORT_ERROR(ToOrtStatus(ortkv::PlanLinear(k.names.node, x, args[1], &view)));
+  std::vector<int64_t> dims = x.dims;
+  dims.back() = view.N;
+  OrtValue* out = nullptr;
+  ORTKV_RETURN_IF_ORT_ERROR(g_api->KernelContext_GetOutput(ctx, 0, dims.data(), dims.size(), &out));
+  ORTKV_RETURN_IF_ORT_ERROR(g_api->GetTensorMutableData(out, &view.y));
+  if (view.M == 0 || view.N == 0) return nullptr;
+  if (k.cuda) {
+#if defined(ORTKV_WITH_CUDA)
+    void* stream = nullptr;
+    ORTKV_RETURN_IF_ORT_ERROR(g_api->KernelContext_GetGPUComputeStream(ctx, &stream));
+    const int64_t x_bytes = view.M * view.K * 2;
+    if (view.M <= ortkv::kLinearGemvMaxM && x_bytes <= ortkv::kLinearGemvMaxXBytes) {
+      for (const auto* t : {&args[0], &args[1]}) {
+        if (reinterpret_cast<uintptr_t>(t->data) % 16 != 0) {
+          return ToOrtStatus(Status(Code::kInvalidArgument,
+                                    "Linear node '" + k.names.node + "': '" + t->name + "' at " + Hex(t->data) +
+                                        " is not 16-byte aligned; the GEMV reads it in 16-byte vectors. Remedy: "
+                                        "pass a tensor that starts on a 16-byte boundary (ORT's own are)"));
+        }
+      }
+      return ToOrtStatus(ortkv::LinearGemvCuda(view, static_cast<int>(k.rows_per_warp), stream));
+    }
+    return ToOrtStatus(k.cublas.Run(k.names.node, view, stream));
+#else
+    return ToOrtStatus(Status(Code::kRuntime, "Linear: this build of ortkv has no CUDA kernels"));
+#endif
+  }
+  const int64_t rows = std::min(view.M, kCpuRowsPerTask);
+  const int64_t cols = std::max<int64_t>(8, kCpuMacsPerTask / std::max<int64_t>(1, rows * view.K));
+  CpuJob job{&view, rows, cols, (view.N + cols - 1) / cols};
+  const int64_t tasks = (view.M + rows - 1) / rows * job.col_tasks;
+  if (tasks == 1) {
+    CpuTask(&job, 0);
+    return nullptr;
+  }
+  return g_api->KernelContext_ParallelFor(ctx, CpuTask, static_cast<size_t>(tasks), 0, &job);
+}
+
+// Y's type and shape: X's type, X's dims with the last replaced by W's first (-1 when unknown).
+OrtStatus* InferLinear(const OrtCustomOp*, OrtShapeInferContext* ctx) {
+  OrtTensorTypeAndShapeInfo* xi = nullptr;  // owned by the context
+  OrtTensorTypeAndShapeInfo* wi = nullptr;
+  ORTKV_RETURN_IF_ORT_ERROR(g_api->ShapeInferContext_GetInputTypeShape(ctx, 0, &xi));
+  ORTKV_RETURN_IF_ORT_ERROR(g_api->ShapeInferContext_GetInputTypeShape(ctx, 1, &wi));
+  size_t rank = 0, wrank = 0;
+  ORTKV_RETURN_IF_ORT_ERROR(g_api->GetDimensionsCount(xi, &rank));
+  ORTKV_RETURN_IF_ORT_ERROR(g_api->GetDimensionsCount(wi, &wrank));
+  if (rank == 0) return g_api->ShapeInferContext_SetOutputTypeShape(ctx, 0, xi);  // unknown: as X
+  std::vector<int64_t> dims(rank);
+  std::vector<const char*> names(rank, nullptr);
+  ORTKV_RETURN_IF_ORT_ERROR(g_api->GetDimensions(xi, dims.data(), rank));
+  ORTKV_RETURN_IF_ORT_ERROR(g_api->GetSymbolicDimensions(xi, names.data(), rank));
+  int64_t n = -1;
+  if (wrank == 2) {
+    int64_t wd[2] = {-1, -1};
+    ORTKV_RETURN_IF_ORT_ERROR(g_api->GetDimensions(wi, wd, 2));
+    n = wd[0];
+  }
+  dims[rank - 1] = n;
+  names[rank - 1] = "";
+  for (auto& s : names)
+    if (s == nullptr) s = "";
+  ONNXTensorElementDataType type;
+  ORTKV_RETURN_IF_ORT_ERROR(g_api->GetTensorElementType(xi, &type));
+  OrtTensorTypeAndShapeInfo* info = nullptr;
+  ORTKV_RETURN_IF_ORT_ERROR(g_api->CreateTensorTypeAndShapeInfo(&info));
+  OrtStatus* s = g_api->SetTensorElementType(info, type);
+  if (s == nullptr) s = g_api->SetDimensions(info, dims.data(), rank);
+  if (s == nullptr) s = g_api->SetSymbolicDimensions(info, names.data(), rank);
+  if (s == nullptr) s = g_api->ShapeInferContext_SetOutputTypeShape(ctx, 0, info);
+  g_api->ReleaseTensorTypeAndShapeInfo(info);
+  return s;
+}
+
+OrtStatus* Create(const OrtApi* api, const OrtKernelInfo* info, void** kernel, bool cuda) {
+  auto k = std::make_unique<LinearKernel>();
+  k->cuda = cuda;
+  ORTKV_RETURN_IF_ORT_ERROR(ReadNodeNames(api, info, 2, 1, &k->names));
+  ORTKV_RETURN_IF_ORT_ERROR(OptionalAttribute(api, info, k->names.node, "rows_per_warp", int64_t{2}, &k->rows_per_warp));
+  if (k->rows_per_warp != 1 && k->rows_per_warp != 2 && k->rows_per_warp != 4) {
+    const std::string m = "[ortkv:E_INPUT] Linear node '" + k->names.node + "': attribute rows_per_warp=" +
+                          std::to_string(k->rows_per_warp) + " must be 1, 2 or 4 (output rows per warp of the CUDA GEMV)";
+    return api->CreateStatus(ORT_INVALID_ARGUMENT, m.c_str());
+  }
+  *kernel = k.release();
+  return nullptr;
+}
+
+OrtCustomOp MakeLinear(bool cuda) {
+  OrtCustomOp op;
+  InitCustomOp(&op);
+  op.GetName = [](const OrtCustomOp*) { return "Linear"; };
+  op.GetExecutionProviderType = cuda ? [](const OrtCustomOp*) -> const char* { return "CUDAExecutionProvider"; }
+                                     : [](const OrtCustomOp*) -> const char* { return nullptr; };
+  // Types declared open and checked by the kernel with a named error (Note [CacheAttention CPU types] in
+  // cache_attention_op.cc: a declared type would let ORT wrap the node in silent Casts).
+  op.GetInputTypeCount = [](const OrtCustomOp*) -> size_t { return 2; };
+  op.GetInputType = [](const OrtCustomOp*, size_t) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED; };
+  op.GetOutputTypeCount = [](const OrtCustomOp*) -> size_t { return 1; };
+  op.GetOutputType = [](const OrtCustomOp*, size_t) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED; };
+  op.CreateKernelV2 = cuda ? [](const OrtCustomOp*, const OrtApi* a, const OrtKernelInfo* i, void** k) {
+    return Create(a, i, k, true);
+  }
+                           : [](const OrtCustomOp*, const OrtApi* a, const OrtKernelInfo* i, void** k) {
+                               return Create(a, i, k, false);
+                             };
+  op.KernelComputeV2 = Compute;
+  op.KernelDestroy = [](void* k) { delete static_cast<LinearKernel*>(k); };
+  op.InferOutputShapeFn = InferLinear;
+  return op;
+}
+
+const OrtCustomOp kLinearCpu = MakeLinear(false);
+#if defined(ORTKV_WITH_CUDA)
+const OrtCustomOp kLinearCuda = MakeLinear(true);
+#endif
+
+}  // namespace
+
+void AppendLinearOps(std::vector<const OrtCustomOp*>* ops) {
+  ops->push_back(&kLinearCpu);
+#if defined(ORTKV_WITH_CUDA)
+  ops->push_back(&kLinearCuda);
+#endif
+}
+
+}  // namespace ortkv_ort
