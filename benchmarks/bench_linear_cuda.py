@@ -1,6 +1,6 @@
 """ortkv.Linear (Note [Linear] in custom_ops/include/ortkv/linear.h) against ORT's MatMul (cuBLAS) on CUDA, on the
-SmolLM2-135M decoder's projection shapes and its tied LM head, at M = 1, 2, 4, 8 (our GEMV, one variant per
-rows_per_warp) and 32 (both cuBLAS), float16.
+SmolLM2-135M decoder's projection shapes and its tied LM head, at M = 1, 2, 4, 8 (our GEMV where LinearUsesGemv
+picks it, Note [Linear path choice]; one variant per rows_per_warp) and 32 (both cuBLAS), float16.
 
   case   : one model of R nodes of one kind, each with its OWN weight and reading the same X [M, K], each Y a bound
            graph output; R is chosen so that the R weights hold >= --pool-mib MiB (256 by default: 5x the H200's
@@ -131,8 +131,8 @@ def main() -> int:
     lines = [f"# ortkv.Linear vs MatMul (cuBLAS) on CUDA, float16 (onnxruntime {ort.__version__})", "",
              f"Command: `{cmd}` (CUDA graph replays of R nodes with their own weights; see the script's docstring). "
              f"Host load (1 min): {os.getloadavg()[0]:.2f}.", "",
-             "us per node (GB/s of weight read). linear-rpwN: ortkv.Linear with rows_per_warp N (M <= 8: our GEMV, "
-             "M > 8: cuBLAS GemmEx); matmul: ORT's MatMul. ratio: matmul / the fastest linear (> 1: Linear faster).",
+             "us per node (GB/s of weight read). linear-rpwN: ortkv.Linear with rows_per_warp N (our GEMV where "
+             "Note [Linear path choice] picks it, else cuBLAS GemmEx); matmul: ORT's MatMul. ratio: matmul / the fastest linear (> 1: Linear faster).",
              ""]
     head = "| shape | K | N | M | R | " + " | ".join(kinds) + " | ratio | note |"
     lines += [head, "|" + "---|" * (head.count("|") - 1)]

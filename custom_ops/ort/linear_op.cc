@@ -74,8 +74,7 @@ OrtStatus* Compute(void* op_kernel, OrtKernelContext* ctx) {
 #if defined(ORTKV_WITH_CUDA)
     void* stream = nullptr;
     ORTKV_RETURN_IF_ORT_ERROR(g_api->KernelContext_GetGPUComputeStream(ctx, &stream));
-    const int64_t x_bytes = view.M * view.K * 2;
-    if (view.M <= ortkv::kLinearGemvMaxM && x_bytes <= ortkv::kLinearGemvMaxXBytes) {
+    if (ortkv::LinearUsesGemv(view.M, view.K, view.N)) {  // Note [Linear path choice] in ortkv/linear.h
       for (const auto* t : {&args[0], &args[1]}) {
         if (reinterpret_cast<uintptr_t>(t->data) % 16 != 0) {
           return ToOrtStatus(Status(Code::kInvalidArgument,

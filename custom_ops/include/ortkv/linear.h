@@ -13,11 +13,13 @@
 // enough loads in flight. A GEMV of our own at ~1.5-2 us per call is the margin between the step measured
 // (1.31-1.36 ms) and the goal (<= 1.26 ms, 1.05x llama.cpp's 757 tok/s).
 // Paths:
-//   * CUDA, M <= kLinearGemvMaxM (8): LinearGemvCuda, our GEMV (Note [Linear GEMV] in
-//     custom_ops/kernels/cuda/linear.cu): W read exactly once with 16-byte loads, X staged in shared memory,
-//     fp32 accumulators, no workspace, no atomics, no allocation, no host sync (graph-capturable).
-//   * CUDA, M > 8 (prefill; decode at batch > 8): cuBLAS cublasGemmEx (W^T x X, fp32 compute) on the node's
-//     compute stream, cuBLAS dlopen'd at first use (Note [Linear cuBLAS] in custom_ops/ort/linear_op.cc).
+//   * CUDA, small M (LinearUsesGemv, Note [Linear path choice]: M <= 4, or M <= 8 with N <= 1024, W within
+//     8 MiB): LinearGemvCuda, our GEMV (Note [Linear GEMV] in custom_ops/kernels/cuda/linear.cu): W read exactly
+//     once with 16-byte loads, X staged in shared memory, fp32 accumulators, no workspace, no atomics, no
+//     allocation, no host sync (graph-capturable).
+//   * CUDA otherwise (prefill; decode at batch > 8; the LM head): cuBLAS cublasGemmEx (W^T x X, fp32 compute)
+//     on the node's compute stream, cuBLAS dlopen'd at first use (Note [Linear cuBLAS] in
+//     custom_ops/ort/linear_op.cc).
 //   * CPU: float32, and float16 computed in float32 (converted per element, exact) with one rounding at the
 //     store: the reference path, which also lets a float16 model run on the CPU. ORT's MatMul (MLAS) stays
 //     the float32 decoders' projection (0.98 of the read bound on the CPU): the builder uses Linear for
@@ -41,6 +43,17 @@ constexpr int64_t kLinearKMultiple = 8;  // elements per 16-byte load of float16
 constexpr int64_t kLinearGemvMaxM = 8;   // CUDA: M <= 8 runs the GEMV, larger M cuBLAS
 // The GEMV stages X [M, K] in shared memory; a larger X goes to cuBLAS (K > 24576 at M = 1 in float16).
 constexpr int64_t kLinearGemvMaxXBytes = 48 << 10;
+// Note [Linear path choice]: which CUDA path a call takes, from the H200's figures
+// (benchmarks/results/linear_cuda_h200.md, us per call, GEMV / cuBLAS): the GEMV wins at M = 1..4 on the
+// decoder's projections (M = 1: 2.2-3.2 vs 3.6-5.1) and at M = 8 on the narrow ones (N <= 1024: 3.3-4.3 vs
+// 3.6-5.0), but not on the fused gate / up at M = 8 (5.1 vs 4.2) nor on the 56.6 MB LM head at any M (M = 1:
+// 19.6 vs 18.1; M = 8: 42.3 vs 18.5: cuBLAS streams a large W at ~3.1 TB/s, the GEMV's one warp per 2 rows
+// does not). So: the GEMV for M <= 4, or M <= 8 with N <= 1024, and W within 8 MiB; cuBLAS otherwise.
+constexpr int64_t kLinearGemvMaxWeightBytes = 8 << 20;
+constexpr bool LinearUsesGemv(int64_t M, int64_t K, int64_t N) {
+  return M >= 1 && M <= kLinearGemvMaxM && M * K * 2 <= kLinearGemvMaxXBytes && N * K * 2 <= kLinearGemvMaxWeightBytes &&
+         (M <= 4 || N <= 1024);
+}
 
 struct LinearView {
   const void* x = nullptr;  // [M, K]

@@ -24,6 +24,7 @@ import json
 
 import numpy as np
 
+from .. import get_library_path
 from ..errors import OrtkvError
 from ..vmm import ArenaKVCache, CacheGeometry, Governor, live_bytes
 from .builder import genai_names, ortkv_names
@@ -467,7 +468,11 @@ class CopyRunner:
         self.device = cfg.device
         self.dtype = NP_FLOAT[cfg.dtype]
         self.layers, self.pad = cfg.model.decoder.num_hidden_layers, cfg.model.pad_token_id
-        self.sess = ort.InferenceSession(str(path), _session_options(cfg), providers=providers_for(cfg))
+        so = _session_options(cfg)
+        # the copy baseline shares ortkv's weight ops (MatMulQ4 for q4, Linear for float16; Note [Linear
+        # projections] in builder.py): only its cache differs from the ortkv decoder's
+        so.register_custom_ops_library(get_library_path())
+        self.sess = ort.InferenceSession(str(path), so, providers=providers_for(cfg))
         self.out_names = [o.name for o in self.sess.get_outputs()]
         self.last_token = LastToken(cfg) if self.device != "cpu" else None
         self.greedy_token = GreedyToken(cfg) if self.device != "cpu" else None
