@@ -1647,7 +1647,7 @@ using tile16::ZeroInvalidV;
 
 template <int D>
 struct Cfg {
-  static constexpr int kStages = D <= 64 ? 4 : 3;  // 3 tiles in flight per warp at head size 64 (2 before: 1.35x dense v3)
+  static constexpr int kStages = D <= 64 ? 3 : 2;
   static constexpr int kRegion = kTile * D * 2;          // one tile of K (or V) as 16-bit values
   static constexpr int kStageBytes = 2 * kRegion + 128;  // K, V, then 64 bytes of K scales and of V scales
   static constexpr int kWarpBytes = kStages * kStageBytes;
@@ -1839,11 +1839,94 @@ __device__ __forceinline__ void DecodeTile(uint8_t* st, const uint8_t* pg, const
   __syncwarp();
 }
 
+// One page window's tiles for one warp (Note [Paged CUDA v3]): warp w takes the window's 16-key tiles w, w + kWarps,
+// ... through its ring. UF >= 0: every page of the window has format UF (the caller checked), so the loop has no
+// per-tile format switch; UF = -1: any mix, the format read per tile. ps_shift: log2(page size) when it is a power
+// of two, else -1 (then a division).
+// Note [Paged CUDA v3 uniform windows]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// ncu on the H200 (32K keys x 8 rows, F16 pages; benchmarks/results/paged_attention_cuda_h200.md) found the paged
+// kernel waiting on its own instructions, not on memory: 33 % more instructions than dense v3 for the same
+// tiles, 27 % of warp stalls on shared-memory latency and 8 % on instruction fetch. Per tile it looked up the
+// page's format in shared memory, switched over 8 formats twice (the copy and the decode) and divided by the
+// page size twice. A cache whose window of pages has one format (a single-format policy; the long runs of a
+// recency policy) now takes a loop compiled for that format, and the page index is a shift for power-of-two
+// page sizes; mixed windows keep the switch.
+template <typename T, int D, int UF>
+__device__ __forceinline__ void WindowTiles(const PageWindow& sh, uint8_t* wring, int64_t s0, int64_t s1, int64_t p0,
+                                            int ps, int ps_shift, int hk, int warp, int lane,
+                                            const uint32_t (*qa)[2], float& m, float& l, float (*o)[4]) {
+  using C = Cfg<D>;
+  constexpr bool BF = std::is_same<T, __nv_bfloat16>::value;
+  constexpr int kDirect = BF ? static_cast<int>(PageFormat::kBF16) : static_cast<int>(PageFormat::kF16);
+  const auto page_of = [&](int x) { return ps_shift >= 0 ? x >> ps_shift : x / ps; };
+  // tiles of 16 keys aligned to 16 (within one page); warp w takes tiles w, w + kWarps, ...
+  const int64_t a0 = s0 & ~static_cast<int64_t>(kTile - 1);
+  const int base_off = static_cast<int>(a0 - p0 * ps);
+  const int lo = static_cast<int>(s0 - a0), win = static_cast<int>(s1 - a0);
+  const int n_tiles = (win + kTile - 1) / kTile;
+  const int mine = n_tiles > warp ? (n_tiles - warp + kWarps - 1) / kWarps : 0;
+  const uint32_t hrow = static_cast<uint32_t>(hk) * ps;
+  int next = 0, stage_in = 0;
+  auto issue = [&]() {
+    if (next < mine) {
+      const int o0 = base_off + (warp + next * kWarps) * kTile;
+      const int lp = page_of(o0);
+      const uint32_t row0 = hrow + static_cast<uint32_t>(o0 - lp * ps);
+      uint8_t* st = wring + stage_in * C::kStageBytes;
+      if constexpr (UF >= 0) {
+        IssueTile<UF, D, UF == kDirect>(st, sh.page[lp], sh.fi[UF], row0, lane);
+      } else {
+        const int f = sh.fmt[lp];
+#define ORTKV_ISSUE3(F) IssueTile<F, D, F == kDirect>(st, sh.page[lp], sh.fi[F], row0, lane)
+        ORTKV_PAGED_FORMAT_SWITCH(f, ORTKV_ISSUE3)
+#undef ORTKV_ISSUE3
+      }
+    }
+    CpAsyncCommit();
+    ++next;
+    stage_in = stage_in + 1 == C::kStages ? 0 : stage_in + 1;
+  };
+#pragma unroll
+  for (int s = 0; s < C::kStages - 1; ++s) issue();
+  int stage = 0;
+  for (int it = 0; it < mine; ++it, stage = stage + 1 == C::kStages ? 0 : stage + 1) {
+    CpAsyncWait<C::kStages - 2>();
+    __syncwarp();  // this tile's copies landed for the whole warp; the slot refilled next was read
+    issue();
+    const int off = (warp + it * kWarps) * kTile;  // from a0
+    uint32_t valid = 0xFFFFu;
+    if (off < lo || off + kTile > win) {
+      valid = 0;
+      for (int k = 0; k < kTile; ++k) valid |= (off + k >= lo && off + k < win) ? (1u << k) : 0u;
+    }
+    const int lp = page_of(base_off + off);
+    uint8_t* st = wring + stage * C::kStageBytes;
+    if constexpr (UF >= 0) {
+      if constexpr (UF != kDirect) {
+        DecodeTile<UF, D, BF>(st, sh.page[lp], sh.fi[UF], hk, lane, valid);
+      } else if (valid != 0xFFFFu) {
+        ZeroInvalidV<D>(st, lane, valid);
+      }
+    } else {
+      const int f = sh.fmt[lp];
+      if (f != kDirect) {
+#define ORTKV_DECODE3(F) \
+  if constexpr (F != kDirect) DecodeTile<F, D, BF>(st, sh.page[lp], sh.fi[F], hk, lane, valid);
+        ORTKV_PAGED_FORMAT_SWITCH(f, ORTKV_DECODE3)
+#undef ORTKV_DECODE3
+      } else if (valid != 0xFFFFu) {
+        ZeroInvalidV<D>(st, lane, valid);
+      }
+    }
+    TileProducts<BF, D>(st, qa, lane, valid, m, l, o);
+  }
+}
+
 template <typename T, int D>
 __global__ void __launch_bounds__(kThreads) PagedAttentionV3(const AttnArgs args) {
   using C = Cfg<D>;
   constexpr bool BF = std::is_same<T, __nv_bfloat16>::value;  // the products' 16-bit type is the queries'
-  constexpr int kDirect = BF ? static_cast<int>(PageFormat::kBF16) : static_cast<int>(PageFormat::kF16);
   extern __shared__ __align__(16) unsigned char dsm[];
   PageWindow& sh = *reinterpret_cast<PageWindow*>(dsm);
   uint8_t* ring = dsm + (sizeof(PageWindow) + 15) / 16 * 16;
@@ -1864,6 +1947,7 @@ __global__ void __launch_bounds__(kThreads) PagedAttentionV3(const AttnArgs args
   const int64_t g0 = hb * 8;  // the host's head blocks: one for G <= 8, else 8 heads each
   const int gn = static_cast<int>(G - g0 < 8 ? G - g0 : 8);
   const int ps = a.p.shape.page_size;  // a multiple of kTile (the launch checks)
+  const int ps_shift = (ps & (ps - 1)) == 0 ? __ffs(ps) - 1 : -1;  // page index by a shift where it can be
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   if (tid == 0) sh.key = kNoError;
 
@@ -1917,54 +2001,22 @@ __global__ void __launch_bounds__(kThreads) PagedAttentionV3(const AttnArgs args
       skip = true;
       break;
     }
-    // tiles of 16 keys aligned to 16 (within one page); warp w takes tiles w, w + kWarps, ...
-    const int64_t a0 = s0 & ~static_cast<int64_t>(kTile - 1);
-    const int base_off = static_cast<int>(a0 - p0 * ps);
-    const int lo = static_cast<int>(s0 - a0), win = static_cast<int>(s1 - a0);
-    const int n_tiles = (win + kTile - 1) / kTile;
-    const int mine = n_tiles > warp ? (n_tiles - warp + kWarps - 1) / kWarps : 0;
-    const uint32_t hrow = static_cast<uint32_t>(hk) * ps;
-    int next = 0, stage_in = 0;
-    auto issue = [&]() {
-      if (next < mine) {
-        const int o0 = base_off + (warp + next * kWarps) * kTile;
-        const int lp = o0 / ps;
-        const uint32_t row0 = hrow + static_cast<uint32_t>(o0 - lp * ps);
-        const int f = sh.fmt[lp];
-        uint8_t* st = wring + stage_in * C::kStageBytes;
-#define ORTKV_ISSUE3(F) IssueTile<F, D, F == kDirect>(st, sh.page[lp], sh.fi[F], row0, lane)
-        ORTKV_PAGED_FORMAT_SWITCH(f, ORTKV_ISSUE3)
-#undef ORTKV_ISSUE3
-      }
-      CpAsyncCommit();
-      ++next;
-      stage_in = stage_in + 1 == C::kStages ? 0 : stage_in + 1;
-    };
-#pragma unroll
-    for (int s = 0; s < C::kStages - 1; ++s) issue();
-    int stage = 0;
-    for (int it = 0; it < mine; ++it, stage = stage + 1 == C::kStages ? 0 : stage + 1) {
-      CpAsyncWait<C::kStages - 2>();
-      __syncwarp();  // this tile's copies landed for the whole warp; the slot refilled next was read
-      issue();
-      const int off = (warp + it * kWarps) * kTile;  // from a0
-      uint32_t valid = 0xFFFFu;
-      if (off < lo || off + kTile > win) {
-        valid = 0;
-        for (int k = 0; k < kTile; ++k) valid |= (off + k >= lo && off + k < win) ? (1u << k) : 0u;
-      }
-      const int lp = (base_off + off) / ps;
-      const int f = sh.fmt[lp];
-      uint8_t* st = wring + stage * C::kStageBytes;
-      if (f != kDirect) {
-#define ORTKV_DECODE3(F) \
-  if constexpr (F != kDirect) DecodeTile<F, D, BF>(st, sh.page[lp], sh.fi[F], hk, lane, valid);
-        ORTKV_PAGED_FORMAT_SWITCH(f, ORTKV_DECODE3)
-#undef ORTKV_DECODE3
-      } else if (valid != 0xFFFFu) {
-        ZeroInvalidV<D>(st, lane, valid);
-      }
-      TileProducts<BF, D>(st, qa, lane, valid, m, l, o);
+    // Note [Paged CUDA v3 uniform windows]: one format for the whole window -> a loop without the format switch
+    int mixed = 0;
+    for (int64_t i = tid; i <= p1 - p0; i += kThreads) mixed |= sh.fmt[i] != sh.fmt[0];
+    const int uf = __syncthreads_or(mixed) ? -1 : sh.fmt[0];
+    switch (uf) {
+#define ORTKV_WINDOW3(F) WindowTiles<T, D, F>(sh, wring, s0, s1, p0, ps, ps_shift, hk, warp, lane, qa, m, l, o)
+      case 0: ORTKV_WINDOW3(0); break;
+      case 1: ORTKV_WINDOW3(1); break;
+      case 2: ORTKV_WINDOW3(2); break;
+      case 3: ORTKV_WINDOW3(3); break;
+      case 4: ORTKV_WINDOW3(4); break;
+      case 5: ORTKV_WINDOW3(5); break;
+      case 6: ORTKV_WINDOW3(6); break;
+      case 7: ORTKV_WINDOW3(7); break;
+      default: ORTKV_WINDOW3(-1); break;
+#undef ORTKV_WINDOW3
     }
     CpAsyncWait<0>();
     s0 = s1;
