@@ -176,7 +176,8 @@ def test_runner_step_matches_a_plain_run_and_keeps_earlier_logits(slice_ortkv):
         plain.lengths += 1
         np.testing.assert_array_equal(g, want[:, -1])  # bit for bit
         np.testing.assert_array_equal(g, k)  # a later step did not write into an earlier step's logits
-    assert fast.sess._io_cache[7] == fast._cpu_feeds  # the step's feeds were bound once
+    assert fast.sess._io_cache[7] == fast._cpu_step[3]  # the step's feeds were bound once
+    assert fast.lengths is fast._cpu_step[0] and fast.lengths.tolist() == [5 + len(steps)]
     fast.close()
     plain.close()
 
