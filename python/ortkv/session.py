@@ -423,9 +423,10 @@ class MutableCacheSession:
     # (get_outputs_as_ortvaluevector, one call) still costs a pybind11 OrtValue per output (~40 / ~130 us). So
     # the vector hands each output to _ortkv.dlpack_data_ptr as a DLPack capsule, all in one call
     # (to_dlpacks; a capsule shares the tensor, nothing is copied, and is read only during that call: ORT
-    # releases it right after, so a capsule kept for later would point at freed memory). The comparison is the same: each aliased output's pointer against its cache's, every run;
-    # where to_dlpacks is missing or refuses (an ORT build without DLPack, an output that is not a tensor) the
-    # pointers are read one OrtValue at a time.
+    # releases it right after, so a capsule kept for later would point at freed memory): ~15 us warm, ~115 us
+    # right after a step. The comparison is the same: each aliased output's pointer against its cache's, every
+    # run; where to_dlpacks is missing or refuses (an ORT build without DLPack, an output that is not a tensor)
+    # the pointers are read one OrtValue at a time.
     def _check_aliases(self, values, alias_checks) -> None:
         try:
             from . import _ortkv

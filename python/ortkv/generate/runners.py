@@ -416,7 +416,7 @@ class OrtkvRunner:
         st = self._cpu_step
         if st is None or self.lengths is not st[0] or getattr(next_ids, "dtype", None) is not _INT64 \
                 or len(next_ids) != len(st[0]):
-            if getattr(next_ids, "dtype", None) != np.int64:  # as given: the session refuses it by name (InputTypeError)
+            if getattr(next_ids, "dtype", None) != np.int64:  # as given: refused by name (InputTypeError)
                 self._ensure(int(self.lengths.max()) + 1)
                 (logits,) = self.sess.run(["logits"], {"input_ids": next_ids.reshape(-1, 1), "positions": self.lengths})
                 self.lengths += 1
