@@ -5,6 +5,9 @@ wall time and the sum of its kernels (ORT's per-node framework overhead plus the
     python benchmarks/profile_decode.py [--weights float32,q4] [--steps 64] [--out FILE]
                                         [--build-tags v2,v3 --rounds 3]
     python benchmarks/profile_decode.py --floor --weights q8,q4 --rounds 5 [--threads 2] [--steps 128]
+    python benchmarks/profile_decode.py --options "base;session.intra_op.allow_spinning=0" --weights float32
+                                        --rounds 5 [--threads 2] [--steps 128]
+    python benchmarks/profile_decode.py --greedy-cost [--rounds 7]
 
 --floor splits an UNPROFILED decode step (the profiler adds ~14 us per node, which inflates a 600-node step
 ~1.7x): the wall time of runner.step(), ORT's run inside it (run_with_iobinding, timed), and the time of the
@@ -12,6 +15,17 @@ decoder's MatMulNBits nodes alone (a session holding only them and their weights
 activations: the floor that MLAS's kernels set). ORT run - floor is every other node plus ORT's gaps between
 nodes; wall - ORT run is the Python around the run (session wrapper, output binding). One session lives at a
 time (two sessions alive in one process ran ~5-8 % apart even on one decoder), alternating per round.
+
+--options A/B-tests session options on the decoder, unprofiled: variants separated by ";", each "base" or
+comma-separated KEY=VALUE session config entries (SessionOptions.add_session_config_entry), plus opt_level=
+BASIC|EXTENDED|ALL (graph_optimization_level) and inter_op=N (inter_op_num_threads); one child process per
+variant and round (one untimed generation, then --steps decode steps), the variants alternating within each
+round; reported: the median step wall / ORT run per variant and the median over rounds of each round's ratio
+to base (the fairer figure: the VM's bandwidth moves between rounds, much less within one).
+
+--greedy-cost measures what Note [Greedy in the decoder]'s nodes would cost a float32 CPU step: a session of
+an Identity [1, 1, V] -> logits, with and without the greedy nodes (Slice, ArgMax, IsNaN, Cast, Pad, ArgMax,
+Concat, as builder.py makes them), against the numpy greedy pick (Sampler) on the logits; alternating.
 
 --build-tags profiles the decoders cached under each build tag (models.BUILD_TAG's last part: v2 is the
 graph before Note [Fused decoder layer], v3 after; a missing one is built by THIS ortkv's builder, so an
@@ -99,7 +113,17 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=1, help="rounds over the build tags (medians over them)")
     ap.add_argument("--floor", action="store_true", help="unprofiled step split: wall, ORT run, MatMulNBits alone")
     ap.add_argument("--threads", type=int, default=2, help="--floor: intra_op_num_threads")
+    ap.add_argument("--options", help='A/B of session options: "base;KEY=VALUE,KEY=VALUE;..." (see above)')
+    ap.add_argument("--options-child", help=argparse.SUPPRESS)
+    ap.add_argument("--greedy-cost", action="store_true", help="the greedy nodes' cost on the CPU vs numpy's pick")
     a = ap.parse_args()
+    if a.options_child is not None:
+        print(json.dumps(options_child(a.weights, a.options_child, a.threads, a.steps)))
+        return 0
+    if a.options:
+        return options(a)
+    if a.greedy_cost:
+        return greedy_cost(a)
     if a.build_tags:
         return compare(a)
     if a.floor:
@@ -256,6 +280,168 @@ def floor(a) -> int:
     report += ["", "MatMulNBits alone also returns every output to Python (121 small arrays, ~0.1 ms): the floor is "
                "a little high, the \"other nodes\" column a little low.", "",
                f"load average at the end: {os.getloadavg()[0]:.1f} (1 min)"]
+    return emit("\n".join(report), a.out)
+
+
+def _apply_variant(so, variant: str) -> None:
+    import onnxruntime as ort
+
+    if variant == "base":
+        return
+    for entry in variant.split(","):
+        key, value = entry.split("=", 1)
+        if key == "opt_level":
+            so.graph_optimization_level = getattr(ort.GraphOptimizationLevel, f"ORT_ENABLE_{value}")
+        elif key == "inter_op":
+            so.inter_op_num_threads = int(value)
+        else:
+            so.add_session_config_entry(key, value)
+
+
+def options_child(weights: str, variant: str, threads: int, steps: int) -> dict:
+    """One decoder session with the variant's options: (median step wall ms, median ORT run ms, tokens)."""
+    cfg = apply_overrides(GenAIConfig(), {"ortkv.weights": weights, "ortkv.intra_op_num_threads": threads})
+    plain = runners._session_options
+
+    def varied(c):
+        so = plain(c)
+        _apply_variant(so, variant)
+        return so
+
+    runners._session_options = varied
+    try:
+        r = runners.make_runner("ortkv", cfg, log=lambda *x: None)
+    finally:
+        runners._session_options = plain
+    sess, ort_s = r.sess.session, []
+    run = sess.run_with_iobinding
+
+    def timed(io, run_options=None):
+        t = time.perf_counter()
+        run(io, run_options)
+        ort_s.append(time.perf_counter() - t)
+
+    sess.run_with_iobinding = timed
+    ids = np.array([PROMPT_IDS], np.int64)
+    for _ in range(2):  # the first pass is untimed
+        r.start(1, 2048)
+        logits = r.prefill(ids, np.array([ids.shape[1]], np.int64))
+        ort_s.clear()
+        wall, toks = [], []
+        for _ in range(steps):
+            nxt = np.array([int(np.argmax(logits[0]))], np.int64)
+            toks.append(int(nxt[0]))
+            t = time.perf_counter()
+            logits = r.step(nxt)
+            wall.append(time.perf_counter() - t)
+    r.close()
+    return {"wall": 1e3 * float(np.median(wall)), "run": 1e3 * float(np.median(ort_s)), "tokens": toks}
+
+
+def options(a) -> int:
+    import subprocess
+
+    variants = a.options.split(";")
+    if variants[0] != "base":
+        variants.insert(0, "base")
+    load0 = os.getloadavg()[0]
+    res = {v: [] for v in variants}
+    for k in range(a.rounds):
+        for v in variants:
+            cmd = [sys.executable, os.path.abspath(__file__), "--options-child", v, "--weights", a.weights.split(",")[0],
+                   "--threads", str(a.threads), "--steps", str(a.steps)]
+            out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+            res[v].append(json.loads(out.strip().splitlines()[-1]))
+            print(f"round {k + 1} {v}: wall {res[v][-1]['wall']:.2f} ms", file=sys.stderr)
+    base = res["base"]
+    report = [f"# Session options A/B, decode step unprofiled ({a.weights.split(',')[0]}, batch 1, {a.threads} threads, "
+              f"{os.cpu_count()} CPUs, {time.strftime('%Y-%m-%d %H:%M')})", "",
+              f"command: `python benchmarks/profile_decode.py --options \"{a.options}\" --weights {a.weights} --rounds "
+              f"{a.rounds} --threads {a.threads} --steps {a.steps}`; per round and variant one child process: one "
+              f"untimed generation, then {a.steps} decode steps after a 12-token prefill (medians); variants "
+              f"alternate within a round. 1-minute load average at the start: {load0:.1f}", "",
+              "| variant | step wall ms (median over rounds) | ORT run ms | wall / base (median of per-round ratios) | "
+              "walls per round | greedy tokens as base |", "|---|---:|---:|---:|---|---|"]
+    for v in variants:
+        rs = res[v]
+        ratio = float(np.median([x["wall"] / b["wall"] for x, b in zip(rs, base)]))
+        same = all(x["tokens"] == base[0]["tokens"] for x in rs)
+        report.append(f"| {v} | {np.median([x['wall'] for x in rs]):.2f} | {np.median([x['run'] for x in rs]):.2f} | "
+                      f"{ratio:.3f} | {', '.join(format(x['wall'], '.1f') for x in rs)} | {'yes' if same else 'NO'} |")
+    report += ["", f"load average at the end: {os.getloadavg()[0]:.1f} (1 min)"]
+    return emit("\n".join(report), a.out)
+
+
+def _greedy_model(greedy: bool, V: int) -> bytes:
+    """Identity [1, 1, V] -> logits, plus (greedy) the greedy nodes of Note [Greedy in the decoder] in builder.py."""
+    from onnx import TensorProto as TP
+    from onnx import helper
+
+    nodes = [helper.make_node("Identity", ["x"], ["logits"])]
+    outs = [helper.make_tensor_value_info("logits", TP.FLOAT, [1, 1, V])]
+    inits = []
+    if greedy:
+        inits = [helper.make_tensor("last", TP.INT64, [1], [-1]), helper.make_tensor("end", TP.INT64, [1], [2 ** 62]),
+                 helper.make_tensor("axis1", TP.INT64, [1], [1]),
+                 helper.make_tensor("pads", TP.INT64, [6], [0, 0, 0, 0, 0, 1]),
+                 helper.make_tensor("half", TP.FLOAT, [], [0.5])]
+        nodes += [helper.make_node("Slice", ["logits", "last", "end", "axis1"], ["lastpos"]),
+                  helper.make_node("ArgMax", ["lastpos"], ["pick"], axis=2, keepdims=0, select_last_index=0),
+                  helper.make_node("IsNaN", ["lastpos"], ["isnan"]),
+                  helper.make_node("Cast", ["isnan"], ["isnan_f"], to=TP.FLOAT),
+                  helper.make_node("Pad", ["isnan_f", "pads", "half"], ["padded"], mode="constant"),
+                  helper.make_node("ArgMax", ["padded"], ["nan"], axis=2, keepdims=0, select_last_index=0),
+                  helper.make_node("Concat", ["pick", "nan"], ["greedy"], axis=1)]
+        outs.append(helper.make_tensor_value_info("greedy", TP.INT64, [1, 2]))
+    g = helper.make_graph(nodes, "greedy_cost", [helper.make_tensor_value_info("x", TP.FLOAT, [1, 1, V])], outs, inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=10).SerializeToString()
+
+
+def greedy_cost(a) -> int:
+    import onnxruntime as ort
+
+    from ortkv.generate.loop import Sampler
+
+    cfg = GenAIConfig()
+    V = cfg.model.vocab_size
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = a.threads
+    so.log_severity_level = 3
+    x = np.random.default_rng(0).standard_normal((1, 1, V)).astype(np.float32)
+    sess = {g: ort.InferenceSession(_greedy_model(g, V), so, providers=["CPUExecutionProvider"]) for g in (False, True)}
+    pick = Sampler(cfg.search)
+    load0 = os.getloadavg()[0]
+    res = {False: [], True: []}
+    for _ in range(max(a.rounds, 3)):
+        for g in (False, True):
+            s = sess[g]
+            io = s.io_binding()
+            io.bind_cpu_input("x", x)
+            ts = []
+            for _ in range(300):
+                t = time.perf_counter()
+                io.bind_output("logits", "cpu")
+                if g:
+                    io.bind_output("greedy", "cpu")
+                s.run_with_iobinding(io)
+                outs = io.get_outputs_as_ortvaluevector()
+                tok = int(outs[1].numpy()[0, 0]) if g else int(pick(outs[0].numpy()[:, -1])[0])
+                ts.append(time.perf_counter() - t)
+            res[g].append(1e6 * float(np.median(ts)))
+    assert tok == int(np.argmax(x))
+    plain, greedy = float(np.median(res[False])), float(np.median(res[True]))
+    report = [f"# The greedy nodes on the CPU vs numpy's pick ({a.threads} threads, V = {V}, "
+              f"{time.strftime('%Y-%m-%d %H:%M')})", "",
+              f"command: `python benchmarks/profile_decode.py --greedy-cost --rounds {a.rounds} --threads {a.threads}`; "
+              "per round 300 runs of each session, alternating, medians; 1-minute load average at the start: "
+              f"{load0:.1f}", "",
+              "| per step | us (median over rounds) | per round |", "|---|---:|---|",
+              f"| logits out + numpy greedy pick (Sampler: NaN check + argmax) | {plain:.1f} | "
+              f"{', '.join(format(v, '.1f') for v in res[False])} |",
+              f"| logits out + the greedy nodes in the graph, pick read from [1, 2] int64 | {greedy:.1f} | "
+              f"{', '.join(format(v, '.1f') for v in res[True])} |",
+              f"| the greedy nodes' net cost | {greedy - plain:+.1f} | |", "",
+              f"load average at the end: {os.getloadavg()[0]:.1f} (1 min)"]
     return emit("\n".join(report), a.out)
 
 

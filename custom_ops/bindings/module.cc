@@ -59,6 +59,46 @@ PYBIND11_MODULE(_ortkv, m) {
       py::arg("device_type"), py::arg("device_id"), py::arg("addr"), py::arg("nbytes"), py::arg("kind_mask") = 0,
       "(addr, nbytes, label, kind) of the first protected range overlapping the span, or None.");
   m.def("protected_count", []() { return ortkv_core_protected_count(); });
+  // Note [Alias check without wrappers] (session.py): the data pointer of a DLPack capsule, for the post-run
+  // pointer check of a session's aliased outputs: ORT's OrtValueVector.to_dlpacks(dlpack_data_ptr) calls it on
+  // each output's capsule, in one call, instead of one Python OrtValue per output (~0.7 us each). The capsule
+  // is only read, not consumed, and only while the call lasts (to_dlpacks may release it right after).
+  m.def(
+      "dlpack_data_ptr",
+      [](const py::object& capsule) {
+        // DLPack's C ABI (dlpack.h): DLManagedTensor {DLTensor dl_tensor; ...} ("dltensor") and
+        // DLManagedTensorVersioned {DLPackVersion version; void* manager_ctx; void (*deleter)(...); uint64_t flags;
+        // DLTensor dl_tensor;} ("dltensor_versioned"); DLTensor {void* data; DLDevice device; int32_t ndim;
+        // DLDataType dtype; int64_t* shape; int64_t* strides; uint64_t byte_offset;}.
+        struct DLTensorHead {
+          void* data;
+          int32_t device_type, device_id, ndim;
+          uint8_t code, bits;
+          uint16_t lanes;
+          int64_t* shape;
+          int64_t* strides;
+          uint64_t byte_offset;
+        };
+        struct VersionedHead {
+          uint32_t major, minor;
+          void* manager_ctx;
+          void (*deleter)(void*);
+          uint64_t flags;
+          DLTensorHead dl_tensor;
+        };
+        PyObject* c = capsule.ptr();
+        const DLTensorHead* t = nullptr;
+        if (PyCapsule_IsValid(c, "dltensor")) {
+          t = static_cast<const DLTensorHead*>(PyCapsule_GetPointer(c, "dltensor"));
+        } else if (PyCapsule_IsValid(c, "dltensor_versioned")) {
+          t = &static_cast<const VersionedHead*>(PyCapsule_GetPointer(c, "dltensor_versioned"))->dl_tensor;
+        } else {
+          throw py::type_error("dlpack_data_ptr: not an unconsumed DLPack capsule (\"dltensor\" or "
+                               "\"dltensor_versioned\")");
+        }
+        return reinterpret_cast<uintptr_t>(t->data) + t->byte_offset;
+      },
+      py::arg("capsule"), "data + byte_offset of a DLPack capsule (read, not consumed).");
   m.def(
       "cuda_take_error",
       []() -> py::object {

@@ -18,6 +18,23 @@ def rss_bytes() -> int:
     return _status_kib("VmRSS") * 1024
 
 
+_statm = (-1, -1)  # (pid, fd of /proc/<pid>/statm): reopened after a fork, whose child has its own
+
+
+def rss_bytes_fast() -> int:
+    """rss_bytes() (the same figure: /proc/self/statm's resident pages are what VmRSS counts) in ~1 us instead
+    of ~20 us: one pread on a descriptor kept open, for the generation loop's reading after every decode step."""
+    global _statm
+    pid, fd = _statm
+    if pid != os.getpid():
+        fd = os.open("/proc/self/statm", os.O_RDONLY)  # names this process: a fork's child opens its own
+        _statm = (os.getpid(), fd)
+    return int(os.pread(fd, 128, 0).split()[1]) * _PAGE
+
+
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
 def peak_rss_bytes() -> int:
     """Peak resident set size since the process started or since reset_peak()."""
     return _status_kib("VmHWM") * 1024

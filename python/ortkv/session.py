@@ -13,6 +13,7 @@ AliasError. Nothing here copies a cache.
 
 from __future__ import annotations
 
+import bisect
 import threading
 import weakref
 from dataclasses import dataclass
@@ -206,9 +207,12 @@ class MutableCacheSession:
         self._session = ort.InferenceSession(source, so, providers=providers)
         self._whole_readers = _whole_tensor_readers(graph, self._caches)
         self._feed_types = {i.name: _ORT_TYPE_STRINGS.get(i.type) for i in self._session.get_inputs()}
+        self._onnx_types: dict = {}  # (numpy dtype, declared ONNX type) -> numpy_onnx_type's answer
+        # only a session with the CUDA provider can leave a deferred CUDA kernel error (take_cuda_error)
+        self._cuda = "CUDAExecutionProvider" in self._session.get_providers()
         self._id = next(_session_ids)
         self._bindings: dict[str, Storage] = {}
-        self._io_cache = None  # (key, IOBinding, alias names): Note [Reused IOBinding]
+        self._io_cache = None  # _plan's tuple, (key, IOBinding, ...): Note [Reused IOBinding]
         self._owners: dict[str, object] = {}
         self._lock = threading.Lock()  # held for a whole run, and while bindings change
         self._closed = False
@@ -337,44 +341,28 @@ class MutableCacheSession:
             self._lock.release()
 
     def _run(self, output_names, feeds, run_options, bound_outputs=None) -> list:
-        missing = [c for c in self._caches if c not in self._bindings]
-        if missing:
-            raise OrtkvError(f"cache(s) {missing} are not bound; call bind_cache(name, storage) for each "
-                             "(a cache is never fed by value: that would copy it)")
         if output_names is None:
             output_names = [o.name for o in self._session.get_outputs()]
+        bound_outputs = bound_outputs or {}
         # Note [Reused IOBinding]: the caches' bindings (two per cache, 120 calls for a 30-layer model) are
         # made once and kept while the bindings, the feed names and the requested outputs stay the same;
         # feeds and non-cache outputs are bound again on every run (a stale feed or a reused output buffer
         # must never survive), and the pointer check below still runs after every run.
-        key = (tuple(feeds), tuple(output_names), tuple(bound_outputs or ()))
-        if self._io_cache is not None and self._io_cache[0] == key:
-            _, io, alias_names = self._io_cache
-        else:
+        key = (tuple(feeds), tuple(output_names), tuple(bound_outputs))
+        plan = self._io_cache
+        if plan is None or plan[0] != key:
             self._io_cache = None
-            io = self._session.io_binding()
-            alias_names: dict[str, str] = {}
-            for name, st in self._bindings.items():
-                outs = self._alias_outputs.get(name, [])
-                if st.ortvalue is not None:
-                    io.bind_ortvalue_input(name, st.ortvalue)
-                    for out in outs:
-                        io.bind_ortvalue_output(out, st.ortvalue)
-                else:
-                    io.bind_input(name, st.device_type, st.device_id, st.onnx_type, list(st.shape), st.ptr)
-                    for out in outs:
-                        io.bind_output(out, st.device_type, st.device_id, st.onnx_type, list(st.shape), st.ptr)
-                alias_names.update({out: name for out in outs})
+            plan = self._plan(key, output_names, feeds, bound_outputs)
+        _, io, alias_checks, host_outputs, overlap, positions, alias_names, _ = plan
         self._check_committed()
-        unfed = [n for n in self._feed_types if n not in feeds and n not in self._bindings and n not in self._caches]
-        if unfed:
-            raise MissingInputError(f"input(s) {unfed} not fed: every non-cache input of the model needs a value in "
-                                    "feeds on every run (nothing is kept from an earlier run). Nothing was run.",
-                                    inputs=unfed)
         keep = []
+        same = plan[7]  # name -> the OrtValue fed under it in the plan's last run
         for name, value in feeds.items():
-            if name in self._bindings or name in self._caches:
-                raise OrtkvError(f"'{name}' is a cache: bind it with bind_cache(), do not pass it in feeds")
+            if same.get(name) is value:
+                # the very OrtValue this binding already holds, checked when it was bound: an OrtValue's type,
+                # shape and memory cannot change, and the caches cannot change while the plan lives (a bind
+                # or unbind drops it), so the type and overlap checks would find what they found then
+                continue
             declared = self._feed_types.get(name)
             if hasattr(value, "data_ptr") and hasattr(value, "device_name"):  # OrtValue
                 self._check_feed_type(name, value.element_type() if value.is_tensor() else None, declared)
@@ -384,31 +372,27 @@ class MutableCacheSession:
                     except StorageError:  # a device no cache can live on: nothing to overlap
                         device = None
                     if device is not None:
-                        self._check_feed_overlap(name, device, value.data_ptr(), _ortvalue_nbytes(value))
+                        self._check_feed_overlap(name, device, value.data_ptr(), _ortvalue_nbytes(value), overlap)
                 io.bind_ortvalue_input(name, value)
+                same[name] = value
             else:
+                same.pop(name, None)
                 arr = np.asarray(value, order="C")  # keeps 0-d scalars 0-d
-                given = numpy_onnx_type(arr.dtype, declared)
+                given = self._onnx_types.get((arr.dtype, declared))
+                if given is None:
+                    given = self._onnx_types[(arr.dtype, declared)] = numpy_onnx_type(arr.dtype, declared)
                 self._check_feed_type(name, given, declared)
-                self._check_feed_overlap(name, ("cpu", 0), arr.ctypes.data, arr.nbytes)
+                self._check_feed_overlap(name, ("cpu", 0), arr.ctypes.data, arr.nbytes, overlap)
                 keep.append(arr)
                 if given == BFLOAT16:  # numpy has no bfloat16: ORT cannot map ml_dtypes' dtype itself
                     io.bind_input(name, "cpu", 0, BFLOAT16, list(arr.shape), arr.ctypes.data)
                 else:
                     io.bind_cpu_input(name, arr)
-        bound_order = list(alias_names)
-        bound_outputs = bound_outputs or {}
-        for name in bound_outputs:
-            if name in alias_names or name not in output_names:
-                raise OrtkvError(f"bound_outputs: '{name}' is {'a cache output' if name in alias_names else 'not requested'}"
-                                 f"; bind only requested non-cache outputs ({[n for n in output_names if n not in alias_names]})")
-        for name in output_names:
+        for name in host_outputs:
             if name in bound_outputs:
                 io.bind_ortvalue_output(name, bound_outputs[name])
-                bound_order.append(name)
-            elif name not in alias_names:
+            else:
                 io.bind_output(name, "cpu")
-                bound_order.append(name)
         try:
             self._session.run_with_iobinding(io, run_options)
         except Exception as exc:  # ORT raises RuntimeError / its own exception types
@@ -417,18 +401,97 @@ class MutableCacheSession:
             if translated is exc:
                 raise
             raise translated from None
-        take_cuda_error()
-        values = dict(zip(bound_order, io.get_outputs()))
-        for out, cache in alias_names.items():
-            st = self._bindings[cache]
-            got = values[out].data_ptr()
-            if got != st.ptr:
+        if self._cuda:
+            take_cuda_error()
+        values = io.get_outputs_as_ortvaluevector()
+        self._check_aliases(values, alias_checks)
+        self._io_cache = plan
+        result = []
+        for n, i in zip(output_names, positions):
+            if i < 0:
+                result.append(self._owners[alias_names[n]])
+            elif n in bound_outputs:
+                result.append(bound_outputs[n])
+            else:
+                result.append(values[i].numpy())
+        return result
+
+    # Note [Alias check without wrappers]
+    # The post-run check reads every aliased output's data pointer, every run. io.get_outputs() wraps each output
+    # in a Python OrtValue first (61 for SmolLM2: ~75 us warm, ~180 us right after a decode step, whose weights
+    # have evicted the interpreter's data from the CPU caches); reading each pointer from ORT's own vector
+    # (get_outputs_as_ortvaluevector, one call) still costs a pybind11 OrtValue per output (~40 / ~130 us). So
+    # the vector hands each output to _ortkv.dlpack_data_ptr as a DLPack capsule, all in one call
+    # (to_dlpacks; a capsule shares the tensor, nothing is copied, and is read only during that call: ORT
+    # releases it right after, so a capsule kept for later would point at freed memory): ~15 us warm, ~115 us
+    # right after a step. The comparison is the same: each aliased output's pointer against its cache's, every
+    # run; where to_dlpacks is missing or refuses (an ORT build without DLPack, an output that is not a tensor)
+    # the pointers are read one OrtValue at a time.
+    def _check_aliases(self, values, alias_checks) -> None:
+        try:
+            from . import _ortkv
+
+            ptrs = values.to_dlpacks(_ortkv.dlpack_data_ptr)  # each capsule read while it is handed over
+            got = [ptrs[i] for i, _, _, _ in alias_checks]
+        except Exception:  # no DLPack in this ORT build, or an output DLPack cannot carry: one value at a time
+            got = [values[i].data_ptr() for i, _, _, _ in alias_checks]
+        for g, (_, out, cache, ptr) in zip(got, alias_checks):
+            if g != ptr:
                 raise AliasError(
-                    f"output '{out}' came back at 0x{got:x} but its cache '{cache}' is at 0x{st.ptr:x}: the update "
+                    f"output '{out}' came back at 0x{g:x} but its cache '{cache}' is at 0x{ptr:x}: the update "
                     "did not happen in place (ORT gave the op a fresh buffer). The cache may be stale.")
-        self._io_cache = (key, io, alias_names)
-        return [self._owners[alias_names[n]] if n in alias_names else bound_outputs[n] if n in bound_outputs
-                else values[n].numpy() for n in output_names]
+
+    def _plan(self, key, output_names, feeds, bound_outputs) -> tuple:
+        """What a run with these feed names and outputs needs beyond the feeds' values, checked and bound once
+        (Note [Reused IOBinding]): (key, IOBinding with the caches bound, the alias checks (position in the
+        outputs, output, cache, cache pointer), the non-cache outputs to bind on every run, the caches sorted
+        by address for the feed overlap check, each requested output's position (-1: a cache), output ->
+        cache, the OrtValue feeds bound as they are). Raises before anything is bound when the names are wrong."""
+        missing = [c for c in self._caches if c not in self._bindings]
+        if missing:
+            raise OrtkvError(f"cache(s) {missing} are not bound; call bind_cache(name, storage) for each "
+                             "(a cache is never fed by value: that would copy it)")
+        alias_names: dict[str, str] = {}
+        for name in self._bindings:
+            alias_names.update({out: name for out in self._alias_outputs.get(name, [])})
+        unfed = [n for n in self._feed_types if n not in feeds and n not in self._bindings and n not in self._caches]
+        if unfed:
+            raise MissingInputError(f"input(s) {unfed} not fed: every non-cache input of the model needs a value in "
+                                    "feeds on every run (nothing is kept from an earlier run). Nothing was run.",
+                                    inputs=unfed)
+        for name in feeds:
+            if name in self._bindings or name in self._caches:
+                raise OrtkvError(f"'{name}' is a cache: bind it with bind_cache(), do not pass it in feeds")
+        for name in bound_outputs:
+            if name in alias_names or name not in output_names:
+                raise OrtkvError(f"bound_outputs: '{name}' is {'a cache output' if name in alias_names else 'not requested'}"
+                                 f"; bind only requested non-cache outputs ({[n for n in output_names if n not in alias_names]})")
+        io = self._session.io_binding()
+        for name, st in self._bindings.items():
+            outs = self._alias_outputs.get(name, [])
+            if st.ortvalue is not None:
+                io.bind_ortvalue_input(name, st.ortvalue)
+                for out in outs:
+                    io.bind_ortvalue_output(out, st.ortvalue)
+            else:
+                io.bind_input(name, st.device_type, st.device_id, st.onnx_type, list(st.shape), st.ptr)
+                for out in outs:
+                    io.bind_output(out, st.device_type, st.device_id, st.onnx_type, list(st.shape), st.ptr)
+        # ORT lists the outputs in the order they were first bound: the caches' aliases, then the rest in
+        # output_names' order (binding a name again keeps its place)
+        order = list(alias_names)
+        host_outputs = [n for n in output_names if n not in alias_names]
+        order += host_outputs
+        where = {n: i for i, n in enumerate(order)}
+        alias_checks = [(where[out], out, cache, self._bindings[cache].ptr) for out, cache in alias_names.items()]
+        overlap: dict[tuple[str, int], tuple[list, list]] = {}
+        for cache, st in sorted(self._bindings.items(), key=lambda kv: kv[1].ptr):
+            if st.nbytes:
+                starts, spans = overlap.setdefault(st.device_key, ([], []))
+                starts.append(st.ptr)
+                spans.append((st.ptr + st.nbytes, cache))
+        positions = [-1 if n in alias_names else where[n] for n in output_names]
+        return key, io, alias_checks, host_outputs, overlap, positions, alias_names, {}
 
     def _check_committed(self) -> None:
         """Note [Whole-tensor readers of a cache]: refuse the run while such a cache has a hole."""
@@ -460,11 +523,18 @@ class MutableCacheSession:
             f"input '{name}' is {got} but the model declares {exp}; onnxruntime does not convert feeds. "
             f"Pass {exp} data, e.g. np.asarray(x, dtype={np_name})", input=name, expected=exp, given=got)
 
-    def _check_feed_overlap(self, name: str, device: tuple[str, int], ptr: int, nbytes: int) -> None:
+    def _check_feed_overlap(self, name: str, device: tuple[str, int], ptr: int, nbytes: int, overlap=None) -> None:
         """A feed sharing bytes with a cache this run writes in place reads torn data (and CacheUpdate's
-        values would overlap their destination): refused before the run."""
+        values would overlap their destination): refused before the run. ``overlap``: the plan's caches by
+        address per device (bound caches never overlap each other, _BindingRegistry.claim), so the only cache
+        that can overlap [ptr, ptr + nbytes) is the last one starting below its end: one bisect per feed."""
         if nbytes <= 0:
             return
+        if overlap is not None:
+            starts, spans = overlap.get(device, ((), ()))
+            k = bisect.bisect_left(starts, ptr + nbytes) - 1
+            if k < 0 or spans[k][0] <= ptr:
+                return
         for cache, st in self._bindings.items():
             if st.device_key == device and st.nbytes and ptr < st.ptr + st.nbytes and st.ptr < ptr + nbytes:
                 raise BindingConflictError(

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .._memory import peak_rss_bytes, reset_peak, rss_bytes
+from .._memory import peak_rss_bytes, reset_peak, rss_bytes, rss_bytes_fast
 from ..errors import OrtkvError
 from .config import Search
 
@@ -182,7 +182,7 @@ def generate(runner, prompt_ids: list[list[int]], search: Search, max_new_tokens
             if tok == eos_id and len(g.new_ids[b]) >= search.min_length:
                 done[b] = True
         g.kv_bytes_per_step.append(runner.kv_bytes())
-        g.rss_per_step.append(rss_bytes())
+        g.rss_per_step.append(rss_bytes_fast())
         if done.all() or step == budget - 1:
             break
         t_step = time.perf_counter()

@@ -1,0 +1,205 @@
+"""The CPU decode step's lean Python path (issue 12): the post-run alias check read through DLPack capsules
+(Note [Alias check without wrappers] in session.py), OrtValue feeds bound once (Note [CPU decode feeds] in
+runners.py), the feed overlap check by bisection, and the generation loop's RSS reading. Each shortcut must
+refuse exactly what the long way refused, with the same message, and leave the caches untouched."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+
+import ortkv
+from ortkv import _ortkv
+from ortkv._memory import rss_bytes, rss_bytes_fast
+from ortkv.generate import builder, weights
+from ortkv.generate.assets import smollm2_gguf
+from ortkv.generate.config import GenAIConfig
+from ortkv.generate.runners import OrtkvRunner
+
+from conftest import cache_update_model, digest
+
+
+def _session():
+    so = ort.SessionOptions()
+    so.log_severity_level = 4
+    return ortkv.MutableCacheSession(cache_update_model(), sess_options=so)
+
+
+def _feed(position=0, value=1.0):
+    return {"values": np.full((1, 2, 1, 4), value, np.float32), "position": np.array(position)}
+
+
+# --- _ortkv.dlpack_data_ptr: numpy's own pointers, both capsule kinds -------------------------------------------
+def test_dlpack_data_ptr_reads_numpy_pointers():
+    a = np.arange(64, dtype=np.float32).reshape(8, 8)
+    for view in (a, a[3:], a[2:5, 1:3]):
+        assert _ortkv.dlpack_data_ptr(view.__dlpack__()) == view.ctypes.data
+        assert _ortkv.dlpack_data_ptr(view.__dlpack__(max_version=(1, 0))) == view.ctypes.data
+    with pytest.raises(TypeError, match=r"dlpack_data_ptr: not an unconsumed DLPack capsule \(\"dltensor\""):
+        _ortkv.dlpack_data_ptr(a)
+
+
+def test_dlpack_data_ptr_through_ort_to_dlpacks_matches_data_ptr():
+    """ORT hands each capsule over while the call lasts (to_dlpacks): read then, it is each output's pointer."""
+    cache = np.zeros((1, 2, 8, 4), np.float32)
+    with _session() as s:
+        s.bind_cache("cache", cache)
+        s.run(["updated_cache"], _feed())
+        values = s._io_cache[1].get_outputs_as_ortvaluevector()
+        via_dlpack = values.to_dlpacks(_ortkv.dlpack_data_ptr)
+        assert via_dlpack == [values[i].data_ptr() for i in range(len(values))]
+        assert via_dlpack[0] == cache.ctypes.data
+
+
+# --- the post-run alias check, through the DLPack path -------------------------------------------------------------
+class _MovedVector:
+    """ORT's output vector with every output 64 bytes off (what a fresh buffer from ORT would look like)."""
+
+    def __init__(self, real, arrays):
+        self.real, self.arrays = real, arrays
+
+    def to_dlpacks(self, read):
+        return [read(a[16:].__dlpack__()) for a in self.arrays]  # 16 float32 = 64 bytes past each cache
+
+    def __getitem__(self, i):
+        return self.real[i]
+
+    def __len__(self):
+        return len(self.real)
+
+
+def test_alias_error_through_the_dlpack_path(monkeypatch):
+    cache = np.zeros((1, 2, 8, 4), np.float32)
+    flat = cache.reshape(-1)
+    with _session() as s:
+        s.bind_cache("cache", cache)
+        real = ort.IOBinding.get_outputs_as_ortvaluevector
+        monkeypatch.setattr(ort.IOBinding, "get_outputs_as_ortvaluevector",
+                            lambda io: _MovedVector(real(io), [flat]))
+        with pytest.raises(ortkv.AliasError,
+                           match=rf"output 'updated_cache' came back at 0x{cache.ctypes.data + 64:x} but its cache "
+                                 rf"'cache' is at 0x{cache.ctypes.data:x}"):
+            s.run(["updated_cache"], _feed())
+        assert s._io_cache is None  # a run whose check failed leaves no plan to reuse
+        monkeypatch.undo()
+        before = digest(cache)
+        (out,) = s.run(["updated_cache"], _feed(position=1, value=2.0))  # and the session still works
+    assert out is cache and digest(cache) != before and cache[0, :, 1].sum() == 16
+
+
+# --- OrtValue feeds bound once (Note [CPU decode feeds]) --------------------------------------------------------
+def test_same_ortvalue_feed_is_reused_and_reads_its_new_contents():
+    cache = np.zeros((1, 2, 8, 4), np.float32)
+    pos = np.zeros((), np.int64)
+    vals = np.ones((1, 2, 1, 4), np.float32)
+    feeds = {"values": ort.OrtValue.ortvalue_from_numpy(vals), "position": ort.OrtValue.ortvalue_from_numpy(pos)}
+    with _session() as s:
+        s.bind_cache("cache", cache)
+        for p in range(4):
+            pos[...] = p  # written in place: the OrtValue wraps this memory
+            vals[...] = p + 1
+            s.run(["updated_cache"], feeds)
+        plan = s._io_cache
+        assert plan[7] == feeds  # both bound once, kept while the plan lives
+    np.testing.assert_array_equal(cache[0, :, :4, 0], np.tile([1, 2, 3, 4], (2, 1)))
+    assert cache[0, :, 4:].sum() == 0
+
+
+def test_a_new_ortvalue_under_the_same_name_is_checked_again():
+    """The shortcut is for the very object bound before: another OrtValue under that name is type-checked and
+    overlap-checked as the first one was, and refused before the run (the cache untouched)."""
+    cache = np.zeros((1, 2, 8, 4), np.float32)
+    vals = ort.OrtValue.ortvalue_from_numpy(np.ones((1, 2, 1, 4), np.float32))
+    with _session() as s:
+        s.bind_cache("cache", cache)
+        s.run(["updated_cache"], {"values": vals, "position": ort.OrtValue.ortvalue_from_numpy(np.array(0))})
+        before = digest(cache)
+        wrong = ort.OrtValue.ortvalue_from_numpy(np.array(1, np.int32))
+        with pytest.raises(ortkv.InputTypeError, match=r"input 'position' is int32 but the model declares int64"):
+            s.run(["updated_cache"], {"values": vals, "position": wrong})
+        assert digest(cache) == before
+        inside = ort.OrtValue.ortvalue_from_numpy(cache.reshape(-1)[8:16].reshape(1, 2, 1, 4))  # the cache's bytes
+        with pytest.raises(ortkv.BindingConflictError, match=r"feed 'values' .* overlaps cache 'cache'"):
+            s.run(["updated_cache"], {"values": inside, "position": ort.OrtValue.ortvalue_from_numpy(np.array(2))})
+        assert digest(cache) == before
+
+
+# --- the overlap check by bisection --------------------------------------------------------------------------------
+def test_feed_overlap_by_bisection_refuses_overlaps_and_allows_neighbours():
+    buf = np.zeros(64 + 16, np.float32)
+    cache = buf[:64].reshape(1, 2, 8, 4)
+    with _session() as s:
+        s.bind_cache("cache", cache)
+        before = digest(cache)
+        for start in (60, 0, 30):  # the last 4 floats, the first 4, the middle: each overlaps
+            values = buf[start:start + 8].reshape(1, 2, 1, 4)
+            with pytest.raises(ortkv.BindingConflictError,
+                               match=rf"feed 'values' \[0x{values.ctypes.data:x}, 0x{values.ctypes.data + 32:x}\) on "
+                                     r"cpu:0 overlaps cache 'cache'.*Nothing was run"):
+                s.run(["updated_cache"], {"values": values, "position": np.array(0)})
+            assert digest(cache) == before
+        after = buf[64:72].reshape(1, 2, 1, 4)  # right after the cache's last byte: no overlap
+        after[...] = 5
+        s.run(["updated_cache"], {"values": after, "position": np.array(7)})
+    assert cache[0, :, 7].sum() == 40 and digest(cache[:, :, :7]) == digest(np.zeros((1, 2, 7, 4), np.float32))
+
+
+# --- the runner's CPU step: same logits as a plain session run, earlier logits kept -----------------------------------
+@pytest.fixture(scope="module")
+def slice_ortkv(tmp_path_factory):
+    w, _ = weights.load(smollm2_gguf(), layers=2)
+    root = tmp_path_factory.mktemp("slice_fast")
+    onnx.save_model(builder.build(w, "ortkv", max_positions=256), str(root / "model.onnx"), save_as_external_data=True,
+                    all_tensors_to_one_file=True, location="model.onnx.data")
+    cfg = GenAIConfig()
+    cfg.model.decoder.num_hidden_layers = 2
+    return cfg.validate(), root / "model.onnx"
+
+
+def test_runner_step_matches_a_plain_run_and_keeps_earlier_logits(slice_ortkv):
+    cfg, path = slice_ortkv
+    ids, steps = np.array([[504, 3575, 282, 4649, 314]]), [7042, 30, 198, 28]
+    fast = OrtkvRunner(path, cfg)
+    fast.start(1, 64)
+    fast.prefill(ids, np.array([5]))
+    got = [fast.step(np.array([t], np.int64)) for t in steps]
+    kept = [g.copy() for g in got]
+    plain = OrtkvRunner(path, cfg)  # the same steps through sess.run with numpy feeds, as before
+    plain.start(1, 64)
+    plain.prefill(ids, np.array([5]))
+    for t, g, k in zip(steps, got, kept):
+        (want,) = plain.sess.run(["logits"], {"input_ids": np.array([[t]], np.int64), "positions": plain.lengths})
+        plain.lengths += 1
+        np.testing.assert_array_equal(g, want[:, -1])  # bit for bit
+        np.testing.assert_array_equal(g, k)  # a later step did not write into an earlier step's logits
+    assert fast.sess._io_cache[7] == fast._cpu_step[3]  # the step's feeds were bound once
+    assert fast.lengths is fast._cpu_step[0] and fast.lengths.tolist() == [5 + len(steps)]
+    fast.close()
+    plain.close()
+
+
+def test_runner_step_refuses_non_int64_ids_by_name_and_changes_nothing(slice_ortkv):
+    cfg, path = slice_ortkv
+    cfg = copy.deepcopy(cfg)
+    cfg.ortkv.cache = "dense"  # plain arrays: every byte can be read for the digest
+    r = OrtkvRunner(path, cfg)
+    r.start(1, 64)
+    r.prefill(np.array([[504, 3575, 282]]), np.array([3]))
+    r.step(np.array([30], np.int64))
+    caches = [r.sess._owners[name] for name in r.sess.caches]
+    before = [digest(c) for c in caches]
+    with pytest.raises(ortkv.InputTypeError, match=r"input 'input_ids' is int32 but the model declares int64"):
+        r.step(np.array([30], np.int32))
+    assert [digest(c) for c in caches] == before
+    assert r.lengths.tolist() == [4]
+    r.close()
+
+
+def test_rss_bytes_fast_is_rss_bytes():
+    a = np.ones(1 << 22)  # 32 MiB touched
+    x, y = rss_bytes(), rss_bytes_fast()
+    assert abs(x - y) <= 1 << 20 and y > a.nbytes
