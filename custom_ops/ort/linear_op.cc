@@ -1,7 +1,8 @@
 // Linear(X, W) -> Y, domain "ortkv", opset 1, CPU and CUDA EPs: Y[..., N] = X[..., K] @ W^T with W [N, K]
-// (Note [Linear] in ortkv/linear.h). CPU: float32, float16 (computed in float32). CUDA: float16, bfloat16; M <= 8
-// rows run our GEMV (Note [Linear GEMV]), more rows cuBLAS (Note [Linear cuBLAS]). Attribute rows_per_warp (CUDA
-// GEMV only; 1, 2 or 4, default 2): output rows per warp, for measuring the GEMV's variants on a device.
+// (Note [Linear] in ortkv/linear.h). CPU: float32, float16 (computed in float32). CUDA: float16, bfloat16; a
+// decode step's few rows run our GEMV (Note [Linear GEMV]; which calls: Note [Linear path choice]), the rest
+// cuBLAS (Note [Linear cuBLAS]). Attribute rows_per_warp (CUDA GEMV only; 1, 2 or 4, default 2): output rows per
+// warp, for measuring the GEMV's variants on a device.
 #include <algorithm>
 #include <memory>
 #include <sstream>

@@ -40,7 +40,7 @@
 namespace ortkv {
 
 constexpr int64_t kLinearKMultiple = 8;  // elements per 16-byte load of float16 / bfloat16
-constexpr int64_t kLinearGemvMaxM = 8;   // CUDA: M <= 8 runs the GEMV, larger M cuBLAS
+constexpr int64_t kLinearGemvMaxM = 8;   // CUDA: the GEMV is compiled for M <= 8 (LinearUsesGemv picks the calls)
 // The GEMV stages X [M, K] in shared memory; a larger X goes to cuBLAS (K > 24576 at M = 1 in float16).
 constexpr int64_t kLinearGemvMaxXBytes = 48 << 10;
 // Note [Linear path choice]: which CUDA path a call takes, from the H200's figures

@@ -28,7 +28,8 @@
 //   * Each lane keeps RPW x M fp32 sums; one butterfly of warp shuffles (xor 16 .. 1) per sum, then lane
 //     r M + m stores Y[m, n0 + r], rounded once to the output type.
 // Nothing is allocated, nothing synchronizes with the host: one launch on the node's stream, capturable in
-// a CUDA graph. The host checks (in the op) K % 8, M <= 8, X within kLinearGemvMaxXBytes and 16-byte
+// a CUDA graph. The host checks (in the op) K % 8, the path (LinearUsesGemv: M <= 8 at most, X within
+// kLinearGemvMaxXBytes; Note [Linear path choice]) and 16-byte
 // aligned X and W, and refuses anything else by name.
 
 namespace ortkv {

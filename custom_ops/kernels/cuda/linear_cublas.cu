@@ -1,4 +1,4 @@
-// Linear for M > 8 on CUDA: cuBLAS's cublasGemmEx, with cuBLAS loaded at run time (Note [Linear cuBLAS]).
+// Linear on CUDA where the GEMV does not run (Note [Linear path choice]): cuBLAS's cublasGemmEx, with cuBLAS loaded at run time (Note [Linear cuBLAS]).
 // Host code only.
 #include <cuda_runtime.h>
 #include <dlfcn.h>
@@ -14,22 +14,23 @@
 
 // Note [Linear cuBLAS]
 // ~~~~~~~~~~~~~~~~~~~~
-// Linear with M > 8 (prefill: up to batch x prompt rows; decode at batch > 8) is a GEMM that cuBLAS does at
-// the device's rate, so the op calls cublasGemmEx: Y^T [N, M] (column-major, ldc = N) = op_T(W) [N, K] x X^T,
+// Linear where LinearUsesGemv says no (Note [Linear path choice]: prefill, up to batch x prompt rows; decode at
+// batch > 8, or > 4 on wide matrices; the 56.6 MB LM head at any M) is a GEMM that cuBLAS does at the device's
+// rate, so the op calls cublasGemmEx: Y^T [N, M] (column-major, ldc = N) = op_T(W) [N, K] x X^T,
 // i.e. A = W with CUBLAS_OP_T and lda = K, B = X with CUBLAS_OP_N and ldb = K, float16 / bfloat16 in and out,
 // CUBLAS_COMPUTE_32F (fp32 accumulation, as the GEMV).
 //   * cuBLAS is NOT linked: CI builds the CUDA kernels where there is nvcc but no GPU, and the library must
 //     load there. The first GEMM dlopens libcublas.so.13, then libcublas.so.12 (one already in the process,
 //     the one ORT's CUDA provider loaded, is preferred: RTLD_NOLOAD first) and resolves cublasCreate_v2,
 //     cublasSetStream_v2, cublasSetWorkspace_v2, cublasGemmEx and cublasDestroy_v2 once. Without them the node
-//     fails with E_RUNTIME naming the libraries tried and the M that needed cuBLAS (the GEMV takes M <= 8).
+//     fails with E_RUNTIME naming the libraries tried and the M that needed cuBLAS.
 //     The prototypes are declared here (cuBLAS's stable v2 C ABI), so no cuBLAS header is needed to build.
 //   * Handles: one cuBLAS handle and one 4 MiB workspace (cudaMalloc'd with the handle) per (device, compute
 //     stream), shared by the Linear nodes that run on that stream and freed when the last of them is
 //     destroyed. (One per node would be 121 handles and 484 MiB of workspace for SmolLM2, all made at the first
 //     prefill.) A stream runs its GEMMs one after the other, so they can share the workspace; a mutex guards
 //     the host calls.
-//   * CUDA graphs: the handle is made at the first M > 8 run, which must not be inside a capture (ORT runs a
+//   * CUDA graphs: the handle is made at the first cuBLAS call, which must not be inside a capture (ORT runs a
 //     session once uncaptured before it captures; a capture that would create it is refused by name).
 //     cublasSetWorkspace gives cuBLAS its workspace, so a captured GEMM allocates nothing. cublasSetStream
 //     resets cuBLAS's workspace to its default pool, so the two are set together on every call (host-only
@@ -161,9 +162,10 @@ std::map<std::pair<int, void*>, std::weak_ptr<LinearCublasHandle>>& Handles() {
 
 Status NeedCublas(const std::string& node, int64_t M, const std::string& why) {
   return Status(Code::kRuntime, "Linear node '" + node + "': M = " + std::to_string(M) +
-                                    " rows need cuBLAS (the GEMV takes M <= 8), but " + why +
+                                    " rows need cuBLAS (the GEMV takes M <= 4, or M <= 8 with N <= 1024, and W "
+                                    "within 8 MiB: Note [Linear path choice]), but " + why +
                                     ". Remedy: install the CUDA cuBLAS library that onnxruntime-gpu uses "
-                                    "(nvidia-cublas) or run with at most 8 rows per call");
+                                    "(nvidia-cublas)");
 }
 
 Status CudaFail(const std::string& node, const char* what, cudaError_t e) {
