@@ -43,7 +43,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from _report import emit  # benchmarks/ is on sys.path when a script runs
+from _report import emit, timed_decode  # benchmarks/ is on sys.path when a script runs
 
 PROMPT = "Once upon a time, there was a little robot who"
 WHOLE_READ_OPS = {"MatMul", "Gemm", "MatMulNBits", "SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization",
@@ -134,26 +134,7 @@ def parts(threads: int, steps: int) -> dict:
     cfg = apply_overrides(GenAIConfig(), {"ortkv.weights": "float32", "ortkv.intra_op_num_threads": threads})
     path = models.model_path(cfg, "ortkv", log=lambda *x: None)
     r = runners.make_runner("ortkv", cfg, log=lambda *x: None)
-    sess, ort_s = r.sess.session, []
-    run = sess.run_with_iobinding
-
-    def timed(io, run_options=None):
-        t = time.perf_counter()
-        run(io, run_options)
-        ort_s.append(time.perf_counter() - t)
-
-    sess.run_with_iobinding = timed
-    ids = np.array([PROMPT_IDS], np.int64)
-    for _ in range(2):  # the first pass is untimed
-        r.start(1, 2048)
-        logits = r.prefill(ids, np.array([ids.shape[1]], np.int64))
-        ort_s.clear()
-        wall = []
-        for _ in range(steps):
-            nxt = np.array([int(np.argmax(logits[0]))], np.int64)
-            t = time.perf_counter()
-            logits = r.step(nxt)
-            wall.append(time.perf_counter() - t)
+    wall, ort_s, _ = timed_decode(r, PROMPT_IDS, steps)
     r.close()
     model, feeds, ws = _matmul_only(path)
     so = ort.SessionOptions()

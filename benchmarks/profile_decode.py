@@ -51,7 +51,7 @@ from ortkv.generate import models, runners
 from ortkv.generate.cli import apply_overrides
 from ortkv.generate.config import GenAIConfig
 
-from _report import emit  # benchmarks/ is on sys.path when a script runs
+from _report import emit, timed_decode  # benchmarks/ is on sys.path when a script runs
 
 PROMPT_IDS = [1, 9690, 2409, 253, 655, 28, 665, 588, 253, 1165, 8325, 653]  # any in-vocabulary ids
 
@@ -313,27 +313,7 @@ def options_child(weights: str, variant: str, threads: int, steps: int) -> dict:
         r = runners.make_runner("ortkv", cfg, log=lambda *x: None)
     finally:
         runners._session_options = plain
-    sess, ort_s = r.sess.session, []
-    run = sess.run_with_iobinding
-
-    def timed(io, run_options=None):
-        t = time.perf_counter()
-        run(io, run_options)
-        ort_s.append(time.perf_counter() - t)
-
-    sess.run_with_iobinding = timed
-    ids = np.array([PROMPT_IDS], np.int64)
-    for _ in range(2):  # the first pass is untimed
-        r.start(1, 2048)
-        logits = r.prefill(ids, np.array([ids.shape[1]], np.int64))
-        ort_s.clear()
-        wall, toks = [], []
-        for _ in range(steps):
-            nxt = np.array([int(np.argmax(logits[0]))], np.int64)
-            toks.append(int(nxt[0]))
-            t = time.perf_counter()
-            logits = r.step(nxt)
-            wall.append(time.perf_counter() - t)
+    wall, ort_s, toks = timed_decode(r, PROMPT_IDS, steps)
     r.close()
     return {"wall": 1e3 * float(np.median(wall)), "run": 1e3 * float(np.median(ort_s)), "tokens": toks}
 
