@@ -298,12 +298,7 @@ __global__ void __launch_bounds__(kMergeThreads) CombineKernel(const Args a) {
   // wait for that grid to complete and its partials to be visible (a no-op for a plain launch)
   if (LOG2) asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
-  const int64_t G = a.Hq / a.Hkv;
-  const int64_t uh = blockIdx.x;  // unit * G + g
-  const int64_t g = uh % G, unit = uh / G;
-  const int64_t t = unit % a.T, hk = (unit / a.T) % a.Hkv, b = unit / (a.T * a.Hkv);
-  MergeSplits<T, LOG2>(a.partial + uh * a.splits * (a.D + 2), static_cast<int>(a.splits), static_cast<int>(a.D),
-                       static_cast<T*>(a.out) + ((b * a.T + t) * a.Hq + hk * G + g) * a.D);
+  CombineUnitHead<T, LOG2>(a.partial, a.out, a.splits, a.T, a.Hq, a.Hkv, a.D);
 }
 
 // Note [CacheAttention CUDA v2]
@@ -732,6 +727,7 @@ cudaError_t Launch(const CacheAttentionCudaView& v, const Args& a, int gm, cudaS
 namespace v3 {
 
 using tile16::kTile;
+using tile16::MergeWarpTiles;
 using tile16::Pack2;
 using tile16::Sw;
 using tile16::TileProducts;
@@ -859,52 +855,28 @@ __global__ void __launch_bounds__(NW * 32) AttentionKernelV3(const Args a) {
   l += __shfl_xor_sync(0xffffffffu, l, 2);
   CpAsyncWait<0>();
   __syncthreads();  // the ring becomes the merge arrays
-  WarpMerge<NW, kHeads>& mg = *reinterpret_cast<WarpMerge<NW, kHeads>*>(dsm);
-  if (c == 0) {
-    mg.m[warp][g] = m;
-    mg.l[warp][g] = l;
-  }
-#pragma unroll
-  for (int nt = 0; nt < D / 8; ++nt) {
-    mg.acc[warp][g][nt * 8 + 2 * c] = o[nt][0];
-    mg.acc[warp][g][nt * 8 + 2 * c + 1] = o[nt][1];
-  }
-  __syncthreads();
   // CLUSTER: the block's merged (m, l, acc) of each head, for the cluster's rank 0 to read (after the ring)
   float* fin = reinterpret_cast<float*>(dsm + C::kFinOffset);  // [kHeads][D + 2]: acc, m, l
-  for (int x = tid; x < gn * D; x += NW * 32) {
-    const int gg = x / D, d = x % D;
-    float mb = -INFINITY;
-#pragma unroll
-    for (int w = 0; w < NW; ++w) mb = fmaxf(mb, mg.m[w][gg]);
-    float lb = 0.0f, ab = 0.0f;
-#pragma unroll
-    for (int w = 0; w < NW; ++w) {
-      const float mw = mg.m[w][gg];
-      const float f = mw == -INFINITY ? 0.0f : Exp2(mw - mb);
-      lb += mg.l[w][gg] * f;
-      ab += mg.acc[w][gg][d] * f;
-    }
-    if constexpr (CLUSTER) {
-      fin[gg * (D + 2) + d] = ab;
-      if (d == 0) {
-        fin[gg * (D + 2) + D] = mb;
-        fin[gg * (D + 2) + D + 1] = lb;
-      }
-      continue;
-    }
-    if (S == 1) {
-      T* out = static_cast<T*>(a.out) + ((b * a.T + t) * a.Hq + hk * G + g0 + gg) * a.D;
-      out[d] = FromF<T>(ab / lb);
-    } else {
-      float* p = a.partial + ((unit * G + g0 + gg) * S + split) * (a.D + 2);
-      p[d] = ab;
-      if (d == 0) {
-        p[a.D] = mb;
-        p[a.D + 1] = lb;
-      }
-    }
-  }
+  MergeWarpTiles<NW, D>(*reinterpret_cast<WarpMerge<NW, kHeads>*>(dsm), m, l, o, gn,
+                        [&](int gg, int d, float mb, float lb, float ab) {
+                          if constexpr (CLUSTER) {
+                            fin[gg * (D + 2) + d] = ab;
+                            if (d == 0) {
+                              fin[gg * (D + 2) + D] = mb;
+                              fin[gg * (D + 2) + D + 1] = lb;
+                            }
+                          } else if (S == 1) {
+                            T* out = static_cast<T*>(a.out) + ((b * a.T + t) * a.Hq + hk * G + g0 + gg) * a.D;
+                            out[d] = FromF<T>(ab / lb);
+                          } else {
+                            float* p = a.partial + ((unit * G + g0 + gg) * S + split) * (a.D + 2);
+                            p[d] = ab;
+                            if (d == 0) {
+                              p[a.D] = mb;
+                              p[a.D + 1] = lb;
+                            }
+                          }
+                        });
   if constexpr (CLUSTER) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     // the S blocks of this unit and head block form one cluster (split = rank): rank 0 reads the others'

@@ -108,5 +108,18 @@ __device__ void MergeSplits(const float* p, int S, int D, T* out) {
   }
 }
 
+// A combine kernel's block: (unit, query head g) = blockIdx.x, the units (b, hk, t) ordered as the attention
+// kernels' (t fastest, then hk, then b) over Tq query tokens; its S partials merged into that output row.
+template <typename T, bool LOG2>
+__device__ __forceinline__ void CombineUnitHead(const float* partial, void* out, int64_t S, int64_t Tq, int64_t Hq,
+                                                int64_t Hkv, int64_t D) {
+  const int64_t G = Hq / Hkv;
+  const int64_t uh = blockIdx.x;  // unit * G + g
+  const int64_t g = uh % G, unit = uh / G;
+  const int64_t t = unit % Tq, hk = (unit / Tq) % Hkv, b = unit / (Tq * Hkv);
+  MergeSplits<T, LOG2>(partial + uh * S * (D + 2), static_cast<int>(S), static_cast<int>(D),
+                       static_cast<T*>(out) + ((b * Tq + t) * Hq + hk * G + g) * D);
+}
+
 }  // namespace
 }  // namespace ortkv

@@ -950,12 +950,7 @@ __global__ void __launch_bounds__(kMergeThreads) PagedCombineKernel(const AttnAr
     if (key != kNoError) ReportAttention(a, key);
   }
   if (a.splits <= 1) return;
-  const int64_t G = a.Hq / a.Hkv;
-  const int64_t uh = blockIdx.x;
-  const int64_t g = uh % G, unit = uh / G;
-  const int64_t t = unit % a.T, hk = (unit / a.T) % a.Hkv, b = unit / (a.T * a.Hkv);
-  MergeSplits<T, LOG2>(a.partial + uh * a.splits * (a.D + 2), static_cast<int>(a.splits), static_cast<int>(a.D),
-                       static_cast<T*>(a.out) + ((b * a.T + t) * a.Hq + hk * G + g) * a.D);
+  CombineUnitHead<T, LOG2>(a.partial, a.out, a.splits, a.T, a.Hq, a.Hkv, a.D);
 }
 
 template <typename T, bool VEC>
@@ -1639,6 +1634,7 @@ using pv2::ScaleBytes;
 using tile16::kTile;
 using tile16::LdMatrix4;
 using tile16::LdMatrix4T;
+using tile16::MergeWarpTiles;
 using tile16::Mma;
 using tile16::Pack2;
 using tile16::Sw;
@@ -2035,30 +2031,7 @@ __global__ void __launch_bounds__(kThreads) PagedAttentionV3(const AttnArgs args
     const unsigned long long sk = bad_start ? Key(kClassRow, static_cast<unsigned long long>(b) << 28) : kNoError;
     a.block_flags[blockIdx.x] = sk < sh.key ? sk : sh.key;
   }
-  Merge& mg = *reinterpret_cast<Merge*>(ring);
-  if (c == 0) {
-    mg.m[warp][g] = m;
-    mg.l[warp][g] = l;
-  }
-#pragma unroll
-  for (int nt = 0; nt < D / 8; ++nt) {
-    mg.acc[warp][g][nt * 8 + 2 * c] = o[nt][0];
-    mg.acc[warp][g][nt * 8 + 2 * c + 1] = o[nt][1];
-  }
-  __syncthreads();
-  for (int x = tid; x < gn * D; x += kThreads) {
-    const int gg = x / D, d = x % D;
-    float mb = -INFINITY;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) mb = fmaxf(mb, mg.m[w][gg]);
-    float lb = 0.0f, ab = 0.0f;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) {
-      const float mw = mg.m[w][gg];
-      const float fct = mw == -INFINITY ? 0.0f : Exp2(mw - mb);
-      lb += mg.l[w][gg] * fct;
-      ab += mg.acc[w][gg][d] * fct;
-    }
+  MergeWarpTiles<kWarps, D>(*reinterpret_cast<Merge*>(ring), m, l, o, gn, [&](int gg, int d, float mb, float lb, float ab) {
     const int64_t head = hk * G + g0 + gg;
     if (S == 1) {
       T* out = static_cast<T*>(a.out) + ((b * a.T + t) * a.Hq + head) * a.D;
@@ -2071,7 +2044,7 @@ __global__ void __launch_bounds__(kThreads) PagedAttentionV3(const AttnArgs args
         p[a.D + 1] = lb;
       }
     }
-  }
+  });
 }
 
 template <typename T, int D>

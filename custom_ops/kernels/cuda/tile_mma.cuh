@@ -133,6 +133,42 @@ __device__ __forceinline__ void TileProducts(const uint8_t* st, const uint32_t (
   }
 }
 
+
+// The end of a block of NW tile-streaming warps (dense and paged v3): each warp's online-softmax state of the 8
+// query-head rows of its mma tiles (row g = lane / 4: m, l summed over the row's quad, o in the C fragments)
+// goes into mg (shared memory the caller freed with a barrier), then, after one barrier, every (head gg < gn,
+// element d) of the block gets the warps' merged (mb, lb, ab), base 2, through emit(gg, d, mb, lb, ab).
+template <int NW, int D, typename Emit>
+__device__ __forceinline__ void MergeWarpTiles(WarpMerge<NW, 8>& mg, float m, float l, const float (*o)[4], int gn,
+                                               Emit emit) {
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, c = lane & 3;
+  if (c == 0) {
+    mg.m[warp][g] = m;
+    mg.l[warp][g] = l;
+  }
+#pragma unroll
+  for (int nt = 0; nt < D / 8; ++nt) {
+    mg.acc[warp][g][nt * 8 + 2 * c] = o[nt][0];
+    mg.acc[warp][g][nt * 8 + 2 * c + 1] = o[nt][1];
+  }
+  __syncthreads();
+  for (int x = tid; x < gn * D; x += NW * 32) {
+    const int gg = x / D, d = x % D;
+    float mb = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < NW; ++w) mb = fmaxf(mb, mg.m[w][gg]);
+    float lb = 0.0f, ab = 0.0f;
+#pragma unroll
+    for (int w = 0; w < NW; ++w) {
+      const float mw = mg.m[w][gg];
+      const float f = mw == -INFINITY ? 0.0f : Exp2(mw - mb);
+      lb += mg.l[w][gg] * f;
+      ab += mg.acc[w][gg][d] * f;
+    }
+    emit(gg, d, mb, lb, ab);
+  }
+}
+
 }  // namespace tile16
 }  // namespace
 }  // namespace ortkv
