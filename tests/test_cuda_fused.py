@@ -172,46 +172,56 @@ def _providers_of(profile_path):
             if e.get("cat") == "Node" and e["name"].endswith("_kernel_time")]
 
 
+def _profiled_greedy_decode(model, w, cap, profile_prefix):
+    """A float16 SBNH ortkv decoder of `w` (batch 1, caches of `cap` tokens) through MutableCacheSession on CUDA
+    with ORT's profiler: a 5-token prefill and 8 greedy decode steps. Returns the 9 picked tokens, the last
+    position's logits of each run [9, 1, V] and the profile's (op, provider) per node run."""
+    import onnxruntime as ort
+
+    from ortkv.generate import builder
+
+    Hkv, D = w.config.kv_heads, w.config.head_size
+    so = ort.SessionOptions()
+    so.enable_profiling = True
+    so.profile_file_prefix = profile_prefix
+    s = ortkv.MutableCacheSession(model, providers=["CUDAExecutionProvider"], sess_options=so)
+    caches = {}  # kept alive while bound
+    for i in range(len(w.layers)):
+        for name in builder.ortkv_names(i)[:2]:
+            caches[name] = ort.OrtValue.ortvalue_from_numpy(np.zeros((cap, 1, Hkv, D), np.float16), "cuda", 0)
+            s.bind_cache(name, caches[name])
+    ids = np.array([[504, 3575, 282, 4649, 314]])
+    pos, tokens, logits = np.array([0]), [], []
+    for _ in range(9):
+        (out,) = s.run(["logits"], {"input_ids": ids, "positions": pos})
+        logits.append(out[:, -1])
+        pos = pos + ids.shape[1]
+        ids = out[:, -1].argmax(-1)[:, None]
+        tokens.append(int(ids[0, 0]))
+    profile = _providers_of(s._session.end_profiling())
+    s.close()
+    return tokens, np.stack(logits), profile
+
+
 def test_cuda_fused_decoder_runs_every_ortkv_node_on_cuda_and_keeps_the_tokens(tmp_path):
     """A 2-layer float16 SBNH ortkv decoder (Note [Fused ortkv layer]) through MutableCacheSession on CUDA:
     ORT's profile shows every RotaryCacheUpdate / SwiGLU / CacheAttention node on CUDAExecutionProvider, and
     prefill + 8 greedy decode steps give the unfused graph's tokens, logits within float16 noise."""
-    import onnxruntime as ort
-
     from ortkv.generate import builder, weights
     from ortkv.generate.assets import smollm2_gguf
 
     w, _ = weights.load(smollm2_gguf(), layers=2)
-    cap, Hkv, D = 64, w.config.kv_heads, w.config.head_size
-    runs = {}
+    cap, runs = 64, {}
     for fused in (True, False):
         model = builder.build(w, "ortkv", max_positions=cap, dtype="float16", cache_layout="SBNH", fused=fused)
         ops = {n.op_type for n in model.graph.node}
         assert ({"RotaryCacheUpdate", "SwiGLU"} <= ops) == fused and ("CacheUpdate" in ops) != fused
-        so = ort.SessionOptions()
-        so.enable_profiling = True
-        so.profile_file_prefix = str(tmp_path / f"decode_{fused}")
-        s = ortkv.MutableCacheSession(model, providers=["CUDAExecutionProvider"], sess_options=so)
-        caches = {}
-        for i in range(2):
-            for name in builder.ortkv_names(i)[:2]:
-                caches[name] = ort.OrtValue.ortvalue_from_numpy(np.zeros((cap, 1, Hkv, D), np.float16), "cuda", 0)
-                s.bind_cache(name, caches[name])
-        ids = np.array([[504, 3575, 282, 4649, 314]])
-        pos, tokens, logits = np.array([0]), [], []
-        for _ in range(9):
-            (out,) = s.run(["logits"], {"input_ids": ids, "positions": pos})
-            logits.append(out[:, -1])
-            pos = pos + ids.shape[1]
-            ids = out[:, -1].argmax(-1)[:, None]
-            tokens.append(int(ids[0, 0]))
-        profile = _providers_of(s._session.end_profiling())
-        s.close()
+        tokens, logits, profile = _profiled_greedy_decode(model, w, cap, str(tmp_path / f"decode_{fused}"))
         ours = [(op, p) for op, p in profile if op in ("RotaryCacheUpdate", "SwiGLU", "CacheAttention", "CacheUpdate")]
         assert ours and {p for _, p in ours} == {"CUDAExecutionProvider"}, ours
         if fused:
             assert sum(op == "RotaryCacheUpdate" for op, _ in ours) == 2 * 9  # 2 layers x 9 runs
             assert sum(op == "SwiGLU" for op, _ in ours) == 2 * 9
-        runs[fused] = tokens, np.stack(logits)
+        runs[fused] = tokens, logits
     assert runs[True][0] == runs[False][0]
     np.testing.assert_allclose(runs[True][1], runs[False][1], atol=0.15, rtol=0.02)

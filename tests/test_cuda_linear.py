@@ -17,6 +17,7 @@ from onnx import helper, numpy_helper
 import ortkv
 from conftest import DTYPES
 from test_cuda import _to_torch, _torch
+from test_cuda_fused import _profiled_greedy_decode
 
 pytestmark = pytest.mark.cuda
 # one ulp of the output type, relative: the result is rounded once from fp32 (half an ulp), the other half covers
@@ -214,41 +215,17 @@ def test_cuda_decoder_linear_nodes_on_cuda_and_same_tokens_as_matmul(tmp_path):
     """A 2-layer float16 SBNH ortkv decoder through MutableCacheSession on CUDA, built with Linear (Note [Linear
     projections]) and with MatMul: ORT's profile shows every Linear node (4 per layer + the LM head) on
     CUDAExecutionProvider, and prefill + 8 greedy decode steps give the same tokens, logits within float16 noise."""
-    import onnxruntime as ort
-
     from ortkv.generate import builder, weights
     from ortkv.generate.assets import smollm2_gguf
 
     w, _ = weights.load(smollm2_gguf(), layers=2)
-    cap, Hkv, D = 64, w.config.kv_heads, w.config.head_size
-    runs = {}
+    cap, runs = 64, {}
     for linear in (True, False):
         model = builder.build(w, "ortkv", max_positions=cap, dtype="float16", cache_layout="SBNH", linear=linear)
-        so = ort.SessionOptions()
-        so.enable_profiling = True
-        so.profile_file_prefix = str(tmp_path / f"decode_{linear}")
-        s = ortkv.MutableCacheSession(model, providers=["CUDAExecutionProvider"], sess_options=so)
-        caches = {}  # kept alive while bound
-        for i in range(2):
-            for name in builder.ortkv_names(i)[:2]:
-                caches[name] = ort.OrtValue.ortvalue_from_numpy(np.zeros((cap, 1, Hkv, D), np.float16), "cuda", 0)
-                s.bind_cache(name, caches[name])
-        ids = np.array([[504, 3575, 282, 4649, 314]])
-        pos, tokens, logits = np.array([0]), [], []
-        for _ in range(9):
-            (out,) = s.run(["logits"], {"input_ids": ids, "positions": pos})
-            logits.append(out[:, -1])
-            pos = pos + ids.shape[1]
-            ids = out[:, -1].argmax(-1)[:, None]
-            tokens.append(int(ids[0, 0]))
-        with open(s._session.end_profiling()) as f:
-            events = json.load(f)
-        s.close()
-        placed = [(e["args"]["op_name"], e["args"].get("provider")) for e in events
-                  if e.get("cat") == "Node" and e["name"].endswith("_kernel_time")]
+        tokens, logits, placed = _profiled_greedy_decode(model, w, cap, str(tmp_path / f"decode_{linear}"))
         lin = [p for op, p in placed if op == "Linear"]
         assert len(lin) == (9 * (2 * 4 + 1) if linear else 0) and set(lin) <= {"CUDAExecutionProvider"}, placed
-        runs[linear] = tokens, np.stack(logits)
+        runs[linear] = tokens, logits
     assert runs[True][0] == runs[False][0]
     np.testing.assert_allclose(runs[True][1], runs[False][1], atol=0.15, rtol=0.02)
 
