@@ -95,10 +95,14 @@ def cache_attention_model(num_heads: int, kv_heads: int, seq_axis: int = 1, onnx
                              ir_version=10)
 
 
-def ort_session(model: onnx.ModelProto, providers=("CPUExecutionProvider",)) -> ort.InferenceSession:
+def ort_session(model: onnx.ModelProto, providers=("CPUExecutionProvider",), threads: int | None = None
+                ) -> ort.InferenceSession:
+    """A session of `model` with ortkv's op library; threads: ORT's intra-op threads (None: ORT's default)."""
     so = ort.SessionOptions()
     so.log_severity_level = 4  # the tests assert on the errors; keep ORT's own log quiet
     so.register_custom_ops_library(ortkv.get_library_path())
+    if threads is not None:
+        so.intra_op_num_threads = threads
     return ort.InferenceSession(model.SerializeToString(), so, providers=list(providers))
 
 

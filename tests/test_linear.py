@@ -12,7 +12,7 @@ import pytest
 from onnx import TensorProto as TP
 from onnx import helper, numpy_helper
 
-import ortkv
+from conftest import ort_session
 from ortkv.graph import check
 
 NP = {TP.FLOAT: np.float32, TP.FLOAT16: np.float16}
@@ -34,11 +34,7 @@ def linear_model(K, N, x_shape, onnx_type=TP.FLOAT, w=None, w_type=None, name="l
 
 
 def session(model, threads=2):
-    so = ort.SessionOptions()
-    so.register_custom_ops_library(ortkv.get_library_path())
-    so.intra_op_num_threads = threads
-    so.log_severity_level = 3
-    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    return ort_session(model, threads=threads)
 
 
 def bound(x, w, out_type):

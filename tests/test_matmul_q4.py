@@ -6,12 +6,12 @@ float product within the bound that quantization allows (|x^ - x| <= e / 2 per e
 from __future__ import annotations
 
 import numpy as np
-import onnxruntime as ort
 import pytest
 from onnx import TensorProto as TP
 from onnx import helper, numpy_helper
 
 import ortkv
+from conftest import ort_session
 from ortkv.generate import weights
 from ortkv.graph import check
 
@@ -98,11 +98,7 @@ def model(w_pack, x_shape, isa=None, act_terms=None, K=None, N=None, name="mm", 
 
 
 def session(m, threads=2):
-    so = ort.SessionOptions()
-    so.register_custom_ops_library(ortkv.get_library_path())
-    so.intra_op_num_threads = threads
-    so.log_severity_level = 3
-    return ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    return ort_session(m, threads=threads)
 
 
 def run(w, x, isa="auto", act_terms=None, threads=2):
