@@ -56,6 +56,23 @@ from _report import emit, timed_decode  # benchmarks/ is on sys.path when a scri
 PROMPT_IDS = [1, 9690, 2409, 253, 655, 28, 665, 588, 253, 1165, 8325, 653]  # any in-vocabulary ids
 
 
+def _ortkv_runner(cfg, adjust):
+    """The ortkv runner of cfg, its session options changed by adjust(so) (runners._session_options
+    is wrapped while the runner is made, then restored)."""
+    plain = runners._session_options
+
+    def adjusted(c):
+        so = plain(c)
+        adjust(so)
+        return so
+
+    runners._session_options = adjusted
+    try:
+        return runners.make_runner("ortkv", cfg, log=lambda *a: None)
+    finally:
+        runners._session_options = plain
+
+
 def profile(weights: str, steps: int, prefix: str, tag: str | None = None) -> dict:
     cfg = apply_overrides(GenAIConfig(), {"ortkv.weights": weights})
     saved_tag = models.BUILD_TAG
@@ -63,19 +80,14 @@ def profile(weights: str, steps: int, prefix: str, tag: str | None = None) -> di
         models.BUILD_TAG = "smollm2-135m-{weights}-" + tag
         if not models.model_path(cfg, "ortkv", log=lambda *a: None).exists():
             raise SystemExit(f"no decoder for build tag {tag}")
-    plain = runners._session_options
 
-    def profiled(c):
-        so = plain(c)
+    def profiled(so):
         so.enable_profiling = True
         so.profile_file_prefix = prefix
-        return so
 
-    runners._session_options = profiled
     try:
-        r = runners.make_runner("ortkv", cfg, log=lambda *a: None)
+        r = _ortkv_runner(cfg, profiled)
     finally:
-        runners._session_options = plain
         models.BUILD_TAG = saved_tag
     ids = np.array([PROMPT_IDS], np.int64)
     r.start(1, 2048)
@@ -301,18 +313,7 @@ def _apply_variant(so, variant: str) -> None:
 def options_child(weights: str, variant: str, threads: int, steps: int) -> dict:
     """One decoder session with the variant's options: (median step wall ms, median ORT run ms, tokens)."""
     cfg = apply_overrides(GenAIConfig(), {"ortkv.weights": weights, "ortkv.intra_op_num_threads": threads})
-    plain = runners._session_options
-
-    def varied(c):
-        so = plain(c)
-        _apply_variant(so, variant)
-        return so
-
-    runners._session_options = varied
-    try:
-        r = runners.make_runner("ortkv", cfg, log=lambda *x: None)
-    finally:
-        runners._session_options = plain
+    r = _ortkv_runner(cfg, lambda so: _apply_variant(so, variant))
     wall, ort_s, toks = timed_decode(r, PROMPT_IDS, steps)
     r.close()
     return {"wall": 1e3 * float(np.median(wall)), "run": 1e3 * float(np.median(ort_s)), "tokens": toks}
