@@ -724,6 +724,14 @@ cudaError_t Launch(const CacheAttentionCudaView& v, const Args& a, int gm, cudaS
 // decode step's layer) 7.7 -> 5.6; 32/8/128 heads 8K x 8 80.5 -> 70.5. A kernel that only reads the same
 // bytes (no products) takes 14.4 us at 8K x 8 (its best split count): v3 alone is at 16.5 there, the
 // merge adds the rest.
+// Tried at 8K x 8 (same harness, 2026-12-01) and NOT kept, each slower or within noise: the last block of a
+// unit merging the splits itself (threadfence + atomicInc counter, no combine launch): 21.7 us vs 19.1 with
+// the combine (the fence, the atomic and the partial reads sit on the last block's critical path, where the
+// programmatic-dependent combine overlaps its launch); L2 prefetch of the warp's tiles 2..8 ahead
+// (prefetch.global.L2): kernel alone 16.45 -> 17.9 us, worse at every shape; launching v3 itself as a
+// programmatic dependent of the kernel before it (griddepcontrol.wait first): 19.1 vs 19.1, 8K x 1 8.8 vs 8.4,
+// a decode layer (128 keys) 5.3 vs 5.6; 8 warps per block with a 2- or 3-slot ring, or 2 warps: the
+// attention alone stays at 16.4-16.7 us for every block shape that fills one wave.
 namespace v3 {
 
 using tile16::kTile;
