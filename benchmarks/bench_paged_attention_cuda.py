@@ -5,6 +5,7 @@ with ORT only (no torch, no cupy). SmolLM2-135M heads (9 query / 3 KV heads of 6
   F16 / INT8 / INT4 : ortkv PagedCacheAttention over one pool of pages of that format (pages of 16
           tokens, page ids shuffled so that consecutive pages are not adjacent in the pool), default kernel
           (Note [Paged CUDA v3]: tensor cores).
+  F16 in order : F16 pages in pool order (row b's pages b * L / 16 ...): what the shuffle costs.
   F16 v2 / INT4 v2 : the same, captured with ORTKV_CUDA_ATTENTION=v2 (Note [Paged CUDA v2]), for the A/B.
 R nodes of one kind in one model, each over its own cache / pool, so one call reads R caches one after the
 other (R chosen so that they hold >= 256 MiB of F16 bytes: K/V come from HBM, not from L2; at least 8). Sessions run
@@ -91,15 +92,16 @@ def dense_case(rng, B, L, R):
     return _model(nodes, inputs, outs), feeds, [o.name for o in outs]
 
 
-def paged_case(rng, B, L, R, fmt):
-    """One pool per node; every row L tokens over shuffled pages of `fmt` (the pages' bytes are one encoded
-    random page repeated: the decode work is the same for any bytes)."""
+def paged_case(rng, B, L, R, fmt, shuffled=True):
+    """One pool per node; every row L tokens over shuffled pages of `fmt` (in pool order when not `shuffled`;
+    the pages' bytes are one encoded random page repeated: the decode work is the same for any bytes)."""
     vi = helper.make_tensor_value_info
     n_pages = B * (L // PS)
     pb = layout(fmt, HKV, PS, D).page_bytes
     page = encode_page(fmt, rng.standard_normal((2, HKV, PS, D)).astype(np.float32))
     directory = np.stack([np.full(n_pages, int(fmt), np.int64), np.arange(n_pages, dtype=np.int64) * pb], axis=1)
-    table = rng.permutation(n_pages).astype(np.int32).reshape(B, L // PS)
+    order = rng.permutation(n_pages) if shuffled else np.arange(n_pages)
+    table = order.astype(np.int32).reshape(B, L // PS)
     nodes, inputs, outs, feeds = [], [vi("q", TP.FLOAT16, [B, 1, HQ * D]), vi("start", TP.INT64, [B]),
                                       vi("directory", TP.INT64, [n_pages, 2]), vi("table", TP.INT32, [B, L // PS])], [], {}
     for r in range(R):
@@ -192,14 +194,16 @@ def main():
     p.add_argument("--out", default="benchmarks/results/paged_attention_cuda.md")
     a = p.parse_args()
     rng = np.random.default_rng(0)
-    kinds = ["dense"] + [f.name for f in FORMATS] + [f"{f.name} v2" for f in V2_FORMATS] + ["ORT-PA"]
+    kinds = (["dense"] + [f.name for f in FORMATS] + ["F16 in order"] + [f"{f.name} v2" for f in V2_FORMATS] +
+             ["ORT-PA"])
     lines = ["# PagedCacheAttention (CUDA) vs dense CacheAttention, decode", "",
              f"SmolLM2 heads {HQ}/{HKV}/{D}, float16 queries, pages of {PS} tokens, CUDA graphs; microseconds per "
              f"node (median of {a.rounds} rounds x median of {a.reps} calls). `python "
              "benchmarks/bench_paged_attention_cuda.py`", "",
              "| L | B | R | " + " | ".join(f"{k} us" for k in kinds) +
-             " | F16 / dense | INT8 / F16 | INT4 / F16 | F16 v3 / v2 | INT4 v3 / v2 | F16 / ORT-PA | ORT-PA graph |",
-             "|---|---|---|" + "---|" * (len(kinds) + 7)]
+             " | F16 / dense | F16 in order / dense | INT8 / F16 | INT4 / F16 | F16 v3 / v2 | INT4 v3 / v2 | F16 / ORT-PA"
+             " | ORT-PA graph |",
+             "|---|---|---|" + "---|" * (len(kinds) + 8)]
     pa_note = None
     for L in LENGTHS:
         for B in BATCHES:
@@ -207,6 +211,7 @@ def main():
             runners = {"dense": Runner(*dense_case(rng, B, L, R))}
             for f in FORMATS:
                 runners[f.name] = Runner(*paged_case(rng, B, L, R, f))
+            runners["F16 in order"] = Runner(*paged_case(rng, B, L, R, PageFormat.F16, shuffled=False))
             os.environ["ORTKV_CUDA_ATTENTION"] = "v2"  # read when the graph is captured (in Runner())
             try:
                 for f in V2_FORMATS:
@@ -225,7 +230,7 @@ def main():
                     per[k].append(runners[k].time(a.reps) / R * 1e6)
             med = {k: statistics.median(v) for k, v in per.items()}
             row = f"| {L} | {B} | {R} | " + " | ".join(f"{med[k]:.1f}" if k in med else "-" for k in kinds)
-            row += f" | {med['F16'] / med['dense']:.2f} | {med['INT8'] / med['F16']:.2f} | {med['INT4'] / med['F16']:.2f}"
+            row += f" | {med['F16'] / med['dense']:.2f} | {med['F16 in order'] / med['dense']:.2f} | {med['INT8'] / med['F16']:.2f} | {med['INT4'] / med['F16']:.2f}"
             row += f" | {med['F16'] / med['F16 v2']:.2f} | {med['INT4'] / med['INT4 v2']:.2f}"
             row += (f" | {med['F16'] / med['ORT-PA']:.2f} | {'yes' if pa_graph else 'no'} |" if "ORT-PA" in med
                     else " | - | - |")
