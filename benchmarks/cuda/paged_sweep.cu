@@ -1,0 +1,243 @@
+// Standalone timing of the CUDA PagedCacheAttention decode (no ONNX Runtime): custom_ops/kernels/cuda/paged_cuda.cu
+// called directly through its plan (PlanPagedCacheAttentionCuda) and launch (PagedCacheAttentionCuda), for the
+// page formats F16 / INT8 / INT4 (v3, and v2 through ORTKV_CUDA_ATTENTION=v2), pages shuffled or in pool order,
+// SmolLM2's heads (9 / 3 / 64), pages of 16 tokens, float16 queries. v3's output is checked against v2's on the
+// same pool. The counterpart of attention_sweep.cu (dense): a kernel variant can be timed on a GPU machine
+// without installing onnxruntime-gpu or building the package, and since paged_cuda.cu takes minutes to compile,
+// the binary can be built on a machine without a GPU and carried over:
+//
+//   nvcc -std=c++17 -O3 -arch=sm_90 -DORTKV_WITH_CUDA -I custom_ops/include -I custom_ops/codecs \
+//        -I custom_ops/kernels benchmarks/cuda/paged_sweep.cu custom_ops/kernels/cpu/paged_update.cc \
+//        -o /tmp/paged_sweep        (paged_update.cc: the plans' shared pool checks)
+//   /tmp/paged_sweep [reps] [cases, e.g. 03: indices into `cases`]
+//
+// Status: written, compiled and linked on 2026-12-01 (nvcc 13, sm_90) after the session's GPU time was spent; not
+// yet run on a GPU: its first run should check the v3-vs-v2 differences it prints before trusting its times.
+// Every figure is from CUDA graph replays of R launches over R distinct pools (>= 256 MiB of F16 pages in all, so
+// the pages come from HBM), time per launch = replay time / R, median of `reps` replays. The pools' bytes are
+// random float16 values in [-1, 1): valid F16 pages, and for the narrow formats valid codes and finite scales
+// (the decode work does not depend on the values).
+#include "../../custom_ops/kernels/cuda/paged_cuda.cu"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <vector>
+
+namespace ortkv {
+
+// What the package's other translation units provide (not linked here).
+const char* ElemTypeName(int32_t t) { return t == kFloat16 ? "float16" : t == kInt64 ? "int64" : "other"; }
+Status CudaAttentionKernelChoice(int* level) {  // as cache_attention.cu: unset = newest, v1 / v2 / v3
+  const char* e = std::getenv("ORTKV_CUDA_ATTENTION");
+  *level = (e == nullptr || *e == '\0') ? 0 : (e[0] == 'v' && e[1] >= '1' && e[1] <= '3' && e[2] == '\0') ? e[1] - '0' : -1;
+  return *level < 0 ? Status(Code::kInvalidArgument, "ORTKV_CUDA_ATTENTION: set v1, v2 or v3") : Status::Ok();
+}
+
+namespace {
+
+#define CK(x)                                                                                   \
+  do {                                                                                          \
+    cudaError_t e_ = (x);                                                                       \
+    if (e_ != cudaSuccess) {                                                                    \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_));   \
+      std::exit(1);                                                                             \
+    }                                                                                           \
+  } while (0)
+#define OK(x)                                                                         \
+  do {                                                                                \
+    Status s_ = (x);                                                                  \
+    if (!s_.ok()) {                                                                   \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, s_.message().c_str()); \
+      std::exit(2);                                                                   \
+    }                                                                                 \
+  } while (0)
+
+__global__ void RandomHalves(__half* p, int64_t n, unsigned seed) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    unsigned x = static_cast<unsigned>(i) * 2654435761u ^ seed * 0x9E3779B9u;
+    x ^= x >> 15;
+    x *= 0x2C1B3C6Du;
+    x ^= x >> 12;
+    p[i] = __float2half((x & 0xFFFF) / 32768.0f - 1.0f);
+  }
+}
+
+float TimeGraph(cudaGraphExec_t ge, cudaStream_t s, int reps, int R) {
+  cudaEvent_t e0, e1;
+  CK(cudaEventCreate(&e0));
+  CK(cudaEventCreate(&e1));
+  for (int i = 0; i < 3; ++i) CK(cudaGraphLaunch(ge, s));
+  std::vector<float> t;
+  for (int i = 0; i < reps; ++i) {
+    CK(cudaEventRecord(e0, s));
+    CK(cudaGraphLaunch(ge, s));
+    CK(cudaEventRecord(e1, s));
+    CK(cudaEventSynchronize(e1));
+    float ms = 0;
+    CK(cudaEventElapsedTime(&ms, e0, e1));
+    t.push_back(ms * 1000.0f / R);
+  }
+  std::sort(t.begin(), t.end());
+  CK(cudaEventDestroy(e0));
+  CK(cudaEventDestroy(e1));
+  return t[t.size() / 2];
+}
+
+template <typename F>
+float Capture(cudaStream_t s, int R, int reps, F launch) {
+  cudaGraph_t g;
+  cudaGraphExec_t ge;
+  CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+  for (int r = 0; r < R; ++r) launch(r);
+  CK(cudaStreamEndCapture(s, &g));
+  CK(cudaGraphInstantiate(&ge, g, 0));
+  const float us = TimeGraph(ge, s, reps, R);
+  CK(cudaGraphExecDestroy(ge));
+  CK(cudaGraphDestroy(g));
+  return us;
+}
+
+struct Case {
+  int64_t L, B;
+};
+
+// R pools of one format (each B * L / 16 pages), one directory and page table shared by all of them.
+struct Pools {
+  std::vector<uint8_t*> pool;
+  int64_t* directory = nullptr;
+  int32_t* table = nullptr;
+  int64_t n_pages = 0, page_bytes = 0;
+  void Free() {
+    for (auto* p : pool) CK(cudaFree(p));
+    CK(cudaFree(directory));
+    CK(cudaFree(table));
+  }
+};
+
+constexpr int64_t kHq = 9, kHkv = 3, kD = 64, kPs = 16;
+
+Pools MakePools(codecs::PageFormat f, const Case& c, int R, bool shuffled, cudaStream_t s) {
+  Pools p;
+  p.n_pages = c.B * c.L / kPs;
+  p.page_bytes = static_cast<int64_t>(codecs::LayoutOf(f, codecs::PageShape{kHkv, kPs, kD}).page_bytes);
+  std::vector<int64_t> dir(2 * p.n_pages);
+  for (int64_t i = 0; i < p.n_pages; ++i) {
+    dir[2 * i] = static_cast<int64_t>(f);
+    dir[2 * i + 1] = i * p.page_bytes;
+  }
+  std::vector<int32_t> tab(p.n_pages);
+  std::iota(tab.begin(), tab.end(), 0);
+  if (shuffled) std::shuffle(tab.begin(), tab.end(), std::mt19937(7));
+  CK(cudaMalloc(&p.directory, dir.size() * 8));
+  CK(cudaMemcpy(p.directory, dir.data(), dir.size() * 8, cudaMemcpyHostToDevice));
+  CK(cudaMalloc(&p.table, tab.size() * 4));
+  CK(cudaMemcpy(p.table, tab.data(), tab.size() * 4, cudaMemcpyHostToDevice));
+  for (int r = 0; r < R; ++r) {
+    uint8_t* q = nullptr;
+    CK(cudaMalloc(&q, p.n_pages * p.page_bytes));
+    RandomHalves<<<1024, 256, 0, s>>>(reinterpret_cast<__half*>(q), p.n_pages * p.page_bytes / 2, 11u + r);
+    p.pool.push_back(q);
+  }
+  CK(cudaStreamSynchronize(s));
+  return p;
+}
+
+struct Node {  // one PagedCacheAttention call's view and workspaces
+  PagedAttentionCudaView v;
+  void Free() {
+    CK(cudaFree(v.partial));
+    CK(cudaFree(v.flag));
+    CK(cudaFree(v.block_flags));
+  }
+};
+
+Node Plan(const Pools& p, int r, const Case& c, const __half* q, __half* out, const int64_t* start, int sms) {
+  TensorArg tq, tpool, tdir, ttab, tstart;
+  tq.data = q, tq.elem_type = kFloat16, tq.dims = {c.B, 1, kHq * kD}, tq.name = "q";
+  tpool.data = p.pool[r], tpool.elem_type = 2, tpool.dims = {p.n_pages * p.page_bytes}, tpool.name = "pool";
+  tdir.data = p.directory, tdir.elem_type = kInt64, tdir.dims = {p.n_pages, 2}, tdir.name = "directory";
+  ttab.data = p.table, ttab.elem_type = 6, ttab.dims = {c.B, c.L / kPs}, ttab.name = "table";
+  tstart.data = start, tstart.elem_type = kInt64, tstart.dims = {c.B}, tstart.name = "start";
+  PagedAttrs at;
+  at.layer = 0, at.num_layers = 1, at.kv_num_heads = kHkv, at.page_size = kPs;
+  Node n;
+  OK(PlanPagedCacheAttentionCuda("sweep", tq, tpool, tdir, ttab, tstart, kHq, at, 0.0f, out, sms, &n.v));
+  const size_t pb = std::max<size_t>(n.v.partial_bytes(), 16), fb = std::max<size_t>(n.v.block_flag_bytes(), 16);
+  CK(cudaMalloc(&n.v.partial, pb));
+  CK(cudaMalloc(&n.v.flag, 16));
+  CK(cudaMalloc(&n.v.block_flags, fb));
+  return n;
+}
+
+int Main(int argc, char** argv) {
+  const int reps = argc > 1 ? std::atoi(argv[1]) : 20;
+  const char* only = argc > 2 ? argv[2] : nullptr;
+  cudaStream_t s;
+  CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  int sms = 0;
+  CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  const Case cases[] = {{8192, 1}, {8192, 8}, {32768, 1}, {32768, 8}};
+  using codecs::PageFormat;
+  const PageFormat formats[] = {PageFormat::kF16, PageFormat::kInt8, PageFormat::kInt4};
+  std::printf("%6s %3s %3s | %-22s %9s %8s\n", "L", "B", "R", "kernel", "us", "GB/s");
+  for (int ci = 0; ci < static_cast<int>(sizeof(cases) / sizeof(cases[0])); ++ci) {
+    if (only != nullptr && std::strchr(only, '0' + ci) == nullptr) continue;
+    const Case c = cases[ci];
+    const double f16_bytes = 2.0 * c.B * c.L * kHkv * kD * 2;
+    const int R = std::max<int>(8, static_cast<int>(std::ceil(256.0 * 1048576 / f16_bytes)));
+    __half *q, *out;
+    int64_t* start;
+    CK(cudaMalloc(&q, c.B * kHq * kD * 2));
+    CK(cudaMalloc(&out, c.B * kHq * kD * 2));
+    RandomHalves<<<64, 256, 0, s>>>(q, c.B * kHq * kD, 3u);
+    std::vector<int64_t> st(c.B, c.L - 1);
+    CK(cudaMalloc(&start, c.B * 8));
+    CK(cudaMemcpy(start, st.data(), c.B * 8, cudaMemcpyHostToDevice));
+    for (const PageFormat f : formats) {
+      for (const bool shuffled : {true, false}) {
+        if (!shuffled && f != PageFormat::kF16) continue;
+        Pools p = MakePools(f, c, R, shuffled, s);
+        std::vector<Node> nodes;
+        for (int r = 0; r < R; ++r) nodes.push_back(Plan(p, r, c, q, out, start, sms));
+        const char* fname = f == PageFormat::kF16 ? "F16" : f == PageFormat::kInt8 ? "INT8" : "INT4";
+        // v3 against v2 on pool 0
+        std::vector<__half> o2(c.B * kHq * kD), o3(o2.size());
+        setenv("ORTKV_CUDA_ATTENTION", "v2", 1);
+        OK(PagedCacheAttentionCuda(nodes[0].v, s));
+        CK(cudaMemcpyAsync(o2.data(), out, o2.size() * 2, cudaMemcpyDeviceToHost, s));
+        setenv("ORTKV_CUDA_ATTENTION", "v3", 1);
+        OK(PagedCacheAttentionCuda(nodes[0].v, s));
+        CK(cudaMemcpyAsync(o3.data(), out, o3.size() * 2, cudaMemcpyDeviceToHost, s));
+        CK(cudaStreamSynchronize(s));
+        float worst = 0;
+        for (size_t i = 0; i < o2.size(); ++i) worst = std::max(worst, std::fabs(__half2float(o2[i]) - __half2float(o3[i])));
+        for (const char* level : {"v3", "v2"}) {
+          if (!shuffled && std::strcmp(level, "v2") == 0) continue;
+          setenv("ORTKV_CUDA_ATTENTION", level, 1);  // read at each launch, so during the capture
+          const float us = Capture(s, R, reps, [&](int r) { OK(PagedCacheAttentionCuda(nodes[r].v, s)); });
+          char name[64];
+          std::snprintf(name, sizeof name, "%s %s%s", fname, level, shuffled ? "" : " in order");
+          const double bytes = static_cast<double>(c.B) * (c.L / kPs) * p.page_bytes;  // pages read per node
+          std::printf("%6lld %3lld %3d | %-22s %9.2f %8.0f   (v3 vs v2 max |diff| %.5f)\n", (long long)c.L,
+                      (long long)c.B, R, name, us, bytes / (us * 1e3), worst);
+        }
+        unsetenv("ORTKV_CUDA_ATTENTION");
+        for (auto& n : nodes) n.Free();
+        p.Free();
+      }
+    }
+    CK(cudaFree(q));
+    CK(cudaFree(out));
+    CK(cudaFree(start));
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace ortkv
+
+int main(int argc, char** argv) { return ortkv::Main(argc, argv); }
