@@ -91,8 +91,19 @@ OrtStatus* Compute(void* op_kernel, OrtKernelContext* ctx) {
     return ToOrtStatus(Status(Code::kRuntime, "Linear: this build of ortkv has no CUDA kernels"));
 #endif
   }
-  const int64_t rows = std::min(view.M, kCpuRowsPerTask);
-  const int64_t cols = std::max<int64_t>(8, kCpuMacsPerTask / std::max<int64_t>(1, rows * view.K));
+  if (view.elem_type == ortkv::kFloat32) {
+    ORTKV_RETURN_IF_ORT_ERROR(ToOrtStatus(ortkv::CheckLinearCpuIsa(k.names.node)));
+  }
+  int64_t rows = std::min(view.M, kCpuRowsPerTask);
+  int64_t cols = std::max<int64_t>(8, kCpuMacsPerTask / std::max<int64_t>(1, rows * view.K));
+  if (view.elem_type == ortkv::kFloat32 && view.M <= ortkv::kLinearCpuGemvMaxM) {
+    // decode (Note [Linear CPU GEMV]): a few contiguous ranges of whole row groups, each >= 64 KB of W
+    const int64_t groups = (view.N + ortkv::kLinearCpuGemvRows - 1) / ortkv::kLinearCpuGemvRows;
+    const int64_t by_bytes = view.N * view.K * 4 / ortkv::kLinearCpuGemvMinTaskBytes;
+    const int64_t tasks = std::max<int64_t>(1, std::min({ortkv::kLinearCpuGemvTasks, groups, by_bytes}));
+    rows = view.M;
+    cols = (groups + tasks - 1) / tasks * ortkv::kLinearCpuGemvRows;
+  }
   CpuJob job{&view, rows, cols, (view.N + cols - 1) / cols};
   const int64_t tasks = (view.M + rows - 1) / rows * job.col_tasks;
   if (tasks == 1) {

@@ -68,8 +68,21 @@ struct LinearView {
 // (they depend on the EP).
 Status PlanLinear(const std::string& node, const TensorArg& x, const TensorArg& w, LinearView* view);
 
-// CPU: Y rows [m0, m1) x columns [n0, n1), float32 or float16 (computed in float32).
+// CPU: Y rows [m0, m1) x columns [n0, n1), float32 (Note [Linear CPU GEMV] in custom_ops/kernels/cpu/linear.cc)
+// or float16 (computed in float32, the reference path).
 void LinearCpu(const LinearView& view, int64_t m0, int64_t m1, int64_t n0, int64_t n1);
+
+// CPU: refuses a bad ORTKV_CPU_ISA (the instruction set the float32 kernel runs, Note [CPU attention ISA dispatch])
+// with E_INPUT naming the node; call before LinearCpu.
+Status CheckLinearCpuIsa(const std::string& node);
+
+// CPU decode calls (M <= kLinearCpuGemvMaxM, float32): N is split into at most kLinearCpuGemvTasks contiguous
+// column ranges of whole kLinearCpuGemvRows-row groups, none under kLinearCpuGemvMinTaskBytes of W (Note [Linear
+// CPU GEMV]).
+constexpr int64_t kLinearCpuGemvMaxM = 4;
+constexpr int64_t kLinearCpuGemvTasks = 4;
+constexpr int64_t kLinearCpuGemvRows = 4;
+constexpr int64_t kLinearCpuGemvMinTaskBytes = 64 << 10;
 
 #if defined(ORTKV_WITH_CUDA)
 // The GEMV (M <= 8, float16 / bfloat16, 16-byte aligned X, W and K % 8 == 0, X within kLinearGemvMaxXBytes):
