@@ -9,9 +9,10 @@ step; --ms for more), float32, on the CPU.
              matmul : ONNX MatMul, W [K, N] (the float32 decoder's form; ORT prepacks B for MLAS's SGEMM)
              linear : ortkv.Linear, W [N, K] (the same values transposed)
   timing : per round and shape, both sessions are created (creation order alternating between rounds: two
-           sessions alive in one process can differ by their creation order) and run alternately, --reps
-           timed calls each after 3 untimed ones, interleaved in blocks of one call; ms per node = median
-           call / R. GB/s = the weight's bytes (N K 4) / ms per node. Each figure: the median over --rounds
+           sessions alive in one process can differ by their creation order) and run one after the other in
+           that order, each --reps timed calls after 2 untimed ones in one block (not interleaved call by call:
+           the idle session's spinning intra-op worker would take a CPU from the running one); ms per node =
+           median call / R. GB/s = the weight's bytes (N K 4) / ms per node. Each figure: the median over --rounds
            rounds; the ratio is the median of the per-round ratios (matmul ms / linear ms: > 1 = Linear faster).
   threads: ORT's intra-op threads (--threads, 2 by default), as the decoder's sessions.
 
@@ -113,10 +114,14 @@ def main(argv=None) -> int:
                 ref0 = x.astype(np.float64) @ w0.T
                 for kind, c in cases.items():  # both compute the product (a wrong kernel must not be timed)
                     assert np.allclose(c.ys[0], ref0, rtol=1e-4, atol=1e-4), (kind, name, M)
+                # one kind's calls in a block, after 2 untimed calls: an idle session's intra-op worker keeps
+                # spinning for a while after its last run, and calls interleaved one by one ran both kinds at
+                # ~10 GB/s on 2 CPUs (3 busy threads) where either alone streams at ~20+
                 times = {k: [] for k in kinds}
-                for _ in range(args.reps):
-                    for kind in kinds:
-                        times[kind].append(cases[kind].run())
+                for kind in kinds:
+                    cases[kind].run()
+                    cases[kind].run()
+                    times[kind] = [cases[kind].run() for _ in range(args.reps)]
                 del cases
                 for kind in KINDS:
                     res.setdefault((name, M, K, N, R), {}).setdefault(kind, []).append(

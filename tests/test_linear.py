@@ -181,7 +181,8 @@ def slice_weights():
     return w
 
 
-def test_builder_uses_linear_for_float16_ortkv_and_copy_only(slice_weights):
+def test_builder_uses_linear_for_ortkv_and_copy_not_genai(slice_weights):
+    """float16 and float32 (Note [Linear projections]): Linear in the ortkv and copy decoders, MatMul in genai's."""
     from ortkv.generate import builder
 
     for variant in builder.VARIANTS:
@@ -189,12 +190,13 @@ def test_builder_uses_linear_for_float16_ortkv_and_copy_only(slice_weights):
             m = builder.build(slice_weights, variant, max_positions=64, dtype=dtype, cache_layout="SBNH")
             ops = [n.op_type for n in m.graph.node]
             inits = {t.name for t in m.graph.initializer}
-            if dtype == "float16" and variant != "genai":
+            if variant != "genai":
                 # 4 projections per layer (fused QKV, output, fused gate / up, down) + the LM head; no MatMul but the
                 # copy model's attention (2 per layer)
                 assert ops.count("Linear") == 2 * 4 + 1, variant
                 assert ops.count("MatMul") == (2 * 2 if variant == "copy" else 0), variant
-                head = [n for n in m.graph.node if n.op_type == "Linear" and n.output[0] == "logits_float16"]
+                logits = "logits_float16" if dtype == "float16" else "logits"
+                head = [n for n in m.graph.node if n.op_type == "Linear" and n.output[0] == logits]
                 assert [list(head[0].input)] == [[head[0].input[0], "embed"]]  # the table itself, [vocab, E]
                 assert "lm_head" not in inits
                 w = {t.name: t for t in m.graph.initializer}["l0_wqkv"]
@@ -208,6 +210,8 @@ def test_builder_uses_linear_for_float16_ortkv_and_copy_only(slice_weights):
     assert "Linear" not in [n.op_type for n in forced.graph.node]
     forced = builder.build(slice_weights, "genai", max_positions=64, dtype="float32", linear=True)
     assert [n.op_type for n in forced.graph.node].count("Linear") == 2 * 4 + 1
+    forced = builder.build(slice_weights, "ortkv", max_positions=64, dtype="float32", linear=False)
+    assert "Linear" not in [n.op_type for n in forced.graph.node]
 
 
 def _copy_greedy(model, prompt, steps):

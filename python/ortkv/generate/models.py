@@ -1,7 +1,7 @@
 """Build-once cache of the three decoders of the default model (large files stay outside git):
 
-    <cache>/models/smollm2-135m-f32-v4/{ortkv,genai,copy}/model.onnx (+ model.onnx.data)
-    <cache>/models/smollm2-135m-f32-v4/genai/genai_config.json, tokenizer.json, tokenizer_config.json
+    <cache>/models/smollm2-135m-f32lin-v4/{ortkv,genai,copy}/model.onnx (+ model.onnx.data)
+    <cache>/models/smollm2-135m-f32lin-v4/genai/genai_config.json, tokenizer.json, tokenizer_config.json
 """
 
 from __future__ import annotations
@@ -24,7 +24,9 @@ BUILD_TAG = "smollm2-135m-{weights}-v4"  # bump when the graphs change; + "-bsnh
 # {weights}: f32, q4mlas, or f16 (float16 models of the dequantized GGUF, Note [Float16 models] in builder.py)
 # the q4 graphs changed form (Note [Fast 4-bit path] in weights.py): their own tag, so that a cache built
 # by an older ortkv is not reused, and the float32 decoders are not rebuilt
-WEIGHTS_TAG = {"float32": "f32", "q4": "q4op", "q8": "q8from41"}  # q8: Note [8-bit from Q4_1] in weights.py;
+WEIGHTS_TAG = {"float32": "f32lin", "q4": "q4op", "q8": "q8from41"}  # q8: Note [8-bit from Q4_1] in weights.py;
+# f32lin: the float32 ortkv / copy projections and LM head are ortkv.Linear (Note [Linear projections] in builder.py;
+# "f32" was ORT's MatMul)
 # q4op: the projections are ortkv.MatMulQ4 (Note [Fast 4-bit path]; "q4mlas" was MatMulNBits + the minimum term)
 
 
