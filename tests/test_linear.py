@@ -181,13 +181,30 @@ def slice_weights():
     return w
 
 
-def test_builder_uses_linear_for_ortkv_and_copy_not_genai(slice_weights):
-    """float16 and float32 (Note [Linear projections]): Linear in the ortkv and copy decoders, MatMul in genai's."""
-    from ortkv.generate import builder
+def test_builder_uses_linear_for_float16_and_cpu_float32_ortkv_and_copy(slice_weights):
+    """Note [Linear projections]: Linear in the float16 ortkv and copy decoders, and in the float32 ones where the
+    model cache builds them for the CPU (models.linear_projections); MatMul in genai's and in float32 otherwise."""
+    from ortkv.generate import builder, models
+    from ortkv.generate.cli import apply_overrides
+    from ortkv.generate.config import GenAIConfig
 
+    cpu = apply_overrides(GenAIConfig(), {"ortkv.weights": "float32"})
+    assert cpu.device == "cpu" and cpu.dtype == "float32"
+    assert models.model_dir(cpu).name.startswith("smollm2-135m-f32lin-")
+    cuda = GenAIConfig()  # float32 on CUDA: MatMul (Linear's CUDA kernel is float16 / bfloat16), the "f32" tag
+    cuda.model.decoder.session_options = {"log_id": "x", "provider_options": [{"cuda": {"device_id": "0"}}]}
+    cuda.ortkv.dtype = "float32"
+    assert (cuda.validate().device, cuda.dtype) == ("cuda:0", "float32")
+    assert [models.linear_projections(cuda, v) for v in builder.VARIANTS] == [None] * 3
+    assert models.model_dir(cuda).name.startswith("smollm2-135m-f32-")
+    q4 = apply_overrides(GenAIConfig(), {"ortkv.weights": "q4"})
+    assert [models.linear_projections(q4, v) for v in builder.VARIANTS] == [None] * 3
     for variant in builder.VARIANTS:
         for dtype in ("float32", "float16"):
-            m = builder.build(slice_weights, variant, max_positions=64, dtype=dtype, cache_layout="SBNH")
+            linear = models.linear_projections(cpu, variant) if dtype == "float32" else None
+            assert linear == (True if dtype == "float32" and variant != "genai" else None)
+            m = builder.build(slice_weights, variant, max_positions=64, dtype=dtype, cache_layout="SBNH",
+                              linear=linear)
             ops = [n.op_type for n in m.graph.node]
             inits = {t.name for t in m.graph.initializer}
             if variant != "genai":
@@ -210,8 +227,8 @@ def test_builder_uses_linear_for_ortkv_and_copy_not_genai(slice_weights):
     assert "Linear" not in [n.op_type for n in forced.graph.node]
     forced = builder.build(slice_weights, "genai", max_positions=64, dtype="float32", linear=True)
     assert [n.op_type for n in forced.graph.node].count("Linear") == 2 * 4 + 1
-    forced = builder.build(slice_weights, "ortkv", max_positions=64, dtype="float32", linear=False)
-    assert "Linear" not in [n.op_type for n in forced.graph.node]
+    plain = builder.build(slice_weights, "ortkv", max_positions=64, dtype="float32")  # the default: MatMul
+    assert "Linear" not in [n.op_type for n in plain.graph.node]
 
 
 def _copy_greedy(model, prompt, steps):

@@ -163,9 +163,10 @@ def build(weights: LlamaWeights, variant: str, max_positions: int | None = None,
     matmul_q4 (q4 weights): None for the ortkv and copy variants' ortkv.MatMulQ4 projections and the genai
     variant's MatMulNBits + minimum term (onnxruntime-genai does not load ortkv's op library), or True / False for
     either form (Note [Fast 4-bit path] in weights.py). linear (float weights): None for ortkv.Linear (Note [Linear] in
-    custom_ops/include/ortkv/linear.h) as every float projection and the tied LM head of the ortkv and copy
-    decoders, float16 and float32, MatMul in genai's (onnxruntime-genai loads no ortkv ops), or True / False for
-    every variant and dtype (Note [Linear projections])."""
+    custom_ops/include/ortkv/linear.h) as every projection and the tied LM head of the float16 ortkv and copy
+    decoders, MatMul elsewhere (genai: onnxruntime-genai loads no ortkv ops; float32: Linear's CUDA kernel is
+    float16 / bfloat16 only, so the model cache asks for Linear where a float32 decoder runs on the CPU), or
+    True / False for every variant and dtype (Note [Linear projections])."""
     if accuracy_level not in (None, 0, 4):
         raise ValueError(f"accuracy_level must be None, 0 or 4, not {accuracy_level!r}")
     level = ACCURACY_LEVEL if accuracy_level is None else accuracy_level
@@ -206,12 +207,11 @@ def build(weights: LlamaWeights, variant: str, max_positions: int | None = None,
     # no 56.6 MB transposed copy (MatMul needs lm_head = embed^T). The genai variant keeps MatMul
     # (onnxruntime-genai loads no ortkv ops: it is the baseline). The Cast to float32 logits and the greedy output
     # are unchanged. build(linear=True / False) overrides.
-    # Float32 (the CPU decoders): the same, since Linear's CPU tile kernel (Note [Linear CPU GEMV] in
-    # custom_ops/kernels/cpu/linear.cc) streams the weights faster than ORT's MLAS MatMul at M = 1
-    # (benchmarks/results/linear_cpu.md); greedy tokens: see Note [Linear float32 decoders].
-    # The block-quantized graphs (q4, q8) have no float projection; their LM head is MatMulNBits.
-    float_weights = not (weights.layers and isinstance(weights.layers[0]["wq"], Q4Weight))
-    use_linear = (variant != "genai" and float_weights) if linear is None else bool(linear)
+    # Float32: MatMul by default (Linear's CUDA kernel takes float16 / bfloat16 only), Linear on request: the model
+    # cache asks for it for the float32 CPU decoders (models.linear_projections), whose Linear runs the CPU tile
+    # kernel (Note [Linear CPU GEMV] in custom_ops/kernels/cpu/linear.cc), faster than ORT's MLAS MatMul at M = 1
+    # (benchmarks/results/linear_cpu.md) with the same greedy tokens (benchmarks/results/weight_bound.md).
+    use_linear = (dtype != "float32" and variant != "genai") if linear is None else bool(linear)
     if eq is None:
         g.init("embed", weights.embed)
         if not use_linear:
