@@ -126,6 +126,8 @@ def _projections_only(path: Path, form: str):
             arrays[wname] = numpy_helper.to_array(inits[n.input[1]])
         nodes.append(helper.make_node(op, [f"x{K}", wname], [n.output[0]], name=n.name,
                                       domain="ortkv" if op == "Linear" else ""))
+        if op == "Linear":  # e.g. activation="swiglu" (Note [Linear SwiGLU epilogue]): the node as the decoder has it
+            nodes[-1].attribute.extend(n.attribute)
         if wname not in used:
             used.append(wname)
         outs.append(helper.make_tensor_value_info(n.output[0], TP.FLOAT, None))

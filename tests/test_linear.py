@@ -216,6 +216,12 @@ def test_builder_uses_linear_for_float16_and_cpu_float32_ortkv_and_copy(slice_we
                 head = [n for n in m.graph.node if n.op_type == "Linear" and n.output[0] == logits]
                 assert [list(head[0].input)] == [[head[0].input[0], "embed"]]  # the table itself, [vocab, E]
                 assert "lm_head" not in inits
+                # the fused float32 ortkv layer: SwiGLU inside the gate / up Linear (Note [Linear SwiGLU epilogue])
+                gu = [n for n in m.graph.node if n.op_type == "Linear" and n.output[0] == "l0_act"]
+                in_linear = variant == "ortkv" and dtype == "float32"
+                assert len(gu) == in_linear and ops.count("SwiGLU") == (2 if variant == "ortkv" and not in_linear else 0)
+                if in_linear:
+                    assert [(a.name, a.s) for a in gu[0].attribute] == [("activation", b"swiglu")]
                 w = {t.name: t for t in m.graph.initializer}["l0_wqkv"]
                 assert list(w.dims) == [(9 + 2 * 3) * 64, 576]  # [N, K]
                 # the checker's Linear rule accepts every node (CacheAttention's float16 finding is about its CPU kernel)

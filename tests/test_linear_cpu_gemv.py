@@ -14,7 +14,9 @@ import sys
 import numpy as np
 import pytest
 
-from test_linear import check_close, linear_model, session
+from onnx import TensorProto as TP
+
+from test_linear import _bound_run, bound, check_close, linear_model, session
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -101,7 +103,8 @@ def test_each_forced_isa_matches_numpy(isa):
     """The process picks its instruction set once, so each forced copy runs this file's kernel tests in a child."""
     if isa not in _isas():
         pytest.skip(f"this CPU cannot run {isa} (flags checked in /proc/cpuinfo)")
-    r = _child(isa, [os.path.abspath(__file__), "-k", "matches_numpy and not forced or same_bytes or nan_and_inf"])
+    r = _child(isa, [os.path.abspath(__file__), "-k",
+                                 "matches_numpy and not forced or same_bytes or nan_and_inf or activation_values"])
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert " passed" in r.stdout and "skipped" not in r.stdout.splitlines()[-1], r.stdout[-500:]
 
@@ -132,3 +135,101 @@ def test_bad_isa_is_refused_by_name_with_y_untouched():
            "avx2, avx512" in r.stdout, r.stdout + r.stderr
     assert "UNTOUCHED True" in r.stdout, r.stdout
     assert "FLOAT16 [[16.0, 16.0, 16.0, 16.0, 16.0, 16.0, 16.0, 16.0]]" in r.stdout, r.stdout + r.stderr
+
+
+# -- activation="swiglu" (Note [Linear SwiGLU epilogue]) -------------------------------------------------------------
+
+def _silu_ref(g, u):
+    g, u = g.astype(np.float64), u.astype(np.float64)
+    with np.errstate(over="ignore", invalid="ignore"):
+        return (g / (1.0 + np.exp(-g))) * u
+
+
+@pytest.mark.parametrize("M,K,N", [(1, 576, 3072), (2, 72, 74), (3, 24, 10), (4, 584, 202), (1, 8, 2),
+                                   (9, 40, 66), (70, 16, 34)])
+def test_swiglu_matches_numpy(rng, M, K, N):
+    """Y [M, N / 2] = silu(X wg^T) * (X wu^T), W = [wg; wu]: the products' float32 bound carried through silu (its
+    slope is within [-0.1, 1.1]) plus a few float32 ulps of the activation itself."""
+    x = rng.standard_normal((M, K)).astype(np.float32)
+    w = (rng.standard_normal((N, K)) * 0.2).astype(np.float32)
+    (y,) = session(linear_model(K, N, [M, K], w=w, activation="swiglu")).run(None, {"x": x})
+    h = N // 2
+    p = x.astype(np.float64) @ w.astype(np.float64).T
+    g, u = p[:, :h], p[:, h:]
+    assert y.shape == (M, h) and y.dtype == np.float32
+    bg, bu = bound(x, w[:h], np.float32), bound(x, w[h:], np.float32)
+    sg = 1.0 / (1.0 + np.exp(-g))
+    allowed = 1.1 * bg * (np.abs(u) + bu) + np.abs(g * sg) * bu + 2.0 ** -20 * np.abs(g * sg * u) + 1e-30
+    err = np.abs(y.astype(np.float64) - _silu_ref(g, u))
+    assert np.all(err <= allowed), float((err / allowed).max())
+
+
+def test_swiglu_activation_values_and_specials():
+    """X = e_0 makes the products W's first column exactly: g over [-110, 110] and the specials, against float64.
+    Finite g >= -80: within 4 float32 ulps of silu(g) * u; below, both under 1e-33; NaN anywhere -> NaN;
+    g = +inf -> +inf * u; u = 0 -> 0 (g finite)."""
+    g = np.concatenate([np.linspace(-110, 110, 2201), [0.0, -0.0, 1e-30, -1e-30, 87.0, 88.5, 89.5, -87.0, -88.5,
+                                                        -89.5, -103.0, -105.0, np.nan, np.inf, 3.0, 3.0]])
+    u = np.ones_like(g)
+    u[-2], u[-1] = np.nan, 0.0
+    h = g.size
+    K = 16
+    w = np.zeros((2 * h, K), np.float32)
+    w[:h, 0], w[h:, 0] = g, u
+    x = np.zeros((1, K), np.float32)
+    x[0, 0] = 1.0
+    (y,) = session(linear_model(K, 2 * h, [1, K], w=w, activation="swiglu")).run(None, {"x": x})
+    y = y[0].astype(np.float64)
+    ref = _silu_ref(g.astype(np.float32), u.astype(np.float32))
+    finite = np.isfinite(g) & np.isfinite(u)
+    # sigmoid(g) = 1 / (1 + exp(-g)) is a normal float32 for g >= -80 (the float32 formula's own limit: below,
+    # its intermediate is subnormal and every float32 evaluation, std::exp's too, loses relative precision)
+    normal = finite & (g >= -80) & (np.abs(ref) >= np.finfo(np.float32).tiny)
+    ulp = np.spacing(np.abs(ref[normal]).astype(np.float32)).astype(np.float64)
+    assert np.all(np.abs(y[normal] - ref[normal]) <= 4 * ulp), float((np.abs(y[normal] - ref[normal]) / ulp).max())
+    assert np.all(np.abs(y[finite & ~normal] - ref[finite & ~normal]) < 1e-33)  # ~0: both under 1e-33
+    assert np.isnan(y[np.isnan(g) | np.isnan(u)]).all()
+    assert y[np.isposinf(g)][0] == np.inf
+    assert y[-1] == 0.0
+
+
+def test_swiglu_same_bytes_any_thread_count(rng):
+    K, N = 576, 3072
+    w = (rng.standard_normal((N, K)) * 0.1).astype(np.float32)
+    x = rng.standard_normal((1, K)).astype(np.float32)
+    one, two = (session(linear_model(K, N, [1, K], w=w, activation="swiglu"), t).run(None, {"x": x})[0]
+                for t in (1, 2))
+    assert one.tobytes() == two.tobytes()
+
+
+def test_swiglu_shape_inference_gives_half_n(rng):
+    sess = session(linear_model(16, 24, ["b", "t", 16], w=rng.standard_normal((24, 16)).astype(np.float32),
+                                activation="swiglu"))
+    (y,) = sess.run(None, {"x": np.ones((2, 3, 16), np.float32)})
+    assert y.shape == (2, 3, 12)
+
+
+def test_swiglu_refusals_name_the_node_and_leave_y_untouched():
+    sess = session(linear_model("k", "n", ["m", "k"], activation="swiglu"))
+    msg, same = _bound_run(sess, np.ones((2, 16), np.float32), np.ones((7, 16), np.float32), [2, 3])
+    assert "[ortkv:E_INPUT] Linear node 'lin': activation 'swiglu' needs W 'w' [7, 16] to have an even N (gate " \
+           "rows, then as many up rows); N = 7" in msg and same
+    h16 = session(linear_model("k", "n", ["m", "k"], TP.FLOAT16, activation="swiglu"))
+    msg, same = _bound_run(h16, np.ones((2, 16), np.float16), np.ones((6, 16), np.float16), [2, 3], np.float16)
+    assert "Linear node 'lin': activation 'swiglu' is implemented for float32 only, X 'x' is float16. Remedy: " \
+           "Linear without activation, then ortkv.SwiGLU" in msg and same
+    with pytest.raises(Exception, match=r"Linear node 'lin': attribute activation='gelu' must be 'none' or 'swiglu'"):
+        session(linear_model(16, 8, [1, 16], w=np.ones((8, 16), np.float32), activation="gelu"))
+
+
+def test_graph_checker_swiglu_rule():
+    """op_rules: Y [..., N / 2] with activation swiglu (a consumer of K = N / 2 checks clean), odd N named."""
+    from ortkv.graph import check
+
+    ok = check(linear_model(16, 24, ["b", 16], w=np.zeros((24, 16), np.float32), activation="swiglu"), plan=False)
+    assert not [f for f in ok.findings if f.severity == "error"], ok.findings
+    odd = check(linear_model(16, 7, ["b", 16], w=np.zeros((7, 16), np.float32), activation="swiglu"), plan=False)
+    assert any("Linear node 'lin': activation 'swiglu' needs W 'w' to have an even N (gate rows, then as many up "
+               "rows); N = 7" in f.message for f in odd.findings), odd.findings
+    bad = check(linear_model(16, 8, ["b", 16], w=np.zeros((8, 16), np.float32), activation="gelu"), plan=False)
+    assert any("activation" in f.message and "gelu" in f.message for f in bad.findings), bad.findings

@@ -72,6 +72,10 @@ Status PlanLinear(const std::string& node, const TensorArg& x, const TensorArg& 
 // or float16 (computed in float32, the reference path).
 void LinearCpu(const LinearView& view, int64_t m0, int64_t m1, int64_t n0, int64_t n1);
 
+// CPU, float32, activation "swiglu" (Note [Linear SwiGLU epilogue] in custom_ops/kernels/cpu/linear.cc): view.y is
+// Y [M, N / 2]; fills rows [m0, m1) x columns [j0, j1) of silu(P[:, :N/2]) * P[:, N/2:], P = X W^T (N even).
+void LinearSwiGLUCpu(const LinearView& view, int64_t m0, int64_t m1, int64_t j0, int64_t j1);
+
 // CPU: refuses a bad ORTKV_CPU_ISA (the instruction set the float32 kernel runs, Note [CPU attention ISA dispatch])
 // with E_INPUT naming the node; call before LinearCpu.
 Status CheckLinearCpuIsa(const std::string& node);

@@ -404,7 +404,12 @@ def build(weights: LlamaWeights, variant: str, max_positions: int | None = None,
         h2, x = add_norm(x, matmul(attn, p + "wo", lw["wo"]), p + "ffn_norm", p + "ffn_in")
         wgu = (concat_n([lw["wg"], lw["wu"]]) if isinstance(lw["wg"], Q4Weight)
                else np.concatenate([lw["wg"], lw["wu"]], axis=1))
-        if fused and not quantized:  # Note [SwiGLU]; the q4 / q8 graphs keep Split + SiLU + Mul (Note [Fused ortkv layer])
+        if fused and not quantized and use_linear and dtype == "float32":
+            # Note [Linear SwiGLU epilogue] in custom_ops/kernels/cpu/linear.cc: the gate / up Linear applies the
+            # SwiGLU itself (CPU float32 only), W [wg; wu] stored [2 ffn, E]
+            act = g.op("Linear", [h2, g.init(p + "wgu", np.ascontiguousarray(wgu.T))], [p + "act"], domain="ortkv",
+                       activation="swiglu")
+        elif fused and not quantized:  # Note [SwiGLU]; the q4 / q8 graphs keep Split + SiLU + Mul (Note [Fused ortkv layer])
             act = p + "act"
             g.nodes.append(make_swiglu(matmul(h2, p + "wgu", wgu), act, name=f"swiglu_{i}"))
         else:
