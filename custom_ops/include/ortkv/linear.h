@@ -20,10 +20,13 @@
 //   * CUDA otherwise (prefill; decode at batch > 8; the LM head): cuBLAS cublasGemmEx (W^T x X, fp32 compute)
 //     on the node's compute stream, cuBLAS dlopen'd at first use (Note [Linear cuBLAS] in
 //     custom_ops/ort/linear_op.cc).
-//   * CPU: float32, and float16 computed in float32 (converted per element, exact) with one rounding at the
-//     store: the reference path, which also lets a float16 model run on the CPU. ORT's MatMul (MLAS) stays
-//     the float32 decoders' projection (0.98 of the read bound on the CPU): the builder uses Linear for
-//     float16 models only.
+//   * CPU float32: a tile kernel (AVX-512 or AVX2 + FMA, 4 rows of W per tile, software prefetch; Note [Linear CPU
+//     GEMV] in custom_ops/kernels/cpu/linear.cc) that streams W faster than ORT's MLAS MatMul at M = 1, so the
+//     float32 CPU decoders' projections and tied LM head are Linear (models.linear_projections in
+//     python/ortkv/generate/models.py); attribute activation="swiglu" fuses the MLP's SwiGLU into the gate / up
+//     product (Note [Linear SwiGLU epilogue]).
+//   * CPU float16: computed in float32 (converted per element, exact) with one rounding at the store: the reference
+//     path, which also lets a float16 model run on the CPU.
 // Accumulation is float32 on every path; float16 / bfloat16 outputs are rounded once (nearest even).
 // K must be a multiple of 8 on every path (the GEMV's 16-byte loads of 8 elements; the same contract on the
 // CPU so that a model that loads on one EP loads on the other): other K are refused by name with the remedy
