@@ -6,7 +6,7 @@ bandwidth). This script measures both in one process tree, alternating, and repo
 as a fraction of that bound.
 
   bytes per token : from the ortkv decoder's initializers: every tensor read whole per step (MatMul /
-                    Gemm / MatMulNBits weights, the tied LM head, norm weights), not the tables that a
+                    Gemm / MatMulNBits / ortkv.Linear weights, the tied LM head, norm weights), not the tables that a
                     Gather or RotaryEmbedding reads one row of (embedding, cos/sin caches).
   bandwidth       : numpy reading a 512 MiB array (np.sum and np.max over parts on `threads` threads;
                     numpy drops the GIL in reductions), best of several passes: the memory read rate the
@@ -18,11 +18,13 @@ as a fraction of that bound.
                     bandwidth moves between rounds).
   --parts         : where a step's time goes, in the same rounds (one child process per round): the
                     decoder's unprofiled step (wall, and ORT's run_with_iobinding inside it), the
-                    decoder's MatMul nodes ALONE (a session of just those nodes on the decoder's own
-                    weights, M = 1, inputs and outputs bound once through IOBinding) and the same products through numpy's BLAS
-                    (x @ W per weight: another GEMV on the same bytes). The MatMul nodes' GB/s against
-                    the read bandwidth says whether ORT's float32 GEMV or the rest of the step is
-                    what stands between the decode rate and the bound.
+                    decoder's projection nodes ALONE (MatMul or ortkv.Linear: a session of just those
+                    nodes on the decoder's own weights, M = 1, inputs and outputs bound once through
+                    IOBinding; when they are Linear, also the same products as ORT MatMul nodes, MLAS, in
+                    a session of their own after it) and the same products through numpy's BLAS (x @ W per
+                    weight: another GEMV on the same bytes). The projections' GB/s against the read
+                    bandwidth says whether the float32 GEMV or the rest of the step is what stands between
+                    the decode rate and the bound.
 
     python benchmarks/bench_weight_bound.py [--rounds 3] [--tokens 256] [--threads 2] [--parts]
                                             [--out benchmarks/results/weight_bound.md]
@@ -46,7 +48,7 @@ import onnx
 from _report import emit, timed_decode  # benchmarks/ is on sys.path when a script runs
 
 PROMPT = "Once upon a time, there was a little robot who"
-WHOLE_READ_OPS = {"MatMul", "Gemm", "MatMulNBits", "SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization",
+WHOLE_READ_OPS = {"MatMul", "Gemm", "MatMulNBits", "Linear", "SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization",
                   "RMSNormalization", "Mul", "Add"}
 _ITEMSIZE = {1: 4, 2: 1, 3: 1, 5: 2, 6: 4, 7: 8, 10: 2, 11: 8, 16: 2}
 
@@ -98,48 +100,56 @@ def decode_rate(tokens: int) -> float:
 PROMPT_IDS = [1, 9690, 2409, 253, 655, 28, 665, 588, 253, 1165, 8325, 653]  # any in-vocabulary ids
 
 
-def _matmul_only(path: Path):
-    """(serialized model of the decoder's MatMul nodes whose B is an initializer, alone: one input per K,
-    every output returned; feeds; the distinct weights as numpy arrays)."""
+def _projections_only(path: Path, form: str):
+    """(serialized model of the decoder's projection nodes -- MatMul or ortkv.Linear whose weight is an
+    initializer -- alone: one input per K, every output returned; feeds; the distinct weights as numpy arrays in
+    the model's layout). form "as-built": each node as in the decoder; "matmul": every one as ONNX MatMul on
+    [K, N] (a Linear's W [N, K] transposed once: ORT's MLAS on the same values, for comparison)."""
     from onnx import TensorProto as TP
     from onnx import helper, numpy_helper
 
     m = onnx.load(str(path))  # with its external data: the weights are the decoder's own
     inits = {t.name: t for t in m.graph.initializer}
-    nodes, used, ins, outs = [], [], {}, []
+    nodes, used, ins, outs, arrays = [], [], {}, [], {}
     for n in m.graph.node:
-        if n.op_type != "MatMul" or n.input[1] not in inits:
+        if n.op_type not in ("MatMul", "Linear") or n.input[1] not in inits:
             continue
-        K = int(inits[n.input[1]].dims[0])
+        dims = list(inits[n.input[1]].dims)
+        K = int(dims[0] if n.op_type == "MatMul" else dims[1])
         ins.setdefault(K, helper.make_tensor_value_info(f"x{K}", TP.FLOAT, [1, 1, K]))
-        nodes.append(helper.make_node("MatMul", [f"x{K}", n.input[1]], [n.output[0]], name=n.name))
-        if n.input[1] not in used:
-            used.append(n.input[1])
+        op, wname = n.op_type, n.input[1]
+        if form == "matmul" and n.op_type == "Linear":
+            op, wname = "MatMul", n.input[1] + "_kn"
+            if wname not in arrays:
+                arrays[wname] = np.ascontiguousarray(numpy_helper.to_array(inits[n.input[1]]).T)
+        elif wname not in arrays:
+            arrays[wname] = numpy_helper.to_array(inits[n.input[1]])
+        nodes.append(helper.make_node(op, [f"x{K}", wname], [n.output[0]], name=n.name,
+                                      domain="ortkv" if op == "Linear" else ""))
+        if op == "Linear":  # e.g. activation="swiglu" (Note [Linear SwiGLU epilogue]): the node as the decoder has it
+            nodes[-1].attribute.extend(n.attribute)
+        if wname not in used:
+            used.append(wname)
         outs.append(helper.make_tensor_value_info(n.output[0], TP.FLOAT, None))
-    graph = helper.make_graph(nodes, "matmul_only", list(ins.values()), outs, [inits[u] for u in used])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=m.ir_version)
+    graph = helper.make_graph(nodes, "projections_only", list(ins.values()), outs,
+                              [numpy_helper.from_array(arrays[u], u) for u in used])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ortkv", 1)],
+                              ir_version=m.ir_version)
     rng = np.random.default_rng(0)
     feeds = {f"x{K}": rng.standard_normal((1, 1, K)).astype(np.float32) for K in ins}
-    return model.SerializeToString(), feeds, [numpy_helper.to_array(inits[u]) for u in used]
+    return model.SerializeToString(), feeds, [arrays[u] for u in used]
 
 
-def parts(threads: int, steps: int) -> dict:
-    """One child's split of a float32 decode step (ms): wall, ORT run, MatMul nodes alone, numpy GEMV."""
+def _time_alone(model: bytes, feeds: dict, threads: int, steps: int) -> list:
+    """Seconds per run of a projections-only session (inputs and outputs bound once)."""
     import onnxruntime as ort
 
-    from ortkv.generate import models, runners
-    from ortkv.generate.cli import apply_overrides
-    from ortkv.generate.config import GenAIConfig
+    import ortkv
 
-    cfg = apply_overrides(GenAIConfig(), {"ortkv.weights": "float32", "ortkv.intra_op_num_threads": threads})
-    path = models.model_path(cfg, "ortkv", log=lambda *x: None)
-    r = runners.make_runner("ortkv", cfg, log=lambda *x: None)
-    wall, ort_s, _ = timed_decode(r, PROMPT_IDS, steps)
-    r.close()
-    model, feeds, ws = _matmul_only(path)
     so = ort.SessionOptions()
     so.intra_op_num_threads = threads
     so.log_severity_level = 3
+    so.register_custom_ops_library(ortkv.get_library_path())
     s = ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
     # inputs and every output bound once to numpy buffers: the timed run is the nodes and ORT's run, not
     # 121 output arrays allocated and handed to Python per run (s.run(None, feeds) did that: ~0.1 ms a run
@@ -163,6 +173,32 @@ def parts(threads: int, steps: int) -> dict:
         s.run_with_iobinding(io)
         mm.append(time.perf_counter() - t)
     del io, s
+    return mm
+
+
+def parts(threads: int, steps: int) -> dict:
+    """One child's split of a float32 decode step (ms): wall, ORT run, the projection nodes alone (as built, and
+    as ORT MatMul when they are ortkv.Linear), numpy GEMV."""
+    from ortkv.generate import models, runners
+    from ortkv.generate.cli import apply_overrides
+    from ortkv.generate.config import GenAIConfig
+
+    cfg = apply_overrides(GenAIConfig(), {"ortkv.weights": "float32", "ortkv.intra_op_num_threads": threads})
+    path = models.model_path(cfg, "ortkv", log=lambda *x: None)
+    r = runners.make_runner("ortkv", cfg, log=lambda *x: None)
+    wall, ort_s, _ = timed_decode(r, PROMPT_IDS, steps)
+    r.close()
+    model, feeds, ws = _projections_only(path, "as-built")
+    ops = sorted({n.op_type for n in onnx.load_from_string(model).graph.node})
+    alone = _time_alone(model, feeds, threads, steps)
+    nodes = len(_count_nodes(model))
+    del model
+    mlas = alone
+    if ops != ["MatMul"]:  # the same products as ORT MatMul nodes (MLAS), for comparison
+        mm_model, mm_feeds, ws = _projections_only(path, "matmul")
+        mlas = _time_alone(mm_model, mm_feeds, threads, steps)
+        del mm_model
+    # ws: [K, N] either way (MatMul's layout) for numpy's x @ W
     xs = {w.shape[0]: np.ones((1, w.shape[0]), np.float32) for w in ws}
     for w in ws:
         xs[w.shape[0]] @ w
@@ -173,8 +209,9 @@ def parts(threads: int, steps: int) -> dict:
             xs[w.shape[0]] @ w
         blas.append(time.perf_counter() - t)
     ms = lambda x: 1e3 * float(np.median(x))  # noqa: E731
-    return {"wall": ms(wall), "run": ms(ort_s), "matmul": ms(mm), "blas": ms(blas),
-            "matmul_bytes": int(sum(w.nbytes for w in ws)), "matmul_nodes": len(_count_nodes(model))}
+    return {"wall": ms(wall), "run": ms(ort_s), "matmul": ms(alone), "mlas": ms(mlas), "blas": ms(blas),
+            "matmul_bytes": int(sum(w.nbytes for w in ws)), "matmul_nodes": nodes, "ops": "/".join(ops)}
+
 
 
 def _count_nodes(model: bytes) -> list:
@@ -192,7 +229,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
-    ap.add_argument("--parts", action="store_true", help="also split the step: wall, ORT run, MatMul nodes alone")
+    ap.add_argument("--parts", action="store_true", help="also split the step: wall, ORT run, projection nodes alone")
     ap.add_argument("--parts-child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -254,7 +291,9 @@ def main(argv=None) -> int:
         "figures from different rounds.",
     ]
     if splits:
-        med = {k: statistics.median(x[k] for x in splits) for k in ("wall", "run", "matmul", "blas")}
+        med = {k: statistics.median(x.get(k, x["matmul"]) for x in splits) for k in ("wall", "run", "matmul", "mlas",
+                                                                                       "blas")}
+        ops = splits[0].get("ops", "MatMul")
         mb = splits[0]["matmul_bytes"]
         bound_ms = per_token / (rd * 1e9) * 1e3
         lines += [
@@ -268,15 +307,21 @@ def main(argv=None) -> int:
             f"| decode step, wall (Python + session wrapper + ORT run) | {med['wall']:.2f} | "
             f"{per_token / med['wall'] / 1e6:.1f} | {bound_ms / med['wall']:.2f} |",
             f"| ORT run inside it | {med['run']:.2f} | | |",
-            f"| the {splits[0]['matmul_nodes']} MatMul nodes alone (ORT / MLAS, M = 1, {mb / 1e6:.1f} MB) | "
+            f"| the {splits[0]['matmul_nodes']} projection nodes alone ({ops}, M = 1, {mb / 1e6:.1f} MB) | "
             f"{med['matmul']:.2f} | {mb / med['matmul'] / 1e6:.1f} | {mb / med['matmul'] / 1e6 / rd:.2f} |",
+        ]
+        if ops != "MatMul":
+            lines.append(f"| the same products as ORT MatMul nodes alone (MLAS) | {med['mlas']:.2f} | "
+                         f"{mb / med['mlas'] / 1e6:.1f} | {mb / med['mlas'] / 1e6 / rd:.2f} |")
+        lines += [
             f"| the same products through numpy's BLAS (x @ W) | {med['blas']:.2f} | {mb / med['blas'] / 1e6:.1f} | "
             f"{mb / med['blas'] / 1e6 / rd:.2f} |",
-            f"| every other node + ORT's gaps (ORT run - MatMul alone) | {med['run'] - med['matmul']:.2f} | | |",
+            f"| every other node + ORT's gaps (ORT run - projections alone) | {med['run'] - med['matmul']:.2f} | | |",
             f"| Python around the run (wall - ORT run) | {med['wall'] - med['run']:.2f} | | |",
             "",
-            "Per round (wall, run, MatMul alone, BLAS ms): "
-            + "; ".join(f"{x['wall']:.2f}, {x['run']:.2f}, {x['matmul']:.2f}, {x['blas']:.2f}" for x in splits),
+            "Per round (wall, run, projections alone, as MatMul alone, BLAS ms): "
+            + "; ".join(f"{x['wall']:.2f}, {x['run']:.2f}, {x['matmul']:.2f}, {x.get('mlas', x['matmul']):.2f}, "
+                        f"{x['blas']:.2f}" for x in splits),
         ]
     lines += ["", f"load average (1 min) on {os.cpu_count()} CPUs: {load0:.1f} at the start, "
               f"{os.getloadavg()[0]:.1f} at the end"]

@@ -181,22 +181,47 @@ def slice_weights():
     return w
 
 
-def test_builder_uses_linear_for_float16_ortkv_and_copy_only(slice_weights):
-    from ortkv.generate import builder
+def test_builder_uses_linear_for_float16_and_cpu_float32_ortkv_and_copy(slice_weights):
+    """Note [Linear projections]: Linear in the float16 ortkv and copy decoders, and in the float32 ones where the
+    model cache builds them for the CPU (models.linear_projections); MatMul in genai's and in float32 otherwise."""
+    from ortkv.generate import builder, models
+    from ortkv.generate.cli import apply_overrides
+    from ortkv.generate.config import GenAIConfig
 
+    cpu = apply_overrides(GenAIConfig(), {"ortkv.weights": "float32"})
+    assert cpu.device == "cpu" and cpu.dtype == "float32"
+    assert models.model_dir(cpu).name.startswith("smollm2-135m-f32lin-")
+    cuda = GenAIConfig()  # float32 on CUDA: MatMul (Linear's CUDA kernel is float16 / bfloat16), the "f32" tag
+    cuda.model.decoder.session_options = {"log_id": "x", "provider_options": [{"cuda": {"device_id": "0"}}]}
+    cuda.ortkv.dtype = "float32"
+    assert (cuda.validate().device, cuda.dtype) == ("cuda:0", "float32")
+    assert [models.linear_projections(cuda, v) for v in builder.VARIANTS] == [None] * 3
+    assert models.model_dir(cuda).name.startswith("smollm2-135m-f32-")
+    q4 = apply_overrides(GenAIConfig(), {"ortkv.weights": "q4"})
+    assert [models.linear_projections(q4, v) for v in builder.VARIANTS] == [None] * 3
     for variant in builder.VARIANTS:
         for dtype in ("float32", "float16"):
-            m = builder.build(slice_weights, variant, max_positions=64, dtype=dtype, cache_layout="SBNH")
+            linear = models.linear_projections(cpu, variant) if dtype == "float32" else None
+            assert linear == (True if dtype == "float32" and variant != "genai" else None)
+            m = builder.build(slice_weights, variant, max_positions=64, dtype=dtype, cache_layout="SBNH",
+                              linear=linear)
             ops = [n.op_type for n in m.graph.node]
             inits = {t.name for t in m.graph.initializer}
-            if dtype == "float16" and variant != "genai":
+            if variant != "genai":
                 # 4 projections per layer (fused QKV, output, fused gate / up, down) + the LM head; no MatMul but the
                 # copy model's attention (2 per layer)
                 assert ops.count("Linear") == 2 * 4 + 1, variant
                 assert ops.count("MatMul") == (2 * 2 if variant == "copy" else 0), variant
-                head = [n for n in m.graph.node if n.op_type == "Linear" and n.output[0] == "logits_float16"]
+                logits = "logits_float16" if dtype == "float16" else "logits"
+                head = [n for n in m.graph.node if n.op_type == "Linear" and n.output[0] == logits]
                 assert [list(head[0].input)] == [[head[0].input[0], "embed"]]  # the table itself, [vocab, E]
                 assert "lm_head" not in inits
+                # the fused float32 ortkv layer: SwiGLU inside the gate / up Linear (Note [Linear SwiGLU epilogue])
+                gu = [n for n in m.graph.node if n.op_type == "Linear" and n.output[0] == "l0_act"]
+                in_linear = variant == "ortkv" and dtype == "float32"
+                assert len(gu) == in_linear and ops.count("SwiGLU") == (2 if variant == "ortkv" and not in_linear else 0)
+                if in_linear:
+                    assert [(a.name, a.s) for a in gu[0].attribute] == [("activation", b"swiglu")]
                 w = {t.name: t for t in m.graph.initializer}["l0_wqkv"]
                 assert list(w.dims) == [(9 + 2 * 3) * 64, 576]  # [N, K]
                 # the checker's Linear rule accepts every node (CacheAttention's float16 finding is about its CPU kernel)
@@ -208,6 +233,8 @@ def test_builder_uses_linear_for_float16_ortkv_and_copy_only(slice_weights):
     assert "Linear" not in [n.op_type for n in forced.graph.node]
     forced = builder.build(slice_weights, "genai", max_positions=64, dtype="float32", linear=True)
     assert [n.op_type for n in forced.graph.node].count("Linear") == 2 * 4 + 1
+    plain = builder.build(slice_weights, "ortkv", max_positions=64, dtype="float32")  # the default: MatMul
+    assert "Linear" not in [n.op_type for n in plain.graph.node]
 
 
 def _copy_greedy(model, prompt, steps):

@@ -2,8 +2,10 @@
 // (Note [Linear] in ortkv/linear.h). CPU: float32, float16 (computed in float32). CUDA: float16, bfloat16; a
 // decode step's few rows run our GEMV (Note [Linear GEMV]; which calls: Note [Linear path choice]), the rest
 // cuBLAS (Note [Linear cuBLAS]). Attribute rows_per_warp (CUDA GEMV only; 1, 2 or 4, default 2): output rows per
-// warp, for measuring the GEMV's variants on a device.
+// warp, for measuring the GEMV's variants on a device. Attribute activation ("none" by default, or "swiglu": CPU
+// float32 only, Y [..., N / 2] = silu(X wg^T) * (X wu^T) with W = [wg; wu], Note [Linear SwiGLU epilogue]).
 #include <algorithm>
+#include <cstring>
 #include <memory>
 #include <sstream>
 #include <string>
@@ -23,6 +25,7 @@ using ortkv::TensorArg;
 struct LinearKernel {
   NodeNames names;
   bool cuda = false;
+  bool swiglu = false;  // attribute activation="swiglu" (CPU float32: Note [Linear SwiGLU epilogue])
   int64_t rows_per_warp = 2;
 #if defined(ORTKV_WITH_CUDA)
   ortkv::LinearCublas cublas;
@@ -36,13 +39,17 @@ constexpr int64_t kCpuMacsPerTask = 256 << 10;
 struct CpuJob {
   const ortkv::LinearView* view;
   int64_t rows, cols, col_tasks;
+  int64_t out_cols;  // Y's columns: N, or N / 2 with the SwiGLU epilogue
+  bool swiglu;
 };
 
 void CpuTask(void* user, size_t i) {
   const auto& j = *static_cast<const CpuJob*>(user);
   const int64_t mi = static_cast<int64_t>(i) / j.col_tasks, ni = static_cast<int64_t>(i) % j.col_tasks;
   const int64_t m0 = mi * j.rows, n0 = ni * j.cols;
-  ortkv::LinearCpu(*j.view, m0, std::min(m0 + j.rows, j.view->M), n0, std::min(n0 + j.cols, j.view->N));
+  const int64_t m1 = std::min(m0 + j.rows, j.view->M), n1 = std::min(n0 + j.cols, j.out_cols);
+  if (j.swiglu) return ortkv::LinearSwiGLUCpu(*j.view, m0, m1, n0, n1);
+  ortkv::LinearCpu(*j.view, m0, m1, n0, n1);
 }
 
 OrtStatus* Compute(void* op_kernel, OrtKernelContext* ctx) {
@@ -65,12 +72,25 @@ OrtStatus* Compute(void* op_kernel, OrtKernelContext* ctx) {
   }
   ortkv::LinearView view;
   ORTKV_RETURN_IF_ORT_ERROR(ToOrtStatus(ortkv::PlanLinear(k.names.node, x, args[1], &view)));
+  if (k.swiglu && (view.N % 2 != 0 || x.elem_type != ortkv::kFloat32)) {  // Note [Linear SwiGLU epilogue]
+    std::ostringstream m;
+    m << "Linear node '" << k.names.node << "': activation 'swiglu' ";
+    if (view.N % 2 != 0) {
+      m << "needs W '" << args[1].name << "' " << ortkv::ShapeText(args[1].dims) << " to have an even N (gate rows, "
+        << "then as many up rows); N = " << view.N << ". Remedy: stack [wg; wu] of equal heights";
+    } else {
+      m << "is implemented for float32 only, X '" << x.name << "' is " << ortkv::ElemTypeName(x.elem_type)
+        << ". Remedy: Linear without activation, then ortkv.SwiGLU";
+    }
+    return ToOrtStatus(Status(Code::kInvalidArgument, m.str()));
+  }
+  const int64_t out_cols = k.swiglu ? view.N / 2 : view.N;
   std::vector<int64_t> dims = x.dims;
-  dims.back() = view.N;
+  dims.back() = out_cols;
   OrtValue* out = nullptr;
   ORTKV_RETURN_IF_ORT_ERROR(g_api->KernelContext_GetOutput(ctx, 0, dims.data(), dims.size(), &out));
   ORTKV_RETURN_IF_ORT_ERROR(g_api->GetTensorMutableData(out, &view.y));
-  if (view.M == 0 || view.N == 0) return nullptr;
+  if (view.M == 0 || out_cols == 0) return nullptr;
   if (k.cuda) {
 #if defined(ORTKV_WITH_CUDA)
     void* stream = nullptr;
@@ -91,9 +111,22 @@ OrtStatus* Compute(void* op_kernel, OrtKernelContext* ctx) {
     return ToOrtStatus(Status(Code::kRuntime, "Linear: this build of ortkv has no CUDA kernels"));
 #endif
   }
-  const int64_t rows = std::min(view.M, kCpuRowsPerTask);
-  const int64_t cols = std::max<int64_t>(8, kCpuMacsPerTask / std::max<int64_t>(1, rows * view.K));
-  CpuJob job{&view, rows, cols, (view.N + cols - 1) / cols};
+  if (view.elem_type == ortkv::kFloat32) {
+    ORTKV_RETURN_IF_ORT_ERROR(ToOrtStatus(ortkv::CheckLinearCpuIsa(k.names.node)));
+  }
+  // tasks of output columns: with the SwiGLU epilogue each column reads two rows of W (gate and up)
+  const int64_t w_rows_per_col = k.swiglu ? 2 : 1;
+  int64_t rows = std::min(view.M, kCpuRowsPerTask);
+  int64_t cols = std::max<int64_t>(8, kCpuMacsPerTask / std::max<int64_t>(1, rows * view.K * w_rows_per_col));
+  if (view.elem_type == ortkv::kFloat32 && view.M <= ortkv::kLinearCpuGemvMaxM) {
+    // decode (Note [Linear CPU GEMV]): a few contiguous ranges of whole row groups, each >= 64 KB of W
+    const int64_t groups = (out_cols + ortkv::kLinearCpuGemvRows - 1) / ortkv::kLinearCpuGemvRows;
+    const int64_t by_bytes = view.N * view.K * 4 / ortkv::kLinearCpuGemvMinTaskBytes;
+    const int64_t tasks = std::max<int64_t>(1, std::min({ortkv::kLinearCpuGemvTasks, groups, by_bytes}));
+    rows = view.M;
+    cols = (groups + tasks - 1) / tasks * ortkv::kLinearCpuGemvRows;
+  }
+  CpuJob job{&view, rows, cols, (out_cols + cols - 1) / cols, out_cols, k.swiglu};
   const int64_t tasks = (view.M + rows - 1) / rows * job.col_tasks;
   if (tasks == 1) {
     CpuTask(&job, 0);
@@ -102,7 +135,27 @@ OrtStatus* Compute(void* op_kernel, OrtKernelContext* ctx) {
   return g_api->KernelContext_ParallelFor(ctx, CpuTask, static_cast<size_t>(tasks), 0, &job);
 }
 
-// Y's type and shape: X's type, X's dims with the last replaced by W's first (-1 when unknown).
+// Whether a node being shape-inferred has activation="swiglu" (read as text; absent or unreadable: no).
+bool ShapeInferSwiGLU(OrtShapeInferContext* ctx) {
+  const OrtOpAttr* attr = nullptr;
+  OrtStatus* s = g_api->ShapeInferContext_GetAttribute(ctx, "activation", &attr);
+  if (s != nullptr) {
+    g_api->ReleaseStatus(s);
+    return false;
+  }
+  if (attr == nullptr) return false;
+  char buf[16] = {};
+  size_t size = 0;
+  s = g_api->ReadOpAttr(attr, ORT_OP_ATTR_STRING, buf, sizeof(buf) - 1, &size);
+  if (s != nullptr) {
+    g_api->ReleaseStatus(s);
+    return false;
+  }
+  return std::string(buf, strnlen(buf, sizeof(buf))) == "swiglu";
+}
+
+// Y's type and shape: X's type, X's dims with the last replaced by W's first (-1 when unknown), or half of it
+// with activation="swiglu".
 OrtStatus* InferLinear(const OrtCustomOp*, OrtShapeInferContext* ctx) {
   OrtTensorTypeAndShapeInfo* xi = nullptr;  // owned by the context
   OrtTensorTypeAndShapeInfo* wi = nullptr;
@@ -122,6 +175,7 @@ OrtStatus* InferLinear(const OrtCustomOp*, OrtShapeInferContext* ctx) {
     ORTKV_RETURN_IF_ORT_ERROR(g_api->GetDimensions(wi, wd, 2));
     n = wd[0];
   }
+  if (n > 0 && ShapeInferSwiGLU(ctx)) n = n % 2 == 0 ? n / 2 : -1;  // odd N: refused by Compute
   dims[rank - 1] = n;
   names[rank - 1] = "";
   for (auto& s : names)
@@ -138,11 +192,45 @@ OrtStatus* InferLinear(const OrtCustomOp*, OrtShapeInferContext* ctx) {
   return s;
 }
 
+// The optional string attribute `activation` (absent: "none").
+OrtStatus* ReadActivation(const OrtApi* api, const OrtKernelInfo* info, const std::string& node, std::string* out) {
+  size_t size = 0;
+  OrtStatus* s = api->KernelInfoGetAttribute_string(info, "activation", nullptr, &size);
+  if (s != nullptr) {
+    const std::string why = api->GetErrorMessage(s);
+    api->ReleaseStatus(s);
+    if (why.find("No attribute with name") != std::string::npos) {
+      *out = "none";
+      return nullptr;
+    }
+    const std::string m = "[ortkv:E_INPUT] Linear node '" + node + "': attribute 'activation' must be a string "
+                          "(ONNX Runtime: " + why + ")";
+    return api->CreateStatus(ORT_INVALID_ARGUMENT, m.c_str());
+  }
+  std::vector<char> buf(size + 1, '\0');
+  ORTKV_RETURN_IF_ORT_ERROR(api->KernelInfoGetAttribute_string(info, "activation", buf.data(), &size));
+  out->assign(buf.data());
+  return nullptr;
+}
+
 OrtStatus* Create(const OrtApi* api, const OrtKernelInfo* info, void** kernel, bool cuda) {
   auto k = std::make_unique<LinearKernel>();
   k->cuda = cuda;
   ORTKV_RETURN_IF_ORT_ERROR(ReadNodeNames(api, info, 2, 1, &k->names));
   ORTKV_RETURN_IF_ORT_ERROR(OptionalAttribute(api, info, k->names.node, "rows_per_warp", int64_t{2}, &k->rows_per_warp));
+  std::string activation;
+  ORTKV_RETURN_IF_ORT_ERROR(ReadActivation(api, info, k->names.node, &activation));
+  if (activation != "none" && activation != "swiglu") {
+    const std::string m = "[ortkv:E_INPUT] Linear node '" + k->names.node + "': attribute activation='" + activation +
+                          "' must be 'none' or 'swiglu' (Note [Linear SwiGLU epilogue])";
+    return api->CreateStatus(ORT_INVALID_ARGUMENT, m.c_str());
+  }
+  k->swiglu = activation == "swiglu";
+  if (k->swiglu && cuda) {
+    const std::string m = "[ortkv:E_INPUT] Linear node '" + k->names.node + "': activation 'swiglu' has no CUDA "
+                          "kernel (a CPU float32 epilogue); on CUDA use Linear without activation, then ortkv.SwiGLU";
+    return api->CreateStatus(ORT_INVALID_ARGUMENT, m.c_str());
+  }
   if (k->rows_per_warp != 1 && k->rows_per_warp != 2 && k->rows_per_warp != 4) {
     const std::string m = "[ortkv:E_INPUT] Linear node '" + k->names.node + "': attribute rows_per_warp=" +
                           std::to_string(k->rows_per_warp) + " must be 1, 2 or 4 (output rows per warp of the CUDA GEMV)";

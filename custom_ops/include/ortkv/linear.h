@@ -20,10 +20,13 @@
 //   * CUDA otherwise (prefill; decode at batch > 8; the LM head): cuBLAS cublasGemmEx (W^T x X, fp32 compute)
 //     on the node's compute stream, cuBLAS dlopen'd at first use (Note [Linear cuBLAS] in
 //     custom_ops/ort/linear_op.cc).
-//   * CPU: float32, and float16 computed in float32 (converted per element, exact) with one rounding at the
-//     store: the reference path, which also lets a float16 model run on the CPU. ORT's MatMul (MLAS) stays
-//     the float32 decoders' projection (0.98 of the read bound on the CPU): the builder uses Linear for
-//     float16 models only.
+//   * CPU float32: a tile kernel (AVX-512 or AVX2 + FMA, 4 rows of W per tile, software prefetch; Note [Linear CPU
+//     GEMV] in custom_ops/kernels/cpu/linear.cc) that streams W faster than ORT's MLAS MatMul at M = 1, so the
+//     float32 CPU decoders' projections and tied LM head are Linear (models.linear_projections in
+//     python/ortkv/generate/models.py); attribute activation="swiglu" fuses the MLP's SwiGLU into the gate / up
+//     product (Note [Linear SwiGLU epilogue]).
+//   * CPU float16: computed in float32 (converted per element, exact) with one rounding at the store: the reference
+//     path, which also lets a float16 model run on the CPU.
 // Accumulation is float32 on every path; float16 / bfloat16 outputs are rounded once (nearest even).
 // K must be a multiple of 8 on every path (the GEMV's 16-byte loads of 8 elements; the same contract on the
 // CPU so that a model that loads on one EP loads on the other): other K are refused by name with the remedy
@@ -68,8 +71,25 @@ struct LinearView {
 // (they depend on the EP).
 Status PlanLinear(const std::string& node, const TensorArg& x, const TensorArg& w, LinearView* view);
 
-// CPU: Y rows [m0, m1) x columns [n0, n1), float32 or float16 (computed in float32).
+// CPU: Y rows [m0, m1) x columns [n0, n1), float32 (Note [Linear CPU GEMV] in custom_ops/kernels/cpu/linear.cc)
+// or float16 (computed in float32, the reference path).
 void LinearCpu(const LinearView& view, int64_t m0, int64_t m1, int64_t n0, int64_t n1);
+
+// CPU, float32, activation "swiglu" (Note [Linear SwiGLU epilogue] in custom_ops/kernels/cpu/linear.cc): view.y is
+// Y [M, N / 2]; fills rows [m0, m1) x columns [j0, j1) of silu(P[:, :N/2]) * P[:, N/2:], P = X W^T (N even).
+void LinearSwiGLUCpu(const LinearView& view, int64_t m0, int64_t m1, int64_t j0, int64_t j1);
+
+// CPU: refuses a bad ORTKV_CPU_ISA (the instruction set the float32 kernel runs, Note [CPU attention ISA dispatch])
+// with E_INPUT naming the node; call before LinearCpu.
+Status CheckLinearCpuIsa(const std::string& node);
+
+// CPU decode calls (M <= kLinearCpuGemvMaxM, float32): N is split into at most kLinearCpuGemvTasks contiguous
+// column ranges of whole kLinearCpuGemvRows-row groups, none under kLinearCpuGemvMinTaskBytes of W (Note [Linear
+// CPU GEMV]).
+constexpr int64_t kLinearCpuGemvMaxM = 4;
+constexpr int64_t kLinearCpuGemvTasks = 4;
+constexpr int64_t kLinearCpuGemvRows = 4;
+constexpr int64_t kLinearCpuGemvMinTaskBytes = 64 << 10;
 
 #if defined(ORTKV_WITH_CUDA)
 // The GEMV (M <= 8, float16 / bfloat16, 16-byte aligned X, W and K % 8 == 0, X within kLinearGemvMaxXBytes):

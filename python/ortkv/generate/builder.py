@@ -164,8 +164,9 @@ def build(weights: LlamaWeights, variant: str, max_positions: int | None = None,
     variant's MatMulNBits + minimum term (onnxruntime-genai does not load ortkv's op library), or True / False for
     either form (Note [Fast 4-bit path] in weights.py). linear (float weights): None for ortkv.Linear (Note [Linear] in
     custom_ops/include/ortkv/linear.h) as every projection and the tied LM head of the float16 ortkv and copy
-    decoders, MatMul elsewhere (genai: onnxruntime-genai loads no ortkv ops; float32: ORT's MLAS is at the CPU's
-    read bound), or True / False for every variant and dtype (Note [Linear projections])."""
+    decoders, MatMul elsewhere (genai: onnxruntime-genai loads no ortkv ops; float32: Linear's CUDA kernel is
+    float16 / bfloat16 only, so the model cache asks for Linear where a float32 decoder runs on the CPU), or
+    True / False for every variant and dtype (Note [Linear projections])."""
     if accuracy_level not in (None, 0, 4):
         raise ValueError(f"accuracy_level must be None, 0 or 4, not {accuracy_level!r}")
     level = ACCURACY_LEVEL if accuracy_level is None else accuracy_level
@@ -204,8 +205,12 @@ def build(weights: LlamaWeights, variant: str, max_positions: int | None = None,
     # cuBLAS's M = 1 GEMMs (3.7 us each, ~2x their bytes' time on the H200). Linear takes W as [N, K], so each
     # projection is stored transposed once, and the LM head reads the embedding table [vocab, E] as it is:
     # no 56.6 MB transposed copy (MatMul needs lm_head = embed^T). The genai variant keeps MatMul
-    # (onnxruntime-genai loads no ortkv ops), float32 decoders too (ORT's MLAS is at 0.98 of the CPU's read
-    # bound). The Cast to float32 logits and the greedy output are unchanged. build(linear=True / False) overrides.
+    # (onnxruntime-genai loads no ortkv ops: it is the baseline). The Cast to float32 logits and the greedy output
+    # are unchanged. build(linear=True / False) overrides.
+    # Float32: MatMul by default (Linear's CUDA kernel takes float16 / bfloat16 only), Linear on request: the model
+    # cache asks for it for the float32 CPU decoders (models.linear_projections), whose Linear runs the CPU tile
+    # kernel (Note [Linear CPU GEMV] in custom_ops/kernels/cpu/linear.cc), faster than ORT's MLAS MatMul at M = 1
+    # (benchmarks/results/linear_cpu.md) with the same greedy tokens (benchmarks/results/weight_bound.md).
     use_linear = (dtype != "float32" and variant != "genai") if linear is None else bool(linear)
     if eq is None:
         g.init("embed", weights.embed)
@@ -399,7 +404,12 @@ def build(weights: LlamaWeights, variant: str, max_positions: int | None = None,
         h2, x = add_norm(x, matmul(attn, p + "wo", lw["wo"]), p + "ffn_norm", p + "ffn_in")
         wgu = (concat_n([lw["wg"], lw["wu"]]) if isinstance(lw["wg"], Q4Weight)
                else np.concatenate([lw["wg"], lw["wu"]], axis=1))
-        if fused and not quantized:  # Note [SwiGLU]; the q4 / q8 graphs keep Split + SiLU + Mul (Note [Fused ortkv layer])
+        if fused and not quantized and use_linear and dtype == "float32":
+            # Note [Linear SwiGLU epilogue] in custom_ops/kernels/cpu/linear.cc: the gate / up Linear applies the
+            # SwiGLU itself (CPU float32 only), W [wg; wu] stored [2 ffn, E]
+            act = g.op("Linear", [h2, g.init(p + "wgu", np.ascontiguousarray(wgu.T))], [p + "act"], domain="ortkv",
+                       activation="swiglu")
+        elif fused and not quantized:  # Note [SwiGLU]; the q4 / q8 graphs keep Split + SiLU + Mul (Note [Fused ortkv layer])
             act = p + "act"
             g.nodes.append(make_swiglu(matmul(h2, p + "wgu", wgu), act, name=f"swiglu_{i}"))
         else:

@@ -1,7 +1,7 @@
 """Build-once cache of the three decoders of the default model (large files stay outside git):
 
-    <cache>/models/smollm2-135m-f32-v4/{ortkv,genai,copy}/model.onnx (+ model.onnx.data)
-    <cache>/models/smollm2-135m-f32-v4/genai/genai_config.json, tokenizer.json, tokenizer_config.json
+    <cache>/models/smollm2-135m-f32lin-v4/{ortkv,genai,copy}/model.onnx (+ model.onnx.data)
+    <cache>/models/smollm2-135m-f32lin-v4/genai/genai_config.json, tokenizer.json, tokenizer_config.json
 """
 
 from __future__ import annotations
@@ -24,7 +24,9 @@ BUILD_TAG = "smollm2-135m-{weights}-v4"  # bump when the graphs change; + "-bsnh
 # {weights}: f32, q4mlas, or f16 (float16 models of the dequantized GGUF, Note [Float16 models] in builder.py)
 # the q4 graphs changed form (Note [Fast 4-bit path] in weights.py): their own tag, so that a cache built
 # by an older ortkv is not reused, and the float32 decoders are not rebuilt
-WEIGHTS_TAG = {"float32": "f32", "q4": "q4op", "q8": "q8from41"}  # q8: Note [8-bit from Q4_1] in weights.py;
+WEIGHTS_TAG = {"float32": "f32lin", "q4": "q4op", "q8": "q8from41"}  # q8: Note [8-bit from Q4_1] in weights.py;
+# f32lin: the float32 ortkv / copy projections and LM head are ortkv.Linear on the CPU (linear_projections); "f32":
+# ORT's MatMul (float32 on CUDA, and every float32 build before Linear's CPU tile kernel)
 # q4op: the projections are ortkv.MatMulQ4 (Note [Fast 4-bit path]; "q4mlas" was MatMulNBits + the minimum term)
 
 
@@ -36,6 +38,8 @@ def model_dir(cfg: GenAIConfig) -> Path:
     # f16g: the float16 ortkv decoder picks its greedy token itself (Note [Greedy in the decoder] in builder.py);
     # f16lin: the float16 ortkv / copy projections are ortkv.Linear (Note [Linear projections] in builder.py)
     weights = "f16lin" if cfg.dtype == "float16" else WEIGHTS_TAG.get(cfg.ortkv.weights, cfg.ortkv.weights)
+    if weights == "f32lin" and not linear_projections(cfg, "ortkv"):
+        weights = "f32"  # float32 on CUDA: ORT's MatMul (the graphs of the "f32" tag)
     tag = BUILD_TAG.format(weights=weights)
     if cfg.cache_layout != "BNSH":
         # "-bsnh2": the BSNH graphs take K / V flat since Note [CacheUpdate flat values]; an older "-bsnh" build
@@ -44,6 +48,15 @@ def model_dir(cfg: GenAIConfig) -> Path:
     if cfg.ortkv.gguf:
         tag += "-" + Path(cfg.ortkv.gguf).stem
     return cache_dir() / "models" / tag
+
+
+def linear_projections(cfg: GenAIConfig, variant: str) -> bool | None:
+    """build(linear=...) for a variant of cfg: True for the float32 ortkv / copy decoders on the CPU (ortkv.Linear's
+    CPU tile kernel, Note [Linear CPU GEMV] in custom_ops/kernels/cpu/linear.cc; Note [Linear projections] in
+    builder.py), else None (the builder's default: Linear for float16 ortkv / copy, MatMul otherwise)."""
+    if cfg.ortkv.weights == "float32" and cfg.dtype == "float32" and cfg.device == "cpu" and variant != "genai":
+        return True
+    return None
 
 
 def model_path(cfg: GenAIConfig, variant: str, log=print) -> Path:
@@ -83,7 +96,8 @@ def build_models(cfg: GenAIConfig, variants, log=print) -> None:
     weights, tokenizer = load(src, log=log, fmt=cfg.ortkv.weights)
     for v in missing:
         log(f"ortkv: building the {v} decoder ({cfg.ortkv.weights} weights) ...")
-        model = build(weights, v, max_positions=MAX_POSITIONS, cache_layout=cfg.cache_layout, dtype=cfg.dtype)
+        model = build(weights, v, max_positions=MAX_POSITIONS, cache_layout=cfg.cache_layout, dtype=cfg.dtype,
+                      linear=linear_projections(cfg, v))
         save_decoder(model, root, v, (lambda tmp: write_genai_folder(tmp, cfg, tokenizer)) if v == "genai" else None)
         del model
         log(f"ortkv: cached the {v} decoder in {root / v} ({human_size(tree_size(root / v))}); "

@@ -197,10 +197,13 @@ _add(OpContract(
     DOMAIN, "Linear",
     inputs=(Port("X", FLOATS, "[..., K]: float32 / float16 on the CPU, float16 / bfloat16 on CUDA; K a multiple of 8"),
             Port("W", FLOATS, "[N, K] (torch's Linear layout: MatMul's B transposed), X's type")),
-    outputs=(Port("Y", FLOATS, "[..., N], X's type"),),
+    outputs=(Port("Y", FLOATS, "[..., N], X's type; [..., N / 2] with activation swiglu"),),
     must_alias=(),
     attrs=(Attr("rows_per_warp", INT, default=2, allowed=(1, 2, 4),
-                doc="output rows per warp of the CUDA GEMV (M <= 8; Note [Linear GEMV])"),),
+                doc="output rows per warp of the CUDA GEMV (M <= 8; Note [Linear GEMV])"),
+           Attr("activation", STRING, default="none", allowed=("none", "swiglu"),
+                doc="swiglu: W = [wg; wu], Y = silu(X wg^T) * (X wu^T), CPU float32 only "
+                    "(Note [Linear SwiGLU epilogue])")),
     kernel="CPU, CUDA",
 ))
 

@@ -517,6 +517,12 @@ def linear(ctx, node, label, ins):
     if isinstance(k, int) and k % 8:
         ctx.error("op-input", label, f"{op} node '{label}': K = {k} is not a multiple of 8; Linear reads W in 16-byte "
                   "vectors of 8 elements: use MatMul for this matrix")
+    if attr(node, "activation") in ("swiglu", b"swiglu"):  # Note [Linear SwiGLU epilogue]: Y [..., N / 2]
+        n_val = ctx.table.resolve(n) if n is not None else None
+        if isinstance(n_val, int) and n_val % 2:
+            ctx.error("op-input", label, f"{op} node '{label}': activation 'swiglu' needs W '{node.input[1]}' to have "
+                      f"an even N (gate rows, then as many up rows); N = {n_val}")
+        n = n_val // 2 if isinstance(n_val, int) else None
     return [ValueType(x.elem, None if not x.shape else tuple(x.shape[:-1]) + (n,))]
 
 
