@@ -11,8 +11,8 @@ as a fraction of that bound.
   bandwidth       : numpy reading a 512 MiB array (np.sum and np.max over parts on `threads` threads;
                     numpy drops the GIL in reductions), best of several passes: the memory read rate the
                     weights can be streamed at. Also the copy rate (read + written bytes) for information.
-  decode          : `ortkv generate --json` (float32 weights, batch 1, `--tokens` new tokens), the
-                    decode_tok_s it reports; rounds alternate bandwidth and decode. The fraction is reported
+  decode          : `ortkv generate --json --warmup` (float32 weights, batch 1, `--tokens` new tokens, after
+                    an untimed 2-token warm-up on the same session), the decode_tok_s it reports; rounds alternate bandwidth and decode. The fraction is reported
                     twice: median decode / median bound, and the median of each round's own fraction (its
                     decode against the bandwidth measured just before it: the fairer one, since the VM's
                     bandwidth moves between rounds).
@@ -90,8 +90,12 @@ def read_bandwidth(threads: int, mib: int = 512, passes: int = 5) -> tuple[float
 
 
 def decode_rate(tokens: int) -> float:
+    """`ortkv generate`'s decode tokens/s, after its untimed warm-up generation (--warmup), the same warm-up the
+    llama.cpp comparison gives both sides (Note [CPU baseline] in ortkv/generate/bench.py): without it the first
+    decode step (~2x a step: ORT's first run of the decode shapes, first-touched pages) weighs on a 128-token
+    figure."""
     cmd = [sys.executable, "-c", "import sys; from ortkv.cli import main; sys.exit(main())", "generate", "--json", "--weights", "float32", "--variant", "ortkv",
-           "--max-new-tokens", str(tokens), "--prompt", PROMPT]
+           "--warmup", "--max-new-tokens", str(tokens), "--prompt", PROMPT]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True)
     rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     return float(rows[-1]["decode_tok_s"])

@@ -66,6 +66,9 @@ def test_sampling_flags_land_on_the_config():
     assert overrides["search.top_p"] == 0.9  # what --compare hands its workers
     cfg, _ = config_from_args(build_parser().parse_args(["--no-do-sample"]))
     assert cfg.search.do_sample is False
+    assert config_from_args(build_parser().parse_args([]))[0].ortkv.warmup is False
+    cfg, overrides = config_from_args(build_parser().parse_args(["--warmup"]))
+    assert cfg.ortkv.warmup is True and overrides["ortkv.warmup"] is True  # --compare's workers warm up too
 
 
 @pytest.mark.parametrize("args,message", [

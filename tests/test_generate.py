@@ -4,6 +4,7 @@ configuration errors. A 2-layer slice checks the three graphs' logits; the full 
 
 from __future__ import annotations
 
+import gc
 import json
 import subprocess
 import sys
@@ -259,6 +260,59 @@ def test_token_id_outside_the_vocabulary_is_refused_before_the_run():
     for bad in (vocab, -1):
         with pytest.raises(ortkv.OrtkvError, match=rf"token id {bad} outside the vocabulary \[0, {vocab}\)"):
             generate(Runner(), [[1, 2], [3, bad]], Runner.cfg.search, 4, 2, 2)
+
+
+class _ScriptedRunner:
+    """A runner without a model: logits that pick token 5 then 6, 7, ...; records the collector's state."""
+    cfg = GenAIConfig()
+
+    def __init__(self, fail_at=None):
+        self.gc_during, self.steps, self.fail_at = [], 0, fail_at
+
+    def start(self, batch, max_length):
+        self.batch = batch
+
+    def _logits(self):
+        x = np.zeros((self.batch, 16), np.float32)
+        x[:, 5 + self.steps] = 1.0
+        return x
+
+    def prefill(self, ids, lengths):
+        self.gc_during.append(gc.isenabled())
+        return self._logits()
+
+    def step(self, ids):
+        self.gc_during.append(gc.isenabled())
+        self.steps += 1
+        if self.steps == self.fail_at:
+            raise ortkv.OrtkvError("scripted failure")
+        return self._logits()
+
+    def kv_bytes(self):
+        return 0
+
+
+@pytest.mark.parametrize("fail_at", [None, 2])
+def test_decode_loop_pauses_the_collector_and_restores_it(fail_at):
+    """Note [No collector in the decode loop]: off during the decode steps only, back on afterwards (also when
+    a step raises), and left off when the caller had it off."""
+    assert gc.isenabled()
+    r = _ScriptedRunner(fail_at)
+    s = GenAIConfig().search
+    if fail_at is None:
+        g = generate(r, [[1, 2]], s, 4, eos_id=2, pad_id=2)
+        assert g.new_ids == [[5, 6, 7, 8]] and g.decode_steps == 3
+    else:
+        with pytest.raises(ortkv.OrtkvError, match="scripted failure"):
+            generate(r, [[1, 2]], s, 4, eos_id=2, pad_id=2)
+    assert r.gc_during[0] is True and not any(r.gc_during[1:]) and len(r.gc_during) >= 2
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        generate(_ScriptedRunner(), [[1, 2]], s, 3, eos_id=2, pad_id=2)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
 
 
 def test_model_file_errors(tmp_path):

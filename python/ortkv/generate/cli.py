@@ -222,6 +222,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=_float_in(0, 1), metavar="P",
                    help="sample from the smallest most-likely set of tokens holding probability P (at least one); "
                         f"1: all ({cfg_default('search.top_p', s.top_p)})")
+    p.add_argument("--warmup", action="store_true", default=None,
+                   help="run an untimed 2-token generation on the same session first, so the decode figures "
+                        "leave out ONNX Runtime's first-run costs, as llama.cpp's own bench does "
+                        f"({cfg_default('ortkv.warmup', 'off')})")
     p.add_argument("--seed", type=_int_at_least(0), metavar="S",
                    help=f"seed of the sampler's random generator ({cfg_default('ortkv.seed', o.seed)})")
     p.add_argument("--weights", choices=["float32", "q4", "q8"], help="float32 (dequantized), q4 (Q4_1 kept 4-bit "
@@ -264,7 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 FLAG_KEYS = {"max_new_tokens": "ortkv.max_new_tokens", "max_length": "search.max_length",
              "do_sample": "search.do_sample", "temperature": "search.temperature", "top_k": "search.top_k",
-             "top_p": "search.top_p", "seed": "ortkv.seed", "weights": "ortkv.weights", "dtype": "ortkv.dtype",
+             "top_p": "search.top_p", "seed": "ortkv.seed", "warmup": "ortkv.warmup", "weights": "ortkv.weights", "dtype": "ortkv.dtype",
              "cache": "ortkv.cache", "kv_format": "ortkv.kv_format", "page_size": "ortkv.page_size",
              "num_return_sequences": "search.num_return_sequences", "num_beams": "search.num_beams"}
 RECENCY_DEFAULT = {"sink_pages": 1, "recent_pages": 4, "recent": "f16", "old": "int4"}
