@@ -93,7 +93,7 @@ void HalfToFloat(const uint16_t* src, float* dst, int64_t n) {
 // ~~~~~~~~~~~~~~~~~~~~~~
 // A float32 decode step is its weights read once (M = 1: 538 MB per token for SmolLM2-135M, 121 projections
 // and the tied LM head), so the kernel's job is to stream W at the machine's read bandwidth, not to compute.
-// Each tile takes kGemvRows = 4 rows of W (4 independent FMA chains per X row, and 4 x 4 = 16 accumulators at
+// M = 1 reads W one row at a time instead (Note [Linear GEMV one stream]). Each tile takes kGemvRows = 4 rows of W (4 independent FMA chains per X row, and 4 x 4 = 16 accumulators at
 // M = 4, half of AVX-512's registers) against up to kChunkM rows of X (4 with AVX-512, 2 with AVX2: its 16
 // registers), k kLanes floats at a time; the last 8 floats of a K that is 8 mod 16 are a masked AVX-512 load
 // (the op's K % 8 contract; nothing past a row is read). M > kChunkM runs the group of W again from L1 for each
@@ -127,6 +127,19 @@ void HalfToFloat(const uint16_t* src, float* dst, int64_t n) {
 // noise. The baseline path keeps std::exp.
 constexpr int64_t kGemvRows = kLinearCpuGemvRows;
 constexpr int64_t kGemvAheadRows = 8;
+// Note [Linear GEMV one stream]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// With ONE row of X (a batch-1 decode step, the float32 decoder's hot path) there is nothing to reuse a W row for,
+// and the tile kernel's four rows at once are four interleaved streams 4 * K bytes apart. On a 2-core AMD EPYC
+// (Zen 4) VM the tile kernel read 25-27 GB/s where numpy's sum reads ~36, and one row at a time, start to end
+// (each task one contiguous stream of W: its rows are adjacent in memory), read 34.5-35.0 GB/s without software
+// prefetch and 35.0-35.7 with a prefetch of the line kSeqAheadBytes = 256 bytes further on (512: 32.9-33.1, 768:
+// 32.6-33.4, 8 accumulators instead of 4: 29.5-34.1); a standalone driver over the decoder's 121 matrices + the
+// LM head, 538 MB of random floats, 2 threads handing off per matrix, 3 alternated runs of 20 passes each. Random
+// values matter on that VM: with a periodic fill the host merged equal pages and "bandwidth" read 48-50 GB/s.
+// The Intel VM the tile kernel was tuned on (Note [Linear CPU GEMV]) was not available to re-measure. M >= 2 keeps
+// the tile kernel (W read once for all rows of X).
+constexpr int64_t kSeqAheadBytes = 256;
 
 #define ORTKV_GEMV_INLINE inline __attribute__((always_inline))
 
