@@ -292,8 +292,8 @@ def main(argv=None) -> int:
         "Per round (read GB/s, copy GB/s, decode tok/s, fraction): "
         + "; ".join(f"{a:.1f}, {b:.1f}, {c:.1f}, {f:.2f}" for a, b, c, f in zip(reads, copies, rates, fractions)),
         "",
-        "The per-round median is the fairer figure: this VM's bandwidth moves between rounds (16-24 GB/s in "
-        "one run), and the decode rate moves with it; dividing a median decode by a median bandwidth pairs "
+        "The per-round median is the fairer figure: a VM's bandwidth moves between rounds (16-24 GB/s in "
+        "one run on an Intel VM, 33-56 GB/s on an AMD EPYC one), and the decode rate moves with it; dividing a median decode by a median bandwidth pairs "
         "figures from different rounds.",
     ]
     if splits:
