@@ -393,6 +393,15 @@ def test_attention_every_format_in_one_pool_shuffled(rng):
         _attn_case(rng, ALL, B=3, T=T, lengths=[130, 37, 64], PS=16)
 
 
+@pytest.mark.parametrize("G,D", [(2, 64), (3, 64), (3, 32), (2, 16), (4, 64)])
+@pytest.mark.parametrize("fmt", [PageFormat.F16, PageFormat.BF16], ids=lambda f: f.name)
+def test_attention_16bit_pages_heads_in_the_key_loop(rng, G, D, fmt):
+    """Note [Paged rows converted once]: 2 or 3 query heads per KV head at head sizes <= 64 convert each 16-bit row
+    chunk once for all heads (8 keys per score batch, so lengths that leave 1-7 keys over); 4 heads keep BlockRows."""
+    _attn_case(rng, [fmt], B=3, T=1, lengths=[2 * 16 + 13, 5, 16 * 8 + 7], PS=16, D=D, H=2, G=G)
+    _attn_case(rng, [fmt, PageFormat.INT8], B=2, T=3, lengths=[70, 19], PS=16, D=D, H=2, G=G)
+
+
 @pytest.mark.parametrize("D,PS", [(16, 4), (32, 8), (128, 16), (20, 4)])
 def test_attention_head_sizes_and_page_sizes(rng, D, PS):
     """The vector path's head sizes, and a head size (20) that takes the plain loops."""
