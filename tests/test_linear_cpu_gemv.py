@@ -3,7 +3,8 @@ float64 numpy reference: M = 1..4 (the decode path: N split into contiguous task
 and 70 (X rows in chunks of 4, W re-read from L1), K a multiple of 16 and K = 8 mod 16 (the masked half-vector
 tail), N not a multiple of 4 (the one-row tail), N large enough for several tasks and for the prefetched groups;
 the same bytes with 1 and 2 threads; each instruction-set copy forced through ORTKV_CPU_ISA in a child process
-(baseline is the reference path), and a bad ORTKV_CPU_ISA refused by name with Y untouched."""
+(baseline is the reference path), and a bad ORTKV_CPU_ISA refused by name with Y untouched; each one-row path
+(ORTKV_LINEAR_M1: tile, stream, stream-nta) likewise in a child, and a bad ORTKV_LINEAR_M1 refused by name."""
 
 from __future__ import annotations
 
@@ -90,9 +91,13 @@ def _isas() -> list[str]:
     return out
 
 
-def _child(isa: str, args: list[str]) -> subprocess.CompletedProcess:
+def _child(isa: str, args: list[str], one_row: str | None = None) -> subprocess.CompletedProcess:
     env = dict(os.environ)
-    env["ORTKV_CPU_ISA"] = isa
+    env.pop("ORTKV_CPU_ISA", None)
+    if isa != "best":
+        env["ORTKV_CPU_ISA"] = isa
+    if one_row is not None:
+        env["ORTKV_LINEAR_M1"] = one_row
     return subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *args], cwd=HERE,
                           env=env, capture_output=True, text=True, timeout=600)
 
@@ -104,9 +109,44 @@ def test_each_forced_isa_matches_numpy(isa):
     if isa not in _isas():
         pytest.skip(f"this CPU cannot run {isa} (flags checked in /proc/cpuinfo)")
     r = _child(isa, [os.path.abspath(__file__), "-k",
-                                 "matches_numpy and not forced or same_bytes or nan_and_inf or activation_values"])
+                                 "matches_numpy and not forced and not one_row or same_bytes or nan_and_inf or activation_values"])
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert " passed" in r.stdout and "skipped" not in r.stdout.splitlines()[-1], r.stdout[-500:]
+
+
+@pytest.mark.skipif(sys.platform != "linux" or os.uname().machine != "x86_64", reason="x86-64 Linux only")
+@pytest.mark.parametrize("isa,one_row", [("best", "tile"), ("best", "stream"), ("best", "stream-nta"),
+                                         ("avx2", "stream-nta"), ("avx2", "tile")])
+def test_each_one_row_path_matches_numpy(isa, one_row):
+    """Note [Linear GEMV one stream]: a one-row call reads W by the 4-row tile or one row at a time (prefetcht0 or
+    prefetchnta), chosen once per process by the CPU's vendor or ORTKV_LINEAR_M1: every path, in a child, runs this
+    file's kernel tests (M = 1 cases included, SwiGLU too)."""
+    if isa != "best" and isa not in _isas():
+        pytest.skip(f"this CPU cannot run {isa} (flags checked in /proc/cpuinfo)")
+    r = _child(isa, [os.path.abspath(__file__), "-k",
+                     "matches_numpy and not forced and not one_row or same_bytes or nan_and_inf or activation_values"],
+               one_row=one_row)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert " passed" in r.stdout and "skipped" not in r.stdout.splitlines()[-1], r.stdout[-500:]
+
+
+def test_bad_one_row_path_is_refused_by_name():
+    """ORTKV_LINEAR_M1=fast (not a path): the float32 Linear refuses with E_INPUT naming the node and the choices."""
+    code = (
+        "import numpy as np, sys\n"
+        "sys.path.insert(0, %r)\n"
+        "from test_linear import linear_model, session\n"
+        "s = session(linear_model(16, 8, [1, 16], w=np.ones((8, 16), np.float32)))\n"
+        "try:\n"
+        "    s.run(None, {'x': np.ones((1, 16), np.float32)})\n"
+        "    print('NO ERROR')\n"
+        "except Exception as e:\n"
+        "    print('ERROR', e)\n" % HERE)
+    env = dict(os.environ)
+    env["ORTKV_LINEAR_M1"] = "fast"
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300, cwd=HERE)
+    assert "[ortkv:E_INPUT] Linear node 'lin': environment variable ORTKV_LINEAR_M1='fast' is not one of tile, " \
+           "stream, stream-nta; unset it for this CPU's default" in r.stdout, r.stdout + r.stderr
 
 
 def test_bad_isa_is_refused_by_name_with_y_untouched():

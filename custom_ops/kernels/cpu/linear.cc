@@ -3,7 +3,9 @@
 // float32 partial sums per (row, column), so the compiler vectorizes them) for float16 (computed in float32) and
 // for float32 on a CPU without AVX2 + FMA or with ORTKV_CPU_ISA=baseline. The caller parallelizes over columns.
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
+#include <string>
 #include <sstream>
 #include <vector>
 
@@ -93,7 +95,7 @@ void HalfToFloat(const uint16_t* src, float* dst, int64_t n) {
 // ~~~~~~~~~~~~~~~~~~~~~~
 // A float32 decode step is its weights read once (M = 1: 538 MB per token for SmolLM2-135M, 121 projections
 // and the tied LM head), so the kernel's job is to stream W at the machine's read bandwidth, not to compute.
-// M = 1 reads W one row at a time instead (Note [Linear GEMV one stream]). Each tile takes kGemvRows = 4 rows of W (4 independent FMA chains per X row, and 4 x 4 = 16 accumulators at
+// On AMD CPUs M = 1 reads W one row at a time instead (Note [Linear GEMV one stream]). Each tile takes kGemvRows = 4 rows of W (4 independent FMA chains per X row, and 4 x 4 = 16 accumulators at
 // M = 4, half of AVX-512's registers) against up to kChunkM rows of X (4 with AVX-512, 2 with AVX2: its 16
 // registers), k kLanes floats at a time; the last 8 floats of a K that is 8 mod 16 are a masked AVX-512 load
 // (the op's K % 8 contract; nothing past a row is read). M > kChunkM runs the group of W again from L1 for each
@@ -129,6 +131,10 @@ constexpr int64_t kGemvRows = kLinearCpuGemvRows;
 constexpr int64_t kGemvAheadRows = 8;
 // Note [Linear GEMV one stream]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// How a call with ONE row of X reads W (GemvM1), decided once per process: on AMD CPUs one row at a time with
+// prefetchnta (kStreamNta), elsewhere the 4-row tile as measured on the Intel VM (kTile); the environment
+// variable ORTKV_LINEAR_M1 = tile / stream / stream-nta overrides it (A/B runs, and the tests run every path on
+// any CPU). The measurements that set the AMD default:
 // With ONE row of X (a batch-1 decode step, the float32 decoder's hot path) there is nothing to reuse a W row for,
 // and the tile kernel's four rows at once are four interleaved streams 4 * K bytes apart. On a 2-core AMD EPYC
 // (Zen 4) VM the tile kernel read 25-27 GB/s where numpy's sum reads ~36, and one row at a time, start to end
@@ -139,6 +145,11 @@ constexpr int64_t kGemvAheadRows = 8;
 // values matter on that VM: with a periodic fill the host merged equal pages and "bandwidth" read 48-50 GB/s.
 // The Intel VM the tile kernel was tuned on (Note [Linear CPU GEMV]) was not available to re-measure. M >= 2 keeps
 // the tile kernel (W read once for all rows of X).
+// prefetchnta instead of prefetcht0 on that VM: the standalone driver 33.0-34.7 vs 32.0-32.9 GB/s, and the float32
+// decoder (`ortkv generate --warmup --weights float32`, 128 tokens, 4 alternated pairs of processes) 53.2 / 66.4 /
+// 68.3 / 59.8 tok/s against 47.9 / 63.0 / 51.9 / 47.4 (ORT's profiler: Linear kernels 20.1 -> 17.3 ms a step).
+// Not measured on Intel, where the tile kernel with prefetchnta 8 rows ahead read 4.5-8.8 GB/s (Note [Linear
+// CPU GEMV]): Intel keeps the tile until the stream is measured there.
 constexpr int64_t kSeqAheadBytes = 256;
 
 #define ORTKV_GEMV_INLINE inline __attribute__((always_inline))
@@ -150,6 +161,34 @@ constexpr float kLn2Hi = 0.693359375f;
 constexpr float kLn2Lo = -2.12194440e-4f;
 constexpr float kExpP[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
                             4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+
+// Note [Linear GEMV one stream]: how a one-row call reads W.
+enum class GemvM1 : int { kTile = 0, kStream = 1, kStreamNta = 2 };
+
+struct GemvM1Choice {
+  GemvM1 mode;
+  std::string error;  // empty: ORTKV_LINEAR_M1 is unset or valid
+};
+
+const GemvM1Choice& GemvM1Once() {
+  static const GemvM1Choice choice = [] {
+#if defined(__x86_64__)
+    __builtin_cpu_init();
+    const GemvM1 best = __builtin_cpu_is("amd") ? GemvM1::kStreamNta : GemvM1::kTile;
+#else
+    const GemvM1 best = GemvM1::kTile;
+#endif
+    const char* env = std::getenv("ORTKV_LINEAR_M1");
+    if (env == nullptr || *env == 0) return GemvM1Choice{best, ""};
+    if (std::strcmp(env, "tile") == 0) return GemvM1Choice{GemvM1::kTile, ""};
+    if (std::strcmp(env, "stream") == 0) return GemvM1Choice{GemvM1::kStream, ""};
+    if (std::strcmp(env, "stream-nta") == 0) return GemvM1Choice{GemvM1::kStreamNta, ""};
+    return GemvM1Choice{best, std::string("environment variable ORTKV_LINEAR_M1='") + env +
+                                  "' is not one of tile, stream, stream-nta; unset it for this CPU's default (" +
+                                  (best == GemvM1::kTile ? "tile" : "stream-nta") + ")"};
+  }();
+  return choice;
+}
 
 #if defined(__x86_64__)
 #pragma GCC push_options
@@ -238,6 +277,9 @@ inline float Dot(const float* x, const float* w, int64_t K) {
 }  // namespace
 
 Status CheckLinearCpuIsa(const std::string& node) {
+  if (!GemvM1Once().error.empty()) {  // the first call of each node refuses a misspelt ORTKV_LINEAR_M1
+    return Status(Code::kInvalidArgument, "Linear node '" + node + "': " + GemvM1Once().error);
+  }
   return attn_cpu::CheckCpuIsa("Linear node '" + node + "'");
 }
 
@@ -250,9 +292,9 @@ void LinearCpu(const LinearView& v, int64_t m0, int64_t m1, int64_t n0, int64_t 
 #if defined(__x86_64__)
     switch (attn_cpu::CpuIsaOnce().isa) {  // Note [Linear CPU GEMV]; the op refused a bad ORTKV_CPU_ISA
       case attn_cpu::CpuIsa::kAvx512:
-        return gemv_avx512::Run(x, w, y, K, N, m0, m1, n0, n1);
+        return gemv_avx512::Run(x, w, y, K, N, m0, m1, n0, n1, GemvM1Once().mode);
       case attn_cpu::CpuIsa::kAvx2:
-        return gemv_avx2::Run(x, w, y, K, N, m0, m1, n0, n1);
+        return gemv_avx2::Run(x, w, y, K, N, m0, m1, n0, n1, GemvM1Once().mode);
       case attn_cpu::CpuIsa::kBaseline:
         break;
     }
@@ -290,13 +332,14 @@ void LinearSwiGLUCpu(const LinearView& v, int64_t m0, int64_t m1, int64_t j0, in
     // gate columns straight into Y (row stride h), up columns into this thread's scratch, then Y = silu(Y) * up
     thread_local std::vector<float> up;
     if (up.size() < static_cast<size_t>(mc * cnt)) up.resize(static_cast<size_t>(mc * cnt));
+    const GemvM1 one_row = GemvM1Once().mode;
     if (isa == attn_cpu::CpuIsa::kAvx512) {
-      gemv_avx512::Run(x, w + j0 * K, y, K, h, 0, mc, 0, cnt);
-      gemv_avx512::Run(x, w + (h + j0) * K, up.data(), K, cnt, 0, mc, 0, cnt);
+      gemv_avx512::Run(x, w + j0 * K, y, K, h, 0, mc, 0, cnt, one_row);
+      gemv_avx512::Run(x, w + (h + j0) * K, up.data(), K, cnt, 0, mc, 0, cnt, one_row);
       for (int64_t m = 0; m < mc; ++m) gemv_avx512::SwiGLUInPlace(y + m * h, up.data() + m * cnt, cnt);
     } else {
-      gemv_avx2::Run(x, w + j0 * K, y, K, h, 0, mc, 0, cnt);
-      gemv_avx2::Run(x, w + (h + j0) * K, up.data(), K, cnt, 0, mc, 0, cnt);
+      gemv_avx2::Run(x, w + j0 * K, y, K, h, 0, mc, 0, cnt, one_row);
+      gemv_avx2::Run(x, w + (h + j0) * K, up.data(), K, cnt, 0, mc, 0, cnt, one_row);
       for (int64_t m = 0; m < mc; ++m) gemv_avx2::SwiGLUInPlace(y + m * h, up.data() + m * cnt, cnt);
     }
     return;
