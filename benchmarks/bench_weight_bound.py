@@ -26,7 +26,10 @@ as a fraction of that bound.
                     bandwidth says whether the float32 GEMV or the rest of the step is what stands between
                     the decode rate and the bound.
 
-    python benchmarks/bench_weight_bound.py [--rounds 3] [--tokens 256] [--threads 2] [--parts]
+  --paired        : per round, a child that decodes in segments of --segment-steps tokens, each between two
+                    read-bandwidth probes: the fraction per segment, figures taken milliseconds apart.
+
+    python benchmarks/bench_weight_bound.py [--rounds 3] [--tokens 256] [--threads 2] [--parts] [--paired]
                                             [--out benchmarks/results/weight_bound.md]
 """
 
@@ -220,6 +223,57 @@ def parts(threads: int, steps: int) -> dict:
 
 
 
+def paired(threads: int, segments: int, seg_steps: int, probe_mib: int = 128) -> dict:
+    """One child: the float32 decoder's greedy decode in segments of seg_steps tokens, each segment between two
+    read-bandwidth probes (np.max over a probe_mib array of random values on `threads` threads, the better of two
+    passes), so that a segment's rate and the bandwidth it is compared with are taken within milliseconds of each
+    other. Returns per segment: seconds per token (the step and the greedy pick, as a generation loop) and the mean
+    of the two probes (GB/s)."""
+    from ortkv.generate import runners
+    from ortkv.generate.cli import apply_overrides
+    from ortkv.generate.config import GenAIConfig
+
+    cfg = apply_overrides(GenAIConfig(), {"ortkv.weights": "float32", "ortkv.intra_op_num_threads": threads})
+    r = runners.make_runner("ortkv", cfg, log=lambda *x: None)
+    timed_decode(r, PROMPT_IDS, 8)  # warm-up (ORT's first runs of the decode shapes)
+    n = (probe_mib << 20) // 4
+    a = np.random.default_rng(1).random(n, dtype=np.float32)
+    parts_ = np.array_split(np.arange(n), threads)
+    bounds = [(p_[0], p_[-1] + 1) for p_ in parts_]
+    pool = concurrent.futures.ThreadPoolExecutor(threads)
+
+    def probe() -> float:
+        best = 0.0
+        for _ in range(2):
+            t0 = time.perf_counter()
+            list(pool.map(lambda b: float(np.max(a[b[0]:b[1]])), bounds))
+            best = max(best, a.nbytes / (time.perf_counter() - t0) / 1e9)
+        return best
+
+    probe()
+    ids = np.array([PROMPT_IDS], np.int64)
+    r.start(1, 2048)
+    logits = r.prefill(ids, np.array([ids.shape[1]], np.int64))
+    per_token, bws = [], []
+    for _ in range(segments):
+        b0 = probe()
+        t0 = time.perf_counter()
+        for _ in range(seg_steps):
+            logits = r.step(np.array([int(np.argmax(logits[0]))], np.int64))
+        per_token.append((time.perf_counter() - t0) / seg_steps)
+        bws.append((b0 + probe()) / 2)
+    pool.shutdown()
+    r.close()
+    return {"per_token": per_token, "bw": bws}
+
+
+def _paired_child(threads: int, segments: int, seg_steps: int) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--paired-child", "--threads", str(threads), "--segments",
+           str(segments), "--segment-steps", str(seg_steps)]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
 def _count_nodes(model: bytes) -> list:
     return list(onnx.load_from_string(model).graph.node)
 
@@ -237,10 +291,18 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
     ap.add_argument("--parts", action="store_true", help="also split the step: wall, ORT run, projection nodes alone")
     ap.add_argument("--parts-child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--paired", action="store_true", help="also, per round, a child that decodes in segments of "
+                    "--segment-steps tokens, each between two bandwidth probes (the fraction per segment)")
+    ap.add_argument("--segments", type=int, default=16)
+    ap.add_argument("--segment-steps", type=int, default=8)
+    ap.add_argument("--paired-child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if args.parts_child:
         print(json.dumps(parts(args.threads, args.tokens)))
+        return 0
+    if args.paired_child:
+        print(json.dumps(paired(args.threads, args.segments, args.segment_steps)))
         return 0
 
     decode_rate(8)  # builds the float32 decoder on first use (not timed)
@@ -257,7 +319,7 @@ def main(argv=None) -> int:
         return 1
     per_token, total = weight_bytes_per_token(model)
 
-    reads, copies, rates, splits = [], [], [], []
+    reads, copies, rates, splits, pairs = [], [], [], [], []
     load0 = os.getloadavg()[0]
     for r in range(args.rounds):
         rd, cp = read_bandwidth(args.threads)
@@ -266,6 +328,8 @@ def main(argv=None) -> int:
         rates.append(decode_rate(args.tokens))
         if args.parts:
             splits.append(_parts_child(args.threads, args.tokens))
+        if args.paired:
+            pairs.append(_paired_child(args.threads, args.segments, args.segment_steps))
         print(f"round {r + 1}: read {rd:.1f} GB/s, copy {cp:.1f} GB/s, decode {rates[-1]:.1f} tok/s", file=sys.stderr)
     rd, cp, tok = statistics.median(reads), statistics.median(copies), statistics.median(rates)
     fractions = [rate / (r * 1e9 / per_token) for r, rate in zip(reads, rates)]
@@ -328,6 +392,33 @@ def main(argv=None) -> int:
             "Per round (wall, run, projections alone, as MatMul alone, BLAS ms): "
             + "; ".join(f"{x['wall']:.2f}, {x['run']:.2f}, {x['matmul']:.2f}, {x.get('mlas', x['matmul']):.2f}, "
                         f"{x['blas']:.2f}" for x in splits),
+        ]
+    if pairs:
+        # per segment: its decode rate against the mean of the probes taken just before and just after it
+        fr = [[per_token / t / (bw * 1e9) for t, bw in zip(p_["per_token"], p_["bw"])] for p_ in pairs]
+        flat = [f for x in fr for f in x]
+        ms_tok = [1e3 * t for p_ in pairs for t in p_["per_token"]]
+        bw_all = [b for p_ in pairs for b in p_["bw"]]
+        lines += [
+            "",
+            f"## Paired (--paired): decode and bandwidth at the same moment ({args.segments} segments of "
+            f"{args.segment_steps} tokens per round, each between two read-bandwidth probes)",
+            "",
+            "The decoder (the same float32 runner, greedy) decodes in segments; before and after each segment a "
+            "probe reads 128 MiB of random floats with np.max on the same threads (the better of two passes); a "
+            "segment's fraction is its rate (bytes per token / seconds per token) over the mean of its two probes. "
+            "On a VM whose bandwidth moves within seconds this pairs figures taken milliseconds apart, where the "
+            "rounds above pair a bandwidth and a decode taken seconds apart.",
+            "",
+            "| quantity | value |",
+            "|---|---:|",
+            f"| segments | {len(flat)} |",
+            f"| ms per token, median (min-max) | {statistics.median(ms_tok):.2f} ({min(ms_tok):.2f}-{max(ms_tok):.2f}) |",
+            f"| probe GB/s, median (min-max) | {statistics.median(bw_all):.1f} ({min(bw_all):.1f}-{max(bw_all):.1f}) |",
+            f"| **fraction of the bound, median over segments** | **{statistics.median(flat):.2f}** |",
+            f"| fraction, 25th / 75th percentile | {float(np.percentile(flat, 25)):.2f} / {float(np.percentile(flat, 75)):.2f} |",
+            "",
+            "Per round (median fraction): " + ", ".join(f"{statistics.median(x):.2f}" for x in fr),
         ]
     lines += ["", f"load average (1 min) on {os.cpu_count()} CPUs: {load0:.1f} at the start, "
               f"{os.getloadavg()[0]:.1f} at the end"]

@@ -1937,8 +1937,15 @@ __device__ __forceinline__ void WindowTiles(const PageWindow& sh, uint8_t* wring
   }
 }
 
+// Blocks per SM the compiler must leave room for (__launch_bounds__' second argument): 1 lets it take the 167
+// registers per thread it wants, which allows 3 blocks per SM on the H200 (dense v3: 4, and 22 splits at 32K x 8
+// where paged v3 gets 16: the same 1.3x as paged F16 / dense). A build flag for the next GPU run, e.g.
+// `nvcc ... -DORTKV_PAGED_V3_MIN_BLOCKS=4 benchmarks/cuda/paged_sweep.cu` (<= 128 registers; check for spills).
+#ifndef ORTKV_PAGED_V3_MIN_BLOCKS
+#define ORTKV_PAGED_V3_MIN_BLOCKS 1
+#endif
 template <typename T, int D>
-__global__ void __launch_bounds__(kThreads) PagedAttentionV3(const AttnArgs args) {
+__global__ void __launch_bounds__(kThreads, ORTKV_PAGED_V3_MIN_BLOCKS) PagedAttentionV3(const AttnArgs args) {
   using C = Cfg<D>;
   constexpr bool BF = std::is_same<T, __nv_bfloat16>::value;  // the products' 16-bit type is the queries'
   extern __shared__ __align__(16) unsigned char dsm[];
