@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import copy
 
+import os
+
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -203,3 +205,40 @@ def test_rss_bytes_fast_is_rss_bytes():
     a = np.ones(1 << 22)  # 32 MiB touched
     x, y = rss_bytes(), rss_bytes_fast()
     assert abs(x - y) <= 1 << 20 and y > a.nbytes
+
+
+def _mapped_rss(path) -> int:
+    """Resident bytes of this process's mappings of `path` (/proc/self/smaps)."""
+    total, mine = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if head and "-" in head[0] and len(head) >= 5 and ":" not in head[0]:
+                mine = len(head) == 6 and head[5] == str(path)
+            elif mine and line.startswith("Rss:"):
+                total += int(head[1]) * 1024
+    return total
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="Linux /proc only")
+def test_populate_file_mappings_faults_the_mapped_pages_in(tmp_path):
+    """Note [Weights resident at load]: pages of a file mapped read-only are resident only once touched;
+    populate_file_mappings(dir) faults in every mapping of a file under dir and returns their bytes; files
+    elsewhere and unmapped directories are left alone (0)."""
+    from ortkv._memory import populate_file_mappings
+
+    weights, other = tmp_path / "model" / "model.onnx.data", tmp_path / "other.bin"
+    weights.parent.mkdir()
+    size = 16 << 20
+    weights.write_bytes(np.random.default_rng(0).bytes(size))
+    other.write_bytes(np.random.default_rng(1).bytes(size))
+    a = np.memmap(weights, dtype=np.uint8, mode="r")
+    b = np.memmap(other, dtype=np.uint8, mode="r")
+    try:
+        assert _mapped_rss(weights) < size // 4 and _mapped_rss(other) < size // 4  # nothing touched yet
+        assert populate_file_mappings(str(tmp_path / "nothing")) == 0
+        assert populate_file_mappings(str(weights.parent)) >= size
+        assert _mapped_rss(weights) >= size * 9 // 10
+        assert _mapped_rss(other) < size // 4  # not under the directory
+    finally:
+        del a, b

@@ -50,12 +50,14 @@ The ``num_return_sequences`` best hypotheses are returned, best first.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator
 
 import numpy as np
 
+from .._memory import populate_file_mappings
 from ..cache import PageCache, Scheduler
 from ..cache.pool_store import PoolPageStore
 from ..cache.scheduler import Event
@@ -114,6 +116,8 @@ class MultiRunner:
         self.pages_per_seq = -(-self.max_length // ps)
         self.layers = d.num_hidden_layers
         self.sess = MutableCacheSession(str(path), sess_options=_session_options(cfg), providers=providers_for(cfg))
+        if cfg.device == "cpu":  # Note [Weights resident at load] in ortkv/_memory.py
+            populate_file_mappings(os.path.dirname(os.path.abspath(str(path))))
         self.pool = PagePool(self.layers, d.num_key_value_heads, d.head_size, ps,
                              {"float32": np.float32, "float16": np.float16}[cfg.dtype], cfg.device,
                              Governor(budget_bytes or o.arena_budget_bytes),

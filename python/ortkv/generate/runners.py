@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 
 import numpy as np
 
 from .. import get_library_path
+from .._memory import populate_file_mappings
 from ..errors import OrtkvError
 from ..vmm import ArenaKVCache, CacheGeometry, Governor, live_bytes
 from .builder import genai_names, ortkv_names
@@ -296,6 +298,8 @@ class OrtkvRunner:
                                  "memory (CacheUpdate / CacheAttention with device positions). Run with "
                                  "--no-cuda-graph (enable_cuda_graph \"0\")") from None
             raise
+        if self.device == "cpu":  # Note [Weights resident at load] in ortkv/_memory.py
+            populate_file_mappings(os.path.dirname(os.path.abspath(str(path))))
         self.arena_cache = None
         self._io = None
         self._cpu_step = None  # Note [CPU decode feeds]
@@ -519,6 +523,8 @@ class CopyRunner:
         # projections] in builder.py): only its cache differs from the ortkv decoder's
         so.register_custom_ops_library(get_library_path())
         self.sess = ort.InferenceSession(str(path), so, providers=providers_for(cfg))
+        if self.device == "cpu":  # Note [Weights resident at load] in ortkv/_memory.py
+            populate_file_mappings(os.path.dirname(os.path.abspath(str(path))))
         self.out_names = [o.name for o in self.sess.get_outputs()]
         self.last_token = LastToken(cfg) if self.device != "cpu" else None
         self.greedy_token = GreedyToken(cfg) if self.device != "cpu" else None
