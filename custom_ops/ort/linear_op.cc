@@ -4,6 +4,8 @@
 // cuBLAS (Note [Linear cuBLAS]). Attribute rows_per_warp (CUDA GEMV only; 1, 2 or 4, default 2): output rows per
 // warp, for measuring the GEMV's variants on a device. Attribute activation ("none" by default, or "swiglu": CPU
 // float32 only, Y [..., N / 2] = silu(X wg^T) * (X wu^T) with W = [wg; wu], Note [Linear SwiGLU epilogue]).
+// Optional inputs skip [..., K] and gamma [K] with attribute epsilon (CPU float32 only, Note [Linear norm prologue]):
+// the product is taken of norm(X + skip) * gamma instead of X, and the optional output 1 is X + skip.
 #include <algorithm>
 #include <cstring>
 #include <memory>
@@ -26,6 +28,7 @@ struct LinearKernel {
   NodeNames names;
   bool cuda = false;
   bool swiglu = false;  // attribute activation="swiglu" (CPU float32: Note [Linear SwiGLU epilogue])
+  float epsilon = 1e-5f;  // Note [Linear norm prologue]
   int64_t rows_per_warp = 2;
 #if defined(ORTKV_WITH_CUDA)
   ortkv::LinearCublas cublas;
@@ -54,11 +57,39 @@ void CpuTask(void* user, size_t i) {
 
 OrtStatus* Compute(void* op_kernel, OrtKernelContext* ctx) {
   auto& k = *static_cast<LinearKernel*>(op_kernel);
-  TensorArg args[2];
-  for (size_t i = 0; i < 2; ++i) {
+  TensorArg args[4];
+  size_t n_in = 0;
+  ORTKV_RETURN_IF_ORT_ERROR(g_api->KernelContext_GetInputCount(ctx, &n_in));
+  bool present[4] = {true, true, false, false};
+  for (size_t i = 0; i < 4 && i < n_in; ++i) {
     const OrtValue* in = nullptr;
     ORTKV_RETURN_IF_ORT_ERROR(g_api->KernelContext_GetInput(ctx, i, &in));
-    ORTKV_RETURN_IF_ORT_ERROR(ReadTensor(in, k.names.inputs[i], &args[i], nullptr, nullptr));
+    if (in == nullptr) continue;  // an omitted optional input
+    const std::string name = i < k.names.inputs.size() ? k.names.inputs[i] : std::to_string(i);
+    ORTKV_RETURN_IF_ORT_ERROR(ReadTensor(in, name, &args[i], nullptr, nullptr));
+    present[i] = true;
+  }
+  const bool norm = present[2] || present[3];  // Note [Linear norm prologue]
+  if (norm) {
+    std::ostringstream m;
+    if (!present[2] || !present[3]) {
+      m << "Linear node '" << k.names.node << "': the norm prologue takes skip (input 2) and gamma (input 3) "
+        << "together; only " << (present[2] ? "skip" : "gamma") << " is given. Remedy: give both, or neither";
+    } else if (k.cuda || args[0].elem_type != ortkv::kFloat32 || args[2].elem_type != ortkv::kFloat32 ||
+               args[3].elem_type != ortkv::kFloat32) {
+      m << "Linear node '" << k.names.node << "': the norm prologue (skip, gamma) is implemented for float32 on "
+        << "the CPU only (X '" << args[0].name << "' is " << ortkv::ElemTypeName(args[0].elem_type) << ", skip '"
+        << args[2].name << "' " << ortkv::ElemTypeName(args[2].elem_type) << ", gamma '" << args[3].name << "' "
+        << ortkv::ElemTypeName(args[3].elem_type) << (k.cuda ? ", on CUDAExecutionProvider" : "")
+        << "). Remedy: SkipSimplifiedLayerNormalization, then Linear";
+    } else if (args[2].dims != args[0].dims || args[3].dims.size() != 1 || args[0].dims.empty() ||
+               args[3].dims[0] != args[0].dims.back()) {
+      m << "Linear node '" << k.names.node << "': skip '" << args[2].name << "' " << ortkv::ShapeText(args[2].dims)
+        << " must have X '" << args[0].name << "''s shape " << ortkv::ShapeText(args[0].dims) << " and gamma '"
+        << args[3].name << "' " << ortkv::ShapeText(args[3].dims) << " must be [K] = ["
+        << (args[0].dims.empty() ? 0 : args[0].dims.back()) << "]";
+    }
+    if (!m.str().empty()) return ToOrtStatus(Status(Code::kInvalidArgument, m.str()));
   }
   const TensorArg& x = args[0];
   const bool type_ok = k.cuda ? (x.elem_type == ortkv::kFloat16 || x.elem_type == ortkv::kBFloat16)
@@ -90,6 +121,12 @@ OrtStatus* Compute(void* op_kernel, OrtKernelContext* ctx) {
   OrtValue* out = nullptr;
   ORTKV_RETURN_IF_ORT_ERROR(g_api->KernelContext_GetOutput(ctx, 0, dims.data(), dims.size(), &out));
   ORTKV_RETURN_IF_ORT_ERROR(g_api->GetTensorMutableData(out, &view.y));
+  if (norm && view.M == 0) {  // an empty X: the empty sum output still has to exist
+    size_t n_out = 0;
+    ORTKV_RETURN_IF_ORT_ERROR(g_api->KernelContext_GetOutputCount(ctx, &n_out));
+    OrtValue* s_out = nullptr;
+    if (n_out > 1) ORTKV_RETURN_IF_ORT_ERROR(g_api->KernelContext_GetOutput(ctx, 1, x.dims.data(), x.dims.size(), &s_out));
+  }
   if (view.M == 0 || out_cols == 0) return nullptr;
   if (k.cuda) {
 #if defined(ORTKV_WITH_CUDA)
@@ -113,6 +150,21 @@ OrtStatus* Compute(void* op_kernel, OrtKernelContext* ctx) {
   }
   if (view.elem_type == ortkv::kFloat32) {
     ORTKV_RETURN_IF_ORT_ERROR(ToOrtStatus(ortkv::CheckLinearCpuIsa(k.names.node)));
+  }
+  thread_local std::vector<float> normed;  // Note [Linear norm prologue]: the X the product reads
+  if (norm) {
+    size_t n_out = 0;
+    ORTKV_RETURN_IF_ORT_ERROR(g_api->KernelContext_GetOutputCount(ctx, &n_out));
+    float* sum = nullptr;
+    if (n_out > 1) {
+      OrtValue* s_out = nullptr;
+      ORTKV_RETURN_IF_ORT_ERROR(g_api->KernelContext_GetOutput(ctx, 1, x.dims.data(), x.dims.size(), &s_out));
+      if (s_out != nullptr) ORTKV_RETURN_IF_ORT_ERROR(g_api->GetTensorMutableData(s_out, reinterpret_cast<void**>(&sum)));
+    }
+    normed.resize(static_cast<size_t>(view.M * view.K));
+    ortkv::SkipRmsNormCpu(static_cast<const float*>(x.data), static_cast<const float*>(args[2].data),
+                          static_cast<const float*>(args[3].data), k.epsilon, view.M, view.K, normed.data(), sum);
+    view.x = normed.data();
   }
   // tasks of output columns: with the SwiGLU epilogue each column reads two rows of W (gate and up)
   const int64_t w_rows_per_col = k.swiglu ? 2 : 1;
@@ -164,6 +216,10 @@ OrtStatus* InferLinear(const OrtCustomOp*, OrtShapeInferContext* ctx) {
   size_t rank = 0, wrank = 0;
   ORTKV_RETURN_IF_ORT_ERROR(g_api->GetDimensionsCount(xi, &rank));
   ORTKV_RETURN_IF_ORT_ERROR(g_api->GetDimensionsCount(wi, &wrank));
+  {  // output 1 (Note [Linear norm prologue]): X + skip, X's type and shape; absent on most nodes
+    OrtStatus* s1 = g_api->ShapeInferContext_SetOutputTypeShape(ctx, 1, xi);
+    if (s1 != nullptr) g_api->ReleaseStatus(s1);
+  }
   if (rank == 0) return g_api->ShapeInferContext_SetOutputTypeShape(ctx, 0, xi);  // unknown: as X
   std::vector<int64_t> dims(rank);
   std::vector<const char*> names(rank, nullptr);
@@ -216,7 +272,12 @@ OrtStatus* ReadActivation(const OrtApi* api, const OrtKernelInfo* info, const st
 OrtStatus* Create(const OrtApi* api, const OrtKernelInfo* info, void** kernel, bool cuda) {
   auto k = std::make_unique<LinearKernel>();
   k->cuda = cuda;
-  ORTKV_RETURN_IF_ORT_ERROR(ReadNodeNames(api, info, 2, 1, &k->names));
+  size_t n_in = 0, n_out = 0;
+  ORTKV_RETURN_IF_ORT_ERROR(api->KernelInfo_GetInputCount(info, &n_in));
+  ORTKV_RETURN_IF_ORT_ERROR(api->KernelInfo_GetOutputCount(info, &n_out));
+  ORTKV_RETURN_IF_ORT_ERROR(ReadNodeNames(api, info, std::min<size_t>(std::max<size_t>(n_in, 2), 4),
+                                          std::min<size_t>(std::max<size_t>(n_out, 1), 2), &k->names));
+  ORTKV_RETURN_IF_ORT_ERROR(OptionalAttribute(api, info, k->names.node, "epsilon", 1e-5f, &k->epsilon));
   ORTKV_RETURN_IF_ORT_ERROR(OptionalAttribute(api, info, k->names.node, "rows_per_warp", int64_t{2}, &k->rows_per_warp));
   std::string activation;
   ORTKV_RETURN_IF_ORT_ERROR(ReadActivation(api, info, k->names.node, &activation));
@@ -248,9 +309,15 @@ OrtCustomOp MakeLinear(bool cuda) {
                                      : [](const OrtCustomOp*) -> const char* { return nullptr; };
   // Types declared open and checked by the kernel with a named error (Note [CacheAttention CPU types] in
   // cache_attention_op.cc: a declared type would let ORT wrap the node in silent Casts).
-  op.GetInputTypeCount = [](const OrtCustomOp*) -> size_t { return 2; };
+  op.GetInputTypeCount = [](const OrtCustomOp*) -> size_t { return 4; };  // X, W[, skip, gamma]
   op.GetInputType = [](const OrtCustomOp*, size_t) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED; };
-  op.GetOutputTypeCount = [](const OrtCustomOp*) -> size_t { return 1; };
+  op.GetInputCharacteristic = [](const OrtCustomOp*, size_t i) {
+    return i >= 2 ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
+  };
+  op.GetOutputTypeCount = [](const OrtCustomOp*) -> size_t { return 2; };  // Y[, X + skip]
+  op.GetOutputCharacteristic = [](const OrtCustomOp*, size_t i) {
+    return i >= 1 ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
+  };
   op.GetOutputType = [](const OrtCustomOp*, size_t) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED; };
   op.CreateKernelV2 = cuda ? [](const OrtCustomOp*, const OrtApi* a, const OrtKernelInfo* i, void** k) {
     return Create(a, i, k, true);

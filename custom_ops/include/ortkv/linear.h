@@ -75,6 +75,13 @@ Status PlanLinear(const std::string& node, const TensorArg& x, const TensorArg& 
 // or float16 (computed in float32, the reference path).
 void LinearCpu(const LinearView& view, int64_t m0, int64_t m1, int64_t n0, int64_t n1);
 
+// Note [Linear norm prologue] (CPU, float32): out[m, :] = (s / sqrt(mean(s^2) + epsilon)) * gamma with
+// s = x[m, :] + skip[m, :] for each of the M rows of K; sum (if not null) receives s. The arithmetic of ORT's
+// SkipSimplifiedLayerNormalization CPU kernel, operation for operation (a float sum of squares in order, a
+// division by the root, then the product with gamma), so a fused node gives that node's bits.
+void SkipRmsNormCpu(const float* x, const float* skip, const float* gamma, float epsilon, int64_t M, int64_t K,
+                    float* out, float* sum);
+
 // CPU, float32, activation "swiglu" (Note [Linear SwiGLU epilogue] in custom_ops/kernels/cpu/linear.cc): view.y is
 // Y [M, N / 2]; fills rows [m0, m1) x columns [j0, j1) of silu(P[:, :N/2]) * P[:, N/2:], P = X W^T (N even).
 void LinearSwiGLUCpu(const LinearView& view, int64_t m0, int64_t m1, int64_t j0, int64_t j1);

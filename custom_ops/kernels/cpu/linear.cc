@@ -320,6 +320,31 @@ void LinearCpu(const LinearView& v, int64_t m0, int64_t m1, int64_t n0, int64_t 
   }
 }
 
+// Note [Linear norm prologue]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A float32 decoder's every projection that follows a residual add and an RMSNorm (QKV, gate / up, the LM head) takes
+// them as its prologue: Linear(x, W, skip, gamma, epsilon) -> (Y, x + skip), so the 60 SkipSimplifiedLayerNormalization
+// nodes of SmolLM2's step go (each ~9-12 us under ORT's profiler in the decoder, where the weights just streamed
+// have evicted its data: more than the 1.1 us it costs in a hot chain). The norm is computed once per call, on the
+// calling thread, before the GEMV's tasks; same arithmetic as ORT's kernel (see linear.h).
+void SkipRmsNormCpu(const float* x, const float* skip, const float* gamma, float epsilon, int64_t M, int64_t K,
+                    float* out, float* sum) {
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xr = x + m * K;
+    const float* sr = skip + m * K;
+    float* o = out + m * K;
+    float mean_square = 0.0f;
+    for (int64_t h = 0; h < K; ++h) {
+      const float val = xr[h] + sr[h];
+      o[h] = val;
+      mean_square += val * val;
+    }
+    if (sum != nullptr) std::memcpy(sum + m * K, o, static_cast<size_t>(K) * sizeof(float));
+    mean_square = std::sqrt(mean_square / static_cast<float>(K) + epsilon);
+    for (int64_t h = 0; h < K; ++h) o[h] = o[h] / mean_square * gamma[h];
+  }
+}
+
 void LinearSwiGLUCpu(const LinearView& v, int64_t m0, int64_t m1, int64_t j0, int64_t j1) {
   const int64_t K = v.K, h = v.N / 2, mc = m1 - m0, cnt = j1 - j0;
   if (mc <= 0 || cnt <= 0) return;

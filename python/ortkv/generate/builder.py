@@ -18,6 +18,7 @@ q8 weights: the same with 8-bit projections (Note [8-bit from Q4_1] in weights.p
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import numpy as np
 import onnx
@@ -118,6 +119,16 @@ def ortkv_names(i: int) -> tuple[str, str, str, str]:
 # path (MatMulNBits) stays float32-only here: config refuses weights q4 with dtype float16.
 FLOAT_TYPES = {"float32": (np.float32, TP.FLOAT), "float16": (np.float16, TP.FLOAT16)}
 CACHE_LAYOUTS = ("BNSH", "BSNH", "SBNH")
+
+
+class _PendingNorm(NamedTuple):
+    """norm(x + y) * gamma, not yet computed: the Linear that reads it applies it (Note [Norm in the projection])
+    and, when `sum` is a name, also outputs x + y under it."""
+    x: str
+    y: str
+    gamma: str
+    sum: str
+    epsilon: float
 
 
 class _Graph:
@@ -301,8 +312,20 @@ def build(weights: LlamaWeights, variant: str, max_positions: int | None = None,
             mins = g.op("MatMul", [block_sums[key], g.init(name + "_mins", np.ascontiguousarray(w.mins.T))])
             return g.op("Add", [y, mins], outputs)
         if use_linear:  # Note [Linear projections]: W stored transposed once, [N, K]
-            return g.op("Linear", [x, g.init(name, np.ascontiguousarray(np.asarray(w).T))], outputs, domain="ortkv")
+            return linear(x, g.init(name, np.ascontiguousarray(np.asarray(w).T)), outputs)
         return g.op("MatMul", [x, g.init(name, w)], outputs)
+
+    def linear(x, w_name, outputs=None, **attrs):
+        """ortkv.Linear of x (a tensor name, or a _PendingNorm: Note [Norm in the projection]) by W [N, K]."""
+        if isinstance(x, _PendingNorm):
+            g._n += 1
+            name = f"Linear_{g._n}"
+            y = (outputs or [f"{name}_out"])[0]
+            outs = [y, x.sum] if x.sum else [y]
+            g.nodes.append(helper.make_node("Linear", [x.x, w_name, x.y, x.gamma], outs, name=name, domain="ortkv",
+                                            epsilon=x.epsilon, **attrs))
+            return y
+        return g.op("Linear", [x, w_name], outputs, domain="ortkv", **attrs)
 
     if eq is None:
         x = g.op("Gather", ["embed", "input_ids"], axis=0)
@@ -325,8 +348,18 @@ def build(weights: LlamaWeights, variant: str, max_positions: int | None = None,
     quantized = bool(weights.layers) and isinstance(weights.layers[0]["wq"], Q4Weight)
     skip_norm = not quantized if fused_norm is None else fused_norm
 
+    # Note [Norm in the projection]: a float32 decoder whose projections are ortkv.Linear (the CPU ortkv / copy
+    # decoders) hands each residual add + RMSNorm to the Linear that reads its output (QKV, gate / up, the LM head):
+    # Linear(x, W, skip, gamma) -> (y, x + skip) (Note [Linear norm prologue] in custom_ops/kernels/cpu/linear.cc,
+    # the arithmetic of SkipSimplifiedLayerNormalization's CPU kernel), so the 60 norm nodes of a step go.
+    norm_linear = use_linear and dtype == "float32" and skip_norm and not quantized
+
     def add_norm(x, y, gamma, out, need_sum=True):
-        """(norm(x + y) * gamma, x + y): one SkipSimplifiedLayerNormalization, or Add + SimplifiedLayerNormalization."""
+        """(norm(x + y) * gamma, x + y): one SkipSimplifiedLayerNormalization, or Add + SimplifiedLayerNormalization;
+        with norm_linear a _PendingNorm for the next projection to apply, and the name its sum output will have."""
+        if norm_linear:
+            pend = _PendingNorm(x, y, gamma, out + "_sum" if need_sum else "", cfg.rms_eps)
+            return pend, pend.sum or None
         if not skip_norm:
             s = g.op("Add", [x, y])
             return g.op("SimplifiedLayerNormalization", [s, gamma], axis=-1, epsilon=cfg.rms_eps), s
@@ -407,8 +440,7 @@ def build(weights: LlamaWeights, variant: str, max_positions: int | None = None,
         if fused and not quantized and use_linear and dtype == "float32":
             # Note [Linear SwiGLU epilogue] in custom_ops/kernels/cpu/linear.cc: the gate / up Linear applies the
             # SwiGLU itself (CPU float32 only), W [wg; wu] stored [2 ffn, E]
-            act = g.op("Linear", [h2, g.init(p + "wgu", np.ascontiguousarray(wgu.T))], [p + "act"], domain="ortkv",
-                       activation="swiglu")
+            act = linear(h2, g.init(p + "wgu", np.ascontiguousarray(wgu.T)), [p + "act"], activation="swiglu")
         elif fused and not quantized:  # Note [SwiGLU]; the q4 / q8 graphs keep Split + SiLU + Mul (Note [Fused ortkv layer])
             act = p + "act"
             g.nodes.append(make_swiglu(matmul(h2, p + "wgu", wgu), act, name=f"swiglu_{i}"))
@@ -424,7 +456,7 @@ def build(weights: LlamaWeights, variant: str, max_positions: int | None = None,
         h, x = add_norm(x, down, norm_next, p + "out_norm", need_sum=not last)
     xn = h if weights.layers else g.op("SimplifiedLayerNormalization", [x, "final_norm"], axis=-1, epsilon=cfg.rms_eps)
     # the tied LM head: Linear on the embedding table itself, or MatMul on its transposed copy
-    head = (lambda out: g.op("Linear", [xn, "embed"], [out], domain="ortkv")) if use_linear else \
+    head = (lambda out: linear(xn, "embed", [out])) if use_linear else \
         (lambda out: g.op("MatMul", [xn, "lm_head"], [out]))
     if eq is None and dtype != "float32":
         g.op("Cast", [head("logits_" + dtype)], ["logits"], to=TP.FLOAT)

@@ -1,7 +1,7 @@
 """Build-once cache of the three decoders of the default model (large files stay outside git):
 
-    <cache>/models/smollm2-135m-f32lin-v4/{ortkv,genai,copy}/model.onnx (+ model.onnx.data)
-    <cache>/models/smollm2-135m-f32lin-v4/genai/genai_config.json, tokenizer.json, tokenizer_config.json
+    <cache>/models/smollm2-135m-f32ln-v4/{ortkv,genai,copy}/model.onnx (+ model.onnx.data)
+    <cache>/models/smollm2-135m-f32ln-v4/genai/genai_config.json, tokenizer.json, tokenizer_config.json
 """
 
 from __future__ import annotations
@@ -24,8 +24,10 @@ BUILD_TAG = "smollm2-135m-{weights}-v4"  # bump when the graphs change; + "-bsnh
 # {weights}: f32, q4mlas, or f16 (float16 models of the dequantized GGUF, Note [Float16 models] in builder.py)
 # the q4 graphs changed form (Note [Fast 4-bit path] in weights.py): their own tag, so that a cache built
 # by an older ortkv is not reused, and the float32 decoders are not rebuilt
-WEIGHTS_TAG = {"float32": "f32lin", "q4": "q4op", "q8": "q8from41"}  # q8: Note [8-bit from Q4_1] in weights.py;
-# f32lin: the float32 ortkv / copy projections and LM head are ortkv.Linear on the CPU (linear_projections); "f32":
+WEIGHTS_TAG = {"float32": "f32ln", "q4": "q4op", "q8": "q8from41"}  # q8: Note [8-bit from Q4_1] in weights.py;
+# f32ln: the float32 ortkv / copy projections and LM head are ortkv.Linear on the CPU (linear_projections), each
+# residual add + RMSNorm in the Linear that reads it (Note [Norm in the projection] in builder.py; "f32lin": before
+# that, SkipSimplifiedLayerNormalization nodes); "f32":
 # ORT's MatMul (float32 on CUDA, and every float32 build before Linear's CPU tile kernel)
 # q4op: the projections are ortkv.MatMulQ4 (Note [Fast 4-bit path]; "q4mlas" was MatMulNBits + the minimum term)
 
@@ -38,7 +40,7 @@ def model_dir(cfg: GenAIConfig) -> Path:
     # f16g: the float16 ortkv decoder picks its greedy token itself (Note [Greedy in the decoder] in builder.py);
     # f16lin: the float16 ortkv / copy projections are ortkv.Linear (Note [Linear projections] in builder.py)
     weights = "f16lin" if cfg.dtype == "float16" else WEIGHTS_TAG.get(cfg.ortkv.weights, cfg.ortkv.weights)
-    if weights == "f32lin" and not linear_projections(cfg, "ortkv"):
+    if weights == "f32ln" and not linear_projections(cfg, "ortkv"):
         weights = "f32"  # float32 on CUDA: ORT's MatMul (the graphs of the "f32" tag)
     tag = BUILD_TAG.format(weights=weights)
     if cfg.cache_layout != "BNSH":

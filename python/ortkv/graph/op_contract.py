@@ -196,14 +196,19 @@ _add(OpContract(
 _add(OpContract(
     DOMAIN, "Linear",
     inputs=(Port("X", FLOATS, "[..., K]: float32 / float16 on the CPU, float16 / bfloat16 on CUDA; K a multiple of 8"),
-            Port("W", FLOATS, "[N, K] (torch's Linear layout: MatMul's B transposed), X's type")),
-    outputs=(Port("Y", FLOATS, "[..., N], X's type; [..., N / 2] with activation swiglu"),),
+            Port("W", FLOATS, "[N, K] (torch's Linear layout: MatMul's B transposed), X's type"),
+            Port("skip", FLOATS, "[..., K], X's shape: the product reads norm(X + skip) * gamma, CPU float32 only "
+                 "(Note [Linear norm prologue]); with gamma", optional=True),
+            Port("gamma", FLOATS, "[K], the RMSNorm weight of the prologue; with skip", optional=True)),
+    outputs=(Port("Y", FLOATS, "[..., N], X's type; [..., N / 2] with activation swiglu"),
+             Port("sum", FLOATS, "[..., K]: X + skip (the residual stream), with the prologue", optional=True)),
     must_alias=(),
     attrs=(Attr("rows_per_warp", INT, default=2, allowed=(1, 2, 4),
                 doc="output rows per warp of the CUDA GEMV (M <= 8; Note [Linear GEMV])"),
            Attr("activation", STRING, default="none", allowed=("none", "swiglu"),
                 doc="swiglu: W = [wg; wu], Y = silu(X wg^T) * (X wu^T), CPU float32 only "
-                    "(Note [Linear SwiGLU epilogue])")),
+                    "(Note [Linear SwiGLU epilogue])"),
+           Attr("epsilon", FLOAT, default=1e-5, doc="the norm prologue's epsilon (Note [Linear norm prologue])")),
     kernel="CPU, CUDA",
 ))
 

@@ -523,7 +523,19 @@ def linear(ctx, node, label, ins):
             ctx.error("op-input", label, f"{op} node '{label}': activation 'swiglu' needs W '{node.input[1]}' to have "
                       f"an even N (gate rows, then as many up rows); N = {n_val}")
         n = n_val // 2 if isinstance(n_val, int) else None
-    return [ValueType(x.elem, None if not x.shape else tuple(x.shape[:-1]) + (n,))]
+    y = ValueType(x.elem, None if not x.shape else tuple(x.shape[:-1]) + (n,))
+    names = list(node.input) + [""] * (4 - len(node.input))
+    if names[2] or names[3]:  # Note [Linear norm prologue]: skip [..., K] and gamma [K], float32
+        skip, gamma = _pad(ins, 4)[2:4]
+        if not (names[2] and names[3]):
+            ctx.error("op-input", label, f"{op} node '{label}': the norm prologue takes skip (input 2) and gamma "
+                      f"(input 3) together; only {'skip' if names[2] else 'gamma'} is given")
+        for nm, t in ((names[2], skip), (names[3], gamma)):
+            if nm and t.elem is not None and x.elem is not None and t.elem != x.elem:
+                ctx.error("op-input", label, f"{op} node '{label}': '{nm}' is {elem_name(t.elem)} but X "
+                          f"'{node.input[0]}' is {elem_name(x.elem)}; the norm prologue takes X's type")
+        return [y, ValueType(x.elem, x.shape)]
+    return [y]
 
 
 def group_query_attention(ctx, node, label, ins):
