@@ -271,3 +271,23 @@ def test_cuda_smollm2_greedy_tokens_with_linear_equal_matmul(tmp_path):
             flips.append((i, k, margin))
     print("greedy flips Linear vs MatMul:", flips or "none")
     assert all(abs(m) <= 0.125 for _, _, m in flips), flips
+
+
+def test_cuda_refuses_the_cpu_only_prologue_and_epilogue(rng):
+    """Note [Linear norm prologue] and Note [Linear SwiGLU epilogue] are CPU float32 features: on CUDA a Linear with
+    skip / gamma is refused by name at its run, one with activation="swiglu" when the session is made."""
+    np_type, onnx_type = DTYPES["float16"]
+    K, N = 64, 8
+    w = numpy_helper.from_array((rng.standard_normal((N, K)) * 0.1).astype(np_type), "w")
+    gamma = numpy_helper.from_array(np.ones(K, np_type), "gamma")
+    node = helper.make_node("Linear", ["x", "w", "skip", "gamma"], ["y", "s"], domain="ortkv", name="lin")
+    ins = [helper.make_tensor_value_info(n, onnx_type, [1, K]) for n in ("x", "skip")]
+    outs = [helper.make_tensor_value_info(n, onnx_type, None) for n in ("y", "s")]
+    m = helper.make_model(helper.make_graph([node], "g", ins, outs, [w, gamma]),
+                          opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ortkv", 1)], ir_version=10)
+    x = rng.standard_normal((1, K)).astype(np_type)
+    with pytest.raises(Exception, match=r"Linear node 'lin': the norm prologue \(skip, gamma\) is implemented for "
+                                        r"float32 on the CPU only .*on CUDAExecutionProvider"):
+        _session(m).run(None, {"x": x, "skip": x})
+    with pytest.raises(Exception, match=r"Linear node 'lin_y': activation 'swiglu' has no CUDA kernel"):
+        _session(_model([("x", "w", "y", 1, K, 2 * N)], onnx_type, activation="swiglu"))
