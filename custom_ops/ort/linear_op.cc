@@ -65,12 +65,18 @@ OrtStatus* Compute(void* op_kernel, OrtKernelContext* ctx) {
     const OrtValue* in = nullptr;
     ORTKV_RETURN_IF_ORT_ERROR(g_api->KernelContext_GetInput(ctx, i, &in));
     if (in == nullptr) continue;  // an omitted optional input
-    const std::string name = i < k.names.inputs.size() ? k.names.inputs[i] : std::to_string(i);
+    static const std::string kUnnamed = "(unnamed)";
+    const std::string& name = i < k.names.inputs.size() ? k.names.inputs[i] : kUnnamed;
     ORTKV_RETURN_IF_ORT_ERROR(ReadTensor(in, name, &args[i], nullptr, nullptr));
     present[i] = true;
   }
   const bool norm = present[2] || present[3];  // Note [Linear norm prologue]
-  if (norm) {
+  const bool norm_bad =
+      norm && (!present[2] || !present[3] || k.cuda || args[0].elem_type != ortkv::kFloat32 ||
+               args[2].elem_type != ortkv::kFloat32 || args[3].elem_type != ortkv::kFloat32 ||
+               args[2].dims != args[0].dims || args[3].dims.size() != 1 || args[0].dims.empty() ||
+               args[3].dims[0] != args[0].dims.back());
+  if (norm_bad) {  // the message is built only here (an ostringstream costs ~1 us: Note [Page checks without strings])
     std::ostringstream m;
     if (!present[2] || !present[3]) {
       m << "Linear node '" << k.names.node << "': the norm prologue takes skip (input 2) and gamma (input 3) "
