@@ -55,6 +55,36 @@ void CpuTask(void* user, size_t i) {
   ortkv::LinearCpu(*j.view, m0, m1, n0, n1);
 }
 
+// Note [Linear norm prologue]: what is wrong with the node's skip / gamma inputs, or "" when they hold (a message is
+// built only for a failure: an ostringstream per call costs ~1 us, Note [Page checks without strings]).
+std::string NormPrologueProblem(const LinearKernel& k, const TensorArg* a, const bool* present) {
+  if (!present[2] || !present[3]) {
+    std::ostringstream m;
+    m << "Linear node '" << k.names.node << "': the norm prologue takes skip (input 2) and gamma (input 3) "
+      << "together; only " << (present[2] ? "skip" : "gamma") << " is given. Remedy: give both, or neither";
+    return m.str();
+  }
+  if (k.cuda || a[0].elem_type != ortkv::kFloat32 || a[2].elem_type != ortkv::kFloat32 ||
+      a[3].elem_type != ortkv::kFloat32) {
+    std::ostringstream m;
+    m << "Linear node '" << k.names.node << "': the norm prologue (skip, gamma) is implemented for float32 on "
+      << "the CPU only (X '" << a[0].name << "' is " << ortkv::ElemTypeName(a[0].elem_type) << ", skip '"
+      << a[2].name << "' " << ortkv::ElemTypeName(a[2].elem_type) << ", gamma '" << a[3].name << "' "
+      << ortkv::ElemTypeName(a[3].elem_type) << (k.cuda ? ", on CUDAExecutionProvider" : "")
+      << "). Remedy: SkipSimplifiedLayerNormalization, then Linear";
+    return m.str();
+  }
+  if (a[2].dims != a[0].dims || a[3].dims.size() != 1 || a[0].dims.empty() || a[3].dims[0] != a[0].dims.back()) {
+    std::ostringstream m;
+    m << "Linear node '" << k.names.node << "': skip '" << a[2].name << "' " << ortkv::ShapeText(a[2].dims)
+      << " must have X '" << a[0].name << "''s shape " << ortkv::ShapeText(a[0].dims) << " and gamma '" << a[3].name
+      << "' " << ortkv::ShapeText(a[3].dims) << " must be [K] = [" << (a[0].dims.empty() ? 0 : a[0].dims.back())
+      << "]";
+    return m.str();
+  }
+  return std::string();
+}
+
 OrtStatus* Compute(void* op_kernel, OrtKernelContext* ctx) {
   auto& k = *static_cast<LinearKernel*>(op_kernel);
   TensorArg args[4];
@@ -71,31 +101,9 @@ OrtStatus* Compute(void* op_kernel, OrtKernelContext* ctx) {
     present[i] = true;
   }
   const bool norm = present[2] || present[3];  // Note [Linear norm prologue]
-  const bool norm_bad =
-      norm && (!present[2] || !present[3] || k.cuda || args[0].elem_type != ortkv::kFloat32 ||
-               args[2].elem_type != ortkv::kFloat32 || args[3].elem_type != ortkv::kFloat32 ||
-               args[2].dims != args[0].dims || args[3].dims.size() != 1 || args[0].dims.empty() ||
-               args[3].dims[0] != args[0].dims.back());
-  if (norm_bad) {  // the message is built only here (an ostringstream costs ~1 us: Note [Page checks without strings])
-    std::ostringstream m;
-    if (!present[2] || !present[3]) {
-      m << "Linear node '" << k.names.node << "': the norm prologue takes skip (input 2) and gamma (input 3) "
-        << "together; only " << (present[2] ? "skip" : "gamma") << " is given. Remedy: give both, or neither";
-    } else if (k.cuda || args[0].elem_type != ortkv::kFloat32 || args[2].elem_type != ortkv::kFloat32 ||
-               args[3].elem_type != ortkv::kFloat32) {
-      m << "Linear node '" << k.names.node << "': the norm prologue (skip, gamma) is implemented for float32 on "
-        << "the CPU only (X '" << args[0].name << "' is " << ortkv::ElemTypeName(args[0].elem_type) << ", skip '"
-        << args[2].name << "' " << ortkv::ElemTypeName(args[2].elem_type) << ", gamma '" << args[3].name << "' "
-        << ortkv::ElemTypeName(args[3].elem_type) << (k.cuda ? ", on CUDAExecutionProvider" : "")
-        << "). Remedy: SkipSimplifiedLayerNormalization, then Linear";
-    } else if (args[2].dims != args[0].dims || args[3].dims.size() != 1 || args[0].dims.empty() ||
-               args[3].dims[0] != args[0].dims.back()) {
-      m << "Linear node '" << k.names.node << "': skip '" << args[2].name << "' " << ortkv::ShapeText(args[2].dims)
-        << " must have X '" << args[0].name << "''s shape " << ortkv::ShapeText(args[0].dims) << " and gamma '"
-        << args[3].name << "' " << ortkv::ShapeText(args[3].dims) << " must be [K] = ["
-        << (args[0].dims.empty() ? 0 : args[0].dims.back()) << "]";
-    }
-    if (!m.str().empty()) return ToOrtStatus(Status(Code::kInvalidArgument, m.str()));
+  if (norm) {
+    const std::string problem = NormPrologueProblem(k, args, present);
+    if (!problem.empty()) return ToOrtStatus(Status(Code::kInvalidArgument, problem));
   }
   const TensorArg& x = args[0];
   const bool type_ok = k.cuda ? (x.elem_type == ortkv::kFloat16 || x.elem_type == ortkv::kBFloat16)
@@ -127,11 +135,20 @@ OrtStatus* Compute(void* op_kernel, OrtKernelContext* ctx) {
   OrtValue* out = nullptr;
   ORTKV_RETURN_IF_ORT_ERROR(g_api->KernelContext_GetOutput(ctx, 0, dims.data(), dims.size(), &out));
   ORTKV_RETURN_IF_ORT_ERROR(g_api->GetTensorMutableData(out, &view.y));
-  if (norm && view.M == 0) {  // an empty X: the empty sum output still has to exist
+  thread_local std::vector<float> normed;  // Note [Linear norm prologue]: the X the product reads
+  if (norm) {  // CPU float32 only (NormPrologueProblem); the sum output exists whatever M and N are
     size_t n_out = 0;
     ORTKV_RETURN_IF_ORT_ERROR(g_api->KernelContext_GetOutputCount(ctx, &n_out));
-    OrtValue* s_out = nullptr;
-    if (n_out > 1) ORTKV_RETURN_IF_ORT_ERROR(g_api->KernelContext_GetOutput(ctx, 1, x.dims.data(), x.dims.size(), &s_out));
+    float* sum = nullptr;
+    if (n_out > 1) {
+      OrtValue* s_out = nullptr;
+      ORTKV_RETURN_IF_ORT_ERROR(g_api->KernelContext_GetOutput(ctx, 1, x.dims.data(), x.dims.size(), &s_out));
+      if (s_out != nullptr) ORTKV_RETURN_IF_ORT_ERROR(g_api->GetTensorMutableData(s_out, reinterpret_cast<void**>(&sum)));
+    }
+    normed.resize(static_cast<size_t>(view.M * view.K));
+    ortkv::SkipRmsNormCpu(static_cast<const float*>(x.data), static_cast<const float*>(args[2].data),
+                          static_cast<const float*>(args[3].data), k.epsilon, view.M, view.K, normed.data(), sum);
+    view.x = normed.data();
   }
   if (view.M == 0 || out_cols == 0) return nullptr;
   if (k.cuda) {
@@ -156,21 +173,6 @@ OrtStatus* Compute(void* op_kernel, OrtKernelContext* ctx) {
   }
   if (view.elem_type == ortkv::kFloat32) {
     ORTKV_RETURN_IF_ORT_ERROR(ToOrtStatus(ortkv::CheckLinearCpuIsa(k.names.node)));
-  }
-  thread_local std::vector<float> normed;  // Note [Linear norm prologue]: the X the product reads
-  if (norm) {
-    size_t n_out = 0;
-    ORTKV_RETURN_IF_ORT_ERROR(g_api->KernelContext_GetOutputCount(ctx, &n_out));
-    float* sum = nullptr;
-    if (n_out > 1) {
-      OrtValue* s_out = nullptr;
-      ORTKV_RETURN_IF_ORT_ERROR(g_api->KernelContext_GetOutput(ctx, 1, x.dims.data(), x.dims.size(), &s_out));
-      if (s_out != nullptr) ORTKV_RETURN_IF_ORT_ERROR(g_api->GetTensorMutableData(s_out, reinterpret_cast<void**>(&sum)));
-    }
-    normed.resize(static_cast<size_t>(view.M * view.K));
-    ortkv::SkipRmsNormCpu(static_cast<const float*>(x.data), static_cast<const float*>(args[2].data),
-                          static_cast<const float*>(args[3].data), k.epsilon, view.M, view.K, normed.data(), sum);
-    view.x = normed.data();
   }
   // tasks of output columns: with the SwiGLU epilogue each column reads two rows of W (gate and up)
   const int64_t w_rows_per_col = k.swiglu ? 2 : 1;
