@@ -20,6 +20,29 @@ DTYPES = {"float32": (np.float32, TP.FLOAT), "float16": (np.float16, TP.FLOAT16)
           "bfloat16": (ml_dtypes.bfloat16, TP.BFLOAT16)}
 
 
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where it cannot be read)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def cpu_isas() -> list[str]:
+    """The ORTKV_CPU_ISA copies this CPU can run, narrowest first (Note [CPU attention ISA dispatch])."""
+    flags = cpu_flags()
+    isas = ["baseline"]
+    if {"avx2", "fma", "f16c"} <= flags:
+        isas.append("avx2")
+        if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
+            isas.append("avx512")
+    return isas
+
+
 def cuda_available() -> str | None:
     """None when CUDA tests can run, else the reason they cannot."""
     if "CUDAExecutionProvider" not in ort.get_available_providers():

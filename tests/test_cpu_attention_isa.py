@@ -19,31 +19,11 @@ import sys
 import numpy as np
 import pytest
 
+from conftest import cpu_isas
 from ortkv.reference.codecs import PageFormat
 from test_paged_ops import ALL, _attn_case
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
-def _supported() -> list[str]:
-    flags = _cpu_flags()
-    isas = ["baseline"]
-    if {"avx2", "fma", "f16c"} <= flags:
-        isas.append("avx2")
-    if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags and "avx2" in isas:
-        isas.append("avx512")
-    return isas
 
 
 def _child_env(isa: str | None) -> dict:
@@ -59,9 +39,9 @@ def _child_env(isa: str | None) -> dict:
 def test_attention_suites_pass_on_each_forced_isa(isa):
     """The dense and paged attention tests (numpy references, NaN-poisoned tails, every format, head
     sizes 8-256, split-K boundaries) pass with each copy of the kernels forced."""
-    if isa not in _supported():
+    if isa not in cpu_isas():
         pytest.skip(f"this CPU cannot run the {isa} copy")
-    if isa == _supported()[-1]:
+    if isa == cpu_isas()[-1]:
         pytest.skip(f"{isa} is this CPU's best: the suites themselves run it, unforced")
     files = ["test_cache_attention.py", "test_sbnh.py", "test_paged_ops.py", __file__]
     cmd = [sys.executable, "-m", "pytest", *[os.path.join(HERE, f) for f in files], "-q", "-x", "-p", "no:cacheprovider",
@@ -114,7 +94,7 @@ def test_bad_isa_name_is_refused():
 
 def test_isa_the_cpu_lacks_is_refused_else_runs():
     """Forcing a copy the CPU cannot run is refused naming the CPU's best; the best itself runs."""
-    sup = _supported()
+    sup = cpu_isas()
     line = _run_child(sup[-1])
     assert line == "RAN 0.5", line
     if len(sup) == 3:

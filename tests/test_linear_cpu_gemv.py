@@ -17,6 +17,7 @@ import pytest
 
 from onnx import TensorProto as TP
 
+from conftest import cpu_isas
 from test_linear import _bound_run, bound, check_close, linear_model, session
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -70,27 +71,6 @@ def test_float32_kernel_nan_and_inf_propagate(rng):
     check_close(y[:, ok], x, w[ok], np.float32)
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
-def _isas() -> list[str]:
-    flags = _cpu_flags()
-    out = ["baseline"]
-    if {"avx2", "fma", "f16c"} <= flags:
-        out.append("avx2")
-        if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
-            out.append("avx512")
-    return out
-
-
 def _child(isa: str, args: list[str], one_row: str | None = None) -> subprocess.CompletedProcess:
     env = dict(os.environ)
     env.pop("ORTKV_CPU_ISA", None)
@@ -106,7 +86,7 @@ def _child(isa: str, args: list[str], one_row: str | None = None) -> subprocess.
 @pytest.mark.parametrize("isa", ["baseline", "avx2", "avx512"])
 def test_each_forced_isa_matches_numpy(isa):
     """The process picks its instruction set once, so each forced copy runs this file's kernel tests in a child."""
-    if isa not in _isas():
+    if isa not in cpu_isas():
         pytest.skip(f"this CPU cannot run {isa} (flags checked in /proc/cpuinfo)")
     r = _child(isa, [os.path.abspath(__file__), "-k",
                                  "matches_numpy and not forced and not one_row or same_bytes or nan_and_inf or activation_values"])
@@ -121,7 +101,7 @@ def test_each_one_row_path_matches_numpy(isa, one_row):
     """Note [Linear GEMV one stream]: a one-row call reads W by the 4-row tile or one row at a time (prefetcht0 or
     prefetchnta), chosen once per process by the CPU's vendor or ORTKV_LINEAR_M1: every path, in a child, runs this
     file's kernel tests (M = 1 cases included, SwiGLU too)."""
-    if isa != "best" and isa not in _isas():
+    if isa != "best" and isa not in cpu_isas():
         pytest.skip(f"this CPU cannot run {isa} (flags checked in /proc/cpuinfo)")
     r = _child(isa, [os.path.abspath(__file__), "-k",
                      "matches_numpy and not forced and not one_row or same_bytes or nan_and_inf or activation_values"],
@@ -130,28 +110,14 @@ def test_each_one_row_path_matches_numpy(isa, one_row):
     assert " passed" in r.stdout and "skipped" not in r.stdout.splitlines()[-1], r.stdout[-500:]
 
 
-def test_bad_one_row_path_is_refused_by_name():
-    """ORTKV_LINEAR_M1=fast (not a path): the float32 Linear refuses with E_INPUT naming the node and the choices."""
-    code = (
-        "import numpy as np, sys\n"
-        "sys.path.insert(0, %r)\n"
-        "from test_linear import linear_model, session\n"
-        "s = session(linear_model(16, 8, [1, 16], w=np.ones((8, 16), np.float32)))\n"
-        "try:\n"
-        "    s.run(None, {'x': np.ones((1, 16), np.float32)})\n"
-        "    print('NO ERROR')\n"
-        "except Exception as e:\n"
-        "    print('ERROR', e)\n" % HERE)
-    env = dict(os.environ)
-    env["ORTKV_LINEAR_M1"] = "fast"
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300, cwd=HERE)
-    assert "[ortkv:E_INPUT] Linear node 'lin': environment variable ORTKV_LINEAR_M1='fast' is not one of tile, " \
-           "stream, stream-nta; unset it for this CPU's default" in r.stdout, r.stdout + r.stderr
-
-
-def test_bad_isa_is_refused_by_name_with_y_untouched():
-    """ORTKV_CPU_ISA=sse9 (misspelt): the float32 Linear refuses with E_INPUT naming the node, Y's bytes unchanged;
-    a float16 Linear (the reference path, no instruction-set copies) still runs."""
+@pytest.mark.parametrize("var,value,message", [
+    ("ORTKV_CPU_ISA", "sse9", "environment variable ORTKV_CPU_ISA='sse9' is not one of baseline, avx2, avx512"),
+    ("ORTKV_LINEAR_M1", "fast", "environment variable ORTKV_LINEAR_M1='fast' is not one of tile, stream, stream-nta; "
+                                "unset it for this CPU's default")])
+def test_bad_environment_is_refused_by_name_with_y_untouched(var, value, message):
+    """A misspelt ORTKV_CPU_ISA (sse9) or ORTKV_LINEAR_M1 (fast; Note [Linear GEMV one stream]): the float32 Linear
+    refuses with E_INPUT naming the node and the choices, Y's bytes unchanged; a float16 Linear (the reference path,
+    no instruction-set copies) still runs."""
     code = (
         "import numpy as np, onnxruntime as ort, sys\n"
         "sys.path.insert(0, %r)\n"
@@ -168,11 +134,10 @@ def test_bad_isa_is_refused_by_name_with_y_untouched():
         "from onnx import TensorProto as TP\n"  # float16 runs the reference path: no instruction-set check
         "h = session(linear_model(16, 8, [1, 16], TP.FLOAT16, w=np.ones((8, 16), np.float16)))\n"
         "print('FLOAT16', h.run(None, {'x': np.ones((1, 16), np.float16)})[0].tolist())\n" % HERE)
-    env = dict(os.environ)
-    env["ORTKV_CPU_ISA"] = "sse9"
+    env = {k: v for k, v in os.environ.items() if k not in ("ORTKV_CPU_ISA", "ORTKV_LINEAR_M1")}
+    env[var] = value
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300, cwd=HERE)
-    assert "[ortkv:E_INPUT] Linear node 'lin': environment variable ORTKV_CPU_ISA='sse9' is not one of baseline, " \
-           "avx2, avx512" in r.stdout, r.stdout + r.stderr
+    assert f"[ortkv:E_INPUT] Linear node 'lin': {message}" in r.stdout, r.stdout + r.stderr
     assert "UNTOUCHED True" in r.stdout, r.stdout
     assert "FLOAT16 [[16.0, 16.0, 16.0, 16.0, 16.0, 16.0, 16.0, 16.0]]" in r.stdout, r.stdout + r.stderr
 

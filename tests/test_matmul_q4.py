@@ -11,24 +11,14 @@ from onnx import TensorProto as TP
 from onnx import helper, numpy_helper
 
 import ortkv
-from conftest import ort_session
+from conftest import cpu_flags, ort_session
 from ortkv.generate import weights
 from ortkv.graph import check
 
 ISAS = ("scalar", "avx2", "avx512vnni")
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
-FLAGS = _cpu_flags()
+FLAGS = cpu_flags()
 RUNNABLE = {"scalar": True, "avx2": {"avx2", "fma", "f16c"} <= FLAGS,
             "avx512vnni": {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx2", "fma", "f16c"} <= FLAGS}
 

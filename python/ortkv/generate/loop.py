@@ -180,8 +180,31 @@ def generate(runner, prompt_ids: list[list[int]], search: Search, max_new_tokens
     collecting = gc.isenabled()
     gc.disable()
     try:
-        _decode_loop(g, runner, sample, on_device, chosen if on_device else None, None if on_device else logits,
-                     done, budget, search, eos_id, pad_id, on_token, device_memory)
+        t0 = time.perf_counter()
+        for step in range(budget):
+            nxt = chosen if on_device else sample(logits)
+            for b, tok in enumerate(nxt):
+                if done[b]:
+                    continue
+                g.new_ids[b].append(int(tok))
+                if on_token:
+                    on_token(b, int(tok))
+                if tok == eos_id and len(g.new_ids[b]) >= search.min_length:
+                    done[b] = True
+            g.kv_bytes_per_step.append(runner.kv_bytes())
+            g.rss_per_step.append(rss_bytes_fast())
+            if done.all() or step == budget - 1:
+                break
+            t_step = time.perf_counter()
+            if on_device:
+                chosen = runner.step_tokens(np.where(done, pad_id, nxt))
+            else:
+                logits = runner.step(np.where(done, pad_id, nxt))
+            g.step_s.append(time.perf_counter() - t_step)
+            g.decode_steps += 1
+            if device_memory is not None:
+                device_memory.sample()
+        g.decode_s = time.perf_counter() - t0
     finally:
         if collecting:
             gc.enable()
@@ -193,32 +216,3 @@ def generate(runner, prompt_ids: list[list[int]], search: Search, max_new_tokens
         g.peak_rss_above_load = peak_rss_bytes() - start_rss
     return g
 
-
-def _decode_loop(g: Generation, runner, sample, on_device: bool, chosen, logits, done, budget: int, search: Search,
-                 eos_id: int, pad_id: int, on_token, device_memory) -> None:
-    """generate()'s timed loop: sample, stream, step; fills g's decode fields."""
-    t0 = time.perf_counter()
-    for step in range(budget):
-        nxt = chosen if on_device else sample(logits)
-        for b, tok in enumerate(nxt):
-            if done[b]:
-                continue
-            g.new_ids[b].append(int(tok))
-            if on_token:
-                on_token(b, int(tok))
-            if tok == eos_id and len(g.new_ids[b]) >= search.min_length:
-                done[b] = True
-        g.kv_bytes_per_step.append(runner.kv_bytes())
-        g.rss_per_step.append(rss_bytes_fast())
-        if done.all() or step == budget - 1:
-            break
-        t_step = time.perf_counter()
-        if on_device:
-            chosen = runner.step_tokens(np.where(done, pad_id, nxt))
-        else:
-            logits = runner.step(np.where(done, pad_id, nxt))
-        g.step_s.append(time.perf_counter() - t_step)
-        g.decode_steps += 1
-        if device_memory is not None:
-            device_memory.sample()
-    g.decode_s = time.perf_counter() - t0

@@ -50,14 +50,12 @@ The ``num_return_sequences`` best hypotheses are returned, best first.
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator
 
 import numpy as np
 
-from .._memory import populate_file_mappings
 from ..cache import PageCache, Scheduler
 from ..cache.pool_store import PoolPageStore
 from ..cache.scheduler import Event
@@ -97,7 +95,7 @@ class MultiRunner:
         from ..session import MutableCacheSession
         from ..vmm import Governor
         from .paged import POOL, _session_options
-        from .runners import providers_for
+        from .runners import providers_for, weights_resident
 
         import onnx
 
@@ -116,8 +114,7 @@ class MultiRunner:
         self.pages_per_seq = -(-self.max_length // ps)
         self.layers = d.num_hidden_layers
         self.sess = MutableCacheSession(str(path), sess_options=_session_options(cfg), providers=providers_for(cfg))
-        if cfg.device == "cpu":  # Note [Weights resident at load] in ortkv/_memory.py
-            populate_file_mappings(os.path.dirname(os.path.abspath(str(path))))
+        weights_resident(cfg, path)
         self.pool = PagePool(self.layers, d.num_key_value_heads, d.head_size, ps,
                              {"float32": np.float32, "float16": np.float16}[cfg.dtype], cfg.device,
                              Governor(budget_bytes or o.arena_budget_bytes),

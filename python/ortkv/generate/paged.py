@@ -22,14 +22,11 @@ keeps the weights, rotary and MLP code in one place.
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import onnx
 from onnx import TensorProto as TP
 from onnx import helper
 
-from .._memory import populate_file_mappings
 from ..errors import OrtkvError
 from ..graph import mark_mutable, set_alias_of
 from ..graph.annotations import declare_output_alias
@@ -149,7 +146,7 @@ class PagedRunner:
 
     def __init__(self, path, cfg: GenAIConfig):
         from ..session import MutableCacheSession
-        from .runners import GreedyToken, LastToken, providers_for
+        from .runners import GreedyToken, LastToken, providers_for, weights_resident
 
         if cfg.device == "cpu" and cfg.dtype != "float32":
             raise OrtkvError(f"ortkv.cache = 'paged' on the CPU runs float32 models; got dtype {cfg.dtype}: use "
@@ -171,8 +168,7 @@ class PagedRunner:
                 raise OrtkvError(f"onnxruntime cannot run the paged decoder as a CUDA graph on {self.device}: "
                                  f"{str(exc).splitlines()[0][:400]}; run with --no-cuda-graph") from None
             raise
-        if self.device == "cpu":  # Note [Weights resident at load] in ortkv/_memory.py
-            populate_file_mappings(os.path.dirname(os.path.abspath(str(path))))
+        weights_resident(cfg, path)
         have = sum(1 for n in onnx.load(str(path), load_external_data=False).graph.node
                    if n.op_type == "PagedCacheAttention")
         if have != self.layers:

@@ -33,6 +33,13 @@ from .builder import genai_names, ortkv_names
 from .config import GenAIConfig
 
 NP_FLOAT = {"float32": np.float32, "float16": np.float16}
+
+
+def weights_resident(cfg: GenAIConfig, path) -> None:
+    """On the CPU, fault in the weights of the model at `path` that its session has mapped (Note [Weights resident at
+    load] in ortkv/_memory.py); every CPU runner calls this right after making its session."""
+    if cfg.device == "cpu":
+        populate_file_mappings(os.path.dirname(os.path.abspath(str(path))))
 _INT64 = np.dtype(np.int64)
 
 
@@ -298,8 +305,7 @@ class OrtkvRunner:
                                  "memory (CacheUpdate / CacheAttention with device positions). Run with "
                                  "--no-cuda-graph (enable_cuda_graph \"0\")") from None
             raise
-        if self.device == "cpu":  # Note [Weights resident at load] in ortkv/_memory.py
-            populate_file_mappings(os.path.dirname(os.path.abspath(str(path))))
+        weights_resident(cfg, path)
         self.arena_cache = None
         self._io = None
         self._cpu_step = None  # Note [CPU decode feeds]
@@ -523,8 +529,7 @@ class CopyRunner:
         # projections] in builder.py): only its cache differs from the ortkv decoder's
         so.register_custom_ops_library(get_library_path())
         self.sess = ort.InferenceSession(str(path), so, providers=providers_for(cfg))
-        if self.device == "cpu":  # Note [Weights resident at load] in ortkv/_memory.py
-            populate_file_mappings(os.path.dirname(os.path.abspath(str(path))))
+        weights_resident(cfg, path)
         self.out_names = [o.name for o in self.sess.get_outputs()]
         self.last_token = LastToken(cfg) if self.device != "cpu" else None
         self.greedy_token = GreedyToken(cfg) if self.device != "cpu" else None
