@@ -72,24 +72,40 @@ def weight_bytes_per_token(model_path: Path) -> tuple[int, int]:
     return whole, total
 
 
-def read_bandwidth(threads: int, mib: int = 512, passes: int = 5) -> tuple[float, float]:
-    """(read GB/s, copy GB/s counting read + written bytes), best of `passes`."""
-    n = (mib << 20) // 4
+def _ranges(n: int, threads: int) -> list[tuple[int, int]]:
+    """[start, end) of `threads` contiguous parts of n elements."""
+    return [(i * n // threads, (i + 1) * n // threads) for i in range(threads)]
+
+
+def _best_read(pool, a: np.ndarray, ranges, passes: int) -> float:
+    """GB/s of the fastest whole read of `a`, each part of `ranges` by one thread of `pool`: np.sum and np.max,
+    `passes` times each (np.max streams faster than np.sum's pairwise adds)."""
+    best = 0.0
+    for _ in range(passes):
+        for reduce in (np.sum, np.max):
+            t0 = time.perf_counter()
+            list(pool.map(lambda r: float(reduce(a[r[0]:r[1]])), ranges))
+            best = max(best, a.nbytes / (time.perf_counter() - t0) / 1e9)
+    return best
+
+
+def _random_floats(mib: int, seed: int) -> np.ndarray:
     # random values, as weights are: on a VM whose host merges equal pages, an array of ones (or any periodic
     # fill) can read from a handful of cached physical pages (48-60 "GB/s" seen on a 2-core EPYC VM)
-    a = np.random.default_rng(0).random(n, dtype=np.float32)
+    return np.random.default_rng(seed).random((mib << 20) // 4, dtype=np.float32)
+
+
+def read_bandwidth(threads: int, mib: int = 512, passes: int = 5) -> tuple[float, float]:
+    """(read GB/s, copy GB/s counting read + written bytes), best of `passes`."""
+    a = _random_floats(mib, 0)
     b = np.empty_like(a)
-    parts = np.array_split(np.arange(n), threads)
-    bounds = [(p[0], p[-1] + 1) for p in parts]
+    ranges = _ranges(a.size, threads)
     best_r = best_c = 0.0
     with concurrent.futures.ThreadPoolExecutor(threads) as pool:
         for _ in range(passes):
-            for reduce in (np.sum, np.max):  # np.max streams faster than np.sum's pairwise adds
-                t0 = time.perf_counter()
-                list(pool.map(lambda r: float(reduce(a[r[0]:r[1]])), bounds))
-                best_r = max(best_r, a.nbytes / (time.perf_counter() - t0) / 1e9)
+            best_r = max(best_r, _best_read(pool, a, ranges, 1))
             t0 = time.perf_counter()
-            list(pool.map(lambda r: np.copyto(b[r[0]:r[1]], a[r[0]:r[1]]), bounds))
+            list(pool.map(lambda r: np.copyto(b[r[0]:r[1]], a[r[0]:r[1]]), ranges))
             best_c = max(best_c, 2 * a.nbytes / (time.perf_counter() - t0) / 1e9)
     return best_r, best_c
 
@@ -236,20 +252,12 @@ def paired(threads: int, segments: int, seg_steps: int, probe_mib: int = 256) ->
     cfg = apply_overrides(GenAIConfig(), {"ortkv.weights": "float32", "ortkv.intra_op_num_threads": threads})
     r = runners.make_runner("ortkv", cfg, log=lambda *x: None)
     timed_decode(r, PROMPT_IDS, 8)  # warm-up (ORT's first runs of the decode shapes)
-    n = (probe_mib << 20) // 4
-    a = np.random.default_rng(1).random(n, dtype=np.float32)
-    parts_ = np.array_split(np.arange(n), threads)
-    bounds = [(p_[0], p_[-1] + 1) for p_ in parts_]
+    a = _random_floats(probe_mib, 1)
+    ranges = _ranges(a.size, threads)
     pool = concurrent.futures.ThreadPoolExecutor(threads)
 
-    def probe() -> float:  # read_bandwidth's method (np.sum and np.max, the best), fewer passes
-        best = 0.0
-        for _ in range(2):
-            for reduce in (np.sum, np.max):
-                t0 = time.perf_counter()
-                list(pool.map(lambda b: float(reduce(a[b[0]:b[1]])), bounds))
-                best = max(best, a.nbytes / (time.perf_counter() - t0) / 1e9)
-        return best
+    def probe() -> float:  # read_bandwidth's method, two passes
+        return _best_read(pool, a, ranges, 2)
 
     probe()
     ids = np.array([PROMPT_IDS], np.int64)
