@@ -13,6 +13,7 @@
 //        benchmarks/cuda/attention_sweep.cu -o /tmp/attention_sweep
 //   /tmp/attention_sweep [reps] [cases, e.g. 069: indices into `cases`]
 #include "../../custom_ops/kernels/cuda/cache_attention.cu"
+#include "sweep_common.cuh"
 
 #include <cmath>
 #include <cstdio>
@@ -25,14 +26,9 @@ int CudaSmCount(int device) {  // as custom_ops/kernels/cuda/device.cu (not link
 }
 namespace {
 
-#define CK(x)                                                                            \
-  do {                                                                                   \
-    cudaError_t e_ = (x);                                                                \
-    if (e_ != cudaSuccess) {                                                             \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                      \
-    }                                                                                    \
-  } while (0)
+using sweep::Capture;
+using sweep::RandomFill;
+using sweep::TimeGraph;
 
 // Reads what AttentionKernelV2 reads (one unit's K and V rows [j0, j1) of head hk of row b, 16 bytes per
 // thread, TPK threads per row) and folds it into one word per block: the streaming floor of that grid.
@@ -71,55 +67,10 @@ __global__ void __launch_bounds__(128) ReadKernel(const Args a, unsigned* sink) 
   if (x == 0x12345678u) sink[blockIdx.x] = x;
 }
 
-__global__ void RandomFill(__half* p, int64_t n, unsigned seed) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
-    unsigned x = static_cast<unsigned>(i) * 2654435761u ^ seed * 0x9E3779B9u;
-    x ^= x >> 15;
-    x *= 0x2C1B3C6Du;
-    x ^= x >> 12;
-    p[i] = __float2half((x & 0xFFFF) / 32768.0f - 1.0f);
-  }
-}
-
 struct Case {
   int Hq, Hkv, D;
   int64_t L, B, C;  // keys L in a cache of capacity C (0: L)
 };
-
-float TimeGraph(cudaGraphExec_t ge, cudaStream_t s, int reps, int R) {
-  cudaEvent_t e0, e1;
-  CK(cudaEventCreate(&e0));
-  CK(cudaEventCreate(&e1));
-  for (int i = 0; i < 3; ++i) CK(cudaGraphLaunch(ge, s));
-  std::vector<float> t;
-  for (int i = 0; i < reps; ++i) {
-    CK(cudaEventRecord(e0, s));
-    CK(cudaGraphLaunch(ge, s));
-    CK(cudaEventRecord(e1, s));
-    CK(cudaEventSynchronize(e1));
-    float ms = 0;
-    CK(cudaEventElapsedTime(&ms, e0, e1));
-    t.push_back(ms * 1000.0f / R);
-  }
-  std::sort(t.begin(), t.end());
-  CK(cudaEventDestroy(e0));
-  CK(cudaEventDestroy(e1));
-  return t[t.size() / 2];
-}
-
-template <typename F>
-float Capture(cudaStream_t s, int R, int reps, F launch) {
-  cudaGraph_t g;
-  cudaGraphExec_t ge;
-  CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
-  for (int r = 0; r < R; ++r) launch(r);
-  CK(cudaStreamEndCapture(s, &g));
-  CK(cudaGraphInstantiate(&ge, g, 0));
-  const float us = TimeGraph(ge, s, reps, R);
-  CK(cudaGraphExecDestroy(ge));
-  CK(cudaGraphDestroy(g));
-  return us;
-}
 
 int Main(int argc, char** argv) {
   const int reps = argc > 1 ? std::atoi(argv[1]) : 20;

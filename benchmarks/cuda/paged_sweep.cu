@@ -18,6 +18,7 @@
 // random float16 values in [-1, 1): valid F16 pages, and for the narrow formats valid codes and finite scales
 // (the decode work does not depend on the values).
 #include "../../custom_ops/kernels/cuda/paged_cuda.cu"
+#include "sweep_common.cuh"
 
 #include <algorithm>
 #include <cmath>
@@ -39,14 +40,10 @@ Status CudaAttentionKernelChoice(int* level) {  // as cache_attention.cu: unset 
 
 namespace {
 
-#define CK(x)                                                                                   \
-  do {                                                                                          \
-    cudaError_t e_ = (x);                                                                       \
-    if (e_ != cudaSuccess) {                                                                    \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_));   \
-      std::exit(1);                                                                             \
-    }                                                                                           \
-  } while (0)
+using sweep::Capture;
+using sweep::RandomFill;
+using sweep::TimeGraph;
+
 #define OK(x)                                                                         \
   do {                                                                                \
     Status s_ = (x);                                                                  \
@@ -55,51 +52,6 @@ namespace {
       std::exit(2);                                                                   \
     }                                                                                 \
   } while (0)
-
-__global__ void RandomHalves(__half* p, int64_t n, unsigned seed) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
-    unsigned x = static_cast<unsigned>(i) * 2654435761u ^ seed * 0x9E3779B9u;
-    x ^= x >> 15;
-    x *= 0x2C1B3C6Du;
-    x ^= x >> 12;
-    p[i] = __float2half((x & 0xFFFF) / 32768.0f - 1.0f);
-  }
-}
-
-float TimeGraph(cudaGraphExec_t ge, cudaStream_t s, int reps, int R) {
-  cudaEvent_t e0, e1;
-  CK(cudaEventCreate(&e0));
-  CK(cudaEventCreate(&e1));
-  for (int i = 0; i < 3; ++i) CK(cudaGraphLaunch(ge, s));
-  std::vector<float> t;
-  for (int i = 0; i < reps; ++i) {
-    CK(cudaEventRecord(e0, s));
-    CK(cudaGraphLaunch(ge, s));
-    CK(cudaEventRecord(e1, s));
-    CK(cudaEventSynchronize(e1));
-    float ms = 0;
-    CK(cudaEventElapsedTime(&ms, e0, e1));
-    t.push_back(ms * 1000.0f / R);
-  }
-  std::sort(t.begin(), t.end());
-  CK(cudaEventDestroy(e0));
-  CK(cudaEventDestroy(e1));
-  return t[t.size() / 2];
-}
-
-template <typename F>
-float Capture(cudaStream_t s, int R, int reps, F launch) {
-  cudaGraph_t g;
-  cudaGraphExec_t ge;
-  CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
-  for (int r = 0; r < R; ++r) launch(r);
-  CK(cudaStreamEndCapture(s, &g));
-  CK(cudaGraphInstantiate(&ge, g, 0));
-  const float us = TimeGraph(ge, s, reps, R);
-  CK(cudaGraphExecDestroy(ge));
-  CK(cudaGraphDestroy(g));
-  return us;
-}
 
 struct Case {
   int64_t L, B;
@@ -139,7 +91,7 @@ Pools MakePools(codecs::PageFormat f, const Case& c, int R, bool shuffled, cudaS
   for (int r = 0; r < R; ++r) {
     uint8_t* q = nullptr;
     CK(cudaMalloc(&q, p.n_pages * p.page_bytes));
-    RandomHalves<<<1024, 256, 0, s>>>(reinterpret_cast<__half*>(q), p.n_pages * p.page_bytes / 2, 11u + r);
+    RandomFill<<<1024, 256, 0, s>>>(reinterpret_cast<__half*>(q), p.n_pages * p.page_bytes / 2, 11u + r);
     p.pool.push_back(q);
   }
   CK(cudaStreamSynchronize(s));
@@ -193,7 +145,7 @@ int Main(int argc, char** argv) {
     int64_t* start;
     CK(cudaMalloc(&q, c.B * kHq * kD * 2));
     CK(cudaMalloc(&out, c.B * kHq * kD * 2));
-    RandomHalves<<<64, 256, 0, s>>>(q, c.B * kHq * kD, 3u);
+    RandomFill<<<64, 256, 0, s>>>(q, c.B * kHq * kD, 3u);
     std::vector<int64_t> st(c.B, c.L - 1);
     CK(cudaMalloc(&start, c.B * 8));
     CK(cudaMemcpy(start, st.data(), c.B * 8, cudaMemcpyHostToDevice));

@@ -95,7 +95,8 @@ void HalfToFloat(const uint16_t* src, float* dst, int64_t n) {
 // ~~~~~~~~~~~~~~~~~~~~~~
 // A float32 decode step is its weights read once (M = 1: 538 MB per token for SmolLM2-135M, 121 projections
 // and the tied LM head), so the kernel's job is to stream W at the machine's read bandwidth, not to compute.
-// On AMD CPUs M = 1 reads W one row at a time instead (Note [Linear GEMV one stream]). Each tile takes kGemvRows = 4 rows of W (4 independent FMA chains per X row, and 4 x 4 = 16 accumulators at
+// (On AMD CPUs M = 1 reads W one row at a time instead: Note [Linear GEMV one stream].) Each tile takes
+// kGemvRows = 4 rows of W (4 independent FMA chains per X row, and 4 x 4 = 16 accumulators at
 // M = 4, half of AVX-512's registers) against up to kChunkM rows of X (4 with AVX-512, 2 with AVX2: its 16
 // registers), k kLanes floats at a time; the last 8 floats of a K that is 8 mod 16 are a masked AVX-512 load
 // (the op's K % 8 contract; nothing past a row is read). M > kChunkM runs the group of W again from L1 for each
@@ -131,25 +132,23 @@ constexpr int64_t kGemvRows = kLinearCpuGemvRows;
 constexpr int64_t kGemvAheadRows = 8;
 // Note [Linear GEMV one stream]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-// How a call with ONE row of X reads W (GemvM1), decided once per process: on AMD CPUs one row at a time with
-// prefetchnta (kStreamNta), elsewhere the 4-row tile as measured on the Intel VM (kTile); the environment
-// variable ORTKV_LINEAR_M1 = tile / stream / stream-nta overrides it (A/B runs, and the tests run every path on
-// any CPU). The measurements that set the AMD default:
 // With ONE row of X (a batch-1 decode step, the float32 decoder's hot path) there is nothing to reuse a W row for,
-// and the tile kernel's four rows at once are four interleaved streams 4 * K bytes apart. On a 2-core AMD EPYC
-// (Zen 4) VM the tile kernel read 25-27 GB/s where numpy's sum reads ~36, and one row at a time, start to end
-// (each task one contiguous stream of W: its rows are adjacent in memory), read 34.5-35.0 GB/s without software
-// prefetch and 35.0-35.7 with a prefetch of the line kSeqAheadBytes = 256 bytes further on (512: 32.9-33.1, 768:
-// 32.6-33.4, 8 accumulators instead of 4: 29.5-34.1); a standalone driver over the decoder's 121 matrices + the
-// LM head, 538 MB of random floats, 2 threads handing off per matrix, 3 alternated runs of 20 passes each. Random
-// values matter on that VM: with a periodic fill the host merged equal pages and "bandwidth" read 48-50 GB/s.
-// The Intel VM the tile kernel was tuned on (Note [Linear CPU GEMV]) was not available to re-measure. M >= 2 keeps
-// the tile kernel (W read once for all rows of X).
-// prefetchnta instead of prefetcht0 on that VM: the standalone driver 33.0-34.7 vs 32.0-32.9 GB/s, and the float32
-// decoder (`ortkv generate --warmup --weights float32`, 128 tokens, 4 alternated pairs of processes) 53.2 / 66.4 /
-// 68.3 / 59.8 tok/s against 47.9 / 63.0 / 51.9 / 47.4 (ORT's profiler: Linear kernels 20.1 -> 17.3 ms a step).
-// Not measured on Intel, where the tile kernel with prefetchnta 8 rows ahead read 4.5-8.8 GB/s (Note [Linear
-// CPU GEMV]): Intel keeps the tile until the stream is measured there.
+// and the tile kernel's four rows at once are four interleaved streams 4 * K bytes apart. How such a call reads W
+// (GemvM1) is decided once per process: on AMD CPUs one row at a time, start to end (each task one contiguous
+// stream of W: its rows are adjacent in memory), prefetching with prefetchnta the line kSeqAheadBytes further on
+// (kStreamNta); elsewhere the 4-row tile as measured on the Intel VM (kTile). The environment variable
+// ORTKV_LINEAR_M1 = tile / stream / stream-nta overrides it (A/B runs; the tests run every path on any CPU).
+// M >= 2 always takes the tile kernel (W read once for all rows of X).
+// Measured on a 2-core AMD EPYC (Zen 4) VM with a standalone driver over the decoder's 121 matrices + the LM head
+// (538 MB of random floats, 2 threads handing off per matrix, 3 alternated runs of 20 passes each): the tile read
+// 25-27 GB/s where numpy's sum reads ~36; one row at a time 34.5-35.0 without software prefetch, 35.0-35.7 with
+// prefetcht0 256 bytes ahead (512: 32.9-33.1, 768: 32.6-33.4; 8 accumulators instead of 4: 29.5-34.1), and with
+// prefetchnta instead 33.0-34.7 vs 32.0-32.9. In the float32 decoder (`ortkv generate --warmup --weights float32`,
+// 128 tokens, 4 alternated pairs of processes) prefetchnta gave 53.2 / 66.4 / 68.3 / 59.8 tok/s against 47.9 / 63.0
+// / 51.9 / 47.4 (ORT's profiler: Linear kernels 20.1 -> 17.3 ms a step). Random values matter on that VM: with a
+// periodic fill the host merged equal pages and "bandwidth" read 48-50 GB/s. Not measured on Intel, where the tile
+// kernel with prefetchnta 8 rows ahead read 4.5-8.8 GB/s (Note [Linear CPU GEMV]): Intel keeps the tile until the
+// stream is measured there.
 constexpr int64_t kSeqAheadBytes = 256;
 
 #define ORTKV_GEMV_INLINE inline __attribute__((always_inline))
