@@ -147,7 +147,7 @@ class _Graph:
     def op(self, op_type: str, inputs, outputs=None, domain: str = "", name: str | None = None, **attrs):
         self._n += 1
         name = name or f"{op_type}_{self._n}"
-        outputs = outputs or [f"{name}_out"]
+        outputs = [o or f"{name}_out" for o in outputs] if outputs else [f"{name}_out"]  # None: a generated name
         self.nodes.append(helper.make_node(op_type, list(inputs), list(outputs), name=name, domain=domain, **attrs))
         return outputs[0] if len(outputs) == 1 else outputs
 
@@ -318,13 +318,9 @@ def build(weights: LlamaWeights, variant: str, max_positions: int | None = None,
     def linear(x, w_name, outputs=None, **attrs):
         """ortkv.Linear of x (a tensor name, or a _PendingNorm: Note [Norm in the projection]) by W [N, K]."""
         if isinstance(x, _PendingNorm):
-            g._n += 1
-            name = f"Linear_{g._n}"
-            y = (outputs or [f"{name}_out"])[0]
-            outs = [y, x.sum] if x.sum else [y]
-            g.nodes.append(helper.make_node("Linear", [x.x, w_name, x.y, x.gamma], outs, name=name, domain="ortkv",
-                                            epsilon=x.epsilon, **attrs))
-            return y
+            outs = (outputs or [None])[:1] + ([x.sum] if x.sum else [])
+            y = g.op("Linear", [x.x, w_name, x.y, x.gamma], outs, domain="ortkv", epsilon=x.epsilon, **attrs)
+            return y[0] if x.sum else y
         return g.op("Linear", [x, w_name], outputs, domain="ortkv", **attrs)
 
     if eq is None:
