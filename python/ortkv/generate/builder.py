@@ -147,7 +147,8 @@ class _Graph:
     def op(self, op_type: str, inputs, outputs=None, domain: str = "", name: str | None = None, **attrs):
         self._n += 1
         name = name or f"{op_type}_{self._n}"
-        outputs = [o or f"{name}_out" for o in outputs] if outputs else [f"{name}_out"]  # None: a generated name
+        # None: a generated name ("" stays: an omitted optional output)
+        outputs = [f"{name}_out" if o is None else o for o in outputs] if outputs else [f"{name}_out"]
         self.nodes.append(helper.make_node(op_type, list(inputs), list(outputs), name=name, domain=domain, **attrs))
         return outputs[0] if len(outputs) == 1 else outputs
 
