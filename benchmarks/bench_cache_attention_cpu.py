@@ -207,23 +207,6 @@ def _layers_model(n: int):
                              ir_version=10)
 
 
-def _model():
-    from onnx import TensorProto as TP
-    from onnx import helper
-
-    from ortkv.graph import make_cache_attention
-
-    node = make_cache_attention("q", "k", "v", "start", "out", name="attn", num_heads=HQ, kv_num_heads=HKV, seq_axis=2)
-    kv = ["B", "H", "C", "D"]
-    g = helper.make_graph([node], "attn", [helper.make_tensor_value_info("q", TP.FLOAT, ["B", "T", "W"]),
-                                           helper.make_tensor_value_info("k", TP.FLOAT, kv),
-                                           helper.make_tensor_value_info("v", TP.FLOAT, kv),
-                                           helper.make_tensor_value_info("start", TP.INT64, ["B"])],
-                          [helper.make_tensor_value_info("out", TP.FLOAT, ["B", "T", "W"])])
-    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("ortkv", 1)],
-                             ir_version=10)
-
-
 def attention(lib: str, threads: int, passes: int = 15, cases=None, spin: bool = False) -> dict:
     import onnxruntime as ort
 
@@ -233,7 +216,7 @@ def attention(lib: str, threads: int, passes: int = 15, cases=None, spin: bool =
     # default: idle pool threads sleep instead of spinning: on a shared machine a spinning worker takes
     # the core the calling thread needs. --spin keeps ORT's default (spinning), as the decoders run.
     so.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
-    sess = ort.InferenceSession(_model().SerializeToString(), so, providers=["CPUExecutionProvider"])
+    sess = ort.InferenceSession(_layers_model(1).SerializeToString(), so, providers=["CPUExecutionProvider"])
     rng = np.random.default_rng(0)
     res = {}
     for b, keys in cases or CASES:
@@ -251,10 +234,10 @@ def attention(lib: str, threads: int, passes: int = 15, cases=None, spin: bool =
         for k, v in kvs:
             io = sess.io_binding()
             io.bind_ortvalue_input("q", q)
-            io.bind_ortvalue_input("k", ort.OrtValue.ortvalue_from_numpy(k))
-            io.bind_ortvalue_input("v", ort.OrtValue.ortvalue_from_numpy(v))
+            io.bind_ortvalue_input("k0", ort.OrtValue.ortvalue_from_numpy(k))
+            io.bind_ortvalue_input("v0", ort.OrtValue.ortvalue_from_numpy(v))
             io.bind_ortvalue_input("start", st)
-            io.bind_ortvalue_output("out", out)
+            io.bind_ortvalue_output("out0", out)
             ios.append(io)
         run = sess.run_with_iobinding
 
