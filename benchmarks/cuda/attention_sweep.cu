@@ -233,6 +233,47 @@ int Main(int argc, char** argv) {
         sweep([&](Args& a, int64_t base) { v3::LaunchWith<__half, 128, 4, 4>(a, base, s, false); }, "v3 NW4 ST4", v3::BlocksPerSm<__half, 128, 4, 4>());
       }
     }
+    // Clustered v3 with bigger blocks (NW warps, ST-deep rings): S blocks per unit merge through distributed
+    // shared memory, no partials and no combine launch; the grid need not be one block per SM. Printed with the
+    // number of such clusters the device can hold at once (cudaOccupancyMaxActiveClusters; a launch the device
+    // refuses falls back to the combine, so a row with "fits 0" is not a cluster figure).
+    if (c.D == 64) {
+      auto cl = [&](auto kernel, auto launch, const char* tag, size_t smem, int nw) {
+        for (int64_t S : {4, 6, 8}) {
+          Args a{};
+          a.q = q; a.out = out; a.start = start; a.start_stride = 1; a.B = c.B; a.T = 1; a.Hq = c.Hq; a.Hkv = c.Hkv;
+          a.D = c.D; a.C = c.C; a.row_stride = v.row_stride; a.tok_stride = v.tok_stride; a.head_stride = v.head_stride;
+          a.scale = 0.125f; a.head_blocks = 1; a.partial = partial; a.err = nullptr; a.label = 0; a.tpk = 8;
+          a.splits = S;
+          cudaLaunchConfig_t cfg = {};
+          cfg.gridDim = dim3(unsigned(v.units() * S));
+          cfg.blockDim = dim3(nw * 32);
+          cfg.dynamicSmemBytes = smem;
+          cudaLaunchAttribute attr[1];
+          attr[0].id = cudaLaunchAttributeClusterDimension;
+          attr[0].val.clusterDim.x = unsigned(S);
+          attr[0].val.clusterDim.y = 1;
+          attr[0].val.clusterDim.z = 1;
+          cfg.attrs = attr;
+          cfg.numAttrs = 1;
+          int fits = 0;
+          if (cudaOccupancyMaxActiveClusters(&fits, kernel, &cfg) != cudaSuccess) { (void)cudaGetLastError(); fits = -1; }
+          char name[64];
+          std::snprintf(name, sizeof name, "%s cl S=%lld fits %d", tag, (long long)S, fits);
+          row(name, Capture(s, R, reps, [&](int r) {
+                a.k = ks[r];
+                a.v = vs[r];
+                launch(a, v.units());
+              }));
+        }
+      };
+      (void)v3::BlocksPerSm<__half, 64, 8, 3>();  // sets the kernels' shared-memory attributes
+      (void)v3::BlocksPerSm<__half, 64, 8, 2>();
+      (void)v3::BlocksPerSm<__half, 64, 4, 4>();
+      cl(v3::AttentionKernelV3<__half, 64, 4, 4, true>, [&](Args& a, int64_t base) { CK((v3::LaunchWith<__half, 64, 4, 4>(a, base, s, true))); }, "v3 NW4 ST4", v3::Cfg<64, 4, 4>::kSmem, 4);
+      cl(v3::AttentionKernelV3<__half, 64, 8, 3, true>, [&](Args& a, int64_t base) { CK((v3::LaunchWith<__half, 64, 8, 3>(a, base, s, true))); }, "v3 NW8 ST3", v3::Cfg<64, 8, 3>::kSmem, 8);
+      cl(v3::AttentionKernelV3<__half, 64, 8, 2, true>, [&](Args& a, int64_t base) { CK((v3::LaunchWith<__half, 64, 8, 2>(a, base, s, true))); }, "v3 NW8 ST2", v3::Cfg<64, 8, 2>::kSmem, 8);
+    }
     // the v2 attention kernel alone at several split counts
     const int gm = c.Hq / c.Hkv <= 4 ? c.Hq / c.Hkv : 8;
     for (int64_t S : {v.splits, v.splits * 2}) {

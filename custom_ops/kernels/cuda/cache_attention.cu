@@ -731,7 +731,11 @@ cudaError_t Launch(const CacheAttentionCudaView& v, const Args& a, int gm, cudaS
 // (prefetch.global.L2): kernel alone 16.45 -> 17.9 us, worse at every shape; launching v3 itself as a
 // programmatic dependent of the kernel before it (griddepcontrol.wait first): 19.1 vs 19.1, 8K x 1 8.8 vs 8.4,
 // a decode layer (128 keys) 5.3 vs 5.6; 8 warps per block with a 2- or 3-slot ring, or 2 warps: the
-// attention alone stays at 16.4-16.7 us for every block shape that fills one wave.
+// attention alone stays at 16.4-16.7 us for every block shape that fills one wave. A second session (same harness,
+// its "cl" rows): the cluster merge with bigger blocks and fewer splits, more than one block per SM allowed,
+// 8 warps x 3-slot rings at 4 splits 18.38 us, 8 warps x 2 slots at 8 splits 18.49, 4 warps x 4 slots at 8 splits
+// 18.85, vs 19.15 for this kernel in the same run: at best 4 %, and the distributed-shared-memory merge itself
+// costs ~1.8 us (17.08 us for the 8-split kernel alone), so not adopted.
 namespace v3 {
 
 using tile16::kTile;

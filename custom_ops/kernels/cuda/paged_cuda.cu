@@ -1615,12 +1615,12 @@ cudaError_t Launch(const AttnArgs& a, int gm, cudaStream_t stream) {
 //     v2's. Precision: Q and P are rounded to 16 bits before the products (FlashAttention's choice);
 //     accumulation is FP32.
 // v3 runs for float16 / bfloat16 queries with head size 64 or 128, page_size % 16 == 0, no page_fill;
-// ORTKV_CUDA_ATTENTION=v2 (or v1) selects the older kernels for A/B runs. H200 (SmolLM2 heads, pages of 16):
-// 0.84-1.01x v2's time for F16 pages, 0.91-0.96x for INT4, and INT4 still no faster than F16: a warp keeps
-// 2 tiles in flight in a ring sized for F16 tiles and decodes narrow tiles through shared memory, and that
-// per-tile chain, not the bytes, sets the pace (benchmarks/results/paged_attention_cuda_h200.md; an L2
-// prefetch of later tiles was slower). Next: decode into the mma operand registers, several narrow tiles
-// per ring slot.
+// ORTKV_CUDA_ATTENTION=v2 (or v1) selects the older kernels for A/B runs. H200 (SmolLM2 heads, pages of 16,
+// benchmarks/results/paged_attention_cuda_h200.md): F16 pages 1.05-1.21x dense v3's time since Note [Paged CUDA v3
+// ring alignment] (1.27-1.39x before), 0.72-0.79x v2's; INT4 pages 0.99-1.12x F16's: a warp keeps 2 tiles in flight
+// in a ring sized for F16 tiles and decodes narrow tiles through shared memory, and that per-tile chain, not the
+// bytes, sets the pace (an L2 prefetch of later tiles was slower). Next: decode into the mma operand registers,
+// several narrow tiles per ring slot.
 namespace pv3 {
 
 using pv2::Bits;
@@ -1643,7 +1643,10 @@ using tile16::ZeroInvalidV;
 
 template <int D>
 struct Cfg {
-  static constexpr int kStages = D <= 64 ? 3 : 2;
+#ifndef ORTKV_PAGED_V3_STAGES64  // ring depth at head size 64 (an A/B knob for benchmarks/cuda/paged_sweep.cu)
+#define ORTKV_PAGED_V3_STAGES64 3
+#endif
+  static constexpr int kStages = D <= 64 ? ORTKV_PAGED_V3_STAGES64 : 2;
   static constexpr int kRegion = kTile * D * 2;          // one tile of K (or V) as 16-bit values
   static constexpr int kStageBytes = 2 * kRegion + 128;  // K, V, then 64 bytes of K scales and of V scales
   static constexpr int kWarpBytes = kStages * kStageBytes;
@@ -1655,9 +1658,20 @@ using pv2::PageWindow;
 
 using Merge = WarpMerge<kWarps, 8>;  // up to 8 query heads per block
 
+// Note [Paged CUDA v3 ring alignment]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// The ring starts on a 128-byte boundary after the page window. Its tiles' 128-byte rows are swizzled in
+// 16-byte chunks (tile16::Sw) on the assumption that a row IS one 128-byte line of shared memory; at the
+// 16-byte boundary the ring used to start on (sizeof(PageWindow) = 2,504 bytes -> offset 2,512 = 80 mod 128)
+// every row straddled two lines. ncu on the H200 (F16 pages, 32K keys x 8 rows, SmolLM2 heads): the same
+// cp.async count and DRAM bytes as dense v3, but 4.1x the L2 requests (6.44 M vs 1.58 M: the copies were no
+// longer coalesced) and 2x the L2 sectors, half of them hits, plus ldmatrix bank conflicts (short scoreboard
+// stalls 28 % vs dense 16 %): 1.27-1.39x dense's time, with every earlier change to the loop moving nothing.
+constexpr size_t kRingOffset = (sizeof(PageWindow) + 127) / 128 * 128;
+
 template <int D>
 constexpr size_t SmemBytes() {
-  return (sizeof(PageWindow) + 15) / 16 * 16 + Cfg<D>::kRingBytes;
+  return kRingOffset + Cfg<D>::kRingBytes;
 }
 static_assert(sizeof(Merge) <= Cfg<64>::kRingBytes && sizeof(Merge) <= Cfg<128>::kRingBytes, "");
 
@@ -1937,10 +1951,11 @@ __device__ __forceinline__ void WindowTiles(const PageWindow& sh, uint8_t* wring
   }
 }
 
-// Blocks per SM the compiler must leave room for (__launch_bounds__' second argument): 1 lets it take the 167
-// registers per thread it wants, which allows 3 blocks per SM on the H200 (dense v3: 4, and 22 splits at 32K x 8
-// where paged v3 gets 16: the same 1.3x as paged F16 / dense). A build flag for the next GPU run, e.g.
-// `nvcc ... -DORTKV_PAGED_V3_MIN_BLOCKS=4 benchmarks/cuda/paged_sweep.cu` (<= 128 registers; check for spills).
+// Blocks per SM the compiler must leave room for (__launch_bounds__' second argument). 1 lets it take the 199
+// registers per thread it wants (2 blocks of 4 warps per SM on the H200). Measured (benchmarks/cuda/paged_sweep.cu,
+// benchmarks/results/paged_attention_cuda_h200.md): 3 (168 registers, no spills) is slower for F16 pages at 8K x 8
+// (22.6 -> 23.2-23.6 us) and faster for INT8 / INT4 at 32K x 8 (54.7 -> 51.0, 59.1 -> 54.5); 4 spills and is slower.
+// A build flag for A/B runs: `nvcc ... -DORTKV_PAGED_V3_MIN_BLOCKS=3 benchmarks/cuda/paged_sweep.cu`.
 #ifndef ORTKV_PAGED_V3_MIN_BLOCKS
 #define ORTKV_PAGED_V3_MIN_BLOCKS 1
 #endif
@@ -1948,9 +1963,9 @@ template <typename T, int D>
 __global__ void __launch_bounds__(kThreads, ORTKV_PAGED_V3_MIN_BLOCKS) PagedAttentionV3(const AttnArgs args) {
   using C = Cfg<D>;
   constexpr bool BF = std::is_same<T, __nv_bfloat16>::value;  // the products' 16-bit type is the queries'
-  extern __shared__ __align__(16) unsigned char dsm[];
+  extern __shared__ __align__(128) unsigned char dsm[];
   PageWindow& sh = *reinterpret_cast<PageWindow*>(dsm);
-  uint8_t* ring = dsm + (sizeof(PageWindow) + 15) / 16 * 16;
+  uint8_t* ring = dsm + kRingOffset;  // Note [Paged CUDA v3 ring alignment]
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" :::);
 #endif
@@ -1972,6 +1987,19 @@ __global__ void __launch_bounds__(kThreads, ORTKV_PAGED_V3_MIN_BLOCKS) PagedAtte
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   if (tid == 0) sh.key = kNoError;
 
+  // this lane's raw query pairs (row g = lane / 4: head g0 + g when g < gn), loaded before `start` so that the
+  // two loads overlap (as dense v3); converted into the mma fragments after the page window is resolved
+  const int g = lane >> 2, c = lane & 3;
+  uint32_t qr[D / 16][2];
+  {
+    const T* qp = static_cast<const T*>(a.q) + ((b * a.T + t) * a.Hq + hk * G + g0 + g) * a.D;
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks)
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+        qr[ks][h] = g < gn ? *reinterpret_cast<const uint32_t*>(qp + ks * 16 + h * 8 + 2 * c) : 0u;
+  }
+
   bool bad_start = false;
   const int64_t st0 = ClampedStart(a, b, &bad_start);
   const int64_t L = st0 + t + 1;
@@ -1982,30 +2010,21 @@ __global__ void __launch_bounds__(kThreads, ORTKV_PAGED_V3_MIN_BLOCKS) PagedAtte
 
   LoadFormats(a, tid, sh);
 
-  // this lane's query fragments (row g = lane / 4: head g0 + g when g < gn, else zeros)
-  const int g = lane >> 2, c = lane & 3;
+  // this lane's query fragments from the raw pairs (zeros for padding rows: qr is 0 there)
   uint32_t qa[D / 16][2];
   {
     const float qscale = a.scale * 1.4426950408889634f;
-    const T* qp = static_cast<const T*>(a.q) + ((b * a.T + t) * a.Hq + hk * G + g0 + g) * a.D;
 #pragma unroll
     for (int ks = 0; ks < D / 16; ++ks)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        float x = 0.0f, y = 0.0f;
-        if (g < gn) {
-          const int d = ks * 16 + h * 8 + 2 * c;
-          if constexpr (std::is_same<T, __half>::value) {
-            const float2 v = __half22float2(*reinterpret_cast<const __half2*>(qp + d));
-            x = v.x, y = v.y;
-          } else {
-            const float2 v = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(qp + d));
-            x = v.x, y = v.y;
-          }
-          x *= qscale;
-          y *= qscale;
+        float2 v;
+        if constexpr (std::is_same<T, __half>::value) {
+          v = __half22float2(*reinterpret_cast<const __half2*>(&qr[ks][h]));
+        } else {
+          v = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&qr[ks][h]));
         }
-        qa[ks][h] = Pack2<BF>(x, y);
+        qa[ks][h] = Pack2<BF>(v.x * qscale, v.y * qscale);
       }
   }
   float m = -INFINITY, l = 0.0f, o[D / 8][4];
