@@ -242,3 +242,88 @@ def test_populate_file_mappings_faults_the_mapped_pages_in(tmp_path):
         assert _mapped_rss(other) < size // 4  # not under the directory
     finally:
         del a, b
+
+
+# --- Note [Weights on huge pages] ----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def slice_linear(tmp_path_factory):
+    """A 2-layer slice of the float32 CPU decoder as the model cache builds it: ortkv.Linear projections and LM head."""
+    w, _ = weights.load(smollm2_gguf(), layers=2)
+    root = tmp_path_factory.mktemp("slice_linear")
+    onnx.save_model(builder.build(w, "ortkv", max_positions=256, linear=True), str(root / "model.onnx"),
+                    save_as_external_data=True, all_tensors_to_one_file=True, location="model.onnx.data")
+    cfg = GenAIConfig()
+    cfg.model.decoder.num_hidden_layers = 2
+    return cfg.validate(), root / "model.onnx"
+
+
+def _thp_available() -> bool:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return "[never]" not in f.read()
+    except OSError:
+        return False
+
+
+def test_huge_page_weights_hold_the_files_bytes_for_ortkvs_in_place_ops(slice_linear):
+    """HugePageWeights reads every external initializer that only ortkv ops or Gather consume, byte for byte, into
+    one anonymous mapping (advised MADV_HUGEPAGE where the kernel has transparent huge pages); ORT's own ops'
+    initializers are left to ORT."""
+    from onnx import numpy_helper
+
+    from ortkv._memory import HugePageWeights
+
+    _, path = slice_linear
+    w = HugePageWeights(str(path))
+    full = onnx.load(str(path))  # with the external data
+    by_name = {i.name: i for i in full.graph.initializer}
+    proto = onnx.load(str(path), load_external_data=False)
+    users: dict[str, set] = {}
+    for n in proto.graph.node:
+        for x in n.input:
+            users.setdefault(x, set()).add((n.domain, n.op_type))
+    external = {i.name for i in proto.graph.initializer if i.data_location == onnx.TensorProto.EXTERNAL}
+    want = {n for n in external if users.get(n) and all(d == "ortkv" or t == "Gather" for d, t in users[n])}
+    assert set(w.names) == want and len(want) >= 2 * 4 + 1  # per layer at least QKV, O, gate/up, down; the LM head
+    base = np.frombuffer(w.mapping, np.uint8).ctypes.data
+    for name, a in zip(w.names, w.arrays):
+        np.testing.assert_array_equal(a, numpy_helper.to_array(by_name[name]))
+        assert base <= a.ctypes.data and a.ctypes.data + a.nbytes <= base + len(w.mapping)  # one mapping
+        assert a.ctypes.data % 64 == 0
+    assert w.nbytes == sum(a.nbytes for a in w.arrays)
+    assert w.huge or not _thp_available()  # madvise(MADV_HUGEPAGE) accepted wherever the kernel has THP
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="Linux /proc only")
+def test_runner_on_huge_pages_gives_the_same_logits_and_does_not_map_the_file(slice_linear, monkeypatch):
+    """The runner hands the weights to ORT as pre-allocated initializers: ORT reads them in place (it maps nothing of
+    the weights file and keeps no copy of its own), and the logits are bit for bit those of ORT's own mapping."""
+    cfg, path = slice_linear
+    data = path.parent / "model.onnx.data"
+    ids, steps = np.array([[504, 3575, 282, 4649, 314]]), [7042, 30, 198]
+
+    def run(flag):
+        monkeypatch.setenv("ORTKV_WEIGHTS_HUGE_PAGES", flag)
+        r = OrtkvRunner(path, cfg)
+        r.start(1, 64)
+        out = [r.prefill(ids, np.array([5])).copy()] + [r.step(np.array([t], np.int64)).copy() for t in steps]
+        mapped = _mapped_rss(data)
+        held = getattr(r, "_huge_weights", None)
+        r.close()
+        return out, mapped, held
+
+    huge, mapped_huge, held = run("1")
+    plain, mapped_plain, none = run("0")
+    for a, b in zip(huge, plain):
+        np.testing.assert_array_equal(a, b)
+    assert none is None and held is not None and held.nbytes > 0
+    assert mapped_plain > 0  # ORT's own path: the weights file mapped (and made resident at load)
+    # ORT still maps the file for the few initializers left to it (norm weights, small tables), never the big ones
+    assert mapped_huge < held.nbytes // 8
+
+
+def test_weights_huge_pages_variable_is_refused_by_name(slice_ortkv, monkeypatch):
+    cfg, path = slice_ortkv
+    monkeypatch.setenv("ORTKV_WEIGHTS_HUGE_PAGES", "yes")
+    with pytest.raises(ortkv.OrtkvError, match=r"ORTKV_WEIGHTS_HUGE_PAGES='yes' is not 0 or 1; unset it"):
+        OrtkvRunner(path, cfg)

@@ -89,3 +89,112 @@ def populate_file_mappings(directory: str) -> int:
             for off in range(0, hi - lo, _PAGE):
                 view[off]
     return sum(hi - lo for lo, hi in ranges)
+
+
+# Note [Weights on huge pages]
+# A float32 decode step streams its 538 MB of weights once (Note [Linear CPU GEMV]); ONNX Runtime maps them from the
+# model's external-data file, so they sit in the page cache in 4 KiB pages: ~131,000 translations a token, and
+# every 4 KiB page boundary stops the hardware prefetchers. The bandwidth the goal measures (numpy, which advises huge
+# pages for its large arrays) is read through 2 MiB pages. So on the CPU the runners read the initializers that
+# ortkv's own ops (and Gather) consume in place into ONE anonymous mapping advised MADV_HUGEPAGE (transparent huge
+# pages: "madvise" or "always" in /sys/kernel/mm/transparent_hugepage/enabled) and hand them to the session through
+# SessionOptions.add_initializer: ORT then reads that memory in place instead of mapping the file (ORT 1.32:
+# add_external_initializers copied them into memory of its own, another 530 MB of 4 KiB pages). Initializers of
+# ORT's own MatMul / MatMulNBits stay with ORT (it prepacks them into buffers of its own). The same weights, the same
+# bytes resident (anonymous instead of file pages); ORTKV_WEIGHTS_HUGE_PAGES=0 keeps ORT's mapping (A/B runs).
+# Measured on the 2-core AMD EPYC VM (numpy max over the float32 decoder's 528 MiB of weights): one thread 27.0 GB/s
+# from the file mapping, 31.3 from huge pages; two threads 32.4 vs 33.7.
+_INPLACE_CONSUMERS = {("ai.onnx", "Gather"), ("", "Gather")}
+
+
+def huge_page_weights_enabled() -> bool:
+    """ORTKV_WEIGHTS_HUGE_PAGES: unset / "1" = on (Note [Weights on huge pages]), "0" = off; anything else refused."""
+    from .errors import OrtkvError
+
+    v = os.environ.get("ORTKV_WEIGHTS_HUGE_PAGES", "")
+    if v in ("", "1"):
+        return True
+    if v == "0":
+        return False
+    raise OrtkvError(f"environment variable ORTKV_WEIGHTS_HUGE_PAGES={v!r} is not 0 or 1; unset it for the default "
+                     "(weights on huge pages on the CPU)")
+
+
+class HugePageWeights:
+    """The initializers of one model read into one anonymous mapping advised MADV_HUGEPAGE (Note [Weights on huge
+    pages]); keep the object alive as long as the session that was given them (`attach`)."""
+
+    def __init__(self, model_path: str):
+        import mmap
+
+        import numpy as np
+        import onnx
+        from onnx import helper
+
+        model = onnx.load(str(model_path), load_external_data=False)
+        consumers: dict[str, set] = {}
+        for node in model.graph.node:
+            for name in node.input:
+                consumers.setdefault(name, set()).add((node.domain, node.op_type))
+        base = os.path.dirname(os.path.abspath(str(model_path)))
+        entries = []
+        for init in model.graph.initializer:
+            if init.data_location != onnx.TensorProto.EXTERNAL:
+                continue
+            users = consumers.get(init.name, set())
+            if not users or not all(d == "ortkv" or (d, t) in _INPLACE_CONSUMERS for d, t in users):
+                continue
+            try:
+                dtype = np.dtype(helper.tensor_dtype_to_np_dtype(init.data_type))
+            except (KeyError, TypeError, ValueError):
+                continue
+            info = {e.key: e.value for e in init.external_data}
+            entries.append((init.name, dtype, tuple(init.dims), os.path.join(base, info["location"]),
+                            int(info.get("offset", 0)), int(info["length"])))
+        self.names: list[str] = []
+        self.arrays: list = []
+        self.values: list = []
+        self.nbytes = 0
+        self.huge = False
+        if not entries:
+            self.mapping = None
+            return
+        offsets, pos = [], 0
+        for e in entries:
+            offsets.append(pos)
+            pos += -(-e[5] // 64) * 64
+        size = -(-pos // (2 << 20)) * (2 << 20)
+        self.mapping = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        if hasattr(self.mapping, "madvise") and hasattr(mmap, "MADV_HUGEPAGE"):
+            try:
+                self.mapping.madvise(mmap.MADV_HUGEPAGE)
+                self.huge = True
+            except OSError:
+                pass
+        view = memoryview(self.mapping)
+        files: dict[str, object] = {}
+        try:
+            for (name, dtype, dims, path, off, length), at in zip(entries, offsets):
+                f = files.get(path)
+                if f is None:
+                    f = files[path] = open(path, "rb")
+                f.seek(off)
+                if f.readinto(view[at:at + length]) != length:
+                    raise OSError(f"{path}: initializer {name} wants {length} bytes at offset {off}; the file is short")
+                count = length // dtype.itemsize
+                self.arrays.append(np.frombuffer(self.mapping, dtype=dtype, count=count, offset=at).reshape(dims))
+                self.names.append(name)
+                self.nbytes += length
+        finally:
+            for f in files.values():
+                f.close()
+            view.release()
+
+    def attach(self, so) -> None:
+        """Give the arrays to SessionOptions `so` as pre-allocated initializers (add_initializer: ORT reads them in
+        place; add_external_initializers copied them, +530 MB)."""
+        import onnxruntime as ort
+
+        self.values = [ort.OrtValue.ortvalue_from_numpy(a) for a in self.arrays]
+        for name, value in zip(self.names, self.values):
+            so.add_initializer(name, value)

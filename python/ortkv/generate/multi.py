@@ -113,7 +113,8 @@ class MultiRunner:
         ps = o.page_size
         self.pages_per_seq = -(-self.max_length // ps)
         self.layers = d.num_hidden_layers
-        self.sess = MutableCacheSession(str(path), sess_options=_session_options(cfg), providers=providers_for(cfg))
+        self.sess = MutableCacheSession(str(path), sess_options=_session_options(cfg, path, self),
+                                        providers=providers_for(cfg))
         weights_resident(cfg, path)
         self.pool = PagePool(self.layers, d.num_key_value_heads, d.head_size, ps,
                              {"float32": np.float32, "float16": np.float16}[cfg.dtype], cfg.device,

@@ -159,7 +159,7 @@ class PagedRunner:
         o = cfg.ortkv
         self.policy = policy_from_config(o.kv_format, o.kv_policy, o.kv_page_formats)
         try:
-            self.sess = MutableCacheSession(str(path), sess_options=_session_options(cfg),
+            self.sess = MutableCacheSession(str(path), sess_options=_session_options(cfg, path, self),
                                             providers=providers_for(cfg, cuda_graph=self.cuda_graph))
         except OrtkvError:
             raise
@@ -342,7 +342,7 @@ class PagedRunner:
             self.pool = self.cache = None
 
 
-def _session_options(cfg: GenAIConfig):
+def _session_options(cfg: GenAIConfig, path=None, owner=None):
     from .runners import _session_options as so
 
-    return so(cfg)
+    return so(cfg, path, owner)

@@ -26,7 +26,7 @@ import os
 import numpy as np
 
 from .. import get_library_path
-from .._memory import populate_file_mappings
+from .._memory import HugePageWeights, huge_page_weights_enabled, populate_file_mappings
 from ..errors import OrtkvError
 from ..vmm import ArenaKVCache, CacheGeometry, Governor, live_bytes
 from .builder import genai_names, ortkv_names
@@ -43,12 +43,18 @@ def weights_resident(cfg: GenAIConfig, path) -> None:
 _INT64 = np.dtype(np.int64)
 
 
-def _session_options(cfg: GenAIConfig):
+def _session_options(cfg: GenAIConfig, path=None, owner=None):
+    """The runners' SessionOptions. With `path` (the model) and `owner` (the runner, which keeps them alive) on the
+    CPU: the weights that ortkv's ops read in place come from huge pages (Note [Weights on huge pages] in
+    ortkv/_memory.py), owner._huge_weights."""
     import onnxruntime as ort
 
     so = ort.SessionOptions()
     so.intra_op_num_threads = cfg.ortkv.intra_op_num_threads
     so.log_severity_level = 3
+    if path is not None and owner is not None and cfg.device == "cpu" and huge_page_weights_enabled():
+        owner._huge_weights = HugePageWeights(str(path))
+        owner._huge_weights.attach(so)
     return so
 
 
@@ -294,7 +300,7 @@ class OrtkvRunner:
         self.cuda_graph = self.device != "cpu" and cfg.cuda_graph
         self.layers = cfg.model.decoder.num_hidden_layers
         try:
-            self.sess = MutableCacheSession(str(path), sess_options=_session_options(cfg),
+            self.sess = MutableCacheSession(str(path), sess_options=_session_options(cfg, path, self),
                                             providers=providers_for(cfg, cuda_graph=self.cuda_graph))
         except OrtkvError:
             raise
@@ -524,7 +530,7 @@ class CopyRunner:
         self.device = cfg.device
         self.dtype = NP_FLOAT[cfg.dtype]
         self.layers, self.pad = cfg.model.decoder.num_hidden_layers, cfg.model.pad_token_id
-        so = _session_options(cfg)
+        so = _session_options(cfg, path, self)
         # the copy baseline shares ortkv's weight ops (MatMulQ4 for q4, Linear for float16; Note [Linear
         # projections] in builder.py): only its cache differs from the ortkv decoder's
         so.register_custom_ops_library(get_library_path())
