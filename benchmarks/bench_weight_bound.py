@@ -239,10 +239,12 @@ def parts(threads: int, steps: int) -> dict:
 
 
 
-def paired(threads: int, segments: int, seg_steps: int, probe_mib: int = 256) -> dict:
+def paired(threads: int, segments: int, seg_steps: int, probe_mib: int = 512, passes: int = 5) -> dict:
     """One child: the float32 decoder's greedy decode in segments of seg_steps tokens, each segment between two
     read-bandwidth probes (np.sum and np.max over a probe_mib array of random values on `threads` threads, the best
-    of two passes each), so that a segment's rate and the bandwidth it is compared with are taken within milliseconds of each
+    of `passes` passes each: read_bandwidth's array size and passes, so that the probe is as strict as the unpaired
+    rounds' reference -- with 256 MiB and two passes it read 31-33 GB/s where read_bandwidth read 35-36 on the same
+    VM minutes apart, which flattered the decoder by ~10 %), so that a segment's rate and the bandwidth it is compared with are taken within milliseconds of each
     other. Returns per segment: seconds per token (the step and the greedy pick, as a generation loop) and the mean
     of the two probes (GB/s)."""
     from ortkv.generate import runners
@@ -256,8 +258,8 @@ def paired(threads: int, segments: int, seg_steps: int, probe_mib: int = 256) ->
     ranges = _ranges(a.size, threads)
     pool = concurrent.futures.ThreadPoolExecutor(threads)
 
-    def probe() -> float:  # read_bandwidth's method, two passes
-        return _best_read(pool, a, ranges, 2)
+    def probe() -> float:  # read_bandwidth's method and passes
+        return _best_read(pool, a, ranges, passes)
 
     probe()
     ids = np.array([PROMPT_IDS], np.int64)
@@ -414,7 +416,8 @@ def main(argv=None) -> int:
             f"{args.segment_steps} tokens per round, each between two read-bandwidth probes)",
             "",
             "The decoder (the same float32 runner, greedy) decodes in segments; before and after each segment a "
-            "probe reads 256 MiB of random floats with np.sum and np.max on the same threads (the best of two passes each); a "
+            "probe reads 512 MiB of random floats with np.sum and np.max on the same threads (the best of five passes each, "
+            "as the unpaired rounds' reference); a "
             "segment's fraction is its rate (bytes per token / seconds per token) over the mean of its two probes. "
             "On a VM whose bandwidth moves within seconds this pairs figures taken milliseconds apart, where the "
             "rounds above pair a bandwidth and a decode taken seconds apart.",
