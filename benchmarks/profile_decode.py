@@ -61,8 +61,8 @@ def _ortkv_runner(cfg, adjust):
     is wrapped while the runner is made, then restored)."""
     plain = runners._session_options
 
-    def adjusted(c):
-        so = plain(c)
+    def adjusted(c, *args, **kwargs):  # (cfg, path, owner): Note [Weights on huge pages]
+        so = plain(c, *args, **kwargs)
         adjust(so)
         return so
 
