@@ -162,19 +162,27 @@ def _projections_only(path: Path, form: str):
                               ir_version=m.ir_version)
     rng = np.random.default_rng(0)
     feeds = {f"x{K}": rng.standard_normal((1, 1, K)).astype(np.float32) for K in ins}
-    return model.SerializeToString(), feeds, [arrays[u] for u in used]
+    return model.SerializeToString(), feeds, {u: arrays[u] for u in used}
 
 
-def _time_alone(model: bytes, feeds: dict, threads: int, steps: int) -> list:
-    """Seconds per run of a projections-only session (inputs and outputs bound once)."""
+def _time_alone(model: bytes, feeds: dict, threads: int, steps: int, weights: dict | None = None) -> list:
+    """Seconds per run of a projections-only session (inputs and outputs bound once). weights (name -> array): given
+    to the session from huge pages, as the CPU runners give the decoder its weights (Note [Weights on huge pages])."""
     import onnxruntime as ort
 
     import ortkv
+    from ortkv._memory import huge_page_copies
 
     so = ort.SessionOptions()
     so.intra_op_num_threads = threads
     so.log_severity_level = 3
     so.register_custom_ops_library(ortkv.get_library_path())
+    keep = None
+    if weights:
+        mapping, copies = huge_page_copies(list(weights.values()))
+        keep = (mapping, copies, [ort.OrtValue.ortvalue_from_numpy(c) for c in copies])
+        for name, value in zip(weights, keep[2]):
+            so.add_initializer(name, value)
     s = ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
     # inputs and every output bound once to numpy buffers: the timed run is the nodes and ORT's run, not
     # 121 output arrays allocated and handed to Python per run (s.run(None, feeds) did that: ~0.1 ms a run
@@ -197,7 +205,7 @@ def _time_alone(model: bytes, feeds: dict, threads: int, steps: int) -> list:
         t = time.perf_counter()
         s.run_with_iobinding(io)
         mm.append(time.perf_counter() - t)
-    del io, s
+    del io, s, keep
     return mm
 
 
@@ -215,14 +223,15 @@ def parts(threads: int, steps: int) -> dict:
     r.close()
     model, feeds, ws = _projections_only(path, "as-built")
     ops = sorted({n.op_type for n in onnx.load_from_string(model).graph.node})
-    alone = _time_alone(model, feeds, threads, steps)
+    alone = _time_alone(model, feeds, threads, steps, ws if ops == ["Linear"] else None)
     nodes = len(_count_nodes(model))
     del model
     mlas = alone
-    if ops != ["MatMul"]:  # the same products as ORT MatMul nodes (MLAS), for comparison
+    if ops != ["MatMul"]:  # the same products as ORT MatMul nodes (MLAS: it prepacks them into memory of its own)
         mm_model, mm_feeds, ws = _projections_only(path, "matmul")
         mlas = _time_alone(mm_model, mm_feeds, threads, steps)
         del mm_model
+    ws = list(ws.values())
     # ws: [K, N] either way (MatMul's layout) for numpy's x @ W
     xs = {w.shape[0]: np.ones((1, w.shape[0]), np.float32) for w in ws}
     for w in ws:
@@ -388,7 +397,8 @@ def main(argv=None) -> int:
             f"| decode step, wall (Python + session wrapper + ORT run) | {med['wall']:.2f} | "
             f"{per_token / med['wall'] / 1e6:.1f} | {bound_ms / med['wall']:.2f} |",
             f"| ORT run inside it | {med['run']:.2f} | | |",
-            f"| the {splits[0]['matmul_nodes']} projection nodes alone ({ops}, M = 1, {mb / 1e6:.1f} MB) | "
+            f"| the {splits[0]['matmul_nodes']} projection nodes alone ({ops}, M = 1, {mb / 1e6:.1f} MB"
+            f"{', weights on huge pages as the runners give them' if ops == 'Linear' else ''}) | "
             f"{med['matmul']:.2f} | {mb / med['matmul'] / 1e6:.1f} | {mb / med['matmul'] / 1e6 / rd:.2f} |",
         ]
         if ops != "MatMul":

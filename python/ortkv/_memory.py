@@ -120,13 +120,44 @@ def huge_page_weights_enabled() -> bool:
                      "(weights on huge pages on the CPU)")
 
 
+def anonymous_huge_mapping(nbytes: int):
+    """(an anonymous private mapping of at least nbytes, rounded up to 2 MiB; whether madvise(MADV_HUGEPAGE) was
+    accepted): Note [Weights on huge pages]."""
+    import mmap
+
+    m = mmap.mmap(-1, max(1, -(-nbytes // (2 << 20))) * (2 << 20), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(m, "madvise") and hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            m.madvise(mmap.MADV_HUGEPAGE)
+            return m, True
+        except OSError:
+            pass
+    return m, False
+
+
+def huge_page_copies(arrays: list):
+    """(mapping, copies): each array copied into one anonymous_huge_mapping, 64-byte aligned, same dtype and shape;
+    keep the mapping alive as long as the copies are used."""
+    import numpy as np
+
+    offsets, pos = [], 0
+    for a in arrays:
+        offsets.append(pos)
+        pos += -(-a.nbytes // 64) * 64
+    m, _ = anonymous_huge_mapping(pos)
+    copies = []
+    for a, at in zip(arrays, offsets):
+        c = np.frombuffer(m, dtype=a.dtype, count=a.size, offset=at).reshape(a.shape)
+        c[...] = a
+        copies.append(c)
+    return m, copies
+
+
 class HugePageWeights:
     """The initializers of one model read into one anonymous mapping advised MADV_HUGEPAGE (Note [Weights on huge
     pages]); keep the object alive as long as the session that was given them (`attach`)."""
 
     def __init__(self, model_path: str):
-        import mmap
-
         import numpy as np
         import onnx
         from onnx import helper
@@ -163,14 +194,7 @@ class HugePageWeights:
         for e in entries:
             offsets.append(pos)
             pos += -(-e[5] // 64) * 64
-        size = -(-pos // (2 << 20)) * (2 << 20)
-        self.mapping = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        if hasattr(self.mapping, "madvise") and hasattr(mmap, "MADV_HUGEPAGE"):
-            try:
-                self.mapping.madvise(mmap.MADV_HUGEPAGE)
-                self.huge = True
-            except OSError:
-                pass
+        self.mapping, self.huge = anonymous_huge_mapping(pos)
         view = memoryview(self.mapping)
         files: dict[str, object] = {}
         try:
