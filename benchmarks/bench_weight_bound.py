@@ -171,7 +171,7 @@ def _time_alone(model: bytes, feeds: dict, threads: int, steps: int, weights: di
     import onnxruntime as ort
 
     import ortkv
-    from ortkv._memory import huge_page_copies
+    from ortkv._memory import add_initializers, huge_page_copies
 
     so = ort.SessionOptions()
     so.intra_op_num_threads = threads
@@ -180,9 +180,7 @@ def _time_alone(model: bytes, feeds: dict, threads: int, steps: int, weights: di
     keep = None
     if weights:
         mapping, copies = huge_page_copies(list(weights.values()))
-        keep = (mapping, copies, [ort.OrtValue.ortvalue_from_numpy(c) for c in copies])
-        for name, value in zip(weights, keep[2]):
-            so.add_initializer(name, value)
+        keep = (mapping, copies, add_initializers(so, list(weights), copies))
     s = ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
     # inputs and every output bound once to numpy buffers: the timed run is the nodes and ORT's run, not
     # 121 output arrays allocated and handed to Python per run (s.run(None, feeds) did that: ~0.1 ms a run

@@ -135,15 +135,33 @@ def anonymous_huge_mapping(nbytes: int):
     return m, False
 
 
+def _packed_offsets(sizes) -> tuple[list, int]:
+    """(offset of each of `sizes` bytes laid end to end at 64-byte alignment, total bytes)."""
+    offsets, pos = [], 0
+    for n in sizes:
+        offsets.append(pos)
+        pos += -(-n // 64) * 64
+    return offsets, pos
+
+
+def add_initializers(so, names: list, arrays: list) -> list:
+    """Give `arrays` to SessionOptions `so` as pre-allocated initializers `names` (add_initializer: ORT reads them in
+    place; add_external_initializers copied them, +530 MB for the float32 decoder); returns the OrtValues, which must
+    stay alive, with the arrays, as long as the session."""
+    import onnxruntime as ort
+
+    values = [ort.OrtValue.ortvalue_from_numpy(a) for a in arrays]
+    for name, value in zip(names, values):
+        so.add_initializer(name, value)
+    return values
+
+
 def huge_page_copies(arrays: list):
     """(mapping, copies): each array copied into one anonymous_huge_mapping, 64-byte aligned, same dtype and shape;
     keep the mapping alive as long as the copies are used."""
     import numpy as np
 
-    offsets, pos = [], 0
-    for a in arrays:
-        offsets.append(pos)
-        pos += -(-a.nbytes // 64) * 64
+    offsets, pos = _packed_offsets(a.nbytes for a in arrays)
     m, _ = anonymous_huge_mapping(pos)
     copies = []
     for a, at in zip(arrays, offsets):
@@ -190,10 +208,7 @@ class HugePageWeights:
         if not entries:
             self.mapping = None
             return
-        offsets, pos = [], 0
-        for e in entries:
-            offsets.append(pos)
-            pos += -(-e[5] // 64) * 64
+        offsets, pos = _packed_offsets(e[5] for e in entries)
         self.mapping, self.huge = anonymous_huge_mapping(pos)
         view = memoryview(self.mapping)
         files: dict[str, object] = {}
@@ -215,10 +230,5 @@ class HugePageWeights:
             view.release()
 
     def attach(self, so) -> None:
-        """Give the arrays to SessionOptions `so` as pre-allocated initializers (add_initializer: ORT reads them in
-        place; add_external_initializers copied them, +530 MB)."""
-        import onnxruntime as ort
-
-        self.values = [ort.OrtValue.ortvalue_from_numpy(a) for a in self.arrays]
-        for name, value in zip(self.names, self.values):
-            so.add_initializer(name, value)
+        """Give the arrays to SessionOptions `so` as pre-allocated initializers (add_initializers)."""
+        self.values = add_initializers(so, self.names, self.arrays)

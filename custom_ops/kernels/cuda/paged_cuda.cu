@@ -1988,7 +1988,7 @@ __global__ void __launch_bounds__(kThreads, ORTKV_PAGED_V3_MIN_BLOCKS) PagedAtte
   if (tid == 0) sh.key = kNoError;
 
   // this lane's raw query pairs (row g = lane / 4: head g0 + g when g < gn), loaded before `start` so that the
-  // two loads overlap (as dense v3); converted into the mma fragments after the page window is resolved
+  // two loads overlap (as dense v3); converted into the mma fragments below, once `start` is back
   const int g = lane >> 2, c = lane & 3;
   uint32_t qr[D / 16][2];
   {
