@@ -45,6 +45,53 @@ def test_dlpack_data_ptr_reads_numpy_pointers():
         _ortkv.dlpack_data_ptr(a)
 
 
+def test_dlpack_data_ptr_consumes_the_capsule():
+    """Note [DLPack capsules are consumed]: the managed tensor's deleter runs (the producer's reference is dropped)
+    and the capsule is renamed used_*, so it cannot be read twice and its own destructor frees nothing more."""
+    import sys
+
+    a = np.arange(64, dtype=np.float32)
+    before = sys.getrefcount(a)
+    for versioned in (False, True):
+        cap = a.__dlpack__(max_version=(1, 0)) if versioned else a.__dlpack__()
+        assert sys.getrefcount(a) == before + 1  # the capsule's managed tensor holds the array
+        assert _ortkv.dlpack_data_ptr(cap) == a.ctypes.data
+        assert sys.getrefcount(a) == before  # consumed: the deleter dropped that reference
+        with pytest.raises(TypeError, match="not an unconsumed DLPack capsule"):
+            _ortkv.dlpack_data_ptr(cap)
+        del cap  # its destructor sees a used capsule: no second release (a double free would crash here)
+        assert sys.getrefcount(a) == before
+
+
+def test_alias_check_does_not_keep_outputs_alive():
+    """Every run's outputs go through to_dlpacks(dlpack_data_ptr); a callback that only read the capsules kept
+    each output's tensor alive forever (~200 KiB a decode step for SmolLM2's logits). 40 runs that each return a
+    16 MiB non-cache output must not grow the process by more than a few of them."""
+    from onnx import TensorProto as TP
+    from onnx import helper
+
+    big = 4 << 20  # floats: 16 MiB
+    m = cache_update_model()
+    m.graph.node.append(helper.make_node("Expand", ["one", "shape"], ["big"]))
+    m.graph.input.append(helper.make_tensor_value_info("one", TP.FLOAT, [1]))
+    m.graph.output.append(helper.make_tensor_value_info("big", TP.FLOAT, [big]))
+    m.graph.initializer.append(helper.make_tensor("shape", TP.INT64, [1], [big]))
+    so = ort.SessionOptions()
+    so.log_severity_level = 4
+    cache = np.zeros((1, 2, 8, 4), np.float32)
+    with ortkv.MutableCacheSession(m.SerializeToString(), sess_options=so) as s:
+        s.bind_cache("cache", cache)
+        feeds = {"values": np.ones((1, 2, 1, 4), np.float32), "position": np.array(0), "one": np.ones(1, np.float32)}
+        for _ in range(3):
+            s.run(["updated_cache", "big"], feeds)
+        start = rss_bytes()
+        for _ in range(40):
+            (_, out) = s.run(["updated_cache", "big"], feeds)
+            assert out.shape == (big,) and out[-1] == 1.0
+        grown = rss_bytes() - start
+    assert grown < 8 * 16 * 2**20, f"RSS grew {grown / 2**20:.0f} MiB over 40 runs of a 16 MiB output"
+
+
 def test_dlpack_data_ptr_through_ort_to_dlpacks_matches_data_ptr():
     """ORT hands each capsule over while the call lasts (to_dlpacks): read then, it is each output's pointer."""
     cache = np.zeros((1, 2, 8, 4), np.float32)

@@ -61,15 +61,23 @@ PYBIND11_MODULE(_ortkv, m) {
   m.def("protected_count", []() { return ortkv_core_protected_count(); });
   // Note [Alias check without wrappers] (session.py): the data pointer of a DLPack capsule, for the post-run
   // pointer check of a session's aliased outputs: ORT's OrtValueVector.to_dlpacks(dlpack_data_ptr) calls it on
-  // each output's capsule, in one call, instead of one Python OrtValue per output (~0.7 us each). The capsule
-  // is only read, not consumed, and only while the call lasts (to_dlpacks may release it right after).
+  // each output's capsule, in one call, instead of one Python OrtValue per output (~0.7 us each).
+  // Note [DLPack capsules are consumed]: the function CONSUMES the capsule, as a DLPack consumer must: it reads
+  // the pointer, renames the capsule "used_dltensor" (or "used_dltensor_versioned") and calls the managed
+  // tensor's deleter, which drops the producer's reference to the tensor. to_dlpacks hands the callback one
+  // capsule without a destructor, re-pointed at a new DLManagedTensor per output ("the object which consumes it
+  // is responsible for its deletion"): a callback that only read it leaked every output's managed tensor and
+  // with it the tensor itself, i.e. each decode step's logits (192 KiB a step for SmolLM2 on the CPU, ~80 MB
+  // per 300 tokens; on CUDA the device buffers). A capsule made by OrtValue.to_dlpack() has a destructor that
+  // calls the deleter only while the name is still "dltensor", so renaming it first frees it exactly once.
   m.def(
       "dlpack_data_ptr",
       [](const py::object& capsule) {
-        // DLPack's C ABI (dlpack.h): DLManagedTensor {DLTensor dl_tensor; ...} ("dltensor") and
-        // DLManagedTensorVersioned {DLPackVersion version; void* manager_ctx; void (*deleter)(...); uint64_t flags;
-        // DLTensor dl_tensor;} ("dltensor_versioned"); DLTensor {void* data; DLDevice device; int32_t ndim;
-        // DLDataType dtype; int64_t* shape; int64_t* strides; uint64_t byte_offset;}.
+        // DLPack's C ABI (dlpack.h): DLManagedTensor {DLTensor dl_tensor; void* manager_ctx;
+        // void (*deleter)(DLManagedTensor*);} ("dltensor") and DLManagedTensorVersioned {DLPackVersion version;
+        // void* manager_ctx; void (*deleter)(...); uint64_t flags; DLTensor dl_tensor;} ("dltensor_versioned");
+        // DLTensor {void* data; DLDevice device; int32_t ndim; DLDataType dtype; int64_t* shape;
+        // int64_t* strides; uint64_t byte_offset;}.
         struct DLTensorHead {
           void* data;
           int32_t device_type, device_id, ndim;
@@ -79,26 +87,40 @@ PYBIND11_MODULE(_ortkv, m) {
           int64_t* strides;
           uint64_t byte_offset;
         };
-        struct VersionedHead {
+        struct Managed {
+          DLTensorHead dl_tensor;
+          void* manager_ctx;
+          void (*deleter)(Managed*);
+        };
+        struct Versioned {
           uint32_t major, minor;
           void* manager_ctx;
-          void (*deleter)(void*);
+          void (*deleter)(Versioned*);
           uint64_t flags;
           DLTensorHead dl_tensor;
         };
+        static_assert(sizeof(DLTensorHead) == 48, "DLTensor is 48 bytes");
         PyObject* c = capsule.ptr();
-        const DLTensorHead* t = nullptr;
+        uintptr_t ptr = 0;
         if (PyCapsule_IsValid(c, "dltensor")) {
-          t = static_cast<const DLTensorHead*>(PyCapsule_GetPointer(c, "dltensor"));
+          auto* t = static_cast<Managed*>(PyCapsule_GetPointer(c, "dltensor"));
+          ptr = reinterpret_cast<uintptr_t>(t->dl_tensor.data) + t->dl_tensor.byte_offset;
+          if (PyCapsule_SetName(c, "used_dltensor") != 0) throw py::error_already_set();
+          if (t->deleter != nullptr) t->deleter(t);
         } else if (PyCapsule_IsValid(c, "dltensor_versioned")) {
-          t = &static_cast<const VersionedHead*>(PyCapsule_GetPointer(c, "dltensor_versioned"))->dl_tensor;
+          auto* t = static_cast<Versioned*>(PyCapsule_GetPointer(c, "dltensor_versioned"));
+          ptr = reinterpret_cast<uintptr_t>(t->dl_tensor.data) + t->dl_tensor.byte_offset;
+          if (PyCapsule_SetName(c, "used_dltensor_versioned") != 0) throw py::error_already_set();
+          if (t->deleter != nullptr) t->deleter(t);
         } else {
           throw py::type_error("dlpack_data_ptr: not an unconsumed DLPack capsule (\"dltensor\" or "
                                "\"dltensor_versioned\")");
         }
-        return reinterpret_cast<uintptr_t>(t->data) + t->byte_offset;
+        return ptr;
       },
-      py::arg("capsule"), "data + byte_offset of a DLPack capsule (read, not consumed).");
+      py::arg("capsule"),
+      "data + byte_offset of a DLPack capsule; consumes it (renamed used_*, the deleter called: Note [DLPack "
+      "capsules are consumed]).");
   m.def(
       "cuda_take_error",
       []() -> py::object {

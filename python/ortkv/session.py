@@ -422,8 +422,8 @@ class MutableCacheSession:
     # have evicted the interpreter's data from the CPU caches); reading each pointer from ORT's own vector
     # (get_outputs_as_ortvaluevector, one call) still costs a pybind11 OrtValue per output (~40 / ~130 us). So
     # the vector hands each output to _ortkv.dlpack_data_ptr as a DLPack capsule, all in one call
-    # (to_dlpacks; a capsule shares the tensor, nothing is copied, and is read only during that call: ORT
-    # releases it right after, so a capsule kept for later would point at freed memory): ~15 us warm, ~115 us
+    # (to_dlpacks; a capsule shares the tensor, nothing is copied; the callback must consume it, deleter and all,
+    # or every output of every run stays allocated: Note [DLPack capsules are consumed]): ~15 us warm, ~115 us
     # right after a step. The comparison is the same: each aliased output's pointer against its cache's, every
     # run; where to_dlpacks is missing or refuses (an ORT build without DLPack, an output that is not a tensor)
     # the pointers are read one OrtValue at a time.
@@ -431,7 +431,7 @@ class MutableCacheSession:
         try:
             from . import _ortkv
 
-            ptrs = values.to_dlpacks(_ortkv.dlpack_data_ptr)  # each capsule read while it is handed over
+            ptrs = values.to_dlpacks(_ortkv.dlpack_data_ptr)  # each capsule read and consumed as it is handed over
             got = [ptrs[i] for i, _, _, _ in alias_checks]
         except Exception:  # no DLPack in this ORT build, or an output DLPack cannot carry: one value at a time
             got = [values[i].data_ptr() for i, _, _, _ in alias_checks]
