@@ -45,7 +45,7 @@ namespace {
 Status Plan(const char* op, const std::string& node, const TensorArg& cache, const TensorArg& values, const TensorArg& position,
             int64_t seq_axis, bool read_positions, CacheUpdateView* view) {
   const int64_t rank = static_cast<int64_t>(cache.dims.size());
-  std::ostringstream m;
+  Message m;  // Note [Messages on the error path only]
   if (rank < 3) {
     m << "input '" << cache.name << "' has rank " << rank << " (shape " << ShapeText(cache.dims)
       << "); a cache needs rank >= 3, e.g. BNSH [batch, heads, capacity, head_size]";

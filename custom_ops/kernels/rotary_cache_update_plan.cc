@@ -31,7 +31,7 @@ Status PlanRotaryCacheUpdate(const std::string& node, const TensorArg& qkv, cons
                              const TensorArg& v_cache, const TensorArg& positions, const TensorArg& cos_cache,
                              const TensorArg& sin_cache, int64_t heads, int64_t kv_heads, int64_t seq_axis,
                              bool read_positions, RotaryCacheUpdateView* view) {
-  std::ostringstream m;
+  Message m;  // Note [Messages on the error path only]
   if (heads < 1 || kv_heads < 1) {
     m << "num_heads=" << heads << " and kv_num_heads=" << kv_heads << " must both be >= 1";
     return Bad(node, m.str());
@@ -145,7 +145,7 @@ Status PlanRotaryCacheUpdate(const std::string& node, const TensorArg& qkv, cons
 }
 
 Status CheckSwiGLU(const std::string& node, const TensorArg& x, int64_t* rows, int64_t* f) {
-  std::ostringstream m;
+  Message m;  // Note [Messages on the error path only]
   if (ElemSize(x.elem_type) == 0) {
     m << "SwiGLU node '" << node << "': input '" << x.name << "' is " << ElemTypeName(x.elem_type)
       << "; SwiGLU takes float32, float16 or bfloat16";

@@ -123,7 +123,7 @@ Status CheckCacheWriteProtection(const char* op, const std::string& node, const 
 OrtStatus* CheckCacheAlias(const char* op, const std::string& node, const std::string& out_name,
                            const std::string& in_name, const void* out_data, const void* in_data) {
   if (out_data == in_data) return nullptr;
-  std::ostringstream m;
+  ortkv::Message m;  // Note [Messages on the error path only]
   m << op << " node '" << node << "': output '" << out_name << "' at " << Hex(out_data)
     << " is not the storage of input '" << in_name << "' at " << Hex(in_data)
     << "; the updated cache MUST alias the cache and ortkv never copies a cache, so nothing was written. "

@@ -179,7 +179,7 @@ OrtStatus* Compute(void* op_kernel, OrtKernelContext* ctx) {
   int64_t rows = std::min(view.M, kCpuRowsPerTask);
   int64_t cols = std::max<int64_t>(8, kCpuMacsPerTask / std::max<int64_t>(1, rows * view.K * w_rows_per_col));
   if (view.elem_type == ortkv::kFloat32 && view.M <= ortkv::kLinearCpuGemvMaxM) {
-    // decode (Note [Linear CPU GEMV]): a few contiguous ranges of whole row groups, each >= 64 KB of W
+    // decode (Note [Linear CPU GEMV], Note [Linear GEMV tasks]): contiguous ranges of whole row groups, each >= 64 KB of W
     const int64_t groups = (out_cols + ortkv::kLinearCpuGemvRows - 1) / ortkv::kLinearCpuGemvRows;
     const int64_t by_bytes = view.N * view.K * 4 / ortkv::kLinearCpuGemvMinTaskBytes;
     const int64_t tasks = std::max<int64_t>(1, std::min({ortkv::kLinearCpuGemvTasks, groups, by_bytes}));

@@ -116,7 +116,7 @@ OrtStatus* CheckPoolAliased(OrtKernelContext* ctx, const PagedKernel& k, const T
   void* out_data = nullptr;
   ORTKV_RETURN_IF_ORT_ERROR(g_api->GetTensorMutableData(out, &out_data));
   if (out_data == pool.data) return nullptr;
-  std::ostringstream m;
+  ortkv::Message m;  // Note [Messages on the error path only]
   m << "PagedCacheUpdate node '" << k.names.node << "': output '" << k.names.outputs[0] << "' at " << Hex(out_data)
     << " is not the storage of the pool '" << k.names.inputs[0] << "' at " << Hex(pool.data)
     << "; the updated pool MUST alias the pool and ortkv never copies a cache, so nothing was written. "

@@ -94,7 +94,7 @@ Status CheckLinearCpuIsa(const std::string& node);
 // column ranges of whole kLinearCpuGemvRows-row groups, none under kLinearCpuGemvMinTaskBytes of W (Note [Linear
 // CPU GEMV]).
 constexpr int64_t kLinearCpuGemvMaxM = 4;
-constexpr int64_t kLinearCpuGemvTasks = 4;
+constexpr int64_t kLinearCpuGemvTasks = 16;  // Note [Linear GEMV tasks] in custom_ops/kernels/cpu/linear.cc
 constexpr int64_t kLinearCpuGemvRows = 4;
 constexpr int64_t kLinearCpuGemvMinTaskBytes = 64 << 10;
 

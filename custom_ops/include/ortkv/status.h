@@ -2,6 +2,7 @@
 // them into OrtStatus, the bindings into Python exceptions. Nothing throws across a C boundary.
 #pragma once
 #include <cstdint>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <utility>
@@ -29,6 +30,24 @@ inline std::string ShapeText(const std::vector<int64_t>& d) {
   s << "]";
   return s.str();
 }
+
+// Note [Messages on the error path only]
+// The plans that check a run's inputs run on every call of every node (a float32 decode step: ~60 plans). An
+// std::ostringstream costs ~1 us to construct (its locale), so they build their messages with Message, whose
+// stream is made by the first <<: a check that passes constructs nothing. str() of an unused Message is "".
+class Message {
+ public:
+  template <typename T>
+  Message& operator<<(const T& v) {
+    if (!s_) s_.emplace();
+    *s_ << v;
+    return *this;
+  }
+  std::string str() const { return s_ ? s_->str() : std::string(); }
+
+ private:
+  std::optional<std::ostringstream> s_;
+};
 
 inline const char* CodeTag(Code c) {
   switch (c) {

@@ -51,7 +51,7 @@ struct Shapes {
 
 Status CheckShapes(const std::string& node, const TensorArg& q, const TensorArg& k, const TensorArg& v,
                    const TensorArg& start, int64_t num_heads, int64_t kv_num_heads, int64_t seq_axis, Shapes* sh) {
-  std::ostringstream m;
+  Message m;  // Note [Messages on the error path only]
   if (q.dims.size() != 3 || k.dims.size() != 4 || v.dims != k.dims) {
     m << "expected query [B, T, Hq*D] and equal key/value caches of rank 4; got '" << q.name << "' rank "
       << q.dims.size() << ", '" << k.name << "' rank " << k.dims.size() << ", '" << v.name << "' rank " << v.dims.size()
@@ -106,7 +106,7 @@ Status CheckShapes(const std::string& node, const TensorArg& q, const TensorArg&
 Status PlanCacheAttention(const std::string& node, const TensorArg& q, const TensorArg& k, const TensorArg& v,
                           const TensorArg& start, int64_t num_heads, int64_t kv_num_heads, float scale,
                           int64_t seq_axis, float* out, CacheAttentionView* view) {
-  std::ostringstream m;
+  Message m;  // Note [Messages on the error path only]
   if (q.elem_type != kFloat32 || k.elem_type != kFloat32 || v.elem_type != kFloat32) {
     m << "query, key and value must be float32 on the CPU (got " << ElemTypeName(q.elem_type) << ", "
       << ElemTypeName(k.elem_type) << ", " << ElemTypeName(v.elem_type) << ")";
@@ -114,7 +114,7 @@ Status PlanCacheAttention(const std::string& node, const TensorArg& q, const Ten
   }
   Shapes sh;
   ORTKV_RETURN_IF_ERR(CheckShapes(node, q, k, v, start, num_heads, kv_num_heads, seq_axis, &sh));
-  ORTKV_RETURN_IF_ERR(attn_cpu::CheckCpuIsa("CacheAttention node '" + node + "'"));
+  if (!attn_cpu::CpuIsaOnce().error.empty()) return attn_cpu::CheckCpuIsa("CacheAttention node '" + node + "'");
   const int64_t B = sh.B, T = sh.T, C = sh.C, D = sh.D, stride = sh.start_stride;
   const int64_t* s = static_cast<const int64_t*>(start.data);
   int64_t max_keys = 0;
@@ -152,7 +152,7 @@ Status PlanCacheAttention(const std::string& node, const TensorArg& q, const Ten
 Status PlanCacheAttentionCuda(const std::string& node, const TensorArg& q, const TensorArg& k, const TensorArg& v,
                               const TensorArg& start, int64_t num_heads, int64_t kv_num_heads, float scale,
                               int64_t seq_axis, void* out, int sm_count, CacheAttentionCudaView* view) {
-  std::ostringstream m;
+  Message m;  // Note [Messages on the error path only]
   const size_t es = ElemSize(q.elem_type);
   if (es == 0 || k.elem_type != q.elem_type || v.elem_type != q.elem_type) {
     m << "query, key and value must share one of float32, float16, bfloat16 (got " << ElemTypeName(q.elem_type)

@@ -110,7 +110,8 @@ void HalfToFloat(const uint16_t* src, float* dst, int64_t n) {
 // numpy read 22.3-23.4 GB/s in the same minutes): no prefetch 21.1-22.8 GB/s, prefetcht0 1 group ahead 23.0-
 // 23.4, 2 groups ahead 23.3-24.1, prefetcht1 20.9-21.3, prefetcht2 21.4, prefetchnta 4.5-8.8 (!); 8 rows per
 // tile 21.0-23.7, 2 rows 21.3-22.6. ORT's MLAS MatMul on the same bytes: ~20.8 GB/s (weight_bound.md).
-// The caller (linear_op.cc) splits a decode call's N into a few contiguous ranges of columns, one task each.
+// The caller (linear_op.cc) splits a decode call's N into contiguous ranges of columns, one task each (Note [Linear
+// GEMV tasks]).
 // Instruction sets: the tile kernel is compiled for AVX-512 (F/DQ) and AVX2 + FMA under `#pragma GCC target`
 // and picked once per process like the attention kernels (CpuIsaOnce, Note [CPU attention ISA dispatch]:
 // ORTKV_CPU_ISA=avx2 / baseline forces a narrower one; baseline is the reference path below).
@@ -130,6 +131,18 @@ void HalfToFloat(const uint16_t* src, float* dst, int64_t n) {
 // noise. The baseline path keeps std::exp.
 constexpr int64_t kGemvRows = kLinearCpuGemvRows;
 constexpr int64_t kGemvAheadRows = 8;
+// Note [Linear GEMV tasks]
+// ~~~~~~~~~~~~~~~~~~~~~~~~
+// A decode call's columns are split into up to kLinearCpuGemvTasks = 16 contiguous ranges (none under 64 KB of W),
+// which ORT's ParallelFor hands out one at a time to whichever thread is free. With 4 ranges (before) the calling
+// thread, once it had no range left, waited for the intra-op worker's last one: instrumented on the 2-core AMD VM
+// (SmolLM2 float32 decode, 121 Linear calls a step), the worker began within ~1 us but its ranges ran ~12 % slower
+// than the caller's (67 vs 60 us), and the caller idled 17.6-20.4 us per call after its last range (~2.3 ms of a
+// ~20 ms step; perf showed the caller 9-12 % of the step in ORT's spin-wait). With 32 ranges that wait fell to
+// 4-5 us per call. In the decoder, one process switching between the two every 16 steps (30 alternations, block
+// medians): 16 ranges took 0.968x the time of 4 (quartiles 0.933 / 1.004); 8 ranges 0.964x and 32 or 64 ranges
+// 1.11x in a noisier run of 16 alternations: more, shorter streams cost the prefetcher what the balance gains.
+//
 // Note [Linear GEMV one stream]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // With ONE row of X (a batch-1 decode step, the float32 decoder's hot path) there is nothing to reuse a W row for,
@@ -279,6 +292,7 @@ Status CheckLinearCpuIsa(const std::string& node) {
   if (!GemvM1Once().error.empty()) {  // the first call of each node refuses a misspelt ORTKV_LINEAR_M1
     return Status(Code::kInvalidArgument, "Linear node '" + node + "': " + GemvM1Once().error);
   }
+  if (attn_cpu::CpuIsaOnce().error.empty()) return Status::Ok();  // no message string on the happy path
   return attn_cpu::CheckCpuIsa("Linear node '" + node + "'");
 }
 

@@ -207,7 +207,7 @@ Status PlanPagedCacheAttention(const std::string& node, const TensorArg& q, cons
                                int64_t num_heads, const PagedAttrs& attrs, float scale, void* out,
                                PagedAttentionView* view, const TensorArg* page_fill) {
   const std::string op = "PagedCacheAttention";
-  std::ostringstream m;
+  Message m;  // Note [Messages on the error path only]
   if (q.elem_type != kFloat32 && q.elem_type != kFloat16 && q.elem_type != kBFloat16) {
     m << "query '" << q.name << "' must be float32, float16 or bfloat16 (got " << ElemTypeName(q.elem_type) << ")";
     return paged::Bad(op, node, m.str());

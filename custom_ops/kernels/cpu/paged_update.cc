@@ -56,7 +56,7 @@ static bool IsLogical(int32_t t) { return t == kFloat32 || t == kFloat16 || t ==
 
 Status ResolvePool(const std::string& op, const std::string& node, const TensorArg& pool, const TensorArg& directory,
                    const TensorArg& table, const PagedAttrs& a, int64_t batch, int64_t head_size, PagedPool* p) {
-  std::ostringstream m;
+  Message m;  // Note [Messages on the error path only]
   if (a.num_layers < 1 || a.layer < 0 || a.layer >= a.num_layers) {
     m << "attribute layer=" << a.layer << " must be in [0, num_layers=" << a.num_layers
       << ") (num_layers >= 1: the layers of every page slot)";
@@ -122,7 +122,7 @@ static bool PageValid(const PagedPool& p, int64_t b, int64_t page_index) {
 Status CheckPage(const std::string& node, const PagedPool& p, const std::string& pool_name, const std::string& dir_name,
                  const std::string& table_name, int64_t b, int64_t page_index, int64_t needed_tokens) {
   if (PageValid(p, b, page_index)) return Status::Ok();  // Note [Page checks without strings]
-  std::ostringstream m;
+  Message m;  // Note [Messages on the error path only]
   m << node << ": row " << b << " needs page " << page_index << " of its page table '" << table_name << "' (tokens ["
     << p.EntryBegin(b, page_index) << ", " << p.EntryBegin(b, page_index + 1) << "), the row uses "
     << needed_tokens << " tokens) but ";
@@ -165,7 +165,7 @@ Status CheckPageFillShape(const std::string& op, const std::string& node, const 
                           const std::string& table_name, int64_t batch, int64_t max_pages) {
   if (fill.elem_type == 6 /* int32 */ && fill.dims.size() == 2 && fill.dims[0] == batch && fill.dims[1] == max_pages)
     return Status::Ok();
-  std::ostringstream m;
+  Message m;  // Note [Messages on the error path only]
   m << "page_fill '" << fill.name << "' must be int32 [batch=" << batch << ", max_pages=" << max_pages << "], the shape of the "
     << "page table '" << table_name << "'; got " << ElemTypeName(fill.elem_type) << " of rank " << fill.dims.size();
   if (fill.dims.size() == 2) m << " [" << fill.dims[0] << ", " << fill.dims[1] << "]";
@@ -180,7 +180,7 @@ Status ResolvePageFill(const std::string& op, const std::string& node, const Ten
   if (fill == nullptr) return Status::Ok();
   const int64_t B = batch;
   ORTKV_RETURN_IF_ERR(CheckPageFillShape(op, node, *fill, table_name, B, p->max_pages));
-  std::ostringstream m;
+  Message m;  // Note [Messages on the error path only]
   const int32_t* f = static_cast<const int32_t*>(fill->data);
   const int64_t ps = p->shape.page_size, mp = p->max_pages;
   prefix->assign(static_cast<size_t>(B * (mp + 1)), 0);
@@ -207,7 +207,7 @@ Status PlanPagedCacheUpdate(const std::string& node, const TensorArg& pool, cons
                             const TensorArg& position, const PagedAttrs& attrs, PagedUpdateView* view,
                             const TensorArg* page_fill) {
   const std::string op = "PagedCacheUpdate";
-  std::ostringstream m;
+  Message m;  // Note [Messages on the error path only]
   if (!paged::IsLogical(key.elem_type) || key.elem_type != value.elem_type) {
     m << "key '" << key.name << "' and value '" << value.name << "' must both be float32, float16 or bfloat16 (got "
       << ElemTypeName(key.elem_type) << " and " << ElemTypeName(value.elem_type) << ")";
