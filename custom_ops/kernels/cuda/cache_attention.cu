@@ -739,8 +739,10 @@ cudaError_t Launch(const CacheAttentionCudaView& v, const Args& a, int gm, cudaS
 namespace v3 {
 
 using tile16::kTile;
+using tile16::LoadQueryPairs;
 using tile16::MergeWarpTiles;
 using tile16::Pack2;
+using tile16::QueryFragments;
 using tile16::Sw;
 using tile16::TileProducts;
 using tile16::ZeroInvalidV;
@@ -785,13 +787,8 @@ __global__ void __launch_bounds__(NW * 32) AttentionKernelV3(const Args a) {
   const int g = lane >> 2, c = lane & 3;  // the mma's row (query head g0 + g) and column pair of this lane
 
   // the raw q pairs of this lane's fragments, loaded with `start` (neither waits for the other)
-  const T* qp = static_cast<const T*>(a.q) + ((b * a.T + t) * a.Hq + hk * G + g0 + g) * a.D;
   uint32_t qr[D / 16][2];
-#pragma unroll
-  for (int ks = 0; ks < D / 16; ++ks)
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-      qr[ks][h] = g < gn ? *reinterpret_cast<const uint32_t*>(qp + ks * 16 + h * 8 + 2 * c) : 0u;
+  LoadQueryPairs<T, D>(static_cast<const T*>(a.q) + ((b * a.T + t) * a.Hq + hk * G + g0 + g) * a.D, g, gn, c, qr);
   if (blockIdx.x == 0 && tid == 0) ReportStart(a);
   int64_t st = a.start[b * a.start_stride];
   const int64_t hi = a.C - a.T;
@@ -831,23 +828,7 @@ __global__ void __launch_bounds__(NW * 32) AttentionKernelV3(const Args a) {
   for (int s = 0; s < ST - 1; ++s) issue();
 
   uint32_t qa[D / 16][2];
-  {
-    const float qscale = a.scale * 1.4426950408889634f;  // base-2 scores
-#pragma unroll
-    for (int ks = 0; ks < D / 16; ++ks)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        float x, y;
-        if constexpr (BF) {
-          const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&qr[ks][h]));
-          x = f.x, y = f.y;
-        } else {
-          const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&qr[ks][h]));
-          x = f.x, y = f.y;
-        }
-        qa[ks][h] = Pack2<BF>(x * qscale, y * qscale);
-      }
-  }
+  QueryFragments<BF, D>(qr, a.scale * 1.4426950408889634f, qa);  // base-2 scores
   float m = -INFINITY, l = 0.0f, o[D / 8][4];
 #pragma unroll
   for (int nt = 0; nt < D / 8; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.0f;

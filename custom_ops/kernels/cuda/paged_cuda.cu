@@ -1634,9 +1634,11 @@ using pv2::ScaleBytes;
 using tile16::kTile;
 using tile16::LdMatrix4;
 using tile16::LdMatrix4T;
+using tile16::LoadQueryPairs;
 using tile16::MergeWarpTiles;
 using tile16::Mma;
 using tile16::Pack2;
+using tile16::QueryFragments;
 using tile16::Sw;
 using tile16::TileProducts;
 using tile16::ZeroInvalidV;
@@ -1991,14 +1993,7 @@ __global__ void __launch_bounds__(kThreads, ORTKV_PAGED_V3_MIN_BLOCKS) PagedAtte
   // two loads overlap (as dense v3); converted into the mma fragments below, once `start` is back
   const int g = lane >> 2, c = lane & 3;
   uint32_t qr[D / 16][2];
-  {
-    const T* qp = static_cast<const T*>(a.q) + ((b * a.T + t) * a.Hq + hk * G + g0 + g) * a.D;
-#pragma unroll
-    for (int ks = 0; ks < D / 16; ++ks)
-#pragma unroll
-      for (int h = 0; h < 2; ++h)
-        qr[ks][h] = g < gn ? *reinterpret_cast<const uint32_t*>(qp + ks * 16 + h * 8 + 2 * c) : 0u;
-  }
+  LoadQueryPairs<T, D>(static_cast<const T*>(a.q) + ((b * a.T + t) * a.Hq + hk * G + g0 + g) * a.D, g, gn, c, qr);
 
   bool bad_start = false;
   const int64_t st0 = ClampedStart(a, b, &bad_start);
@@ -2012,21 +2007,7 @@ __global__ void __launch_bounds__(kThreads, ORTKV_PAGED_V3_MIN_BLOCKS) PagedAtte
 
   // this lane's query fragments from the raw pairs (zeros for padding rows: qr is 0 there)
   uint32_t qa[D / 16][2];
-  {
-    const float qscale = a.scale * 1.4426950408889634f;
-#pragma unroll
-    for (int ks = 0; ks < D / 16; ++ks)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        float2 v;
-        if constexpr (std::is_same<T, __half>::value) {
-          v = __half22float2(*reinterpret_cast<const __half2*>(&qr[ks][h]));
-        } else {
-          v = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&qr[ks][h]));
-        }
-        qa[ks][h] = Pack2<BF>(v.x * qscale, v.y * qscale);
-      }
-  }
+  QueryFragments<BF, D>(qr, a.scale * 1.4426950408889634f, qa);  // base-2 scores
   float m = -INFINITY, l = 0.0f, o[D / 8][4];
 #pragma unroll
   for (int nt = 0; nt < D / 8; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.0f;

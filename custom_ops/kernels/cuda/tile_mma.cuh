@@ -60,6 +60,35 @@ __device__ __forceinline__ uint32_t Pack2(float x, float y) {
   }
 }
 
+// The query side of both v3 kernels, in two steps so that the load can overlap the kernel's read of `start`:
+// LoadQueryPairs reads this lane's raw 16-bit pairs of the mma's A fragments (row g = lane / 4 is query head
+// g0 + g of the block, zeros for g >= gn, the padding rows; columns 2 * (lane % 4) + {0, 1} of each 8-column half
+// of every 16-column k step), qp pointing at row g's query; QueryFragments then scales them by qscale
+// (a.scale * log2 e: base-2 scores) in float and rounds them back to 16 bits.
+template <typename T, int D>
+__device__ __forceinline__ void LoadQueryPairs(const T* qp, int g, int gn, int c, uint32_t (*qr)[2]) {
+#pragma unroll
+  for (int ks = 0; ks < D / 16; ++ks)
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+      qr[ks][h] = g < gn ? *reinterpret_cast<const uint32_t*>(qp + ks * 16 + h * 8 + 2 * c) : 0u;
+}
+template <bool BF, int D>
+__device__ __forceinline__ void QueryFragments(const uint32_t (*qr)[2], float qscale, uint32_t (*qa)[2]) {
+#pragma unroll
+  for (int ks = 0; ks < D / 16; ++ks)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float2 f;
+      if constexpr (BF) {
+        f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&qr[ks][h]));
+      } else {
+        f = __half22float2(*reinterpret_cast<const __half2*>(&qr[ks][h]));
+      }
+      qa[ks][h] = Pack2<BF>(f.x * qscale, f.y * qscale);
+    }
+}
+
 // Zeroes the value rows of a 16-bit tile that are not in `valid`.
 template <int D>
 __device__ __forceinline__ void ZeroInvalidV(uint8_t* st, int lane, uint32_t valid) {
