@@ -11,18 +11,13 @@ namespace ortkv_ort {
 
 OrtStatus* ReadTensor(const OrtValue* value, const std::string& name, ortkv::TensorArg* out, int* device_type,
                       int* device_id) {
-  OrtTensorTypeAndShapeInfo* info = nullptr;
-  ORTKV_RETURN_IF_ORT_ERROR(g_api->GetTensorTypeAndShape(value, &info));
+  // the value's own type and shape, read in place (C API 24+): no OrtTensorTypeAndShapeInfo is made and released per
+  // input per run (Note [Messages on the error path only]: these adapters run on every call of every node)
   ONNXTensorElementDataType type;
+  const int64_t* shape = nullptr;
   size_t rank = 0;
-  OrtStatus* s = g_api->GetTensorElementType(info, &type);
-  if (s == nullptr) s = g_api->GetDimensionsCount(info, &rank);
-  if (s == nullptr) {
-    out->dims.assign(rank, 0);
-    s = g_api->GetDimensions(info, out->dims.data(), rank);
-  }
-  g_api->ReleaseTensorTypeAndShapeInfo(info);
-  if (s != nullptr) return s;
+  ORTKV_RETURN_IF_ORT_ERROR(g_api->GetTensorElementTypeAndShapeDataReference(value, &type, &shape, &rank));
+  out->dims.assign(shape, shape + rank);
   out->elem_type = static_cast<int32_t>(type);
   out->name = name;
   void* data = nullptr;
