@@ -72,7 +72,7 @@ PYBIND11_MODULE(_ortkv, m) {
   // calls the deleter only while the name is still "dltensor", so renaming it first frees it exactly once.
   m.def(
       "dlpack_data_ptr",
-      [](const py::object& capsule) {
+      [](const py::object& capsule) -> uintptr_t {
         // DLPack's C ABI (dlpack.h): DLManagedTensor {DLTensor dl_tensor; void* manager_ctx;
         // void (*deleter)(DLManagedTensor*);} ("dltensor") and DLManagedTensorVersioned {DLPackVersion version;
         // void* manager_ctx; void (*deleter)(...); uint64_t flags; DLTensor dl_tensor;} ("dltensor_versioned");
@@ -101,22 +101,23 @@ PYBIND11_MODULE(_ortkv, m) {
         };
         static_assert(sizeof(DLTensorHead) == 48, "DLTensor is 48 bytes");
         PyObject* c = capsule.ptr();
-        uintptr_t ptr = 0;
+        // read the pointer, mark the capsule used, then release the producer's reference (in that order: the
+        // deleter may free the tensor and its DLTensor)
+        auto consume = [c](auto* t, const char* used) {
+          const uintptr_t ptr = reinterpret_cast<uintptr_t>(t->dl_tensor.data) + t->dl_tensor.byte_offset;
+          if (PyCapsule_SetName(c, used) != 0) throw py::error_already_set();
+          if (t->deleter != nullptr) t->deleter(t);
+          return ptr;
+        };
         if (PyCapsule_IsValid(c, "dltensor")) {
-          auto* t = static_cast<Managed*>(PyCapsule_GetPointer(c, "dltensor"));
-          ptr = reinterpret_cast<uintptr_t>(t->dl_tensor.data) + t->dl_tensor.byte_offset;
-          if (PyCapsule_SetName(c, "used_dltensor") != 0) throw py::error_already_set();
-          if (t->deleter != nullptr) t->deleter(t);
-        } else if (PyCapsule_IsValid(c, "dltensor_versioned")) {
-          auto* t = static_cast<Versioned*>(PyCapsule_GetPointer(c, "dltensor_versioned"));
-          ptr = reinterpret_cast<uintptr_t>(t->dl_tensor.data) + t->dl_tensor.byte_offset;
-          if (PyCapsule_SetName(c, "used_dltensor_versioned") != 0) throw py::error_already_set();
-          if (t->deleter != nullptr) t->deleter(t);
-        } else {
-          throw py::type_error("dlpack_data_ptr: not an unconsumed DLPack capsule (\"dltensor\" or "
-                               "\"dltensor_versioned\")");
+          return consume(static_cast<Managed*>(PyCapsule_GetPointer(c, "dltensor")), "used_dltensor");
         }
-        return ptr;
+        if (PyCapsule_IsValid(c, "dltensor_versioned")) {
+          return consume(static_cast<Versioned*>(PyCapsule_GetPointer(c, "dltensor_versioned")),
+                         "used_dltensor_versioned");
+        }
+        throw py::type_error("dlpack_data_ptr: not an unconsumed DLPack capsule (\"dltensor\" or "
+                             "\"dltensor_versioned\")");
       },
       py::arg("capsule"),
       "data + byte_offset of a DLPack capsule; consumes it (renamed used_*, the deleter called: Note [DLPack "

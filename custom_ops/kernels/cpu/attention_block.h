@@ -422,10 +422,12 @@ inline const CpuIsaChoice& CpuIsaOnce() {
   return choice;
 }
 
-// For the plans: refuses a bad ORTKV_CPU_ISA; `where` names the op and node.
-inline Status CheckCpuIsa(const std::string& where) {
+// For the plans: refuses a bad ORTKV_CPU_ISA, naming "`op` node '`node`'"; the message is built only for a refusal
+// (Note [Messages on the error path only]).
+inline Status CheckCpuIsa(const char* op, const std::string& node) {
   const CpuIsaChoice& c = CpuIsaOnce();
-  return c.error.empty() ? Status::Ok() : Status(Code::kInvalidArgument, where + ": " + c.error);
+  if (c.error.empty()) return Status::Ok();
+  return Status(Code::kInvalidArgument, std::string(op) + " node '" + node + "': " + c.error);
 }
 
 // Note [CacheAttention CPU split-K]: split the keys only while units are too few to fill the threads,

@@ -114,7 +114,7 @@ Status PlanCacheAttention(const std::string& node, const TensorArg& q, const Ten
   }
   Shapes sh;
   ORTKV_RETURN_IF_ERR(CheckShapes(node, q, k, v, start, num_heads, kv_num_heads, seq_axis, &sh));
-  if (!attn_cpu::CpuIsaOnce().error.empty()) return attn_cpu::CheckCpuIsa("CacheAttention node '" + node + "'");
+  ORTKV_RETURN_IF_ERR(attn_cpu::CheckCpuIsa("CacheAttention", node));
   const int64_t B = sh.B, T = sh.T, C = sh.C, D = sh.D, stride = sh.start_stride;
   const int64_t* s = static_cast<const int64_t*>(start.data);
   int64_t max_keys = 0;

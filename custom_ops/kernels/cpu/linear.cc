@@ -292,8 +292,7 @@ Status CheckLinearCpuIsa(const std::string& node) {
   if (!GemvM1Once().error.empty()) {  // the first call of each node refuses a misspelt ORTKV_LINEAR_M1
     return Status(Code::kInvalidArgument, "Linear node '" + node + "': " + GemvM1Once().error);
   }
-  if (attn_cpu::CpuIsaOnce().error.empty()) return Status::Ok();  // no message string on the happy path
-  return attn_cpu::CheckCpuIsa("Linear node '" + node + "'");
+  return attn_cpu::CheckCpuIsa("Linear", node);
 }
 
 void LinearCpu(const LinearView& v, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {

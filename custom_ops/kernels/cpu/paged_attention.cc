@@ -228,7 +228,7 @@ Status PlanPagedCacheAttention(const std::string& node, const TensorArg& q, cons
     return paged::Bad(op, node, m.str());
   }
   const int64_t D = W / num_heads;
-  ORTKV_RETURN_IF_ERR(attn_cpu::CheckCpuIsa(op + " node '" + node + "'"));
+  ORTKV_RETURN_IF_ERR(attn_cpu::CheckCpuIsa(op.c_str(), node));
   PagedPool& p = view->p;
   ORTKV_RETURN_IF_ERR(paged::ResolvePool(op, node, pool, directory, page_table, attrs, B, D, &p));
   ORTKV_RETURN_IF_ERR(ResolvePageFill(op, node, page_fill, page_table.name, B, &p, &view->fill_prefix));
