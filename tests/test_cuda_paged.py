@@ -137,13 +137,23 @@ def _logical_arg(x, dtype):
 
 
 # ---- PagedCacheAttention -------------------------------------------------------------------------------------
-def _attn_case(rng, formats, *, B, T, lengths, NL=2, H=3, G=3, PS=16, D=64, layer=1, dtype="float16", poison=True):
+def _attn_case(rng, formats, *, B, T, lengths, NL=2, H=3, G=3, PS=16, D=64, layer=1, dtype="float16", poison=True,
+               runs=None):
+    """runs=R: each row's pages in table order take formats[0] for R pages, then formats[1] for R pages, ...
+    (cycling), instead of formats spread over shuffled pages."""
     pages_per_row = [-(-n // PS) for n in lengths]
-    fmts = [formats[i % len(formats)] for i in range(sum(pages_per_row))]
-    fmts = [fmts[i] for i in rng.permutation(len(fmts))]
+    if runs is None:
+        fmts = [formats[i % len(formats)] for i in range(sum(pages_per_row))]
+        fmts = [fmts[i] for i in rng.permutation(len(fmts))]
+    else:
+        fmts = [formats[(i // runs) % len(formats)] for n in pages_per_row for i in range(n)]
     pool, directory = build_pool(rng, fmts, num_layers=NL, kv_heads=H, page_size=PS, head_size=D)
-    ids = list(rng.permutation(len(fmts)))
-    table = table_for([[int(ids.pop()) for _ in range(n)] for n in pages_per_row], max(pages_per_row) + 2)
+    if runs is None:
+        ids = list(rng.permutation(len(fmts)))
+        table = table_for([[int(ids.pop()) for _ in range(n)] for n in pages_per_row], max(pages_per_row) + 2)
+    else:
+        first = np.cumsum([0] + pages_per_row)
+        table = table_for([list(range(first[b], first[b + 1])) for b in range(B)], max(pages_per_row) + 2)
     start = np.array(lengths) - T
     clean = pool.copy()
     if poison:
@@ -215,6 +225,21 @@ def test_attention_chunks_longer_than_one_page_window(rng):
     kernel resolves its pages in several windows (Note [Paged CUDA v2])."""
     _attn_case(rng, [PageFormat.F16, PageFormat.INT8, PageFormat.INT4, PageFormat.FP8_E4M3, PageFormat.INT2,
                      PageFormat.INT4_KC], B=4, T=8, lengths=[7000, 6990, 7001, 5000], PS=4, NL=1, layer=0)
+
+
+@pytest.mark.parametrize("PS", [16, 48])
+@pytest.mark.parametrize("T", [1, 8])
+def test_attention_format_runs_switch_the_value_layout(rng, PS, T):
+    """Runs of 256 pages per format (INT4, F16, INT8, then mixed) in table order: with T = 8 (few splits) a block's
+    chunk spans several 256-page windows that are uniform INT4 / INT8 (decoded into the mma registers), uniform
+    F16 (the shared-memory tile) or mixed, so the accumulator's dim layout changes between windows (Note [Paged
+    CUDA v3 register decode]); T = 1: many splits, chunk edges inside the runs. PS 48: not a power of two."""
+    mixed = [PageFormat.INT2, PageFormat.FP8_E4M3]
+    runs = [PageFormat.INT4, PageFormat.F16, PageFormat.INT8, PageFormat.INT4, PageFormat.INT8]
+    lengths = [PS * 256 * 5 + 7, PS * 256 * 2 + 100, 3 * PS + 1] if PS == 16 else [PS * 256 * 3 + 5, 1000, PS + 2]
+    _attn_case(rng, runs, B=3, T=T, lengths=lengths, PS=PS, NL=1, layer=0, runs=256)
+    _attn_case(rng, [PageFormat.INT4, PageFormat.INT4, PageFormat.INT8] + mixed, B=2, T=T, lengths=lengths[:2], PS=PS,
+               NL=1, layer=0, runs=100)
 
 
 def test_attention_page_size_one_takes_the_first_kernel(rng):

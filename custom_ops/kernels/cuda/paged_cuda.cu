@@ -1637,6 +1637,8 @@ using tile16::LdMatrix4T;
 using tile16::LoadQueryPairs;
 using tile16::MergeWarpTiles;
 using tile16::Mma;
+using tile16::Mma4;
+using tile16::OpaqueZero;
 using tile16::Pack2;
 using tile16::QueryFragments;
 using tile16::Sw;
@@ -1926,9 +1928,9 @@ __device__ __forceinline__ void WindowTiles(const PageWindow& sh, uint8_t* wring
     issue();
     const int off = (warp + it * kWarps) * kTile;  // from a0
     uint32_t valid = 0xFFFFu;
-    if (off < lo || off + kTile > win) {
-      valid = 0;
-      for (int k = 0; k < kTile; ++k) valid |= (off + k >= lo && off + k < win) ? (1u << k) : 0u;
+    if (off < lo || off + kTile > win) {  // keys [a, e) of the tile are in the window
+      const int a = lo > off ? lo - off : 0, e = win - off < kTile ? win - off : kTile;
+      valid = e > a ? (((1u << e) - 1u) & ~((1u << a) - 1u)) : 0u;
     }
     const int lp = page_of(base_off + off);
     uint8_t* st = wring + stage * C::kStageBytes;
@@ -1952,6 +1954,364 @@ __device__ __forceinline__ void WindowTiles(const PageWindow& sh, uint8_t* wring
     TileProducts<BF, D>(st, qa, lane, valid, m, l, o);
   }
 }
+
+// Note [Paged CUDA v3 register decode]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// INT4 and INT8 pages under float16 queries skip the decoded 16-bit tile of Note [Paged CUDA v3]: the warp
+// decodes the raw codes from its ring straight into the mma B fragments, as exact float16 integers (Note [Half2
+// decode]'s exponent trick: INT4 code c, 0..15; INT8 code u - 128), and the per-row scales are applied outside the
+// products, in FP32:
+//   * scores: q . (c s + m) = s (q . c) + m sum(q), so S = s_k * (Q C^T) + m_k * qsum per key (qsum: the row's sum
+//     of the float16 query values the products use; INT8 has no minimum);
+//   * values: sum_j p_j (c_j s_j + m_j) = sum_j (p_j s_j) c_j + sum_j p_j m_j, so P is scaled by each key's s_v
+//     before it is rounded to float16 (as P alone was), and sum p m is one more FP32 sum per query head (mv),
+//     rescaled with l and added to every element of o when the window ends.
+// No shared-memory store of a decoded tile, no ldmatrix, no __syncwarp between decode and products; ~1.5
+// instructions per value (INT4: a shift, a LOP3 and one HSUB2 give two values) against ~2.5 before, and the
+// values are more exact (no float16 rounding of c s + m). Since every k-index of an mma is a sum, the dims a
+// lane's B fragments hold may be any split of the head that the A fragments (the queries) repeat:
+//   * K: lane (g, q = lane % 4) takes the q-th quarter of key row kappa(g) (kappa = 0 4 1 5 2 6 3 7 within each
+//     8-key n-tile); INT4 word w gives the pairs (x_i, x_i+4), i < 4, as k-steps 2 j + i / 2; INT8 words give
+//     adjacent pairs. The query fragments are built from the lane's quarter of the query row (RegQuery).
+//   * V: the B fragment pairs two KEYS of one dim, so two key rows' words are interleaved by one PRMT before the
+//     exponent trick; lane g takes words g, g + 8, ... of each row, and n-tile nt, column n of o then holds
+//     dim DimOf(mode, nt, n) (INT4: 64 (nt / 8) + 8 n + nt % 8), not nt * 8 + n. A block whose windows switch
+//     between the shared-memory path and a register path permutes o through its warp's ring (ConvertO, at most
+//     once per window), and the end-of-block merge reads o through the same map.
+//   * Keys outside the window: their codes are finite integers, and their scales are never trusted (P is
+//     zeroed by a select, not a product, as Note [Paged CUDA v3] zeroes their value rows).
+// A narrow stage is sized for its format (INT4 at head size 64: 1,152 bytes, up to 8 stages in the warp's ring
+// where F16 tiles fit 3), so more narrow tiles are in flight. BFloat16 queries keep the shared-memory decode.
+constexpr int kInt4F = static_cast<int>(PageFormat::kInt4), kInt8F = static_cast<int>(PageFormat::kInt8);
+
+// The layout of o after a window of format F: 0 the 16-bit tiles' (dim nt * 8 + n), 1 INT4's, 2 INT8's.
+template <int F>
+__host__ __device__ constexpr int RegMode() { return F == kInt4F ? 1 : F == kInt8F ? 2 : 0; }
+__device__ __forceinline__ int DimOf(int mode, int nt, int n) {
+  return mode == 1 ? 64 * (nt >> 3) + 8 * n + (nt & 7) : mode == 2 ? 32 * (nt >> 2) + 4 * n + (nt & 3) : nt * 8 + n;
+}
+
+template <int F, int D>
+struct RegCfg {
+  static constexpr int kRB = D * Bits(F) / 8;  // payload bytes of one key row
+  static constexpr int kV = kTile * kRB;       // the V rows in a stage (the K rows at 0)
+  static constexpr int kS = 2 * kTile * kRB;   // K scales (64 bytes reserved), then V scales (64 bytes)
+  static constexpr int kStageBytes = (kS + 128 + 127) / 128 * 128;
+  static constexpr int kKW = kRB / 16;  // 32-bit words in a lane's quarter of a key row
+};
+static_assert(RegCfg<kInt4F, 64>::kStageBytes == 1152 && RegCfg<kInt8F, 64>::kStageBytes == 2176, "");
+
+// The tile's raw K rows, V rows and their scales (rows row0 .. row0 + 15 of the page) into a narrow stage.
+template <int F, int D>
+__device__ __forceinline__ void IssueNarrow(uint8_t* st, const uint8_t* pg, const FormatInfo& fi, uint32_t row0,
+                                            int lane) {
+  using R = RegCfg<F, D>;
+  const uint8_t* ks = pg + row0 * R::kRB;
+  const uint8_t* vs = pg + fi.v_payload + row0 * R::kRB;
+#pragma unroll
+  for (int c = lane * 16; c < R::kV; c += 512) {
+    CpAsync<16>(st + c, ks + c);
+    CpAsync<16>(st + R::kV + c, vs + c);
+  }
+  constexpr int kSc = ScaleBytes(F) * kTile / 16;  // 16-byte pieces of one tile's K (or V) scales: 2 or 4
+  const int which = lane >> 2, piece = lane & 3;    // lanes 0 .. 3: K scales, 4 .. 7: V scales
+  if (lane < 8 && piece < kSc)
+    CpAsync<16>(st + R::kS + which * 64 + piece * 16,
+                pg + (which != 0 ? fi.v_scales : fi.k_scales) + row0 * static_cast<uint32_t>(ScaleBytes(F)) + piece * 16);
+}
+
+// (a & b) | c in one LOP3 (the compiler's own lowering takes two: LOP3 holds one immediate).
+__device__ __forceinline__ uint32_t AndOr(uint32_t a, uint32_t b, uint32_t c) {
+  uint32_t d;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+}
+// The INT4 codes at nibbles 0..3 of each 16-bit half of t as float16 pairs r[i] = (c_i of the low half, of the high
+// half): exact. Nibble 1 (3) keeps its place under the exponent of 1024.0h (1024 + 16 c, exact) and is scaled by
+// 1/16 in the subtraction's FMA, so one shift serves four pairs (9 instructions where shift-mask-or-subtract per
+// pair took 15).
+__device__ __forceinline__ void Int4Quad(uint32_t t, uint32_t* r) {
+  const uint32_t ex = 0x64006400u, lo = 0x000F000Fu, hi = 0x00F000F0u;
+  const uint32_t t8 = t >> 8;
+  r[0] = HSub2(AndOr(t, lo, ex), ex);
+  r[1] = HFma2(AndOr(t, hi, ex), 0x2C002C00u, 0xD400D400u);  // (1024 + 16 c) / 16 - 64
+  r[2] = HSub2(AndOr(t8, lo, ex), ex);
+  r[3] = HFma2(AndOr(t8, hi, ex), 0x2C002C00u, 0xD400D400u);
+}
+// INT8 codes from bytes 0, 1 (hi: 2, 3) of u (the stored bytes ^ 0x80: code + 128) as float16: exact.
+__device__ __forceinline__ uint32_t Int8Pair(uint32_t u, bool hi) {
+  return HSub2(__byte_perm(u, 0x64646464u, hi ? 0x4342 : 0x4140), 0x64806480u);
+}
+
+// This lane's D / 4 consecutive query elements (quarter lane % 4 of row g; zeros for padding rows g >= gn).
+template <int D>
+__device__ __forceinline__ void LoadQueryChunk(const __half* qp, int g, int gn, int c, uint32_t* qc) {
+#pragma unroll
+  for (int i = 0; i < D / 8; ++i) qc[i] = g < gn ? *reinterpret_cast<const uint32_t*>(qp + c * (D / 4) + 2 * i) : 0u;
+}
+
+// The A fragments of format F's K fragments (RegTile) from the lane's quarter qc, scaled by qscale and rounded to
+// float16, and qsum: the sum of those rounded values over the lane's query row.
+template <int F, int D>
+__device__ __forceinline__ void RegQuery(const uint32_t* qc, float qscale, uint32_t (*qa)[2], float* qsum) {
+  float sum = 0.0f;
+#pragma unroll
+  for (int ks = 0; ks < D / 16; ++ks)
+#pragma unroll
+    for (int bi = 0; bi < 2; ++bi) {
+      uint32_t raw;
+      if constexpr (F == kInt8F) {
+        raw = qc[2 * ks + bi];  // elements 4 ks + 2 bi, + 1 of the quarter
+      } else {                  // elements ld, ld + 4 of the quarter
+        const int ld = 8 * (ks >> 1) + 2 * (ks & 1) + bi;
+        raw = __byte_perm(qc[ld >> 1], qc[(ld + 4) >> 1], (ld & 1) ? 0x7632 : 0x5410);
+      }
+      const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&raw));
+      qa[ks][bi] = Pack2<false>(f.x * qscale, f.y * qscale);
+      const float2 r = __half22float2(*reinterpret_cast<const __half2*>(&qa[ks][bi]));
+      sum += r.x + r.y;
+    }
+  sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+  sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+  *qsum = sum;
+}
+
+// NT raw narrow tiles' products (Note [Paged CUDA v3 register decode]; tile h of the step at st + h * kStageBytes,
+// key h * 16 + k of the step valid where bit h * 16 + k of `valid` is set): S, the online softmax over the step's
+// keys (as TileProducts), o += (P s_v) C_v, mv += P m_v.
+template <int F, int D, int NT>
+__device__ __forceinline__ void RegTiles(const uint8_t* st, const uint32_t (*qa)[2], const uint32_t (*qz)[2],
+                                         const uint32_t* pz, float qsum, int lane, uint32_t valid, float& m, float& l,
+                                         float& mv, float (*o)[4]) {
+  using R = RegCfg<F, D>;
+  constexpr bool k4 = F == kInt4F;
+  const int g = lane >> 2, c = lane & 3;
+  float s[2 * NT][4];
+  const int kg = (g >> 1) + 4 * (g & 1);  // kappa(g): the key of column g of an n-tile
+#pragma unroll
+  for (int x = 0; x < 2 * NT; ++x) {  // n-tile x: keys 8 x .. 8 x + 7 of the step (tile x / 2)
+    s[x][0] = s[x][1] = s[x][2] = s[x][3] = 0.0f;
+    uint32_t w[R::kKW];
+    const uint8_t* src = st + (x >> 1) * R::kStageBytes + ((x & 1) * 8 + kg) * R::kRB + c * (R::kRB / 4);
+    if constexpr (R::kKW == 2) {
+      const uint2 y = *reinterpret_cast<const uint2*>(src);
+      w[0] = y.x, w[1] = y.y;
+    } else {
+#pragma unroll
+      for (int i = 0; i < R::kKW / 4; ++i) {
+        const uint4 y = *reinterpret_cast<const uint4*>(src + 16 * i);
+        w[4 * i] = y.x, w[4 * i + 1] = y.y, w[4 * i + 2] = y.z, w[4 * i + 3] = y.w;
+      }
+    }
+    uint32_t kb[D / 16][2];
+#pragma unroll
+    for (int j = 0; j < R::kKW; ++j) {
+      if constexpr (k4) {
+        uint32_t r[4];
+        Int4Quad(w[j], r);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) kb[2 * j + (i >> 1)][i & 1] = r[i];
+      } else {
+        const uint32_t u = w[j] ^ 0x80808080u;
+        kb[j][0] = Int8Pair(u, false);
+        kb[j][1] = Int8Pair(u, true);
+      }
+    }
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) Mma4(s[x], qa[ks][0], qz[ks][0], qa[ks][1], qz[ks][1], kb[ks][0], kb[ks][1]);
+  }
+  // accumulator (x, e) of this lane holds key 8 x + c + 4 e of the step (kappa(2 c) = c, kappa(2 c + 1) = c + 4)
+  float vs[2 * NT][2], vm[2 * NT][2];
+  float mx = -INFINITY;
+#pragma unroll
+  for (int x = 0; x < 2 * NT; ++x)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int key = 8 * x + c + 4 * e;
+      const uint8_t* sc = st + (x >> 1) * R::kStageBytes + R::kS;
+      const int k = key & 15;
+      const bool ok = (valid >> key) & 1u;
+      float sk, mk = 0.0f, sv, mvk = 0.0f;
+      if constexpr (k4) {
+        const uint32_t kw = *reinterpret_cast<const uint32_t*>(sc + k * 4);
+        const uint32_t vw = *reinterpret_cast<const uint32_t*>(sc + 64 + k * 4);
+        sk = H(kw & 0xFFFFu), mk = H(kw >> 16), sv = H(vw & 0xFFFFu), mvk = H(vw >> 16);
+      } else {
+        sk = H(*reinterpret_cast<const uint16_t*>(sc + k * 2));
+        sv = H(*reinterpret_cast<const uint16_t*>(sc + 64 + k * 2));
+      }
+      s[x][e] = ok ? (k4 ? fmaf(s[x][e], sk, mk * qsum) : s[x][e] * sk) : -INFINITY;
+      vs[x][e] = ok ? sv : 0.0f;
+      vm[x][e] = ok ? mvk : 0.0f;
+      mx = fmaxf(mx, s[x][e]);
+    }
+  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+  if (mx > m) {  // the step holds a valid key: mx is finite
+    const float corr = Exp2(m - mx);
+    l *= corr;
+    mv *= corr;
+#pragma unroll
+    for (int nt = 0; nt < D / 8; ++nt) {
+      o[nt][0] *= corr;
+      o[nt][1] *= corr;
+    }
+    m = mx;
+  }
+  uint32_t pa[NT][2];
+#pragma unroll
+  for (int h = 0; h < NT; ++h) {
+    float pv[2][2];
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int x = 2 * h + nt;
+        const float p = Exp2(s[x][e] - m);  // 0 for a key outside the window
+        l += p;
+        mv = fmaf(p, vm[x][e], mv);
+        pv[nt][e] = p * vs[x][e];
+      }
+    pa[h][0] = Pack2<false>(pv[0][0], pv[0][1]);
+    pa[h][1] = Pack2<false>(pv[1][0], pv[1][1]);
+  }
+  // V of tile h: b0 pairs its keys (c, c + 4), b1 its keys (c + 8, c + 12), at dim DimOf(mode, nt, g)
+#pragma unroll
+  for (int h = 0; h < NT; ++h) {
+    uint32_t vb[D / 8][2];
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      const uint8_t* ra = st + h * R::kStageBytes + R::kV + (hf * 8 + c) * R::kRB;
+      const uint8_t* rb = ra + 4 * R::kRB;
+      if constexpr (k4) {
+#pragma unroll
+        for (int j = 0; j < D / 64; ++j) {
+          const uint32_t wa = *reinterpret_cast<const uint32_t*>(ra + 4 * (g + 8 * j));
+          const uint32_t wb = *reinterpret_cast<const uint32_t*>(rb + 4 * (g + 8 * j));
+          uint32_t rl[4], rh[4];
+          Int4Quad(__byte_perm(wa, wb, 0x5410), rl);
+          Int4Quad(__byte_perm(wa, wb, 0x7632), rh);
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            vb[8 * j + i][hf] = rl[i];
+            vb[8 * j + 4 + i][hf] = rh[i];
+          }
+        }
+      } else {
+#pragma unroll
+        for (int j = 0; j < D / 32; ++j) {
+          const uint32_t wa = *reinterpret_cast<const uint32_t*>(ra + 4 * (g + 8 * j));
+          const uint32_t wb = *reinterpret_cast<const uint32_t*>(rb + 4 * (g + 8 * j));
+          const uint32_t x = __byte_perm(wa, wb, 0x5140) ^ 0x80808080u, y = __byte_perm(wa, wb, 0x7362) ^ 0x80808080u;
+          vb[4 * j][hf] = Int8Pair(x, false);
+          vb[4 * j + 1][hf] = Int8Pair(x, true);
+          vb[4 * j + 2][hf] = Int8Pair(y, false);
+          vb[4 * j + 3][hf] = Int8Pair(y, true);
+        }
+      }
+    }
+#pragma unroll
+    for (int nt = 0; nt < D / 8; ++nt) Mma4(o[nt], pa[h][0], pz[0], pa[h][1], pz[1], vb[nt][0], vb[nt][1]);
+  }
+}
+
+// Tiles per step of a register-decoded window: 2 (32 keys: one softmax update and two independent tiles' products
+// per step) where the warp's ring holds >= 3 such steps, else 1.
+template <int F, int D>
+__host__ __device__ constexpr int RegStepTiles() {
+  return Cfg<D>::kWarpBytes / (2 * RegCfg<F, D>::kStageBytes) >= 3 ? 2 : 1;
+}
+
+// WindowTiles for a uniform window of INT4 or INT8 pages under float16 queries (Note [Paged CUDA v3 register
+// decode]): warp w takes the window's steps of NT tiles w, w + kWarps, ...; o leaves in layout RegMode<F>().
+// POW2: ps == 1 << ps_shift (the page of a key offset by a shift, and no division in the loop's code).
+template <int D, int F, bool POW2>
+__device__ __forceinline__ void WindowTilesReg(const PageWindow& sh, uint8_t* wring, int64_t s0, int64_t s1,
+                                               int64_t p0, int ps, int ps_shift, int hk, int warp, int lane,
+                                               const uint32_t (*qa)[2], float qsum, float& m, float& l,
+                                               float (*o)[4]) {
+  using R = RegCfg<F, D>;
+  constexpr int NT = RegStepTiles<F, D>();
+  constexpr int kStep = NT * R::kStageBytes;
+  constexpr int kStages0 = Cfg<D>::kWarpBytes / kStep;
+  constexpr int kStages = kStages0 < 8 ? kStages0 : 8;
+  static_assert(kStages >= 3, "");
+  const auto page_of = [&](int x) { return POW2 ? x >> ps_shift : x / ps; };
+  const int64_t a0 = s0 & ~static_cast<int64_t>(kTile - 1);
+  const int base_off = static_cast<int>(a0 - p0 * ps);
+  const int lo = static_cast<int>(s0 - a0), win = static_cast<int>(s1 - a0);
+  const int n_tiles = (win + kTile - 1) / kTile;
+  const int n_steps = (n_tiles + NT - 1) / NT;
+  const int mine = n_steps > warp ? (n_steps - warp + kWarps - 1) / kWarps : 0;
+  const uint32_t hrow = static_cast<uint32_t>(hk) * ps;
+  const FormatInfo fi = sh.fi[F];
+  int next = 0, stage_in = 0;
+  auto issue = [&]() {
+    if (next < mine) {
+#pragma unroll
+      for (int h = 0; h < NT; ++h) {
+        const int tile = (warp + next * kWarps) * NT + h;
+        if (tile < n_tiles) {
+          const int o0 = base_off + tile * kTile;
+          const int lp = page_of(o0);
+          IssueNarrow<F, D>(wring + stage_in * kStep + h * R::kStageBytes, sh.page[lp], fi,
+                            hrow + static_cast<uint32_t>(o0 - lp * ps), lane);
+        }
+      }
+    }
+    CpAsyncCommit();
+    ++next;
+    stage_in = stage_in + 1 == kStages ? 0 : stage_in + 1;
+  };
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) issue();
+  float mv = 0.0f;
+  // zeros for the padding rows of the A quads, kept in registers beside the query / probability pairs (Mma4)
+  uint32_t qz[D / 16][2], pz[2];
+#pragma unroll
+  for (int ks = 0; ks < D / 16; ++ks) qz[ks][0] = OpaqueZero(), qz[ks][1] = OpaqueZero();
+  pz[0] = OpaqueZero(), pz[1] = OpaqueZero();
+  int stage = 0;
+  for (int it = 0; it < mine; ++it, stage = stage + 1 == kStages ? 0 : stage + 1) {
+    CpAsyncWait<kStages - 2>();
+    __syncwarp();  // this step's copies landed for the whole warp; the slot refilled next was read
+    issue();
+    const int off = (warp + it * kWarps) * NT * kTile;  // from a0
+    uint32_t valid = NT == 2 ? 0xFFFFFFFFu : 0xFFFFu;
+    if (off < lo || off + NT * kTile > win) {  // keys [a, e) of the step are in the window (a < 16, e <= 32)
+      const int a = lo > off ? lo - off : 0, e = win - off < NT * kTile ? win - off : NT * kTile;
+      valid = e > a ? ((e >= 32 ? 0xFFFFFFFFu : (1u << e) - 1u) & ~((1u << a) - 1u)) : 0u;
+    }
+    RegTiles<F, D, NT>(wring + stage * kStep, qa, qz, pz, qsum, lane, valid, m, l, mv, o);
+  }
+  mv += __shfl_xor_sync(0xffffffffu, mv, 1);  // the quad's keys: sum_j p_j m_j of query head g
+  mv += __shfl_xor_sync(0xffffffffu, mv, 2);
+#pragma unroll
+  for (int nt = 0; nt < D / 8; ++nt) {
+    o[nt][0] += mv;
+    o[nt][1] += mv;
+  }
+}
+
+// Re-lays o from layout `from` to layout `to` (DimOf) through the warp's ring (free between windows: the previous
+// window's copies were waited for, and its reads are behind the window's block barrier).
+template <int D>
+__device__ __forceinline__ void ConvertO(uint8_t* wring, int lane, int from, int to, float (*o)[4]) {
+  float* buf = reinterpret_cast<float*>(wring);  // [8 heads][D]
+  const int g = lane >> 2, c = lane & 3;
+  __syncwarp();
+#pragma unroll
+  for (int nt = 0; nt < D / 8; ++nt)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) buf[g * D + DimOf(from, nt, 2 * c + e)] = o[nt][e];
+  __syncwarp();
+#pragma unroll
+  for (int nt = 0; nt < D / 8; ++nt)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) o[nt][e] = buf[g * D + DimOf(to, nt, 2 * c + e)];
+  __syncwarp();
+}
+static_assert(8 * 128 * 4 <= Cfg<128>::kWarpBytes && 8 * 64 * 4 <= Cfg<64>::kWarpBytes, "ConvertO fits a warp's ring");
 
 // Blocks per SM the compiler must leave room for (__launch_bounds__' second argument). 1 lets it take the 199
 // registers per thread it wants (2 blocks of 4 warps per SM on the H200). Measured (benchmarks/cuda/paged_sweep.cu,
@@ -1993,7 +2353,10 @@ __global__ void __launch_bounds__(kThreads, ORTKV_PAGED_V3_MIN_BLOCKS) PagedAtte
   // two loads overlap (as dense v3); converted into the mma fragments below, once `start` is back
   const int g = lane >> 2, c = lane & 3;
   uint32_t qr[D / 16][2];
-  LoadQueryPairs<T, D>(static_cast<const T*>(a.q) + ((b * a.T + t) * a.Hq + hk * G + g0 + g) * a.D, g, gn, c, qr);
+  const T* qrow = static_cast<const T*>(a.q) + ((b * a.T + t) * a.Hq + hk * G + g0 + g) * a.D;
+  LoadQueryPairs<T, D>(qrow, g, gn, c, qr);
+  uint32_t qc[D / 8];  // float16: the lane's quarter of the row too, for INT4 / INT8 windows (Note [Paged CUDA v3 register decode])
+  if constexpr (!BF) LoadQueryChunk<D>(reinterpret_cast<const __half*>(qrow), g, gn, c, qc);
 
   bool bad_start = false;
   const int64_t st0 = ClampedStart(a, b, &bad_start);
@@ -2007,13 +2370,15 @@ __global__ void __launch_bounds__(kThreads, ORTKV_PAGED_V3_MIN_BLOCKS) PagedAtte
 
   // this lane's query fragments from the raw pairs (zeros for padding rows: qr is 0 there)
   uint32_t qa[D / 16][2];
-  QueryFragments<BF, D>(qr, a.scale * 1.4426950408889634f, qa);  // base-2 scores
+  const float qscale = a.scale * 1.4426950408889634f;  // base-2 scores
+  QueryFragments<BF, D>(qr, qscale, qa);
   float m = -INFINITY, l = 0.0f, o[D / 8][4];
 #pragma unroll
   for (int nt = 0; nt < D / 8; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.0f;
 
   uint8_t* wring = ring + warp * C::kWarpBytes;
   bool skip = false;
+  int mode = 0;  // the layout of o: DimOf (Note [Paged CUDA v3 register decode])
   for (int64_t s0 = j0; s0 < j1;) {
     const int64_t p0 = s0 / ps;
     const int64_t s1 = j1 < (p0 + kMaxPages) * ps ? j1 : (p0 + kMaxPages) * ps;
@@ -2026,17 +2391,35 @@ __global__ void __launch_bounds__(kThreads, ORTKV_PAGED_V3_MIN_BLOCKS) PagedAtte
     int mixed = 0;
     for (int64_t i = tid; i <= p1 - p0; i += kThreads) mixed |= sh.fmt[i] != sh.fmt[0];
     const int uf = __syncthreads_or(mixed) ? -1 : sh.fmt[0];
+    const int want = BF ? 0 : uf == kInt4F ? RegMode<kInt4F>() : uf == kInt8F ? RegMode<kInt8F>() : 0;
+    if (want != mode) {  // block-uniform; o is all zeros before the first window
+      if (s0 != j0) ConvertO<D>(wring, lane, mode, want, o);
+      mode = want;
+    }
     switch (uf) {
 #define ORTKV_WINDOW3(F) WindowTiles<T, D, F>(sh, wring, s0, s1, p0, ps, ps_shift, hk, warp, lane, qa, m, l, o)
+#define ORTKV_WINDOW3R(F)                                                                          \
+  if constexpr (BF) {                                                                              \
+    ORTKV_WINDOW3(F);                                                                              \
+  } else {                                                                                         \
+    uint32_t qn[D / 16][2];                                                                        \
+    float qsum;                                                                                    \
+    RegQuery<F, D>(qc, qscale, qn, &qsum);                                                         \
+    if (ps_shift >= 0)                                                                             \
+      WindowTilesReg<D, F, true>(sh, wring, s0, s1, p0, ps, ps_shift, hk, warp, lane, qn, qsum, m, l, o); \
+    else                                                                                           \
+      WindowTilesReg<D, F, false>(sh, wring, s0, s1, p0, ps, ps_shift, hk, warp, lane, qn, qsum, m, l, o); \
+  }
       case 0: ORTKV_WINDOW3(0); break;
       case 1: ORTKV_WINDOW3(1); break;
-      case 2: ORTKV_WINDOW3(2); break;
+      case 2: ORTKV_WINDOW3R(2); break;
       case 3: ORTKV_WINDOW3(3); break;
-      case 4: ORTKV_WINDOW3(4); break;
+      case 4: ORTKV_WINDOW3R(4); break;
       case 5: ORTKV_WINDOW3(5); break;
       case 6: ORTKV_WINDOW3(6); break;
       case 7: ORTKV_WINDOW3(7); break;
       default: ORTKV_WINDOW3(-1); break;
+#undef ORTKV_WINDOW3R
 #undef ORTKV_WINDOW3
     }
     CpAsyncWait<0>();
@@ -2069,7 +2452,7 @@ __global__ void __launch_bounds__(kThreads, ORTKV_PAGED_V3_MIN_BLOCKS) PagedAtte
         p[a.D + 1] = lb;
       }
     }
-  });
+  }, [mode](int nt, int n) { return DimOf(mode, nt, n); });
 }
 
 template <typename T, int D>

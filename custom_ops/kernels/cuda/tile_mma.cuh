@@ -49,6 +49,25 @@ __device__ __forceinline__ void Mma(float* c, uint32_t a0, uint32_t a2, uint32_t
         : "r"(a0), "r"(z), "r"(a2), "r"(z), "r"(b0), "r"(b1));
   }
 }
+// c += a * b with all four A registers given (f16): a1, a3 may be registers that merely hold zeros, which the caller
+// keeps beside a0 / a2 so that the quad needs no copies before each mma (the compiler rematerializes a literal 0).
+__device__ __forceinline__ void Mma4(float* c, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
+                                     uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+// A register holding 0 that the compiler cannot see through (for Mma4).
+__device__ __forceinline__ uint32_t OpaqueZero() {
+#ifdef ORTKV_AB_LITERAL_ZERO
+  return 0u;
+#else
+  uint32_t z;
+  asm volatile("mov.b32 %0, 0;" : "=r"(z));
+  return z;
+#endif
+}
 template <bool BF>
 __device__ __forceinline__ uint32_t Pack2(float x, float y) {
   if constexpr (BF) {
@@ -167,9 +186,11 @@ __device__ __forceinline__ void TileProducts(const uint8_t* st, const uint32_t (
 // query-head rows of its mma tiles (row g = lane / 4: m, l summed over the row's quad, o in the C fragments)
 // goes into mg (shared memory the caller freed with a barrier), then, after one barrier, every (head gg < gn,
 // element d) of the block gets the warps' merged (mb, lb, ab), base 2, through emit(gg, d, mb, lb, ab).
-template <int NW, int D, typename Emit>
+// dim(nt, n): the head element that column n of the C fragments' n-tile nt holds (nt * 8 + n for the tiles above;
+// the paged kernel's register-decoded values permute it, Note [Paged CUDA v3 register decode]).
+template <int NW, int D, typename Emit, typename DimMap>
 __device__ __forceinline__ void MergeWarpTiles(WarpMerge<NW, 8>& mg, float m, float l, const float (*o)[4], int gn,
-                                               Emit emit) {
+                                               Emit emit, DimMap dim) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, c = lane & 3;
   if (c == 0) {
     mg.m[warp][g] = m;
@@ -177,8 +198,8 @@ __device__ __forceinline__ void MergeWarpTiles(WarpMerge<NW, 8>& mg, float m, fl
   }
 #pragma unroll
   for (int nt = 0; nt < D / 8; ++nt) {
-    mg.acc[warp][g][nt * 8 + 2 * c] = o[nt][0];
-    mg.acc[warp][g][nt * 8 + 2 * c + 1] = o[nt][1];
+    mg.acc[warp][g][dim(nt, 2 * c)] = o[nt][0];
+    mg.acc[warp][g][dim(nt, 2 * c + 1)] = o[nt][1];
   }
   __syncthreads();
   for (int x = tid; x < gn * D; x += NW * 32) {
@@ -196,6 +217,11 @@ __device__ __forceinline__ void MergeWarpTiles(WarpMerge<NW, 8>& mg, float m, fl
     }
     emit(gg, d, mb, lb, ab);
   }
+}
+template <int NW, int D, typename Emit>
+__device__ __forceinline__ void MergeWarpTiles(WarpMerge<NW, 8>& mg, float m, float l, const float (*o)[4], int gn,
+                                               Emit emit) {
+  MergeWarpTiles<NW, D>(mg, m, l, o, gn, emit, [](int nt, int n) { return nt * 8 + n; });
 }
 
 }  // namespace tile16
