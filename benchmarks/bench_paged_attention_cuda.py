@@ -16,7 +16,7 @@ round) of the median of --reps timed calls after a warm-up; the time per node is
           (past_seqlens = L - 1), which ortkv's figure leaves to PagedCacheUpdate. It runs in a CUDA graph when
           the op allows capture; otherwise without one (the table says which).
 
-    python benchmarks/bench_paged_attention_cuda.py [--rounds 3] [--reps 20]
+    python benchmarks/bench_paged_attention_cuda.py [--rounds 3] [--reps 20] [--cells 8192x1,8192x8,32768x1,32768x8]
                                                     [--out benchmarks/results/paged_attention_cuda.md]
 """
 
@@ -39,8 +39,7 @@ from ortkv.graph import make_cache_attention  # noqa: E402
 from ortkv.reference.codecs import PageFormat, encode_page, layout  # noqa: E402
 
 HQ, HKV, D, PS = 9, 3, 64, 16
-LENGTHS = [8192, 32768]
-BATCHES = [1, 8]
+CELLS = "8192x1,8192x8,32768x1,32768x8"  # keys L x rows B
 FORMATS = [PageFormat.F16, PageFormat.INT8, PageFormat.INT4]
 V2_FORMATS = [PageFormat.F16, PageFormat.INT4]  # also timed with the previous kernel (ORTKV_CUDA_ATTENTION=v2)
 TARGET_BYTES = 256 << 20
@@ -191,52 +190,53 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--cells", default=CELLS, help="LxB,LxB,...: keys per row x rows")
     p.add_argument("--out", default="benchmarks/results/paged_attention_cuda.md")
     a = p.parse_args()
+    cells = [tuple(int(x) for x in c.split("x")) for c in a.cells.split(",")]
     rng = np.random.default_rng(0)
     kinds = (["dense"] + [f.name for f in FORMATS] + ["F16 in order"] + [f"{f.name} v2" for f in V2_FORMATS] +
              ["ORT-PA"])
     lines = ["# PagedCacheAttention (CUDA) vs dense CacheAttention, decode", "",
              f"SmolLM2 heads {HQ}/{HKV}/{D}, float16 queries, pages of {PS} tokens, CUDA graphs; microseconds per "
              f"node (median of {a.rounds} rounds x median of {a.reps} calls). `python "
-             "benchmarks/bench_paged_attention_cuda.py`", "",
+             f"benchmarks/bench_paged_attention_cuda.py --cells {a.cells}`", "",
              "| L | B | R | " + " | ".join(f"{k} us" for k in kinds) +
              " | F16 / dense | F16 in order / dense | INT8 / F16 | INT4 / F16 | F16 v3 / v2 | INT4 v3 / v2 | F16 / ORT-PA"
              " | ORT-PA graph |",
              "|---|---|---|" + "---|" * (len(kinds) + 8)]
     pa_note = None
-    for L in LENGTHS:
-        for B in BATCHES:
-            R = _reps(B, L)
-            runners = {"dense": Runner(*dense_case(rng, B, L, R))}
-            for f in FORMATS:
-                runners[f.name] = Runner(*paged_case(rng, B, L, R, f))
-            runners["F16 in order"] = Runner(*paged_case(rng, B, L, R, PageFormat.F16, shuffled=False))
-            os.environ["ORTKV_CUDA_ATTENTION"] = "v2"  # read when the graph is captured (in Runner())
-            try:
-                for f in V2_FORMATS:
-                    runners[f"{f.name} v2"] = Runner(*paged_case(rng, B, L, R, f))
-            finally:
-                del os.environ["ORTKV_CUDA_ATTENTION"]
-            runners["ORT-PA"], pa_graph, why = ort_paged_runner(rng, B, L, R)
-            if runners["ORT-PA"] is None:
-                kinds_now = [k for k in kinds if k != "ORT-PA"]
-                pa_note = why
-            else:
-                kinds_now = kinds
-            per = {k: [] for k in kinds_now}
-            for _ in range(a.rounds):
-                for k in kinds_now:
-                    per[k].append(runners[k].time(a.reps) / R * 1e6)
-            med = {k: statistics.median(v) for k, v in per.items()}
-            row = f"| {L} | {B} | {R} | " + " | ".join(f"{med[k]:.1f}" if k in med else "-" for k in kinds)
-            row += f" | {med['F16'] / med['dense']:.2f} | {med['F16 in order'] / med['dense']:.2f} | {med['INT8'] / med['F16']:.2f} | {med['INT4'] / med['F16']:.2f}"
-            row += f" | {med['F16'] / med['F16 v2']:.2f} | {med['INT4'] / med['INT4 v2']:.2f}"
-            row += (f" | {med['F16'] / med['ORT-PA']:.2f} | {'yes' if pa_graph else 'no'} |" if "ORT-PA" in med
-                    else " | - | - |")
-            lines.append(row)
-            print(row, flush=True)
-            del runners
+    for L, B in cells:
+        R = _reps(B, L)
+        runners = {"dense": Runner(*dense_case(rng, B, L, R))}
+        for f in FORMATS:
+            runners[f.name] = Runner(*paged_case(rng, B, L, R, f))
+        runners["F16 in order"] = Runner(*paged_case(rng, B, L, R, PageFormat.F16, shuffled=False))
+        os.environ["ORTKV_CUDA_ATTENTION"] = "v2"  # read when the graph is captured (in Runner())
+        try:
+            for f in V2_FORMATS:
+                runners[f"{f.name} v2"] = Runner(*paged_case(rng, B, L, R, f))
+        finally:
+            del os.environ["ORTKV_CUDA_ATTENTION"]
+        runners["ORT-PA"], pa_graph, why = ort_paged_runner(rng, B, L, R)
+        if runners["ORT-PA"] is None:
+            kinds_now = [k for k in kinds if k != "ORT-PA"]
+            pa_note = why
+        else:
+            kinds_now = kinds
+        per = {k: [] for k in kinds_now}
+        for _ in range(a.rounds):
+            for k in kinds_now:
+                per[k].append(runners[k].time(a.reps) / R * 1e6)
+        med = {k: statistics.median(v) for k, v in per.items()}
+        row = f"| {L} | {B} | {R} | " + " | ".join(f"{med[k]:.1f}" if k in med else "-" for k in kinds)
+        row += f" | {med['F16'] / med['dense']:.2f} | {med['F16 in order'] / med['dense']:.2f} | {med['INT8'] / med['F16']:.2f} | {med['INT4'] / med['F16']:.2f}"
+        row += f" | {med['F16'] / med['F16 v2']:.2f} | {med['INT4'] / med['INT4 v2']:.2f}"
+        row += (f" | {med['F16'] / med['ORT-PA']:.2f} | {'yes' if pa_graph else 'no'} |" if "ORT-PA" in med
+                else " | - | - |")
+        lines.append(row)
+        print(row, flush=True)
+        del runners
     if pa_note:
         lines += ["", f"com.microsoft.PagedAttention: {pa_note}"]
     text = "\n".join(lines) + "\n"

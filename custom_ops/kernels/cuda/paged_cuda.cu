@@ -1617,10 +1617,9 @@ cudaError_t Launch(const AttnArgs& a, int gm, cudaStream_t stream) {
 // v3 runs for float16 / bfloat16 queries with head size 64 or 128, page_size % 16 == 0, no page_fill;
 // ORTKV_CUDA_ATTENTION=v2 (or v1) selects the older kernels for A/B runs. H200 (SmolLM2 heads, pages of 16,
 // benchmarks/results/paged_attention_cuda_h200.md): F16 pages 1.05-1.21x dense v3's time since Note [Paged CUDA v3
-// ring alignment] (1.27-1.39x before), 0.72-0.79x v2's; INT4 pages 0.99-1.12x F16's: a warp keeps 2 tiles in flight
-// in a ring sized for F16 tiles and decodes narrow tiles through shared memory, and that per-tile chain, not the
-// bytes, sets the pace (an L2 prefetch of later tiles was slower). Next: decode into the mma operand registers,
-// several narrow tiles per ring slot.
+// ring alignment] (1.27-1.39x before), 0.72-0.79x v2's. Narrow pages decoded in place through shared memory were no
+// faster than F16 ones (INT4 0.99-1.12x: that per-tile chain, not the bytes, set the pace); INT4 and INT8 under
+// float16 queries now decode into the mma operand registers (Note [Paged CUDA v3 register decode]).
 namespace pv3 {
 
 using pv2::Bits;
@@ -1637,8 +1636,6 @@ using tile16::LdMatrix4T;
 using tile16::LoadQueryPairs;
 using tile16::MergeWarpTiles;
 using tile16::Mma;
-using tile16::Mma4;
-using tile16::OpaqueZero;
 using tile16::Pack2;
 using tile16::QueryFragments;
 using tile16::Sw;
@@ -1958,30 +1955,43 @@ __device__ __forceinline__ void WindowTiles(const PageWindow& sh, uint8_t* wring
 // Note [Paged CUDA v3 register decode]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // INT4 and INT8 pages under float16 queries skip the decoded 16-bit tile of Note [Paged CUDA v3]: the warp
-// decodes the raw codes from its ring straight into the mma B fragments, as exact float16 integers (Note [Half2
-// decode]'s exponent trick: INT4 code c, 0..15; INT8 code u - 128), and the per-row scales are applied outside the
-// products, in FP32:
-//   * scores: q . (c s + m) = s (q . c) + m sum(q), so S = s_k * (Q C^T) + m_k * qsum per key (qsum: the row's sum
-//     of the float16 query values the products use; INT8 has no minimum);
+// turns the raw codes in its ring straight into the mma B fragments, and the per-row scales are applied outside
+// the products, in FP32. A code ORed under the exponent of 1024.0h is the float16 1024 + code, exact (Note
+// [Half2 decode]), and the products keep that offset instead of subtracting it per value:
+//   * scores: B = 1024 + c (INT4; 1152 + code for INT8, whose bytes hold code + 128), so the raw score is
+//     q . c + k0 with k0 = 1024 sum(q), and S = s_k (raw - k0) + m_k qsum per key (qsum: the row's sum of the
+//     float16 query values; INT8 has no minimum). INT4's odd nibbles are left in place (1024 + 16 c) and the
+//     query elements facing them are divided by 16 (exact), so one shift and four LOP3s give eight codes;
+//     A score is one sum of D products, so the offset costs ~7 of FP32's 24 bits once (~2^-17 relative);
 //   * values: sum_j p_j (c_j s_j + m_j) = sum_j (p_j s_j) c_j + sum_j p_j m_j, so P is scaled by each key's s_v
-//     before it is rounded to float16 (as P alone was), and sum p m is one more FP32 sum per query head (mv),
-//     rescaled with l and added to every element of o when the window ends.
-// No shared-memory store of a decoded tile, no ldmatrix, no __syncwarp between decode and products; ~1.5
-// instructions per value (INT4: a shift, a LOP3 and one HSUB2 give two values) against ~2.5 before, and the
-// values are more exact (no float16 rounding of c s + m). Since every k-index of an mma is a sum, the dims a
-// lane's B fragments hold may be any split of the head that the A fragments (the queries) repeat:
+//     before it is rounded to float16 (as P alone was), sum p m is one more FP32 sum per query head (mv), added
+//     to every element of o when the window ends. The value codes are exact (the offset subtracted per pair: an
+//     HSUB2, or for INT4's high nibbles an HFMA2 by 1/16): o sums over thousands of keys, and an offset carried
+//     in it (tried: removed at the window's end through the sum of P) cost ~14 bits at 4K keys per window and
+//     failed the float16 tolerance on 37K-key rows.
+// No shared-memory store of a decoded tile, no ldmatrix, no __syncwarp between decode and products: ~0.9
+// instructions per INT4 value against ~2.5 before, and no float16 rounding of c s + m. Since every k-index of an
+// mma is a sum, the dims a lane's B fragments hold may be any split of the head that the A fragments repeat:
 //   * K: lane (g, q = lane % 4) takes the q-th quarter of key row kappa(g) (kappa = 0 4 1 5 2 6 3 7 within each
-//     8-key n-tile); INT4 word w gives the pairs (x_i, x_i+4), i < 4, as k-steps 2 j + i / 2; INT8 words give
-//     adjacent pairs. The query fragments are built from the lane's quarter of the query row (RegQuery).
-//   * V: the B fragment pairs two KEYS of one dim, so two key rows' words are interleaved by one PRMT before the
-//     exponent trick; lane g takes words g, g + 8, ... of each row, and n-tile nt, column n of o then holds
-//     dim DimOf(mode, nt, n) (INT4: 64 (nt / 8) + 8 n + nt % 8), not nt * 8 + n. A block whose windows switch
-//     between the shared-memory path and a register path permutes o through its warp's ring (ConvertO, at most
-//     once per window), and the end-of-block merge reads o through the same map.
-//   * Keys outside the window: their codes are finite integers, and their scales are never trusted (P is
-//     zeroed by a select, not a product, as Note [Paged CUDA v3] zeroes their value rows).
-// A narrow stage is sized for its format (INT4 at head size 64: 1,152 bytes, up to 8 stages in the warp's ring
-// where F16 tiles fit 3), so more narrow tiles are in flight. BFloat16 queries keep the shared-memory decode.
+//     8-key n-tile: conflict-free loads of V below); INT4 word w gives the pairs (x_i, x_i+4), i < 4, as k-steps
+//     2 j + i / 2; INT8 words give adjacent pairs. The query fragments come from the lane's quarter of the query
+//     row (RegQuery).
+//   * V: the B fragment pairs two KEYS of one dim, so two key rows' words are interleaved by one PRMT first;
+//     lane g takes words g, g + 8, ... of each row, and n-tile nt, column n of o then holds dim DimOf(mode, nt, n)
+//     (INT4: 64 (nt / 8) + 8 n + nt % 8), not nt * 8 + n. A block whose windows switch between the shared-memory
+//     path and a register path permutes o through its warp's ring (ConvertO, at most once per window), and the
+//     end-of-block merge reads o through the same map.
+//   * Keys outside the window: their codes are finite integers, and their scales are never trusted (S and P are
+//     replaced by selects, not products, as Note [Paged CUDA v3] zeroes their value rows).
+// A step is two 16-key tiles where the warp's ring holds >= 3 such steps (INT4 at head size 64: 5 stages of
+// 2 x 1,152 bytes, where F16 tiles fit 3 stages of one): one softmax update per 32 keys and two independent tiles'
+// score products. The loop has no division (power-of-two page sizes get their own instance) and no per-key loop
+// for the window's edges, which shrank it by a quarter: ncu showed 21 % of warp stalls on instruction fetch.
+// H200 (benchmarks/results/paged_attention_cuda_h200.md, SmolLM2 heads, pages of 16, us per node): INT4 pages at
+// 32K keys x 8 rows 61.2 -> 39.2 (F16 pages 62.5), INT8 57.5 -> 44.6; the INT4 loop per key costs ~0.5x F16's, and
+// it is bound by instruction latency at 2 blocks of 4 warps per SM (230 registers; forcing 3 blocks spills and was
+// slower). The cost: F16 pages 4-6 % slower than before (the kernel's registers, 199 -> 230). BFloat16 queries keep
+// the shared-memory decode.
 constexpr int kInt4F = static_cast<int>(PageFormat::kInt4), kInt8F = static_cast<int>(PageFormat::kInt8);
 
 // The layout of o after a window of format F: 0 the 16-bit tiles' (dim nt * 8 + n), 1 INT4's, 2 INT8's.
@@ -2026,6 +2036,22 @@ __device__ __forceinline__ uint32_t AndOr(uint32_t a, uint32_t b, uint32_t c) {
   asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
   return d;
 }
+// What a register-decoded B value holds besides its code (times 16 for INT4's high nibbles): 1024 + c for INT4,
+// 1024 + (code + 128) = 1152 + code for INT8.
+template <int F>
+__host__ __device__ constexpr float RegOffset() { return F == kInt4F ? 1024.0f : 1152.0f; }
+// The offset form of Int4Quad, two instructions fewer per pair: r[0], r[2] = 1024 + c (nibbles 0, 2), r[1], r[3] =
+// 1024 + 16 c (nibbles 1, 3) as float16 pairs, exact.
+__device__ __forceinline__ void Int4QuadRaw(uint32_t t, uint32_t* r) {
+  const uint32_t ex = 0x64006400u, lo = 0x000F000Fu, hi = 0x00F000F0u;
+  const uint32_t t8 = t >> 8;
+  r[0] = AndOr(t, lo, ex);
+  r[1] = AndOr(t, hi, ex);
+  r[2] = AndOr(t8, lo, ex);
+  r[3] = AndOr(t8, hi, ex);
+}
+// The offset form of Int8Pair: 1024 + u (u = code + 128) from bytes 0, 1 (hi: 2, 3) of u.
+__device__ __forceinline__ uint32_t Int8PairRaw(uint32_t u, bool hi) { return __byte_perm(u, 0x64646464u, hi ? 0x4342 : 0x4140); }
 // The INT4 codes at nibbles 0..3 of each 16-bit half of t as float16 pairs r[i] = (c_i of the low half, of the high
 // half): exact. Nibble 1 (3) keeps its place under the exponent of 1024.0h (1024 + 16 c, exact) and is scaled by
 // 1/16 in the subtraction's FMA, so one shift serves four pairs (9 instructions where shift-mask-or-subtract per
@@ -2050,11 +2076,13 @@ __device__ __forceinline__ void LoadQueryChunk(const __half* qp, int g, int gn, 
   for (int i = 0; i < D / 8; ++i) qc[i] = g < gn ? *reinterpret_cast<const uint32_t*>(qp + c * (D / 4) + 2 * i) : 0u;
 }
 
-// The A fragments of format F's K fragments (RegTile) from the lane's quarter qc, scaled by qscale and rounded to
-// float16, and qsum: the sum of those rounded values over the lane's query row.
+// The A fragments of format F's K fragments (RegTiles) from the lane's quarter qc, scaled by qscale and rounded to
+// float16 (INT4: the elements facing a high nibble, b1, then divided by 16: exact), qsum: the sum of the rounded
+// values over the lane's query row, and k0: the raw scores' offset, RegOffset<F>() x the sum of the fragments' values
+// (Note [Paged CUDA v3 register decode]).
 template <int F, int D>
-__device__ __forceinline__ void RegQuery(const uint32_t* qc, float qscale, uint32_t (*qa)[2], float* qsum) {
-  float sum = 0.0f;
+__device__ __forceinline__ void RegQuery(const uint32_t* qc, float qscale, uint32_t (*qa)[2], float* qsum, float* k0) {
+  float sum = 0.0f, frag = 0.0f;
 #pragma unroll
   for (int ks = 0; ks < D / 16; ++ks)
 #pragma unroll
@@ -2070,19 +2098,24 @@ __device__ __forceinline__ void RegQuery(const uint32_t* qc, float qscale, uint3
       qa[ks][bi] = Pack2<false>(f.x * qscale, f.y * qscale);
       const float2 r = __half22float2(*reinterpret_cast<const __half2*>(&qa[ks][bi]));
       sum += r.x + r.y;
+      if (F == kInt4F && bi == 1) qa[ks][bi] = HMul2(qa[ks][bi], 0x2C002C00u);  // / 16
+      const float2 h = __half22float2(*reinterpret_cast<const __half2*>(&qa[ks][bi]));
+      frag += h.x + h.y;
     }
   sum += __shfl_xor_sync(0xffffffffu, sum, 1);
   sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+  frag += __shfl_xor_sync(0xffffffffu, frag, 1);
+  frag += __shfl_xor_sync(0xffffffffu, frag, 2);
   *qsum = sum;
+  *k0 = RegOffset<F>() * frag;
 }
 
 // NT raw narrow tiles' products (Note [Paged CUDA v3 register decode]; tile h of the step at st + h * kStageBytes,
 // key h * 16 + k of the step valid where bit h * 16 + k of `valid` is set): S, the online softmax over the step's
 // keys (as TileProducts), o += (P s_v) C_v, mv += P m_v.
 template <int F, int D, int NT>
-__device__ __forceinline__ void RegTiles(const uint8_t* st, const uint32_t (*qa)[2], const uint32_t (*qz)[2],
-                                         const uint32_t* pz, float qsum, int lane, uint32_t valid, float& m, float& l,
-                                         float& mv, float (*o)[4]) {
+__device__ __forceinline__ void RegTiles(const uint8_t* st, const uint32_t (*qa)[2], float qsum, float k0, int lane, uint32_t valid, float& m,
+                                         float& l, float& mv, float (*o)[4]) {
   using R = RegCfg<F, D>;
   constexpr bool k4 = F == kInt4F;
   const int g = lane >> 2, c = lane & 3;
@@ -2108,17 +2141,17 @@ __device__ __forceinline__ void RegTiles(const uint8_t* st, const uint32_t (*qa)
     for (int j = 0; j < R::kKW; ++j) {
       if constexpr (k4) {
         uint32_t r[4];
-        Int4Quad(w[j], r);
+        Int4QuadRaw(w[j], r);  // b0: 1024 + c, b1: 1024 + 16 c (its query elements are / 16)
 #pragma unroll
         for (int i = 0; i < 4; ++i) kb[2 * j + (i >> 1)][i & 1] = r[i];
       } else {
         const uint32_t u = w[j] ^ 0x80808080u;
-        kb[j][0] = Int8Pair(u, false);
-        kb[j][1] = Int8Pair(u, true);
+        kb[j][0] = Int8PairRaw(u, false);
+        kb[j][1] = Int8PairRaw(u, true);
       }
     }
 #pragma unroll
-    for (int ks = 0; ks < D / 16; ++ks) Mma4(s[x], qa[ks][0], qz[ks][0], qa[ks][1], qz[ks][1], kb[ks][0], kb[ks][1]);
+    for (int ks = 0; ks < D / 16; ++ks) Mma<false>(s[x], qa[ks][0], qa[ks][1], kb[ks][0], kb[ks][1]);
   }
   // accumulator (x, e) of this lane holds key 8 x + c + 4 e of the step (kappa(2 c) = c, kappa(2 c + 1) = c + 4)
   float vs[2 * NT][2], vm[2 * NT][2];
@@ -2140,7 +2173,8 @@ __device__ __forceinline__ void RegTiles(const uint8_t* st, const uint32_t (*qa)
         sk = H(*reinterpret_cast<const uint16_t*>(sc + k * 2));
         sv = H(*reinterpret_cast<const uint16_t*>(sc + 64 + k * 2));
       }
-      s[x][e] = ok ? (k4 ? fmaf(s[x][e], sk, mk * qsum) : s[x][e] * sk) : -INFINITY;
+      // s = sk (raw - k0) + mk qsum: the raw score carries k0 (RegOffset)
+      s[x][e] = ok ? fmaf(s[x][e], sk, k4 ? fmaf(-sk, k0, mk * qsum) : -sk * k0) : -INFINITY;
       vs[x][e] = ok ? sv : 0.0f;
       vm[x][e] = ok ? mvk : 0.0f;
       mx = fmaxf(mx, s[x][e]);
@@ -2211,7 +2245,7 @@ __device__ __forceinline__ void RegTiles(const uint8_t* st, const uint32_t (*qa)
       }
     }
 #pragma unroll
-    for (int nt = 0; nt < D / 8; ++nt) Mma4(o[nt], pa[h][0], pz[0], pa[h][1], pz[1], vb[nt][0], vb[nt][1]);
+    for (int nt = 0; nt < D / 8; ++nt) Mma<false>(o[nt], pa[h][0], pa[h][1], vb[nt][0], vb[nt][1]);
   }
 }
 
@@ -2228,7 +2262,7 @@ __host__ __device__ constexpr int RegStepTiles() {
 template <int D, int F, bool POW2>
 __device__ __forceinline__ void WindowTilesReg(const PageWindow& sh, uint8_t* wring, int64_t s0, int64_t s1,
                                                int64_t p0, int ps, int ps_shift, int hk, int warp, int lane,
-                                               const uint32_t (*qa)[2], float qsum, float& m, float& l,
+                                               const uint32_t (*qa)[2], float qsum, float k0, float& m, float& l,
                                                float (*o)[4]) {
   using R = RegCfg<F, D>;
   constexpr int NT = RegStepTiles<F, D>();
@@ -2266,11 +2300,6 @@ __device__ __forceinline__ void WindowTilesReg(const PageWindow& sh, uint8_t* wr
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) issue();
   float mv = 0.0f;
-  // zeros for the padding rows of the A quads, kept in registers beside the query / probability pairs (Mma4)
-  uint32_t qz[D / 16][2], pz[2];
-#pragma unroll
-  for (int ks = 0; ks < D / 16; ++ks) qz[ks][0] = OpaqueZero(), qz[ks][1] = OpaqueZero();
-  pz[0] = OpaqueZero(), pz[1] = OpaqueZero();
   int stage = 0;
   for (int it = 0; it < mine; ++it, stage = stage + 1 == kStages ? 0 : stage + 1) {
     CpAsyncWait<kStages - 2>();
@@ -2282,7 +2311,7 @@ __device__ __forceinline__ void WindowTilesReg(const PageWindow& sh, uint8_t* wr
       const int a = lo > off ? lo - off : 0, e = win - off < NT * kTile ? win - off : NT * kTile;
       valid = e > a ? ((e >= 32 ? 0xFFFFFFFFu : (1u << e) - 1u) & ~((1u << a) - 1u)) : 0u;
     }
-    RegTiles<F, D, NT>(wring + stage * kStep, qa, qz, pz, qsum, lane, valid, m, l, mv, o);
+    RegTiles<F, D, NT>(wring + stage * kStep, qa, qsum, k0, lane, valid, m, l, mv, o);
   }
   mv += __shfl_xor_sync(0xffffffffu, mv, 1);  // the quad's keys: sum_j p_j m_j of query head g
   mv += __shfl_xor_sync(0xffffffffu, mv, 2);
@@ -2403,12 +2432,12 @@ __global__ void __launch_bounds__(kThreads, ORTKV_PAGED_V3_MIN_BLOCKS) PagedAtte
     ORTKV_WINDOW3(F);                                                                              \
   } else {                                                                                         \
     uint32_t qn[D / 16][2];                                                                        \
-    float qsum;                                                                                    \
-    RegQuery<F, D>(qc, qscale, qn, &qsum);                                                         \
+    float qsum, k0;                                                                                \
+    RegQuery<F, D>(qc, qscale, qn, &qsum, &k0);                                                    \
     if (ps_shift >= 0)                                                                             \
-      WindowTilesReg<D, F, true>(sh, wring, s0, s1, p0, ps, ps_shift, hk, warp, lane, qn, qsum, m, l, o); \
+      WindowTilesReg<D, F, true>(sh, wring, s0, s1, p0, ps, ps_shift, hk, warp, lane, qn, qsum, k0, m, l, o); \
     else                                                                                           \
-      WindowTilesReg<D, F, false>(sh, wring, s0, s1, p0, ps, ps_shift, hk, warp, lane, qn, qsum, m, l, o); \
+      WindowTilesReg<D, F, false>(sh, wring, s0, s1, p0, ps, ps_shift, hk, warp, lane, qn, qsum, k0, m, l, o); \
   }
       case 0: ORTKV_WINDOW3(0); break;
       case 1: ORTKV_WINDOW3(1); break;

@@ -49,25 +49,6 @@ __device__ __forceinline__ void Mma(float* c, uint32_t a0, uint32_t a2, uint32_t
         : "r"(a0), "r"(z), "r"(a2), "r"(z), "r"(b0), "r"(b1));
   }
 }
-// c += a * b with all four A registers given (f16): a1, a3 may be registers that merely hold zeros, which the caller
-// keeps beside a0 / a2 so that the quad needs no copies before each mma (the compiler rematerializes a literal 0).
-__device__ __forceinline__ void Mma4(float* c, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
-                                     uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-// A register holding 0 that the compiler cannot see through (for Mma4).
-__device__ __forceinline__ uint32_t OpaqueZero() {
-#ifdef ORTKV_AB_LITERAL_ZERO
-  return 0u;
-#else
-  uint32_t z;
-  asm volatile("mov.b32 %0, 0;" : "=r"(z));
-  return z;
-#endif
-}
 template <bool BF>
 __device__ __forceinline__ uint32_t Pack2(float x, float y) {
   if constexpr (BF) {
