@@ -242,6 +242,16 @@ def test_attention_format_runs_switch_the_value_layout(rng, PS, T):
                NL=1, layer=0, runs=100)
 
 
+@pytest.mark.parametrize("fmt", [PageFormat.INT4, PageFormat.INT8], ids=lambda f: f.name)
+@pytest.mark.parametrize("T", [1, 5])
+def test_attention_register_decode_head_size_128(rng, fmt, T):
+    """Head size 128 through the register decode (Note [Paged CUDA v3 register decode]: wider lane quarters, two
+    words per value row, 16 n-tiles), pages of one format, plus runs that switch to F16 windows; G = 8 too."""
+    _attn_case(rng, [fmt], B=3, T=T, lengths=[16 * 300 + 3, 40, T + 1], PS=16, D=128, NL=1, layer=0, runs=256)
+    _attn_case(rng, [fmt, PageFormat.F16], B=2, T=T, lengths=[16 * 600 + 9, 700], PS=16, D=128, H=2, G=8, NL=1, layer=0,
+               runs=256)
+
+
 def test_attention_page_size_one_takes_the_first_kernel(rng):
     """Pages of 1 token (not a multiple of 4): the first kernel, per key."""
     _attn_case(rng, [PageFormat.F16, PageFormat.INT8, PageFormat.INT4, PageFormat.FP8_E4M3, PageFormat.INT2],

@@ -264,7 +264,7 @@ def _upd(s, position, *, table=None, directory=None, key=None, value=None, fragm
 
 def test_refuses_missing_page(small):
     # row 1 at 3..5 needs page 1 (id 3) -- fine -- row 0 at 6..8 needs page index 2 = -1
-    _upd(small, [6, 0], fragments=["row 0 needs page 2 of its page table 'page_table' (tokens [8, 12)",
+    _upd(small, [6, 0], fragments=["PagedCacheUpdate node '", "': row 0 needs page 2 of its page table 'page_table' (tokens [8, 12)",
                                    "the entry is -1", "Nothing was written"])
 
 
@@ -437,7 +437,7 @@ def test_attention_refusals(rng):
     table = table_for([[0, -1]], 2)
     q = _rand(rng, (1, 1, 2 * H * D), "float32")
     before = digest(pool)
-    with pytest.raises(CacheInputError, match=r"row 0 needs page 1 of its page table 'page_table' .* the entry is -1"):
+    with pytest.raises(CacheInputError, match=r"PagedCacheAttention node '[^']*': row 0 needs page 1 of its page table 'page_table' .* the entry is -1"):
         run_attention(q, pool, directory, table, [4], num_heads=2 * H, kv_heads=H, layer=0, num_layers=NL,
                       page_size=PS)
     with pytest.raises(errors.CapacityError, match=r"start 8 \+ tokens 1 = 9 exceeds"):

@@ -151,9 +151,9 @@ struct PagedPool {
 };
 
 // Checks page page_index of row b's page table: present (not -1), inside the directory, a format the
-// head size allows, its slot 16-byte aligned and inside the pool. `node` prefixes the message (the op
+// head size allows, its slot 16-byte aligned and inside the pool. `where` prefixes the message (the op
 // and node name). Status kInvalidArgument on failure.
-Status CheckPage(const std::string& node, const PagedPool& p, const std::string& pool_name,
+Status CheckPage(const NodeWhere& where, const PagedPool& p, const std::string& pool_name,
                  const std::string& dir_name, const std::string& table_name, int64_t b, int64_t page_index,
                  int64_t needed_tokens);
 

@@ -49,6 +49,14 @@ class Message {
   std::optional<std::ostringstream> s_;
 };
 
+// "<op> node '<node>'" as a message prefix, formatted only when streamed into a Message that is being built
+// (Note [Messages on the error path only]): a plan keeps one per run without allocating.
+struct NodeWhere {
+  const char* op;
+  const std::string& node;
+};
+inline std::ostream& operator<<(std::ostream& os, const NodeWhere& w) { return os << w.op << " node '" << w.node << "'"; }
+
 inline const char* CodeTag(Code c) {
   switch (c) {
     case Code::kOk: return "OK";

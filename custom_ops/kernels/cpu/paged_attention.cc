@@ -206,7 +206,7 @@ Status PlanPagedCacheAttention(const std::string& node, const TensorArg& q, cons
                                const TensorArg& directory, const TensorArg& page_table, const TensorArg& start,
                                int64_t num_heads, const PagedAttrs& attrs, float scale, void* out,
                                PagedAttentionView* view, const TensorArg* page_fill) {
-  const std::string op = "PagedCacheAttention";
+  static const std::string op = "PagedCacheAttention";  // once: no allocation per run
   Message m;  // Note [Messages on the error path only]
   if (q.elem_type != kFloat32 && q.elem_type != kFloat16 && q.elem_type != kBFloat16) {
     m << "query '" << q.name << "' must be float32, float16 or bfloat16 (got " << ElemTypeName(q.elem_type) << ")";
@@ -239,7 +239,7 @@ Status PlanPagedCacheAttention(const std::string& node, const TensorArg& q, cons
   const int64_t stride = start.dims.size() == 1 ? 1 : 0;
   const int64_t* st = static_cast<const int64_t*>(start.data);
   const int64_t ps = attrs.page_size;
-  const std::string where = op + " node '" + node + "'";
+  const NodeWhere where{op.c_str(), node};
   int64_t max_keys = 0;
   for (int64_t b = 0; b < B && T > 0; ++b) {
     const int64_t s = st[b * stride];

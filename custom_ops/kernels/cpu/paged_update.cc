@@ -119,11 +119,11 @@ static bool PageValid(const PagedPool& p, int64_t b, int64_t page_index) {
          slot <= p.pool_bytes - static_cast<uint64_t>(off);
 }
 
-Status CheckPage(const std::string& node, const PagedPool& p, const std::string& pool_name, const std::string& dir_name,
+Status CheckPage(const NodeWhere& where, const PagedPool& p, const std::string& pool_name, const std::string& dir_name,
                  const std::string& table_name, int64_t b, int64_t page_index, int64_t needed_tokens) {
   if (PageValid(p, b, page_index)) return Status::Ok();  // Note [Page checks without strings]
   Message m;  // Note [Messages on the error path only]
-  m << node << ": row " << b << " needs page " << page_index << " of its page table '" << table_name << "' (tokens ["
+  m << where << ": row " << b << " needs page " << page_index << " of its page table '" << table_name << "' (tokens ["
     << p.EntryBegin(b, page_index) << ", " << p.EntryBegin(b, page_index + 1) << "), the row uses "
     << needed_tokens << " tokens) but ";
   const int64_t id = p.page_table[b * p.max_pages + page_index];
@@ -206,7 +206,7 @@ Status PlanPagedCacheUpdate(const std::string& node, const TensorArg& pool, cons
                             const TensorArg& page_table, const TensorArg& key, const TensorArg& value,
                             const TensorArg& position, const PagedAttrs& attrs, PagedUpdateView* view,
                             const TensorArg* page_fill) {
-  const std::string op = "PagedCacheUpdate";
+  static const std::string op = "PagedCacheUpdate";  // once: no allocation per run
   Message m;  // Note [Messages on the error path only]
   if (!paged::IsLogical(key.elem_type) || key.elem_type != value.elem_type) {
     m << "key '" << key.name << "' and value '" << value.name << "' must both be float32, float16 or bfloat16 (got "
@@ -238,7 +238,7 @@ Status PlanPagedCacheUpdate(const std::string& node, const TensorArg& pool, cons
   view->B = B;
   view->T = T;
   const int64_t ps = attrs.page_size;
-  const std::string where = op + " node '" + node + "'";
+  const NodeWhere where{op.c_str(), node};
   std::vector<int64_t> written;  // page id * page_size + row, to refuse a row written twice
   written.reserve(static_cast<size_t>(B * T));
   for (int64_t b = 0; b < B && T > 0; ++b) {

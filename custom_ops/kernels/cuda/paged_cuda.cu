@@ -41,7 +41,7 @@ Status PlanPagedCacheUpdateCuda(const std::string& node, const TensorArg& pool, 
                                 const TensorArg& page_table, const TensorArg& key, const TensorArg& value,
                                 const TensorArg& position, const PagedAttrs& attrs, PagedUpdateCudaView* view,
                                 const TensorArg* page_fill) {
-  const std::string op = "PagedCacheUpdate";
+  static const std::string op = "PagedCacheUpdate";  // once: no allocation per run
   std::ostringstream m;
   const auto logical = [](int32_t t) { return t == kFloat32 || t == kFloat16 || t == kBFloat16; };
   if (!logical(key.elem_type) || key.elem_type != value.elem_type) {
@@ -84,7 +84,7 @@ Status PlanPagedCacheAttentionCuda(const std::string& node, const TensorArg& q, 
                                    const TensorArg& directory, const TensorArg& page_table, const TensorArg& start,
                                    int64_t num_heads, const PagedAttrs& attrs, float scale, void* out, int sm_count,
                                    PagedAttentionCudaView* view, const TensorArg* page_fill) {
-  const std::string op = "PagedCacheAttention";
+  static const std::string op = "PagedCacheAttention";  // once: no allocation per run
   std::ostringstream m;
   if (q.elem_type != kFloat32 && q.elem_type != kFloat16 && q.elem_type != kBFloat16) {
     m << "query '" << q.name << "' must be float32, float16 or bfloat16 (got " << ElemTypeName(q.elem_type) << ")";
