@@ -11,9 +11,11 @@
 //        -o /tmp/paged_sweep        (paged_update.cc: the plans' shared pool checks)
 //   /tmp/paged_sweep [reps] [cases, e.g. 03: indices into `cases`] [formats, e.g. F84: F16 INT8 INT4]
 //
-// Run on the H200 on 2026-12-01 (benchmarks/results/paged_attention_cuda_h200.md): v3 agrees with v2 on F16 and INT4
-// pools (max |diff| <= 0.008); on INT8 pools of random bytes (codes and float16 scales) they differ by up to 0.84,
-// not investigated here (the ORT-level tests, tests/test_cuda_paged.py, check both against numpy on encoded pages).
+// Run on the H200 on 2026-12-01 and -02 (benchmarks/results/paged_attention_cuda_h200.md): v3 agrees with v2 on F16
+// and INT4 pools (max |diff| <= 0.008); on INT8 pools of random bytes (codes up to +-128 times float16 scales up to 1)
+// they differ by up to 0.88: such scores are in the hundreds, so the softmax is one-hot and v3's float16 query
+// (and P) rounding picks among near ties; the ORT-level tests, tests/test_cuda_paged.py, check both against numpy
+// on encoded pages.
 // Every figure is from CUDA graph replays of R launches over R distinct pools (>= 256 MiB of F16 pages in all, so
 // the pages come from HBM), time per launch = replay time / R, median of `reps` replays. The pools' bytes are
 // random float16 values in [-1, 1): valid F16 pages, and for the narrow formats valid codes and finite scales
