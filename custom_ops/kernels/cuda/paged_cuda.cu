@@ -1637,6 +1637,7 @@ using tile16::LoadQueryPairs;
 using tile16::MergeWarpTiles;
 using tile16::Mma;
 using tile16::Pack2;
+using tile16::QuadMaxRescale;
 using tile16::QueryFragments;
 using tile16::Sw;
 using tile16::TileProducts;
@@ -2179,19 +2180,7 @@ __device__ __forceinline__ void RegTiles(const uint8_t* st, const uint32_t (*qa)
       vm[x][e] = ok ? mvk : 0.0f;
       mx = fmaxf(mx, s[x][e]);
     }
-  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-  if (mx > m) {  // the step holds a valid key: mx is finite
-    const float corr = Exp2(m - mx);
-    l *= corr;
-    mv *= corr;
-#pragma unroll
-    for (int nt = 0; nt < D / 8; ++nt) {
-      o[nt][0] *= corr;
-      o[nt][1] *= corr;
-    }
-    m = mx;
-  }
+  QuadMaxRescale<D>(mx, m, l, o, &mv);
   uint32_t pa[NT][2];
 #pragma unroll
   for (int h = 0; h < NT; ++h) {

@@ -101,6 +101,26 @@ __device__ __forceinline__ void ZeroInvalidV(uint8_t* st, int lane, uint32_t val
   __syncwarp();
 }
 
+// The online softmax's lazy rescale for the query-head row of a quad of lanes: mx is this lane's max over its keys
+// of the tile (or step); the quad's max, when above m, rescales l, o (row g's C fragments) and *extra by 2^(m - mx)
+// and becomes m. The tile holds a valid key, so that max is finite.
+template <int D>
+__device__ __forceinline__ void QuadMaxRescale(float mx, float& m, float& l, float (*o)[4], float* extra = nullptr) {
+  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+  if (mx > m) {
+    const float corr = Exp2(m - mx);
+    l *= corr;
+    if (extra != nullptr) *extra *= corr;
+#pragma unroll
+    for (int nt = 0; nt < D / 8; ++nt) {
+      o[nt][0] *= corr;
+      o[nt][1] *= corr;
+    }
+    m = mx;
+  }
+}
+
 // The tile's products: s = Q K^T for its 16 keys, the online softmax, o += P V. BF: bf16 operands.
 template <bool BF, int D>
 __device__ __forceinline__ void TileProducts(const uint8_t* st, const uint32_t (*qa)[2], int lane, uint32_t valid,
@@ -128,18 +148,7 @@ __device__ __forceinline__ void TileProducts(const uint8_t* st, const uint32_t (
       s[nt][e] = ((valid >> key) & 1u) ? s[nt][e] : -INFINITY;
       mx = fmaxf(mx, s[nt][e]);
     }
-  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-  if (mx > m) {  // the tile holds a valid key: mx is finite
-    const float corr = Exp2(m - mx);
-    l *= corr;
-#pragma unroll
-    for (int nt = 0; nt < D / 8; ++nt) {
-      o[nt][0] *= corr;
-      o[nt][1] *= corr;
-    }
-    m = mx;
-  }
+  QuadMaxRescale<D>(mx, m, l, o);
   float p[2][2];
 #pragma unroll
   for (int nt = 0; nt < 2; ++nt)
