@@ -2115,8 +2115,8 @@ __device__ __forceinline__ void RegQuery(const uint32_t* qc, float qscale, uint3
 // key h * 16 + k of the step valid where bit h * 16 + k of `valid` is set): S, the online softmax over the step's
 // keys (as TileProducts), o += (P s_v) C_v, mv += P m_v.
 template <int F, int D, int NT>
-__device__ __forceinline__ void RegTiles(const uint8_t* st, const uint32_t (*qa)[2], float qsum, float k0, int lane, uint32_t valid, float& m,
-                                         float& l, float& mv, float (*o)[4]) {
+__device__ __forceinline__ void RegTiles(const uint8_t* st, const uint32_t (*qa)[2], float qsum, float k0, int lane,
+                                         uint32_t valid, float& m, float& l, float& mv, float (*o)[4]) {
   using R = RegCfg<F, D>;
   constexpr bool k4 = F == kInt4F;
   const int g = lane >> 2, c = lane & 3;
