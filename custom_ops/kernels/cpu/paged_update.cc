@@ -239,8 +239,10 @@ Status PlanPagedCacheUpdate(const std::string& node, const TensorArg& pool, cons
   view->T = T;
   const int64_t ps = attrs.page_size;
   const NodeWhere where{op.c_str(), node};
-  std::vector<int64_t> written;  // page id * page_size + row, to refuse a row written twice
-  written.reserve(static_cast<size_t>(B * T));
+  // page id * page_size + row, to refuse a row written twice; the plan's buffers are the thread's, reused by every
+  // run (no allocation per run once they hold a step's rows)
+  thread_local std::vector<int64_t> written, sorted;
+  written.clear();
   for (int64_t b = 0; b < B && T > 0; ++b) {
     const int64_t pos = view->position(b);
     if (pos < 0) {
@@ -280,7 +282,7 @@ Status PlanPagedCacheUpdate(const std::string& node, const TensorArg& pool, cons
       written.push_back(static_cast<int64_t>(l.id) * ps + l.row);
     }
   }
-  std::vector<int64_t> sorted = written;
+  sorted.assign(written.begin(), written.end());
   std::sort(sorted.begin(), sorted.end());
   const auto dup = std::adjacent_find(sorted.begin(), sorted.end());
   if (dup != sorted.end()) {
@@ -294,7 +296,8 @@ Status PlanPagedCacheUpdate(const std::string& node, const TensorArg& pool, cons
   }
   // every row of a scaled format must encode (Note [PagedCacheUpdate validation])
   const int64_t D = p.shape.head_size, Hkv = p.shape.kv_heads;
-  std::vector<float> row(static_cast<size_t>(D));
+  thread_local std::vector<float> row;
+  row.resize(static_cast<size_t>(D));
   for (int64_t b = 0; b < B; ++b)
     for (int64_t t = 0; t < T; ++t) {
       const int64_t tok = view->position(b) + t;
@@ -327,7 +330,8 @@ void PagedUpdateUnitSpan(const PagedUpdateView& v, int64_t unit, uintptr_t* firs
 
 void PagedCacheUpdateCpu(const PagedUpdateView& v, int64_t begin, int64_t end) {
   const int64_t D = v.p.shape.head_size, Hkv = v.p.shape.kv_heads;
-  std::vector<float> row(static_cast<size_t>(D));
+  thread_local std::vector<float> row;  // the thread's, reused: no allocation per run
+  row.resize(static_cast<size_t>(D));
   for (int64_t u = begin; u < end; ++u) {
     const int64_t b = u / v.T, t = u % v.T, tok = v.position(b) + t;
     const PagedPool::Loc l = v.p.Locate(b, tok);  // Note [Page fill]
