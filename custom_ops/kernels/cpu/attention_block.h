@@ -427,7 +427,9 @@ inline const CpuIsaChoice& CpuIsaOnce() {
 inline Status CheckCpuIsa(const char* op, const std::string& node) {
   const CpuIsaChoice& c = CpuIsaOnce();
   if (c.error.empty()) return Status::Ok();
-  return Status(Code::kInvalidArgument, std::string(op) + " node '" + node + "': " + c.error);
+  Message m;
+  m << NodeWhere{op, node} << ": " << c.error;
+  return Status(Code::kInvalidArgument, m.str());
 }
 
 // Note [CacheAttention CPU split-K]: split the keys only while units are too few to fill the threads,

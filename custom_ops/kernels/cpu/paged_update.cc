@@ -17,7 +17,9 @@ using codecs::RowResult;
 namespace paged {
 
 Status Bad(const std::string& op, const std::string& node, const std::string& what) {
-  return Status(Code::kInvalidArgument, op + " node '" + node + "': " + what);
+  Message m;
+  m << NodeWhere{op.c_str(), node} << ": " << what;
+  return Status(Code::kInvalidArgument, m.str());
 }
 
 float ToFloat(int32_t elem, const void* base, int64_t i) {

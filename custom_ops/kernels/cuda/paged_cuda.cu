@@ -1851,6 +1851,18 @@ __device__ __forceinline__ void DecodeTile(uint8_t* st, const uint8_t* pg, const
   __syncwarp();
 }
 
+// Bit k set for key off + k (k < N <= 32, offsets from the window's first tile) inside the window's keys [lo, win):
+// a bit range, not a per-key loop (Note [Paged CUDA v3 register decode]: the loop's size counted).
+template <int N>
+__device__ __forceinline__ uint32_t KeysInWindow(int off, int lo, int win) {
+  uint32_t valid = N == 32 ? 0xFFFFFFFFu : (1u << N) - 1u;
+  if (off < lo || off + N > win) {
+    const int a = lo > off ? lo - off : 0, e = win - off < N ? win - off : N;  // keys [a, e); a < N
+    valid = e > a ? (((N == 32 && e == 32) ? 0xFFFFFFFFu : (1u << e) - 1u) & ~((1u << a) - 1u)) : 0u;
+  }
+  return valid;
+}
+
 // One page window's tiles for one warp (Note [Paged CUDA v3]): warp w takes the window's 16-key tiles w, w + kWarps,
 // ... through its ring. UF >= 0: every page of the window has format UF (the caller checked), so the loop has no
 // per-tile format switch; UF = -1: any mix, the format read per tile. ps_shift: log2(page size) when it is a power
@@ -1925,11 +1937,7 @@ __device__ __forceinline__ void WindowTiles(const PageWindow& sh, uint8_t* wring
     __syncwarp();  // this tile's copies landed for the whole warp; the slot refilled next was read
     issue();
     const int off = (warp + it * kWarps) * kTile;  // from a0
-    uint32_t valid = 0xFFFFu;
-    if (off < lo || off + kTile > win) {  // keys [a, e) of the tile are in the window
-      const int a = lo > off ? lo - off : 0, e = win - off < kTile ? win - off : kTile;
-      valid = e > a ? (((1u << e) - 1u) & ~((1u << a) - 1u)) : 0u;
-    }
+    const uint32_t valid = KeysInWindow<kTile>(off, lo, win);
     const int lp = page_of(base_off + off);
     uint8_t* st = wring + stage * C::kStageBytes;
     if constexpr (UF >= 0) {
@@ -1995,9 +2003,8 @@ __device__ __forceinline__ void WindowTiles(const PageWindow& sh, uint8_t* wring
 // the shared-memory decode.
 constexpr int kInt4F = static_cast<int>(PageFormat::kInt4), kInt8F = static_cast<int>(PageFormat::kInt8);
 
-// The layout of o after a window of format F: 0 the 16-bit tiles' (dim nt * 8 + n), 1 INT4's, 2 INT8's.
-template <int F>
-__host__ __device__ constexpr int RegMode() { return F == kInt4F ? 1 : F == kInt8F ? 2 : 0; }
+// The layout of o after a window of format f (-1: mixed): 0 the 16-bit tiles' (dim nt * 8 + n), 1 INT4's, 2 INT8's.
+__host__ __device__ constexpr int RegMode(int f) { return f == kInt4F ? 1 : f == kInt8F ? 2 : 0; }
 __device__ __forceinline__ int DimOf(int mode, int nt, int n) {
   return mode == 1 ? 64 * (nt >> 3) + 8 * n + (nt & 7) : mode == 2 ? 32 * (nt >> 2) + 4 * n + (nt & 3) : nt * 8 + n;
 }
@@ -2058,17 +2065,14 @@ __device__ __forceinline__ uint32_t Int8PairRaw(uint32_t u, bool hi) { return __
 // 1/16 in the subtraction's FMA, so one shift serves four pairs (9 instructions where shift-mask-or-subtract per
 // pair took 15).
 __device__ __forceinline__ void Int4Quad(uint32_t t, uint32_t* r) {
-  const uint32_t ex = 0x64006400u, lo = 0x000F000Fu, hi = 0x00F000F0u;
-  const uint32_t t8 = t >> 8;
-  r[0] = HSub2(AndOr(t, lo, ex), ex);
-  r[1] = HFma2(AndOr(t, hi, ex), 0x2C002C00u, 0xD400D400u);  // (1024 + 16 c) / 16 - 64
-  r[2] = HSub2(AndOr(t8, lo, ex), ex);
-  r[3] = HFma2(AndOr(t8, hi, ex), 0x2C002C00u, 0xD400D400u);
+  Int4QuadRaw(t, r);
+  r[0] = HSub2(r[0], 0x64006400u);
+  r[1] = HFma2(r[1], 0x2C002C00u, 0xD400D400u);  // (1024 + 16 c) / 16 - 64
+  r[2] = HSub2(r[2], 0x64006400u);
+  r[3] = HFma2(r[3], 0x2C002C00u, 0xD400D400u);
 }
 // INT8 codes from bytes 0, 1 (hi: 2, 3) of u (the stored bytes ^ 0x80: code + 128) as float16: exact.
-__device__ __forceinline__ uint32_t Int8Pair(uint32_t u, bool hi) {
-  return HSub2(__byte_perm(u, 0x64646464u, hi ? 0x4342 : 0x4140), 0x64806480u);
-}
+__device__ __forceinline__ uint32_t Int8Pair(uint32_t u, bool hi) { return HSub2(Int8PairRaw(u, hi), 0x64806480u); }
 
 // This lane's D / 4 consecutive query elements (quarter lane % 4 of row g; zeros for padding rows g >= gn).
 template <int D>
@@ -2246,7 +2250,7 @@ __host__ __device__ constexpr int RegStepTiles() {
 }
 
 // WindowTiles for a uniform window of INT4 or INT8 pages under float16 queries (Note [Paged CUDA v3 register
-// decode]): warp w takes the window's steps of NT tiles w, w + kWarps, ...; o leaves in layout RegMode<F>().
+// decode]): warp w takes the window's steps of NT tiles w, w + kWarps, ...; o leaves in layout RegMode(F).
 // POW2: ps == 1 << ps_shift (the page of a key offset by a shift, and no division in the loop's code).
 template <int D, int F, bool POW2>
 __device__ __forceinline__ void WindowTilesReg(const PageWindow& sh, uint8_t* wring, int64_t s0, int64_t s1,
@@ -2295,11 +2299,7 @@ __device__ __forceinline__ void WindowTilesReg(const PageWindow& sh, uint8_t* wr
     __syncwarp();  // this step's copies landed for the whole warp; the slot refilled next was read
     issue();
     const int off = (warp + it * kWarps) * NT * kTile;  // from a0
-    uint32_t valid = NT == 2 ? 0xFFFFFFFFu : 0xFFFFu;
-    if (off < lo || off + NT * kTile > win) {  // keys [a, e) of the step are in the window (a < 16, e <= 32)
-      const int a = lo > off ? lo - off : 0, e = win - off < NT * kTile ? win - off : NT * kTile;
-      valid = e > a ? ((e >= 32 ? 0xFFFFFFFFu : (1u << e) - 1u) & ~((1u << a) - 1u)) : 0u;
-    }
+    const uint32_t valid = KeysInWindow<NT * kTile>(off, lo, win);
     RegTiles<F, D, NT>(wring + stage * kStep, qa, qsum, k0, lane, valid, m, l, mv, o);
   }
   mv += __shfl_xor_sync(0xffffffffu, mv, 1);  // the quad's keys: sum_j p_j m_j of query head g
@@ -2409,7 +2409,7 @@ __global__ void __launch_bounds__(kThreads, ORTKV_PAGED_V3_MIN_BLOCKS) PagedAtte
     int mixed = 0;
     for (int64_t i = tid; i <= p1 - p0; i += kThreads) mixed |= sh.fmt[i] != sh.fmt[0];
     const int uf = __syncthreads_or(mixed) ? -1 : sh.fmt[0];
-    const int want = BF ? 0 : uf == kInt4F ? RegMode<kInt4F>() : uf == kInt8F ? RegMode<kInt8F>() : 0;
+    const int want = BF ? 0 : RegMode(uf);
     if (want != mode) {  // block-uniform; o is all zeros before the first window
       if (s0 != j0) ConvertO<D>(wring, lane, mode, want, o);
       mode = want;
