@@ -2373,8 +2373,6 @@ __global__ void __launch_bounds__(kThreads, ORTKV_PAGED_V3_MIN_BLOCKS) PagedAtte
   uint32_t qr[D / 16][2];
   const T* qrow = static_cast<const T*>(a.q) + ((b * a.T + t) * a.Hq + hk * G + g0 + g) * a.D;
   LoadQueryPairs<T, D>(qrow, g, gn, c, qr);
-  uint32_t qc[D / 8];  // float16: the lane's quarter of the row too, for INT4 / INT8 windows (Note [Paged CUDA v3 register decode])
-  if constexpr (!BF) LoadQueryChunk<D>(reinterpret_cast<const __half*>(qrow), g, gn, c, qc);
 
   bool bad_start = false;
   const int64_t st0 = ClampedStart(a, b, &bad_start);
@@ -2420,7 +2418,8 @@ __global__ void __launch_bounds__(kThreads, ORTKV_PAGED_V3_MIN_BLOCKS) PagedAtte
   if constexpr (BF) {                                                                              \
     ORTKV_WINDOW3(F);                                                                              \
   } else {                                                                                         \
-    uint32_t qn[D / 16][2];                                                                        \
+    uint32_t qc[D / 8], qn[D / 16][2]; /* read here, not kept from the start: 8 registers */      \
+    LoadQueryChunk<D>(reinterpret_cast<const __half*>(qrow), g, gn, c, qc);                        \
     float qsum, k0;                                                                                \
     RegQuery<F, D>(qc, qscale, qn, &qsum, &k0);                                                    \
     if (ps_shift >= 0)                                                                             \
