@@ -1998,9 +1998,11 @@ __device__ __forceinline__ void WindowTiles(const PageWindow& sh, uint8_t* wring
 // for the window's edges, which shrank it by a quarter: ncu showed 21 % of warp stalls on instruction fetch.
 // H200 (benchmarks/results/paged_attention_cuda_h200.md, SmolLM2 heads, pages of 16, us per node): INT4 pages at
 // 32K keys x 8 rows 61.2 -> 39.2 (F16 pages 62.5), INT8 57.5 -> 44.6; the INT4 loop per key costs ~0.5x F16's, and
-// it is bound by instruction latency at 2 blocks of 4 warps per SM (230 registers; forcing 3 blocks spills and was
-// slower). The cost: F16 pages 4-6 % slower than before (the kernel's registers, 199 -> 230). BFloat16 queries keep
-// the shared-memory decode.
+// it is bound by instruction latency at 2 blocks of 4 warps per SM. The register path first cost F16 pages 4-6 %
+// (the query quarter held from the kernel's start: 199 -> 230 registers); it is now read per register window
+// (212 registers; F16 back to 93e882d's times). More warps per SM were measured with per-format instances and not
+// kept: an INT4 / INT8-only kernel at 3 blocks per SM (149 registers) gained 4 % at 32K x 8 only, an F16-only one
+// (165 registers, 3 blocks) nothing. BFloat16 queries keep the shared-memory decode.
 constexpr int kInt4F = static_cast<int>(PageFormat::kInt4), kInt8F = static_cast<int>(PageFormat::kInt8);
 
 // The layout of o after a window of format f (-1: mixed): 0 the 16-bit tiles' (dim nt * 8 + n), 1 INT4's, 2 INT8's.
