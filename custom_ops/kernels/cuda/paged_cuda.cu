@@ -924,7 +924,10 @@ __device__ void ReportAttention(const PagedAttentionCudaView& a, unsigned long l
 
 // One block per (unit, query head): merges the S chunks (splits > 1); block 0 also reports.
 // LOG2: the partials' m is in base 2 (Note [Paged CUDA v2]); then the combine may be a programmatic
-// dependent of the attention, and waits for it before reading the flag and the partials.
+// dependent of the attention, and waits for it before reading the flag and the partials, and the
+// attention blocks' keys are scanned by a block of their own, the grid's last (the only one when
+// splits <= 1; LaunchCombine adds it), beside the merges instead of before block 0's merge: the scan was
+// ~0.35 us of every node (benchmarks/results/paged_attention_cuda_h200.md).
 template <typename T, bool LOG2>
 __global__ void __launch_bounds__(kMergeThreads) PagedCombineKernel(const AttnArgs args) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -932,7 +935,7 @@ __global__ void __launch_bounds__(kMergeThreads) PagedCombineKernel(const AttnAr
 #endif
   const PagedAttentionCudaView& a = args.v;
   if (LOG2) {  // v2: the smallest of the attention blocks' own keys (Note [Paged CUDA v2])
-    if (blockIdx.x == 0) {
+    if (blockIdx.x == gridDim.x - 1) {
       __shared__ unsigned long long s_key;
       if (threadIdx.x == 0) s_key = kNoError;
       __syncthreads();
@@ -942,6 +945,7 @@ __global__ void __launch_bounds__(kMergeThreads) PagedCombineKernel(const AttnAr
       if (mine != kNoError) atomicMin(&s_key, mine);
       __syncthreads();
       if (threadIdx.x == 0 && s_key != kNoError) ReportAttention(a, s_key);
+      return;  // the scan's own block (merges: blocks 0 .. units * G - 1)
     }
   } else if (blockIdx.x == 0 && threadIdx.x == 0) {
     unsigned long long key = *static_cast<const volatile unsigned long long*>(a.flag);
@@ -1042,8 +1046,19 @@ struct PageWindow {
   const uint8_t* page[kMaxPages];
   unsigned long long key;
   FormatInfo fi[codecs::kNumPageFormats];
+  uint32_t formats[kWarps];  // per warp: the OR of 1 << format over the pages it resolved (ResolveWindow)
   uint8_t fmt[kMaxPages];
 };
+
+__device__ __forceinline__ uint32_t WarpOr(uint32_t x) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  return __reduce_or_sync(0xffffffffu, x);
+#else
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x |= __shfl_xor_sync(0xffffffffu, x, o);
+  return x;
+#endif
+}
 
 // Threads 0 .. kNumPageFormats - 1 fill w.fi (read after the next barrier).
 __device__ __forceinline__ void LoadFormats(const PagedAttentionCudaView& a, int tid, PageWindow& w) {
@@ -1063,10 +1078,14 @@ __device__ __forceinline__ void LoadFormats(const PagedAttentionCudaView& a, int
 // Every thread of the block: resolves row b's pages p0 .. p1 into w (table, directory, every check of
 // PageProblem) after a barrier (the previous window's list is no longer read, and w.fi is written). A bad
 // page is recorded in w.key (atomicMin); true when the window has one (then nothing of it may be read).
+// *formats: the OR of 1 << format over the window's pages, the same in every thread (each warp's OR goes into
+// its own word, read after the closing barrier and rewritten only after the next window's opening one: no
+// reset, no atomics; it replaced a second pass over w.fmt and a third barrier, ~0.35 us of every block's start).
 __device__ __forceinline__ bool ResolveWindow(const PagedAttentionCudaView& a, int64_t b, int64_t p0, int64_t p1,
-                                              int tid, PageWindow& w) {
+                                              int tid, PageWindow& w, uint32_t* formats) {
   __syncthreads();
   int bad = 0;
+  uint32_t mine = 0;
   for (int64_t pi = p0 + tid; pi <= p1; pi += kThreads) {
     const int64_t id = TableAt(a.p, b, pi);
     if (PageProblem(a.p, id, false) != kPageOk) {
@@ -1076,9 +1095,17 @@ __device__ __forceinline__ bool ResolveWindow(const PagedAttentionCudaView& a, i
       int f = 0;
       w.page[pi - p0] = LayerBase(a.p, id, &f);
       w.fmt[pi - p0] = static_cast<uint8_t>(f);
+      mine |= 1u << f;
     }
   }
-  return __syncthreads_or(bad) != 0;
+  mine = WarpOr(mine);
+  if ((tid & 31) == 0) w.formats[tid >> 5] = mine;
+  const bool any_bad = __syncthreads_or(bad) != 0;
+  uint32_t all = 0;
+#pragma unroll
+  for (int i = 0; i < kWarps; ++i) all |= w.formats[i];
+  *formats = all;
+  return any_bad;
 }
 
 struct Smem {
@@ -1323,7 +1350,8 @@ __global__ void __launch_bounds__(kThreads) PagedAttentionV2(const AttnArgs args
     const int64_t p0 = s0 / ps;
     const int64_t s1 = j1 < (p0 + kMaxPages) * ps ? j1 : (p0 + kMaxPages) * ps;
     const int64_t p1 = (s1 - 1) / ps;
-    if (ResolveWindow(a, b, p0, p1, tid, sm.w)) {
+    uint32_t formats = 0;
+    if (ResolveWindow(a, b, p0, p1, tid, sm.w, &formats)) {
       skip = true;
       break;
     }
@@ -1517,10 +1545,11 @@ int CurrentMajor() {
 }
 
 // The base-2 combine after a v2 / v3 attention (a.v.splits: the trimmed split count): reports the blocks'
-// failure keys and merges the partials; a programmatic dependent on sm_90+ (Note [CacheAttention CUDA v2 waves]).
+// failure keys (one block) and merges the partials (one block per unit and query head when splits > 1); a
+// programmatic dependent on sm_90+ (Note [CacheAttention CUDA v2 waves]).
 template <typename T>
 cudaError_t LaunchCombine(const AttnArgs& a, cudaStream_t stream) {
-  const unsigned combine_blocks = a.v.splits > 1 ? static_cast<unsigned>(a.v.units() * a.v.group()) : 1u;
+  const unsigned combine_blocks = a.v.splits > 1 ? static_cast<unsigned>(a.v.units() * a.v.group()) + 1u : 1u;
   const int threads = kMergeThreads;
   if (CurrentMajor() >= 9) {
     cudaLaunchConfig_t cfg = {};
@@ -2401,14 +2430,13 @@ __global__ void __launch_bounds__(kThreads, ORTKV_PAGED_V3_MIN_BLOCKS) PagedAtte
     const int64_t p0 = s0 / ps;
     const int64_t s1 = j1 < (p0 + kMaxPages) * ps ? j1 : (p0 + kMaxPages) * ps;
     const int64_t p1 = (s1 - 1) / ps;
-    if (ResolveWindow(a, b, p0, p1, tid, sh)) {
+    uint32_t formats = 0;
+    if (ResolveWindow(a, b, p0, p1, tid, sh, &formats)) {
       skip = true;
       break;
     }
     // Note [Paged CUDA v3 uniform windows]: one format for the whole window -> a loop without the format switch
-    int mixed = 0;
-    for (int64_t i = tid; i <= p1 - p0; i += kThreads) mixed |= sh.fmt[i] != sh.fmt[0];
-    const int uf = __syncthreads_or(mixed) ? -1 : sh.fmt[0];
+    const int uf = (formats & (formats - 1)) == 0 ? __ffs(static_cast<int>(formats)) - 1 : -1;
     const int want = BF ? 0 : RegMode(uf);
     if (want != mode) {  // block-uniform; o is all zeros before the first window
       if (s0 != j0) ConvertO<D>(wring, lane, mode, want, o);
