@@ -122,9 +122,12 @@ Status PlanRotaryCacheUpdate(const std::string& node, const TensorArg& qkv, cons
   }
   // The two cache writes, as CacheUpdate validates them: values in the cache's layout (only their shape and
   // type are read; `values` points into qkv, whose overlap with the caches was checked above).
-  std::vector<int64_t> vdims = k_cache.dims;
-  vdims[seq] = T;
-  TensorArg kv_new{qkv.data, qkv.elem_type, vdims, qkv.name};
+  thread_local TensorArg kv_new;  // reused run to run: no allocation per step (Note [Input slots] in ort_util.h)
+  kv_new.data = qkv.data;
+  kv_new.elem_type = qkv.elem_type;
+  kv_new.dims.assign(k_cache.dims.begin(), k_cache.dims.end());
+  kv_new.dims[seq] = T;
+  kv_new.name.assign(qkv.name);
   const int64_t axis = layout == 2 ? -2 : seq;
   Status s = PlanCacheWrite(kOp, node, k_cache, kv_new, positions, axis, read_positions, &view->k);
   if (!s.ok()) return s;

@@ -41,7 +41,8 @@ void Task(void* user, size_t i) {
 OrtStatus* Compute(void* op_kernel, OrtKernelContext* ctx) {
   const auto& k = *static_cast<const CacheAttentionKernel*>(op_kernel);
   const OrtValue* in[4] = {nullptr, nullptr, nullptr, nullptr};
-  ortkv::TensorArg args[4];
+  thread_local ortkv::TensorArg args[4];  // Note [Input slots]
+  ClearArgs(args);
   for (size_t i = 0; i < 4; ++i) {
     ORTKV_RETURN_IF_ORT_ERROR(g_api->KernelContext_GetInput(ctx, i, &in[i]));
     ORTKV_RETURN_IF_ORT_ERROR(ReadTensor(in[i], k.names.inputs[i], &args[i], nullptr, nullptr));
@@ -56,7 +57,8 @@ OrtStatus* Compute(void* op_kernel, OrtKernelContext* ctx) {
                                                                   static_cast<float*>(out_data), &view)));
   if (view.tasks() == 0) return nullptr;
   // split-K partials (Note [CacheAttention CPU split-K]): a few KiB, merged below after every task ran
-  std::vector<float> partial(static_cast<size_t>(view.partial_floats()));
+  thread_local std::vector<float> partial;  // reused run to run (Note [Input slots])
+  partial.assign(static_cast<size_t>(view.partial_floats()), 0.0f);
   view.partial = partial.empty() ? nullptr : partial.data();
   ortkv::CoreLease lease;  // the caches are read here: no Arena release/close meanwhile (Note [Arena lease])
   Job job{&view};
@@ -74,7 +76,8 @@ OrtStatus* ComputeCuda(void* op_kernel, OrtKernelContext* ctx) {
   const auto& k = *static_cast<const CacheAttentionKernel*>(op_kernel);
   ORTKV_RETURN_IF_ORT_ERROR(TakeDeviceError());  // a previous run's device-side error (Note [CUDA deferred errors])
   const OrtValue* in[4] = {nullptr, nullptr, nullptr, nullptr};
-  ortkv::TensorArg args[4];
+  thread_local ortkv::TensorArg args[4];  // Note [Input slots]
+  ClearArgs(args);
   int device_type = ORTKV_DEVICE_CUDA, device_id = 0;
   for (size_t i = 0; i < 4; ++i) {
     ORTKV_RETURN_IF_ORT_ERROR(g_api->KernelContext_GetInput(ctx, i, &in[i]));

@@ -187,7 +187,9 @@ OrtStatus* Compute(void* op_kernel, OrtKernelContext* ctx) {
   const auto& k = *static_cast<const CacheUpdateKernel*>(op_kernel);
   const OrtValue* in[3] = {nullptr, nullptr, nullptr};
   for (size_t i = 0; i < 3; ++i) ORTKV_RETURN_IF_ORT_ERROR(g_api->KernelContext_GetInput(ctx, i, &in[i]));
-  TensorArg cache, values, position;
+  thread_local TensorArg slots[3];  // Note [Input slots]
+  ClearArgs(slots);
+  TensorArg &cache = slots[0], &values = slots[1], &position = slots[2];
   int device_type = ORTKV_DEVICE_CPU, device_id = 0;
   ORTKV_RETURN_IF_ORT_ERROR(ReadTensor(in[0], k.names.inputs[0], &cache, &device_type, &device_id));
   ORTKV_RETURN_IF_ORT_ERROR(ReadTensor(in[1], k.names.inputs[1], &values, nullptr, nullptr));

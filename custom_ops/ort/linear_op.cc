@@ -87,7 +87,8 @@ std::string NormPrologueProblem(const LinearKernel& k, const TensorArg* a, const
 
 OrtStatus* Compute(void* op_kernel, OrtKernelContext* ctx) {
   auto& k = *static_cast<LinearKernel*>(op_kernel);
-  TensorArg args[4];
+  thread_local TensorArg args[4];  // Note [Input slots]
+  ClearArgs(args);
   size_t n_in = 0;
   ORTKV_RETURN_IF_ORT_ERROR(g_api->KernelContext_GetInputCount(ctx, &n_in));
   bool present[4] = {true, true, false, false};
@@ -130,7 +131,8 @@ OrtStatus* Compute(void* op_kernel, OrtKernelContext* ctx) {
     return ToOrtStatus(Status(Code::kInvalidArgument, m.str()));
   }
   const int64_t out_cols = k.swiglu ? view.N / 2 : view.N;
-  std::vector<int64_t> dims = x.dims;
+  thread_local std::vector<int64_t> dims;  // Note [Input slots]: no allocation per run
+  dims.assign(x.dims.begin(), x.dims.end());
   dims.back() = out_cols;
   OrtValue* out = nullptr;
   ORTKV_RETURN_IF_ORT_ERROR(g_api->KernelContext_GetOutput(ctx, 0, dims.data(), dims.size(), &out));

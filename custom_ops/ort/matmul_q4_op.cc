@@ -45,7 +45,8 @@ void QuantTask(void* user, size_t i) {
 
 OrtStatus* Compute(void* op_kernel, OrtKernelContext* ctx) {
   const auto& k = *static_cast<const MatMulQ4Kernel*>(op_kernel);
-  ortkv::TensorArg args[4];
+  thread_local ortkv::TensorArg args[4];  // Note [Input slots]
+  ClearArgs(args);
   for (size_t i = 0; i < 4; ++i) {
     const OrtValue* in = nullptr;
     ORTKV_RETURN_IF_ORT_ERROR(g_api->KernelContext_GetInput(ctx, i, &in));

@@ -41,8 +41,8 @@ std::string Hex(const void* p) {
 }
 
 ortkv::Status CheckProtectedWrites(int device_type, int device_id, int64_t n,
-                                   const std::function<void(int64_t, uintptr_t*, uintptr_t*)>& span,
-                                   const std::function<std::pair<std::string, std::string>(int64_t)>& words,
+                                   FnRef<void(int64_t, uintptr_t*, uintptr_t*)> span,
+                                   FnRef<std::pair<std::string, std::string>(int64_t)> words,
                                    const char* uncommitted_remedy, const char* readonly_remedy) {
   if (ortkv_core_protected_count() == 0) return ortkv::Status::Ok();  // the common case: one atomic read
   for (int64_t i = 0; i < n; ++i) {

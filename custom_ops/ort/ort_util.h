@@ -8,6 +8,7 @@
 
 #include "onnxruntime_c_api.h"
 #include "ortkv/cache_update.h"
+#include "ortkv/core.h"
 #include "ortkv/status.h"
 
 namespace ortkv_ort {
@@ -43,7 +44,41 @@ OrtStatus* ReadString(F&& getter, std::string* out) {
 OrtStatus* ReadTensor(const OrtValue* value, const std::string& name, ortkv::TensorArg* out, int* device_type,
                       int* device_id);
 
+// Note [Input slots]
+// An adapter's TensorArgs are thread_local and cleared (capacities kept) at the start of every run, so reading a
+// node's inputs allocates nothing once their dims and name buffers have grown: locals cost a std::vector and a
+// std::string per input per run. Cleared, not just overwritten: an omitted optional input must not show the
+// previous run's tensor. With the other per-run buffers (Linear's output dims, RotaryCacheUpdate's value shape, FnRef
+// below) a float32 CPU decode step of SmolLM2 makes 1,361 mallocs instead of 2,455, the rest ORT's own
+// (benchmarks/step_allocations.py, benchmarks/results/step_allocations_cpu.md).
+template <size_t N>
+void ClearArgs(ortkv::TensorArg (&args)[N]) {
+  for (auto& a : args) {
+    a.data = nullptr;
+    a.elem_type = 0;
+    a.dims.clear();
+    a.name.clear();
+  }
+}
+
 std::string Hex(const void* p);
+
+// A non-owning reference to a callable (it must outlive the call that takes it): unlike std::function, making
+// one never allocates. CheckProtectedWrites runs on every CacheUpdate / RotaryCacheUpdate call and the KV arena's
+// uncommitted tail is a registered range, so its two std::function arguments were two allocations per run.
+template <typename Sig>
+class FnRef;
+template <typename R, typename... A>
+class FnRef<R(A...)> {
+ public:
+  template <typename F>
+  FnRef(const F& f) : obj_(&f), call_([](const void* o, A... a) -> R { return (*static_cast<const F*>(o))(a...); }) {}
+  R operator()(A... a) const { return call_(obj_, a...); }
+
+ private:
+  const void* obj_;
+  R (*call_)(const void*, A...);
+};
 
 // Note [Write-protection check]
 // CacheUpdate and PagedCacheUpdate refuse, before any store, a write span [first, last) that overlaps a range
@@ -53,8 +88,8 @@ std::string Hex(const void* p);
 // [hit, +len bytes) '<label>'. Nothing was written. Remedy: " + the remedy for that kind. The common case (no
 // range registered) is one atomic read.
 ortkv::Status CheckProtectedWrites(int device_type, int device_id, int64_t n,
-                                   const std::function<void(int64_t, uintptr_t*, uintptr_t*)>& span,
-                                   const std::function<std::pair<std::string, std::string>(int64_t)>& words,
+                                   FnRef<void(int64_t, uintptr_t*, uintptr_t*)> span,
+                                   FnRef<std::pair<std::string, std::string>(int64_t)> words,
                                    const char* uncommitted_remedy, const char* readonly_remedy);
 
 // Node name, input and output value names of a kernel, read once at kernel creation.

@@ -128,7 +128,8 @@ OrtStatus* CheckPoolAliased(OrtKernelContext* ctx, const PagedKernel& k, const T
 
 OrtStatus* UpdateCompute(void* op_kernel, OrtKernelContext* ctx) {
   const auto& k = *static_cast<const PagedKernel*>(op_kernel);
-  TensorArg in[7];
+  thread_local TensorArg in[7];  // Note [Input slots]
+  ClearArgs(in);
   int device_type = ORTKV_DEVICE_CPU, device_id = 0;
   ORTKV_RETURN_IF_ORT_ERROR(ReadInputs(ctx, k, 6, in, &device_type, &device_id));
   bool fill = false;
@@ -223,7 +224,8 @@ void AttnTask(void* user, size_t i) {
 
 OrtStatus* AttnCompute(void* op_kernel, OrtKernelContext* ctx) {
   const auto& k = *static_cast<const PagedKernel*>(op_kernel);
-  TensorArg in[6];
+  thread_local TensorArg in[6];  // Note [Input slots]
+  ClearArgs(in);
   ORTKV_RETURN_IF_ORT_ERROR(ReadInputs(ctx, k, 5, in, nullptr, nullptr));
   bool fill = false;
   ORTKV_RETURN_IF_ORT_ERROR(ReadOptionalInput(ctx, k, 5, &in[5], &fill));
@@ -236,7 +238,8 @@ OrtStatus* AttnCompute(void* op_kernel, OrtKernelContext* ctx) {
                                                                        k.num_heads, k.attrs, k.scale, out_data, &view,
                                                                        fill ? &in[5] : nullptr)));
   if (view.tasks() == 0) return nullptr;
-  std::vector<float> partial(static_cast<size_t>(view.partial_floats()));
+  thread_local std::vector<float> partial;  // reused run to run (Note [Input slots])
+  partial.assign(static_cast<size_t>(view.partial_floats()), 0.0f);
   view.partial = partial.empty() ? nullptr : partial.data();
   ortkv::CoreLease lease;  // the pool is read here (Note [Arena lease])
   AttnJob job{&view};
@@ -334,10 +337,13 @@ Status CollectPoolRanges(const PagedKernel& k, const ortkv::PagedPool& p, int de
 OrtStatus* UpdateComputeCuda(void* op_kernel, OrtKernelContext* ctx) {
   const auto& k = *static_cast<const PagedKernel*>(op_kernel);
   ORTKV_RETURN_IF_ORT_ERROR(TakeDeviceError());  // a previous launch's report (Note [CUDA deferred errors])
-  TensorArg in[6];
+  thread_local TensorArg in[6];  // Note [Input slots]
+  ClearArgs(in);
   int device_type = ORTKV_DEVICE_CUDA, device_id = 0;
   ORTKV_RETURN_IF_ORT_ERROR(ReadInputs(ctx, k, 6, in, &device_type, &device_id));
-  TensorArg fill_arg;
+  thread_local TensorArg fill_args[1];
+  ClearArgs(fill_args);
+  TensorArg& fill_arg = fill_args[0];
   bool fill = false;
   ORTKV_RETURN_IF_ORT_ERROR(ReadOptionalInput(ctx, k, 6, &fill_arg, &fill));
   ortkv::PagedUpdateCudaView view;
@@ -362,7 +368,8 @@ OrtStatus* UpdateComputeCuda(void* op_kernel, OrtKernelContext* ctx) {
 OrtStatus* AttnComputeCuda(void* op_kernel, OrtKernelContext* ctx) {
   const auto& k = *static_cast<const PagedKernel*>(op_kernel);
   ORTKV_RETURN_IF_ORT_ERROR(TakeDeviceError());
-  TensorArg in[5];
+  thread_local TensorArg in[5];  // Note [Input slots]
+  ClearArgs(in);
   int device_type = ORTKV_DEVICE_CUDA, device_id = 0;
   for (size_t i = 0; i < 5; ++i) {
     const OrtValue* v = nullptr;
@@ -370,7 +377,9 @@ OrtStatus* AttnComputeCuda(void* op_kernel, OrtKernelContext* ctx) {
     ORTKV_RETURN_IF_ORT_ERROR(
         ReadTensor(v, k.names.inputs[i], &in[i], i == 1 ? &device_type : nullptr, i == 1 ? &device_id : nullptr));
   }
-  TensorArg fill_arg;
+  thread_local TensorArg fill_args[1];
+  ClearArgs(fill_args);
+  TensorArg& fill_arg = fill_args[0];
   bool fill = false;
   ORTKV_RETURN_IF_ORT_ERROR(ReadOptionalInput(ctx, k, 5, &fill_arg, &fill));
   OrtValue* out = nullptr;

@@ -50,7 +50,8 @@ void RotaryJobFn(void* user, size_t i) {
 
 OrtStatus* ComputeRotary(void* op_kernel, OrtKernelContext* ctx) {
   const auto& k = *static_cast<const RotaryKernel*>(op_kernel);
-  TensorArg args[6];
+  thread_local TensorArg args[6];  // Note [Input slots]
+  ClearArgs(args);
   int device_type = ORTKV_DEVICE_CPU, device_id = 0;
   for (size_t i = 0; i < 6; ++i) {
     const OrtValue* in = nullptr;
@@ -73,10 +74,10 @@ OrtStatus* ComputeRotary(void* op_kernel, OrtKernelContext* ctx) {
       k.names.node, args[0], args[1], args[2], args[3], args[4], args[5], k.heads, k.kv_heads, k.seq_axis,
       /*read_positions=*/!k.cuda, &view)));
 
-  const std::vector<int64_t> q_dims{view.rows, view.n, view.heads * view.head_size};
+  const int64_t q_dims[3] = {view.rows, view.n, view.heads * view.head_size};
   OrtValue* outs[3] = {nullptr, nullptr, nullptr};
   void* out_data[3] = {nullptr, nullptr, nullptr};
-  ORTKV_RETURN_IF_ORT_ERROR(g_api->KernelContext_GetOutput(ctx, 0, q_dims.data(), q_dims.size(), &outs[0]));
+  ORTKV_RETURN_IF_ORT_ERROR(g_api->KernelContext_GetOutput(ctx, 0, q_dims, 3, &outs[0]));
   ORTKV_RETURN_IF_ORT_ERROR(
       g_api->KernelContext_GetOutput(ctx, 1, args[1].dims.data(), args[1].dims.size(), &outs[1]));
   ORTKV_RETURN_IF_ORT_ERROR(
@@ -273,7 +274,9 @@ OrtStatus* ComputeSwiGLU(void* op_kernel, OrtKernelContext* ctx) {
   const auto& k = *static_cast<const SwiGLUKernel*>(op_kernel);
   const OrtValue* in = nullptr;
   ORTKV_RETURN_IF_ORT_ERROR(g_api->KernelContext_GetInput(ctx, 0, &in));
-  TensorArg x;
+  thread_local TensorArg xs[1];  // Note [Input slots]
+  ClearArgs(xs);
+  TensorArg& x = xs[0];
   ORTKV_RETURN_IF_ORT_ERROR(ReadTensor(in, k.names.inputs[0], &x, nullptr, nullptr));
   int64_t rows = 0, f = 0;
   ORTKV_RETURN_IF_ORT_ERROR(ToOrtStatus(ortkv::CheckSwiGLU(k.names.node, x, &rows, &f)));

@@ -20,29 +20,30 @@
 namespace ortkv {
 
 Status PlanLinear(const std::string& node, const TensorArg& x, const TensorArg& w, LinearView* view) {
-  const std::string where = "Linear node '" + node + "': ";
+  // built on a refusal only (Note [Messages on the error path only]: this runs for every Linear node of every step)
+  const auto where = [&node] { return "Linear node '" + node + "': "; };
   if (x.dims.empty()) {
-    return Status(Code::kInvalidArgument, where + "input X '" + x.name + "' is a scalar; it must be [..., K] (rank >= 1)");
+    return Status(Code::kInvalidArgument, where() + "input X '" + x.name + "' is a scalar; it must be [..., K] (rank >= 1)");
   }
   if (w.dims.size() != 2) {
-    return Status(Code::kInvalidArgument, where + "weight W '" + w.name + "' is " + ShapeText(w.dims) + " (rank " +
+    return Status(Code::kInvalidArgument, where() + "weight W '" + w.name + "' is " + ShapeText(w.dims) + " (rank " +
                                               std::to_string(w.dims.size()) +
                                               "); it must be [N, K] (rank 2, torch's Linear layout: W^T of MatMul's B)");
   }
   if (x.elem_type != w.elem_type) {
-    return Status(Code::kInvalidArgument, where + "X '" + x.name + "' is " + ElemTypeName(x.elem_type) + " but W '" +
+    return Status(Code::kInvalidArgument, where() + "X '" + x.name + "' is " + ElemTypeName(x.elem_type) + " but W '" +
                                               w.name + "' is " + ElemTypeName(w.elem_type) +
                                               "; both must have the same float type");
   }
   const int64_t K = x.dims.back(), N = w.dims[0];
   if (w.dims[1] != K) {
-    return Status(Code::kInvalidArgument, where + "X '" + x.name + "' " + ShapeText(x.dims) + " has K = " +
+    return Status(Code::kInvalidArgument, where() + "X '" + x.name + "' " + ShapeText(x.dims) + " has K = " +
                                               std::to_string(K) + " but W '" + w.name + "' " + ShapeText(w.dims) +
                                               " has K = " + std::to_string(w.dims[1]) +
                                               "; W must be [N, K] with X's last dim as K (transpose a MatMul weight)");
   }
   if (K % kLinearKMultiple != 0) {
-    return Status(Code::kInvalidArgument, where + "K = " + std::to_string(K) + " (X '" + x.name + "' " +
+    return Status(Code::kInvalidArgument, where() + "K = " + std::to_string(K) + " (X '" + x.name + "' " +
                                               ShapeText(x.dims) + ") is not a multiple of 8; Linear reads W in "
                                               "16-byte vectors of 8 elements: use MatMul for this matrix");
   }
