@@ -12,6 +12,23 @@ def emit(text: str, out: str | None) -> int:
     return 0
 
 
+def greedy_steps(runner, prompt_ids, steps: int, probe) -> list:
+    """Prefill `prompt_ids` (one row) after runner.start(1, 2048), then `steps` greedy decode steps; returns
+    probe() after minus probe() before each runner.step (probe: a clock, a counter)."""
+    import numpy as np
+
+    ids = np.array([prompt_ids], np.int64)
+    runner.start(1, 2048)
+    logits = runner.prefill(ids, np.array([ids.shape[1]], np.int64))
+    out = []
+    for _ in range(steps):
+        nxt = np.array([int(np.argmax(logits[0]))], np.int64)
+        before = probe()
+        logits = runner.step(nxt)
+        out.append(probe() - before)
+    return out
+
+
 def timed_decode(runner, prompt_ids, steps: int):
     """Greedy decode of `steps` tokens after prefilling `prompt_ids` (one row), twice: the first pass untimed.
     Returns the timed pass's (step wall seconds, ORT run seconds inside each step, tokens), the ORT time read

@@ -51,7 +51,7 @@ from ortkv.generate import models, runners
 from ortkv.generate.cli import apply_overrides
 from ortkv.generate.config import GenAIConfig
 
-from _report import emit, timed_decode  # benchmarks/ is on sys.path when a script runs
+from _report import emit, greedy_steps, timed_decode  # benchmarks/ is on sys.path when a script runs
 
 PROMPT_IDS = [1, 9690, 2409, 253, 655, 28, 665, 588, 253, 1165, 8325, 653]  # any in-vocabulary ids
 
@@ -89,15 +89,7 @@ def profile(weights: str, steps: int, prefix: str, tag: str | None = None) -> di
         r = _ortkv_runner(cfg, profiled)
     finally:
         models.BUILD_TAG = saved_tag
-    ids = np.array([PROMPT_IDS], np.int64)
-    r.start(1, 2048)
-    logits = r.prefill(ids, np.array([ids.shape[1]], np.int64))
-    walls = []
-    for _ in range(steps):
-        nxt = np.array([int(np.argmax(logits[0]))], np.int64)
-        t = time.perf_counter()
-        logits = r.step(nxt)
-        walls.append(time.perf_counter() - t)
+    walls = greedy_steps(r, PROMPT_IDS, steps, time.perf_counter)
     trace = json.loads(Path(r.sess.session.end_profiling()).read_text())
     r.close()
     runs = [e for e in trace if e.get("cat") == "Session" and e["name"] == "model_run"]

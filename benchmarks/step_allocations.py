@@ -39,6 +39,7 @@ PROMPT_IDS = [1, 9690, 2409, 253, 655, 28, 665, 588, 253, 1165, 8325, 653]
 
 
 def measure(weights: str, steps: int) -> tuple[int, int]:
+    from _report import greedy_steps  # benchmarks/ is on sys.path when a script runs
     from ortkv.generate import runners
     from ortkv.generate.cli import apply_overrides
     from ortkv.generate.config import GenAIConfig
@@ -56,15 +57,7 @@ def measure(weights: str, steps: int) -> tuple[int, int]:
         inside.append(count() - before)
 
     sess.run_with_iobinding = counted
-    ids = np.array([PROMPT_IDS], np.int64)
-    runner.start(1, 2048)
-    logits = runner.prefill(ids, np.array([ids.shape[1]], np.int64))
-    per_step = []
-    for _ in range(steps):
-        nxt = np.array([int(np.argmax(logits[0]))], np.int64)
-        before = count()
-        logits = runner.step(nxt)
-        per_step.append(count() - before)
+    per_step = greedy_steps(runner, PROMPT_IDS, steps, count)
     half = steps // 3  # the first steps may still grow buffers
     return int(np.median(per_step[half:])), int(np.median(inside[-(steps - half):]))
 
