@@ -1892,6 +1892,25 @@ __device__ __forceinline__ uint32_t KeysInWindow(int off, int lo, int win) {
   return valid;
 }
 
+// A window's keys [s0, s1) of a row as 16-key tiles aligned to kTile (so each within one page), counted from
+// a0 = s0 rounded down to kTile: base_off = a0's key offset from page p0's first key, keys lo .. win - 1 (from a0)
+// are the window's, n_tiles tiles cover them; hrow = KV head hk's first row in a page. WindowTiles and WindowTilesReg
+// walk the same geometry.
+struct WindowGeom {
+  int base_off, lo, win, n_tiles;
+  uint32_t hrow;
+};
+__device__ __forceinline__ WindowGeom Geom(int64_t s0, int64_t s1, int64_t p0, int ps, int hk) {
+  const int64_t a0 = s0 & ~static_cast<int64_t>(kTile - 1);
+  WindowGeom g;
+  g.base_off = static_cast<int>(a0 - p0 * ps);
+  g.lo = static_cast<int>(s0 - a0);
+  g.win = static_cast<int>(s1 - a0);
+  g.n_tiles = (g.win + kTile - 1) / kTile;
+  g.hrow = static_cast<uint32_t>(hk) * ps;
+  return g;
+}
+
 // One page window's tiles for one warp (Note [Paged CUDA v3]): warp w takes the window's 16-key tiles w, w + kWarps,
 // ... through its ring. UF >= 0: every page of the window has format UF (the caller checked), so the loop has no
 // per-tile format switch; UF = -1: any mix, the format read per tile. ps_shift: log2(page size) when it is a power
@@ -1914,12 +1933,10 @@ __device__ __forceinline__ void WindowTiles(const PageWindow& sh, uint8_t* wring
   constexpr int kDirect = BF ? static_cast<int>(PageFormat::kBF16) : static_cast<int>(PageFormat::kF16);
   const auto page_of = [&](int x) { return ps_shift >= 0 ? x >> ps_shift : x / ps; };
   // tiles of 16 keys aligned to 16 (within one page); warp w takes tiles w, w + kWarps, ...
-  const int64_t a0 = s0 & ~static_cast<int64_t>(kTile - 1);
-  const int base_off = static_cast<int>(a0 - p0 * ps);
-  const int lo = static_cast<int>(s0 - a0), win = static_cast<int>(s1 - a0);
-  const int n_tiles = (win + kTile - 1) / kTile;
+  const WindowGeom wg = Geom(s0, s1, p0, ps, hk);
+  const int base_off = wg.base_off, lo = wg.lo, win = wg.win, n_tiles = wg.n_tiles;
+  const uint32_t hrow = wg.hrow;
   const int mine = n_tiles > warp ? (n_tiles - warp + kWarps - 1) / kWarps : 0;
-  const uint32_t hrow = static_cast<uint32_t>(hk) * ps;
   // Note [Paged CUDA v3 pointers ahead]: in a uniform window the format's layout is read from shared memory once,
   // and the page pointer and row of the tile issued next are read one issue ahead, so the copies of a tile do not
   // wait on a shared-memory load (ncu, F16 pages at 32K x 8: 28 % of warp stalls on short scoreboard vs 16 % for
@@ -2295,13 +2312,11 @@ __device__ __forceinline__ void WindowTilesReg(const PageWindow& sh, uint8_t* wr
   constexpr int kStages = kStages0 < 8 ? kStages0 : 8;
   static_assert(kStages >= 3, "");
   const auto page_of = [&](int x) { return POW2 ? x >> ps_shift : x / ps; };
-  const int64_t a0 = s0 & ~static_cast<int64_t>(kTile - 1);
-  const int base_off = static_cast<int>(a0 - p0 * ps);
-  const int lo = static_cast<int>(s0 - a0), win = static_cast<int>(s1 - a0);
-  const int n_tiles = (win + kTile - 1) / kTile;
+  const WindowGeom wg = Geom(s0, s1, p0, ps, hk);
+  const int base_off = wg.base_off, lo = wg.lo, win = wg.win, n_tiles = wg.n_tiles;
+  const uint32_t hrow = wg.hrow;
   const int n_steps = (n_tiles + NT - 1) / NT;
   const int mine = n_steps > warp ? (n_steps - warp + kWarps - 1) / kWarps : 0;
-  const uint32_t hrow = static_cast<uint32_t>(hk) * ps;
   const FormatInfo fi = sh.fi[F];
   int next = 0, stage_in = 0;
   auto issue = [&]() {
