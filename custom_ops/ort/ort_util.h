@@ -1,7 +1,6 @@
 // Small helpers over ONNX Runtime's C API for the adapter folder (the only code that sees ORT headers).
 #pragma once
 #include <cstdint>
-#include <functional>
 #include <string>
 #include <utility>
 #include <vector>

@@ -20,32 +20,33 @@
 namespace ortkv {
 
 Status PlanLinear(const std::string& node, const TensorArg& x, const TensorArg& w, LinearView* view) {
-  // built on a refusal only (Note [Messages on the error path only]: this runs for every Linear node of every step)
-  const auto where = [&node] { return "Linear node '" + node + "': "; };
+  const NodeWhere where{"Linear", node};
+  Message m;  // Note [Messages on the error path only]: this runs for every Linear node of every step
   if (x.dims.empty()) {
-    return Status(Code::kInvalidArgument, where() + "input X '" + x.name + "' is a scalar; it must be [..., K] (rank >= 1)");
+    m << where << ": input X '" << x.name << "' is a scalar; it must be [..., K] (rank >= 1)";
+    return Status(Code::kInvalidArgument, m.str());
   }
   if (w.dims.size() != 2) {
-    return Status(Code::kInvalidArgument, where() + "weight W '" + w.name + "' is " + ShapeText(w.dims) + " (rank " +
-                                              std::to_string(w.dims.size()) +
-                                              "); it must be [N, K] (rank 2, torch's Linear layout: W^T of MatMul's B)");
+    m << where << ": weight W '" << w.name << "' is " << ShapeText(w.dims) << " (rank " << w.dims.size()
+      << "); it must be [N, K] (rank 2, torch's Linear layout: W^T of MatMul's B)";
+    return Status(Code::kInvalidArgument, m.str());
   }
   if (x.elem_type != w.elem_type) {
-    return Status(Code::kInvalidArgument, where() + "X '" + x.name + "' is " + ElemTypeName(x.elem_type) + " but W '" +
-                                              w.name + "' is " + ElemTypeName(w.elem_type) +
-                                              "; both must have the same float type");
+    m << where << ": X '" << x.name << "' is " << ElemTypeName(x.elem_type) << " but W '" << w.name << "' is "
+      << ElemTypeName(w.elem_type) << "; both must have the same float type";
+    return Status(Code::kInvalidArgument, m.str());
   }
   const int64_t K = x.dims.back(), N = w.dims[0];
   if (w.dims[1] != K) {
-    return Status(Code::kInvalidArgument, where() + "X '" + x.name + "' " + ShapeText(x.dims) + " has K = " +
-                                              std::to_string(K) + " but W '" + w.name + "' " + ShapeText(w.dims) +
-                                              " has K = " + std::to_string(w.dims[1]) +
-                                              "; W must be [N, K] with X's last dim as K (transpose a MatMul weight)");
+    m << where << ": X '" << x.name << "' " << ShapeText(x.dims) << " has K = " << K << " but W '" << w.name << "' "
+      << ShapeText(w.dims) << " has K = " << w.dims[1]
+      << "; W must be [N, K] with X's last dim as K (transpose a MatMul weight)";
+    return Status(Code::kInvalidArgument, m.str());
   }
   if (K % kLinearKMultiple != 0) {
-    return Status(Code::kInvalidArgument, where() + "K = " + std::to_string(K) + " (X '" + x.name + "' " +
-                                              ShapeText(x.dims) + ") is not a multiple of 8; Linear reads W in "
-                                              "16-byte vectors of 8 elements: use MatMul for this matrix");
+    m << where << ": K = " << K << " (X '" << x.name << "' " << ShapeText(x.dims)
+      << ") is not a multiple of 8; Linear reads W in 16-byte vectors of 8 elements: use MatMul for this matrix";
+    return Status(Code::kInvalidArgument, m.str());
   }
   int64_t M = 1;
   for (size_t i = 0; i + 1 < x.dims.size(); ++i) M *= x.dims[i];
