@@ -2048,11 +2048,16 @@ __device__ __forceinline__ void WindowTiles(const PageWindow& sh, uint8_t* wring
 // (the query quarter held from the kernel's start: 199 -> 230 registers); it is now read per register window
 // (212 registers; F16 back to 93e882d's times). More warps per SM were measured with per-format instances and not
 // kept: an INT4 / INT8-only kernel at 3 blocks per SM (149 registers) gained 4 % at 32K x 8 only, an F16-only one
-// (165 registers, 3 blocks) nothing. BFloat16 queries keep the shared-memory decode.
+// (165 registers, 3 blocks) nothing. BFloat16 queries keep the shared-memory decode. INT4 pages at head size 64
+// now take the transposed form of this loop (Note [Paged CUDA v3 transposed INT4]); INT8, and INT4 at 128, this one.
 constexpr int kInt4F = static_cast<int>(PageFormat::kInt4), kInt8F = static_cast<int>(PageFormat::kInt8);
 
 // The layout of o after a window of format f (-1: mixed): 0 the 16-bit tiles' (dim nt * 8 + n), 1 INT4's, 2 INT8's.
 __host__ __device__ constexpr int RegMode(int f) { return f == kInt4F ? 1 : f == kInt8F ? 2 : 0; }
+// The layout of o after a register-decoded window at head size D: INT4 at head size 64 merges its transposed state
+// into layout 0 (Note [Paged CUDA v3 transposed INT4]).
+template <int D>
+__host__ __device__ constexpr int RegModeD(int f) { return D == 64 && f == kInt4F ? 0 : RegMode(f); }
 __device__ __forceinline__ int DimOf(int mode, int nt, int n) {
   return mode == 1 ? 64 * (nt >> 3) + 8 * n + (nt & 7) : mode == 2 ? 32 * (nt >> 2) + 4 * n + (nt & 3) : nt * 8 + n;
 }
@@ -2357,6 +2362,230 @@ __device__ __forceinline__ void WindowTilesReg(const PageWindow& sh, uint8_t* wr
   }
 }
 
+// Note [Paged CUDA v3 transposed INT4]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// INT4 pages at head size 64 under float16 queries take the keys as the mma's M dimension: S^T = K Q^T and
+// O^T = V^T P^T. The register decode's loop (Note [Paged CUDA v3 register decode]) put the query heads in M, where
+// rows 8..15 are padding: every product of 8 keys needed an mma and two registers of zeros that ptxas re-made
+// before each one. Here a 16-key tile is one mma per 16 dims for S and one per 16 dims for O, with no padding:
+//   * S^T: A = the raw K codes of key rows kappa(g) (rows 0..7 of A) and 8 + kappa(g) (rows 8..15), the lane's
+//     quarter of each as in the register decode (Int4QuadRaw), B = the query fragments qa of RegQuery unchanged
+//     (their k-indices and dims are the A fragments' of the register decode). C: lane (g, c) holds keys kappa(g)
+//     and 8 + kappa(g) for query heads 2c and 2c + 1: the offset k0 and qsum of those two heads come from lanes
+//     8c and 8c + 4 once per window, the per-key scales are read for 4 keys a lane per 32-key step (8 before).
+//   * The online softmax runs per query head (column): the maxima reduce over the 8 lanes of a column (xor 4, 8,
+//     16), and each lane keeps m, l and sum p m_v for its two columns.
+//   * P^T as B: the C fragment of S^T (row = key, 2 columns a lane) is the transpose of the B fragment that O^T
+//     needs (k = key, 1 column a lane); movmatrix.trans turns one into the other, one instruction per 8 keys. Row
+//     m of S^T is key kappa(m) (8 + kappa(m - 8)), so B's k-indices 2c, 2c + 1 are keys c, c + 4 (8 + c, 12 + c).
+//   * V^T as A: lane (g, c) pairs keys (c, c + 4) and (8 + c, 12 + c) of word g of the value rows (one PRMT per
+//     pair of rows, Int4Quad exact as before): dims 8 g + i in rows 0..7 of m-tile i, 8 g + 4 + i in rows 8..15.
+// The window's state merges into the block's (m, l, o in layout 0) at its end through the warp's ring (2 KB;
+// its copies have landed): o = o 2^(m - M) + O_w 2^(m_w - M), l likewise on one lane of the quad (l is a per-lane
+// partial until the block's end). 217 registers (212 before), 456 instructions per 32-key step with 16 HMMA
+// (526 with 32; `python benchmarks/cuda/sass_loops.py`). H200 harness (SmolLM2 heads, pages of 16, 2 alternating
+// rounds, us): INT4 32K x 8 36.5 -> 33.0-33.5, 8K x 8 17.4-17.7 -> 16.9, 32K x 1 14.9 -> 14.6, 8K x 1 10.4 -> 10.5;
+// INT8 1-2 % faster (the shared kernel's registers), F16 unchanged; the same largest difference to v2 as before
+// (<= 0.0039). Through ORT (bench_paged_attention_cuda.py, one round): INT4 / F16 0.55 at 128K x 4 (0.58 before),
+// 0.60 at 32K x 8 (0.64). Still a lane-latency-bound loop at 8 warps per SM, and the per-block fixed part (a third
+// of the samples at 32K x 8, benchmarks/results/paged_attention_cuda_h200.md) is untouched.
+__device__ __forceinline__ void MmaRows16(float* c, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
+                                          uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+// The 8 x 8 matrix of 16-bit values whose row lane / 4, columns 2 (lane % 4) + {0, 1} the lane holds, transposed.
+__device__ __forceinline__ uint32_t Transpose8x8(uint32_t x) {
+  uint32_t y;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
+  return y;
+}
+
+// One step of NT raw INT4 tiles (head size 64) in the transposed form: S^T, the per-column online softmax,
+// O^T += V^T (P s_v)^T, mv += P m_v (Note [Paged CUDA v3 transposed INT4]).
+template <int NT>
+__device__ __forceinline__ void Int4TilesT(const uint8_t* st, const uint32_t (*qa)[2], const float* qs,
+                                           const float* k0, int lane, uint32_t valid, float* m, float* l, float* mv,
+                                           float (*o)[4]) {
+  using R = RegCfg<kInt4F, 64>;
+  const int g = lane >> 2, c = lane & 3;
+  const int kg = (g >> 1) + 4 * (g & 1);  // kappa(g): the key of row g of S^T
+  float s[NT][4];
+#pragma unroll
+  for (int h = 0; h < NT; ++h) {
+    s[h][0] = s[h][1] = s[h][2] = s[h][3] = 0.0f;
+    const uint8_t* t = st + h * R::kStageBytes;
+    const uint2 wl = *reinterpret_cast<const uint2*>(t + kg * R::kRB + c * 8);
+    const uint2 wh = *reinterpret_cast<const uint2*>(t + (8 + kg) * R::kRB + c * 8);
+    uint32_t rl[2][4], rh[2][4];  // per word: k-steps 2 j, 2 j + 1 (as RegTiles' kb)
+    Int4QuadRaw(wl.x, rl[0]);
+    Int4QuadRaw(wl.y, rl[1]);
+    Int4QuadRaw(wh.x, rh[0]);
+    Int4QuadRaw(wh.y, rh[1]);
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) {
+      const int j = ks >> 1, i = 2 * (ks & 1);
+      MmaRows16(s[h], rl[j][i], rh[j][i], rl[j][i + 1], rh[j][i + 1], qa[ks][0], qa[ks][1]);
+    }
+  }
+  float vs[NT][2], vm[NT][2];
+  float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+  for (int h = 0; h < NT; ++h)
+#pragma unroll
+    for (int hi = 0; hi < 2; ++hi) {
+      const int k = 8 * hi + kg;
+      const uint8_t* sc = st + h * R::kStageBytes + R::kS;
+      const uint32_t kw = *reinterpret_cast<const uint32_t*>(sc + k * 4);
+      const uint32_t vw = *reinterpret_cast<const uint32_t*>(sc + 64 + k * 4);
+      const float sk = H(kw & 0xFFFFu), mk = H(kw >> 16);
+      const bool ok = (valid >> (16 * h + k)) & 1u;
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {  // s = sk (raw - k0) + mk qsum: the raw score carries k0 (RegOffset)
+        float& x = s[h][2 * hi + e];
+        x = ok ? fmaf(x, sk, fmaf(-sk, k0[e], mk * qs[e])) : -INFINITY;
+        mx[e] = fmaxf(mx[e], x);
+      }
+      vs[h][hi] = ok ? H(vw & 0xFFFFu) : 0.0f;
+      vm[h][hi] = ok ? H(vw >> 16) : 0.0f;
+    }
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+#pragma unroll
+    for (int x = 4; x < 32; x <<= 1) mx[e] = fmaxf(mx[e], __shfl_xor_sync(0xffffffffu, mx[e], x));
+    if (mx[e] > m[e]) {
+      const float corr = Exp2(m[e] - mx[e]);
+      l[e] *= corr;
+      mv[e] *= corr;
+#pragma unroll
+      for (int mt = 0; mt < 4; ++mt) o[mt][e] *= corr, o[mt][e + 2] *= corr;
+      m[e] = mx[e];
+    }
+  }
+#pragma unroll
+  for (int h = 0; h < NT; ++h) {
+    float pv[2][2];
+#pragma unroll
+    for (int hi = 0; hi < 2; ++hi)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float p = Exp2(s[h][2 * hi + e] - m[e]);  // 0 for a key outside the window
+        l[e] += p;
+        mv[e] = fmaf(p, vm[h][hi], mv[e]);
+        pv[hi][e] = p * vs[h][hi];
+      }
+    const uint32_t b0 = Transpose8x8(Pack2<false>(pv[0][0], pv[0][1]));  // keys c, c + 4; column g
+    const uint32_t b1 = Transpose8x8(Pack2<false>(pv[1][0], pv[1][1]));  // keys 8 + c, 12 + c
+    const uint8_t* v = st + h * R::kStageBytes + R::kV + 4 * g;
+    const uint32_t wa = *reinterpret_cast<const uint32_t*>(v + c * R::kRB);
+    const uint32_t wb = *reinterpret_cast<const uint32_t*>(v + (c + 4) * R::kRB);
+    const uint32_t wc = *reinterpret_cast<const uint32_t*>(v + (c + 8) * R::kRB);
+    const uint32_t wd = *reinterpret_cast<const uint32_t*>(v + (c + 12) * R::kRB);
+    uint32_t a0[4], a1[4], a2[4], a3[4];
+    Int4Quad(__byte_perm(wa, wb, 0x5410), a0);  // dims 8 g + i: keys (c, c + 4)
+    Int4Quad(__byte_perm(wa, wb, 0x7632), a1);  // dims 8 g + 4 + i
+    Int4Quad(__byte_perm(wc, wd, 0x5410), a2);  // keys (8 + c, 12 + c)
+    Int4Quad(__byte_perm(wc, wd, 0x7632), a3);
+#pragma unroll
+    for (int mt = 0; mt < 4; ++mt) MmaRows16(o[mt], a0[mt], a1[mt], a2[mt], a3[mt], b0, b1);
+  }
+}
+
+// WindowTilesReg for INT4 pages at head size 64 in the transposed form (Note [Paged CUDA v3 transposed INT4]): the
+// same ring and steps; the window's state is merged into (m, l, o) of layout 0 at its end.
+template <bool POW2>
+__device__ __forceinline__ void WindowTilesInt4T(const PageWindow& sh, uint8_t* wring, int64_t s0, int64_t s1,
+                                                 int64_t p0, int ps, int ps_shift, int hk, int warp, int lane,
+                                                 const uint32_t (*qa)[2], float qsum, float k0, float& m, float& l,
+                                                 float (*o)[4]) {
+  constexpr int F = kInt4F, D = 64;
+  using R = RegCfg<F, D>;
+  constexpr int NT = RegStepTiles<F, D>();
+  constexpr int kStep = NT * R::kStageBytes;
+  constexpr int kStages0 = Cfg<D>::kWarpBytes / kStep;
+  constexpr int kStages = kStages0 < 8 ? kStages0 : 8;
+  static_assert(kStages >= 3, "");
+  const auto page_of = [&](int x) { return POW2 ? x >> ps_shift : x / ps; };
+  const WindowGeom wg = Geom(s0, s1, p0, ps, hk);
+  const int base_off = wg.base_off, lo = wg.lo, win = wg.win, n_tiles = wg.n_tiles;
+  const uint32_t hrow = wg.hrow;
+  const int n_steps = (n_tiles + NT - 1) / NT;
+  const int mine = n_steps > warp ? (n_steps - warp + kWarps - 1) / kWarps : 0;
+  const FormatInfo fi = sh.fi[F];
+  const int g = lane >> 2, c = lane & 3;
+  // this lane's columns: query heads 2c, 2c + 1, whose rows are lanes 8c (.. + 3) and 8c + 4
+  const float qs[2] = {__shfl_sync(0xffffffffu, qsum, 8 * c), __shfl_sync(0xffffffffu, qsum, 8 * c + 4)};
+  const float kc[2] = {__shfl_sync(0xffffffffu, k0, 8 * c), __shfl_sync(0xffffffffu, k0, 8 * c + 4)};
+  int next = 0, stage_in = 0;
+  auto issue = [&]() {
+    if (next < mine) {
+#pragma unroll
+      for (int h = 0; h < NT; ++h) {
+        const int tile = (warp + next * kWarps) * NT + h;
+        if (tile < n_tiles) {
+          const int o0 = base_off + tile * kTile;
+          const int lp = page_of(o0);
+          IssueNarrow<F, D>(wring + stage_in * kStep + h * R::kStageBytes, sh.page[lp], fi,
+                            hrow + static_cast<uint32_t>(o0 - lp * ps), lane);
+        }
+      }
+    }
+    CpAsyncCommit();
+    ++next;
+    stage_in = stage_in + 1 == kStages ? 0 : stage_in + 1;
+  };
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) issue();
+  float mw[2] = {-INFINITY, -INFINITY}, lw[2] = {0.0f, 0.0f}, mvw[2] = {0.0f, 0.0f}, ow[4][4];
+#pragma unroll
+  for (int mt = 0; mt < 4; ++mt) ow[mt][0] = ow[mt][1] = ow[mt][2] = ow[mt][3] = 0.0f;
+  int stage = 0;
+  for (int it = 0; it < mine; ++it, stage = stage + 1 == kStages ? 0 : stage + 1) {
+    CpAsyncWait<kStages - 2>();
+    __syncwarp();  // this step's copies landed for the whole warp; the slot refilled next was read
+    issue();
+    const int off = (warp + it * kWarps) * NT * kTile;  // from a0
+    const uint32_t valid = KeysInWindow<NT * kTile>(off, lo, win);
+    Int4TilesT<NT>(wring + stage * kStep, qa, qs, kc, lane, valid, mw, lw, mvw, ow);
+  }
+  CpAsyncWait<0>();
+#pragma unroll
+  for (int x = 4; x < 32; x <<= 1)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      lw[e] += __shfl_xor_sync(0xffffffffu, lw[e], x);
+      mvw[e] += __shfl_xor_sync(0xffffffffu, mvw[e], x);
+    }
+  // the window's O (with sum p m_v on every dim), then m and l per query head, in the ring: [8 heads][65] floats
+  constexpr int kRow = D + 1;
+  float* buf = reinterpret_cast<float*>(wring);
+  float* ml = buf + 8 * kRow;
+#pragma unroll
+  for (int mt = 0; mt < 4; ++mt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) buf[(2 * c + (e & 1)) * kRow + 8 * g + mt + 4 * (e >> 1)] = ow[mt][e] + mvw[e & 1];
+  if (g == 0) {
+    ml[2 * c] = mw[0], ml[2 * c + 1] = mw[1];
+    ml[8 + 2 * c] = lw[0], ml[8 + 2 * c + 1] = lw[1];
+  }
+  __syncwarp();
+  const float mr = ml[g], lr = ml[8 + g];
+  const float mn = fmaxf(m, mr);
+  if (mn != -INFINITY) {
+    const float ca = Exp2(m - mn), cb = Exp2(mr - mn);
+    l = l * ca + (c == 0 ? lr * cb : 0.0f);  // l is a per-lane partial: the window's sum on one lane of the quad
+#pragma unroll
+    for (int nt = 0; nt < D / 8; ++nt) {
+      o[nt][0] = o[nt][0] * ca + buf[g * kRow + nt * 8 + 2 * c] * cb;
+      o[nt][1] = o[nt][1] * ca + buf[g * kRow + nt * 8 + 2 * c + 1] * cb;
+    }
+    m = mn;
+  }
+  __syncwarp();  // the ring is the next window's
+}
+
 // Re-lays o from layout `from` to layout `to` (DimOf) through the warp's ring (free between windows: the previous
 // window's copies were waited for, and its reads are behind the window's block barrier).
 template <int D>
@@ -2452,7 +2681,7 @@ __global__ void __launch_bounds__(kThreads, ORTKV_PAGED_V3_MIN_BLOCKS) PagedAtte
     }
     // Note [Paged CUDA v3 uniform windows]: one format for the whole window -> a loop without the format switch
     const int uf = (formats & (formats - 1)) == 0 ? __ffs(static_cast<int>(formats)) - 1 : -1;
-    const int want = BF ? 0 : RegMode(uf);
+    const int want = BF ? 0 : RegModeD<D>(uf);
     if (want != mode) {  // block-uniform; o is all zeros before the first window
       if (s0 != j0) ConvertO<D>(wring, lane, mode, want, o);
       mode = want;
@@ -2467,7 +2696,12 @@ __global__ void __launch_bounds__(kThreads, ORTKV_PAGED_V3_MIN_BLOCKS) PagedAtte
     LoadQueryChunk<D>(reinterpret_cast<const __half*>(qrow), g, gn, c, qc);                        \
     float qsum, k0;                                                                                \
     RegQuery<F, D>(qc, qscale, qn, &qsum, &k0);                                                    \
-    if (ps_shift >= 0)                                                                             \
+    if constexpr (F == kInt4F && D == 64) { /* Note [Paged CUDA v3 transposed INT4] */              \
+      if (ps_shift >= 0)                                                                           \
+        WindowTilesInt4T<true>(sh, wring, s0, s1, p0, ps, ps_shift, hk, warp, lane, qn, qsum, k0, m, l, o); \
+      else                                                                                         \
+        WindowTilesInt4T<false>(sh, wring, s0, s1, p0, ps, ps_shift, hk, warp, lane, qn, qsum, k0, m, l, o); \
+    } else if (ps_shift >= 0)                                                                      \
       WindowTilesReg<D, F, true>(sh, wring, s0, s1, p0, ps, ps_shift, hk, warp, lane, qn, qsum, k0, m, l, o); \
     else                                                                                           \
       WindowTilesReg<D, F, false>(sh, wring, s0, s1, p0, ps, ps_shift, hk, warp, lane, qn, qsum, k0, m, l, o); \
