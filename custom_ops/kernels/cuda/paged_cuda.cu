@@ -2382,8 +2382,8 @@ __device__ __forceinline__ void WindowTilesReg(const PageWindow& sh, uint8_t* wr
 //     pair of rows, Int4Quad exact as before): dims 8 g + i in rows 0..7 of m-tile i, 8 g + 4 + i in rows 8..15.
 // The window's state merges into the block's (m, l, o in layout 0) at its end through the warp's ring (2 KB;
 // its copies have landed): o = o 2^(m - M) + O_w 2^(m_w - M), l likewise on one lane of the quad (l is a per-lane
-// partial until the block's end). 217 registers (212 before), 456 instructions per 32-key step with 16 HMMA
-// (526 with 32; `python benchmarks/cuda/sass_loops.py`). H200 harness (SmolLM2 heads, pages of 16, 2 alternating
+// partial until the block's end). 217 registers (212 before), 452 instructions per 32-key step with 16 HMMA
+// (526 with 32; 500 for page sizes that are not powers of two; `python benchmarks/cuda/sass_loops.py`). H200 harness (SmolLM2 heads, pages of 16, 2 alternating
 // rounds, us): INT4 32K x 8 36.5 -> 33.0-33.5, 8K x 8 17.4-17.7 -> 16.9, 32K x 1 14.9 -> 14.6, 8K x 1 10.4 -> 10.5;
 // INT8 1-2 % faster (the shared kernel's registers), F16 unchanged; the same largest difference to v2 as before
 // (<= 0.0039). Through ORT (bench_paged_attention_cuda.py, one round): INT4 / F16 0.55 at 128K x 4 (0.58 before),
