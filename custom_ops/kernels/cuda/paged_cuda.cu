@@ -2295,73 +2295,6 @@ __device__ __forceinline__ void RegTiles(const uint8_t* st, const uint32_t (*qa)
   }
 }
 
-// Tiles per step of a register-decoded window: 2 (32 keys: one softmax update and two independent tiles' products
-// per step) where the warp's ring holds >= 3 such steps, else 1.
-template <int F, int D>
-__host__ __device__ constexpr int RegStepTiles() {
-  return Cfg<D>::kWarpBytes / (2 * RegCfg<F, D>::kStageBytes) >= 3 ? 2 : 1;
-}
-
-// WindowTiles for a uniform window of INT4 or INT8 pages under float16 queries (Note [Paged CUDA v3 register
-// decode]): warp w takes the window's steps of NT tiles w, w + kWarps, ...; o leaves in layout RegMode(F).
-// POW2: ps == 1 << ps_shift (the page of a key offset by a shift, and no division in the loop's code).
-template <int D, int F, bool POW2>
-__device__ __forceinline__ void WindowTilesReg(const PageWindow& sh, uint8_t* wring, int64_t s0, int64_t s1,
-                                               int64_t p0, int ps, int ps_shift, int hk, int warp, int lane,
-                                               const uint32_t (*qa)[2], float qsum, float k0, float& m, float& l,
-                                               float (*o)[4]) {
-  using R = RegCfg<F, D>;
-  constexpr int NT = RegStepTiles<F, D>();
-  constexpr int kStep = NT * R::kStageBytes;
-  constexpr int kStages0 = Cfg<D>::kWarpBytes / kStep;
-  constexpr int kStages = kStages0 < 8 ? kStages0 : 8;
-  static_assert(kStages >= 3, "");
-  const auto page_of = [&](int x) { return POW2 ? x >> ps_shift : x / ps; };
-  const WindowGeom wg = Geom(s0, s1, p0, ps, hk);
-  const int base_off = wg.base_off, lo = wg.lo, win = wg.win, n_tiles = wg.n_tiles;
-  const uint32_t hrow = wg.hrow;
-  const int n_steps = (n_tiles + NT - 1) / NT;
-  const int mine = n_steps > warp ? (n_steps - warp + kWarps - 1) / kWarps : 0;
-  const FormatInfo fi = sh.fi[F];
-  int next = 0, stage_in = 0;
-  auto issue = [&]() {
-    if (next < mine) {
-#pragma unroll
-      for (int h = 0; h < NT; ++h) {
-        const int tile = (warp + next * kWarps) * NT + h;
-        if (tile < n_tiles) {
-          const int o0 = base_off + tile * kTile;
-          const int lp = page_of(o0);
-          IssueNarrow<F, D>(wring + stage_in * kStep + h * R::kStageBytes, sh.page[lp], fi,
-                            hrow + static_cast<uint32_t>(o0 - lp * ps), lane);
-        }
-      }
-    }
-    CpAsyncCommit();
-    ++next;
-    stage_in = stage_in + 1 == kStages ? 0 : stage_in + 1;
-  };
-#pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) issue();
-  float mv = 0.0f;
-  int stage = 0;
-  for (int it = 0; it < mine; ++it, stage = stage + 1 == kStages ? 0 : stage + 1) {
-    CpAsyncWait<kStages - 2>();
-    __syncwarp();  // this step's copies landed for the whole warp; the slot refilled next was read
-    issue();
-    const int off = (warp + it * kWarps) * NT * kTile;  // from a0
-    const uint32_t valid = KeysInWindow<NT * kTile>(off, lo, win);
-    RegTiles<F, D, NT>(wring + stage * kStep, qa, qsum, k0, lane, valid, m, l, mv, o);
-  }
-  mv += __shfl_xor_sync(0xffffffffu, mv, 1);  // the quad's keys: sum_j p_j m_j of query head g
-  mv += __shfl_xor_sync(0xffffffffu, mv, 2);
-#pragma unroll
-  for (int nt = 0; nt < D / 8; ++nt) {
-    o[nt][0] += mv;
-    o[nt][1] += mv;
-  }
-}
-
 // Note [Paged CUDA v3 transposed INT4]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // INT4 pages at head size 64 under float16 queries take the keys as the mma's M dimension: S^T = K Q^T and
@@ -2493,63 +2426,13 @@ __device__ __forceinline__ void Int4TilesT(const uint8_t* st, const uint32_t (*q
   }
 }
 
-// WindowTilesReg for INT4 pages at head size 64 in the transposed form (Note [Paged CUDA v3 transposed INT4]): the
-// same ring and steps; the window's state is merged into (m, l, o) of layout 0 at its end.
-template <bool POW2>
-__device__ __forceinline__ void WindowTilesInt4T(const PageWindow& sh, uint8_t* wring, int64_t s0, int64_t s1,
-                                                 int64_t p0, int ps, int ps_shift, int hk, int warp, int lane,
-                                                 const uint32_t (*qa)[2], float qsum, float k0, float& m, float& l,
-                                                 float (*o)[4]) {
-  constexpr int F = kInt4F, D = 64;
-  using R = RegCfg<F, D>;
-  constexpr int NT = RegStepTiles<F, D>();
-  constexpr int kStep = NT * R::kStageBytes;
-  constexpr int kStages0 = Cfg<D>::kWarpBytes / kStep;
-  constexpr int kStages = kStages0 < 8 ? kStages0 : 8;
-  static_assert(kStages >= 3, "");
-  const auto page_of = [&](int x) { return POW2 ? x >> ps_shift : x / ps; };
-  const WindowGeom wg = Geom(s0, s1, p0, ps, hk);
-  const int base_off = wg.base_off, lo = wg.lo, win = wg.win, n_tiles = wg.n_tiles;
-  const uint32_t hrow = wg.hrow;
-  const int n_steps = (n_tiles + NT - 1) / NT;
-  const int mine = n_steps > warp ? (n_steps - warp + kWarps - 1) / kWarps : 0;
-  const FormatInfo fi = sh.fi[F];
+// The end of a transposed INT4 window (Note [Paged CUDA v3 transposed INT4]): its state (per query-head column
+// m, l, sum p m_v, and O^T) merged into the block's m, l and o of layout 0 through the warp's ring, whose copies
+// have all landed.
+__device__ __forceinline__ void MergeWindowT(uint8_t* wring, int lane, const float* mw, float* lw, float* mvw,
+                                             const float (*ow)[4], float& m, float& l, float (*o)[4]) {
+  constexpr int D = 64, kRow = D + 1;  // [8 heads][65] floats: O with sum p m_v on every dim, then m and l per head
   const int g = lane >> 2, c = lane & 3;
-  // this lane's columns: query heads 2c, 2c + 1, whose rows are lanes 8c (.. + 3) and 8c + 4
-  const float qs[2] = {__shfl_sync(0xffffffffu, qsum, 8 * c), __shfl_sync(0xffffffffu, qsum, 8 * c + 4)};
-  const float kc[2] = {__shfl_sync(0xffffffffu, k0, 8 * c), __shfl_sync(0xffffffffu, k0, 8 * c + 4)};
-  int next = 0, stage_in = 0;
-  auto issue = [&]() {
-    if (next < mine) {
-#pragma unroll
-      for (int h = 0; h < NT; ++h) {
-        const int tile = (warp + next * kWarps) * NT + h;
-        if (tile < n_tiles) {
-          const int o0 = base_off + tile * kTile;
-          const int lp = page_of(o0);
-          IssueNarrow<F, D>(wring + stage_in * kStep + h * R::kStageBytes, sh.page[lp], fi,
-                            hrow + static_cast<uint32_t>(o0 - lp * ps), lane);
-        }
-      }
-    }
-    CpAsyncCommit();
-    ++next;
-    stage_in = stage_in + 1 == kStages ? 0 : stage_in + 1;
-  };
-#pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) issue();
-  float mw[2] = {-INFINITY, -INFINITY}, lw[2] = {0.0f, 0.0f}, mvw[2] = {0.0f, 0.0f}, ow[4][4];
-#pragma unroll
-  for (int mt = 0; mt < 4; ++mt) ow[mt][0] = ow[mt][1] = ow[mt][2] = ow[mt][3] = 0.0f;
-  int stage = 0;
-  for (int it = 0; it < mine; ++it, stage = stage + 1 == kStages ? 0 : stage + 1) {
-    CpAsyncWait<kStages - 2>();
-    __syncwarp();  // this step's copies landed for the whole warp; the slot refilled next was read
-    issue();
-    const int off = (warp + it * kWarps) * NT * kTile;  // from a0
-    const uint32_t valid = KeysInWindow<NT * kTile>(off, lo, win);
-    Int4TilesT<NT>(wring + stage * kStep, qa, qs, kc, lane, valid, mw, lw, mvw, ow);
-  }
   CpAsyncWait<0>();
 #pragma unroll
   for (int x = 4; x < 32; x <<= 1)
@@ -2558,8 +2441,6 @@ __device__ __forceinline__ void WindowTilesInt4T(const PageWindow& sh, uint8_t* 
       lw[e] += __shfl_xor_sync(0xffffffffu, lw[e], x);
       mvw[e] += __shfl_xor_sync(0xffffffffu, mvw[e], x);
     }
-  // the window's O (with sum p m_v on every dim), then m and l per query head, in the ring: [8 heads][65] floats
-  constexpr int kRow = D + 1;
   float* buf = reinterpret_cast<float*>(wring);
   float* ml = buf + 8 * kRow;
 #pragma unroll
@@ -2584,6 +2465,91 @@ __device__ __forceinline__ void WindowTilesInt4T(const PageWindow& sh, uint8_t* 
     m = mn;
   }
   __syncwarp();  // the ring is the next window's
+}
+
+// Tiles per step of a register-decoded window: 2 (32 keys: one softmax update and two independent tiles' products
+// per step) where the warp's ring holds >= 3 such steps, else 1.
+template <int F, int D>
+__host__ __device__ constexpr int RegStepTiles() {
+  return Cfg<D>::kWarpBytes / (2 * RegCfg<F, D>::kStageBytes) >= 3 ? 2 : 1;
+}
+
+// WindowTiles for a uniform window of INT4 or INT8 pages under float16 queries (Note [Paged CUDA v3 register
+// decode]): warp w takes the window's steps of NT tiles w, w + kWarps, ...; o leaves in layout RegModeD<D>(F)
+// (INT4 at head size 64: the transposed form, Note [Paged CUDA v3 transposed INT4]).
+// POW2: ps == 1 << ps_shift (the page of a key offset by a shift, and no division in the loop's code).
+template <int D, int F, bool POW2>
+__device__ __forceinline__ void WindowTilesReg(const PageWindow& sh, uint8_t* wring, int64_t s0, int64_t s1,
+                                               int64_t p0, int ps, int ps_shift, int hk, int warp, int lane,
+                                               const uint32_t (*qa)[2], float qsum, float k0, float& m, float& l,
+                                               float (*o)[4]) {
+  using R = RegCfg<F, D>;
+  constexpr bool kT = F == kInt4F && D == 64;  // Note [Paged CUDA v3 transposed INT4]
+  constexpr int NT = RegStepTiles<F, D>();
+  constexpr int kStep = NT * R::kStageBytes;
+  constexpr int kStages0 = Cfg<D>::kWarpBytes / kStep;
+  constexpr int kStages = kStages0 < 8 ? kStages0 : 8;
+  static_assert(kStages >= 3, "");
+  const auto page_of = [&](int x) { return POW2 ? x >> ps_shift : x / ps; };
+  const WindowGeom wg = Geom(s0, s1, p0, ps, hk);
+  const int base_off = wg.base_off, lo = wg.lo, win = wg.win, n_tiles = wg.n_tiles;
+  const uint32_t hrow = wg.hrow;
+  const int n_steps = (n_tiles + NT - 1) / NT;
+  const int mine = n_steps > warp ? (n_steps - warp + kWarps - 1) / kWarps : 0;
+  const FormatInfo fi = sh.fi[F];
+  // the transposed form's window state, per query-head column 2c, 2c + 1 (rows of lanes 8c and 8c + 4)
+  float qs[2] = {0.0f, 0.0f}, kc[2] = {0.0f, 0.0f};
+  if constexpr (kT) {
+    const int c = lane & 3;
+    qs[0] = __shfl_sync(0xffffffffu, qsum, 8 * c), qs[1] = __shfl_sync(0xffffffffu, qsum, 8 * c + 4);
+    kc[0] = __shfl_sync(0xffffffffu, k0, 8 * c), kc[1] = __shfl_sync(0xffffffffu, k0, 8 * c + 4);
+  }
+  int next = 0, stage_in = 0;
+  auto issue = [&]() {
+    if (next < mine) {
+#pragma unroll
+      for (int h = 0; h < NT; ++h) {
+        const int tile = (warp + next * kWarps) * NT + h;
+        if (tile < n_tiles) {
+          const int o0 = base_off + tile * kTile;
+          const int lp = page_of(o0);
+          IssueNarrow<F, D>(wring + stage_in * kStep + h * R::kStageBytes, sh.page[lp], fi,
+                            hrow + static_cast<uint32_t>(o0 - lp * ps), lane);
+        }
+      }
+    }
+    CpAsyncCommit();
+    ++next;
+    stage_in = stage_in + 1 == kStages ? 0 : stage_in + 1;
+  };
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) issue();
+  float mv = 0.0f;
+  float mw[2] = {-INFINITY, -INFINITY}, lw[2] = {0.0f, 0.0f}, mvw[2] = {0.0f, 0.0f};
+  float ow[4][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+  int stage = 0;
+  for (int it = 0; it < mine; ++it, stage = stage + 1 == kStages ? 0 : stage + 1) {
+    CpAsyncWait<kStages - 2>();
+    __syncwarp();  // this step's copies landed for the whole warp; the slot refilled next was read
+    issue();
+    const int off = (warp + it * kWarps) * NT * kTile;  // from a0
+    const uint32_t valid = KeysInWindow<NT * kTile>(off, lo, win);
+    if constexpr (kT)
+      Int4TilesT<NT>(wring + stage * kStep, qa, qs, kc, lane, valid, mw, lw, mvw, ow);
+    else
+      RegTiles<F, D, NT>(wring + stage * kStep, qa, qsum, k0, lane, valid, m, l, mv, o);
+  }
+  if constexpr (kT) {
+    MergeWindowT(wring, lane, mw, lw, mvw, ow, m, l, o);
+    return;
+  }
+  mv += __shfl_xor_sync(0xffffffffu, mv, 1);  // the quad's keys: sum_j p_j m_j of query head g
+  mv += __shfl_xor_sync(0xffffffffu, mv, 2);
+#pragma unroll
+  for (int nt = 0; nt < D / 8; ++nt) {
+    o[nt][0] += mv;
+    o[nt][1] += mv;
+  }
 }
 
 // Re-lays o from layout `from` to layout `to` (DimOf) through the warp's ring (free between windows: the previous
@@ -2696,12 +2662,7 @@ __global__ void __launch_bounds__(kThreads, ORTKV_PAGED_V3_MIN_BLOCKS) PagedAtte
     LoadQueryChunk<D>(reinterpret_cast<const __half*>(qrow), g, gn, c, qc);                        \
     float qsum, k0;                                                                                \
     RegQuery<F, D>(qc, qscale, qn, &qsum, &k0);                                                    \
-    if constexpr (F == kInt4F && D == 64) { /* Note [Paged CUDA v3 transposed INT4] */              \
-      if (ps_shift >= 0)                                                                           \
-        WindowTilesInt4T<true>(sh, wring, s0, s1, p0, ps, ps_shift, hk, warp, lane, qn, qsum, k0, m, l, o); \
-      else                                                                                         \
-        WindowTilesInt4T<false>(sh, wring, s0, s1, p0, ps, ps_shift, hk, warp, lane, qn, qsum, k0, m, l, o); \
-    } else if (ps_shift >= 0)                                                                      \
+    if (ps_shift >= 0)                                                                             \
       WindowTilesReg<D, F, true>(sh, wring, s0, s1, p0, ps, ps_shift, hk, warp, lane, qn, qsum, k0, m, l, o); \
     else                                                                                           \
       WindowTilesReg<D, F, false>(sh, wring, s0, s1, p0, ps, ps_shift, hk, warp, lane, qn, qsum, k0, m, l, o); \
