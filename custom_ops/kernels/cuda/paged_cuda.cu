@@ -2316,8 +2316,9 @@ __device__ __forceinline__ void RegTiles(const uint8_t* st, const uint32_t (*qa)
 // The window's state merges into the block's (m, l, o in layout 0) at its end through the warp's ring (2 KB;
 // its copies have landed): o = o 2^(m - M) + O_w 2^(m_w - M), l likewise on one lane of the quad (l is a per-lane
 // partial until the block's end). 217 registers (212 before), 452 instructions per 32-key step with 16 HMMA
-// (526 with 32; 500 for page sizes that are not powers of two; `python benchmarks/cuda/sass_loops.py`). H200 harness (SmolLM2 heads, pages of 16, 2 alternating
-// rounds, us): INT4 32K x 8 36.5 -> 33.0-33.5, 8K x 8 17.4-17.7 -> 16.9, 32K x 1 14.9 -> 14.6, 8K x 1 10.4 -> 10.5;
+// (526 with 32; 500 for page sizes that are not powers of two; `python benchmarks/cuda/sass_loops.py`). H200
+// harness (SmolLM2 heads, pages of 16, 2 alternating rounds, us): INT4 32K x 8 36.5 -> 33.0-33.5, 8K x 8
+// 17.4-17.7 -> 16.9, 32K x 1 14.9 -> 14.6, 8K x 1 10.4 -> 10.5;
 // INT8 1-2 % faster (the shared kernel's registers), F16 unchanged; the same largest difference to v2 as before
 // (<= 0.0039). Through ORT (bench_paged_attention_cuda.py, one round): INT4 / F16 0.55 at 128K x 4 (0.58 before),
 // 0.60 at 32K x 8 (0.64). Still a lane-latency-bound loop at 8 warps per SM, and the per-block fixed part (a third
@@ -2526,7 +2527,7 @@ __device__ __forceinline__ void WindowTilesReg(const PageWindow& sh, uint8_t* wr
   for (int s = 0; s < kStages - 1; ++s) issue();
   float mv = 0.0f;
   float mw[2] = {-INFINITY, -INFINITY}, lw[2] = {0.0f, 0.0f}, mvw[2] = {0.0f, 0.0f};
-  float ow[4][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+  float ow[4][4] = {};  // O^T of the window: dims 8 g + mt (+ 4), columns 2c, 2c + 1
   int stage = 0;
   for (int it = 0; it < mine; ++it, stage = stage + 1 == kStages ? 0 : stage + 1) {
     CpAsyncWait<kStages - 2>();
