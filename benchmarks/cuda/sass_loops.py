@@ -85,6 +85,17 @@ def parse(lines: list[str]):
     return insns, labels
 
 
+def find_loops(insns, labels):
+    """[(start, end, body)] for every backward branch: its target, the branch's address, the instructions between."""
+    loops = []
+    for address, insn, _ in insns:
+        m = _BRANCH.search(insn)
+        if m and m.group(1) in labels and labels[m.group(1)] < address:
+            start = labels[m.group(1)]
+            loops.append((start, address, [x for x in insns if start <= x[0] <= address]))
+    return loops
+
+
 def opcode(insn: str) -> str:
     words = insn.split()
     word = words[1] if words[0].startswith("@") and len(words) > 1 else words[0]
@@ -115,12 +126,7 @@ def main() -> None:
             print(f"  {name}:{line:<6} {n}")
         print("by opcode:", ", ".join(f"{op} {n}" for op, n in by_op.most_common()))
         return
-    for address, insn, _ in insns:
-        m = _BRANCH.search(insn)
-        if not m or m.group(1) not in labels or labels[m.group(1)] >= address:
-            continue
-        start = labels[m.group(1)]
-        body = [x for x in insns if start <= x[0] <= address]
+    for start, address, body in find_loops(insns, labels):
         mma = sum(opcode(i) == "HMMA" for _, i, _ in body)
         if mma < args.min_mma or len(body) > args.max_size:
             continue
