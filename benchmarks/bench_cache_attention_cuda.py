@@ -56,8 +56,9 @@ from ortkv.graph import make_cache_attention  # noqa: E402
 
 HEADS = [(9, 3, 64), (32, 8, 128)]  # SmolLM2-135M; a Llama-8B-like layer
 KERNEL_ENV = "ORTKV_CUDA_ATTENTION"
-KINDS = ("v3", "v2", "v1", "gqa")
-DEFAULT_KINDS = ("v3", "v2", "gqa")
+KINDS = ("v3", "v3-plain", "v2", "v1", "gqa")
+DEFAULT_KINDS = ("v3", "v3-plain", "v2", "gqa")
+EARLY_ENV = "ORTKV_CUDA_EARLY"  # v3-plain: v3 launched plainly, not early (Note [CUDA attention early start])
 LENGTHS = [1024, 8192, 32768, 131072]
 BATCHES = [1, 8, 64]
 POOL_BYTES = 256 << 20
@@ -246,7 +247,7 @@ def attention_case(kind, Hq, Hkv, D, L, B, shared=None):
     pair = 2 * B * L * Hkv * D * 2
     R = max(1, min(16, math.ceil(POOL_BYTES / pair)))
     nodes, ins, outs, keep = [], [], [], []
-    ortkv_kind = kind in ("v1", "v2", "v3")
+    ortkv_kind = kind in ("v1", "v2", "v3", "v3-plain")
     if shared is not None:
         feeds = shared[1]
     else:
@@ -300,11 +301,14 @@ def attention_case(kind, Hq, Hkv, D, L, B, shared=None):
 
     def run(reps):
         if ortkv_kind:  # the kernel is chosen at each launch (the capture included): set it every time
-            os.environ[KERNEL_ENV] = kind
+            os.environ[KERNEL_ENV] = kind.split("-")[0]
+            if kind == "v3-plain":
+                os.environ[EARLY_ENV] = "0"
         try:
             return pair * R / _time(sess, io, reps)
         finally:
             os.environ.pop(KERNEL_ENV, None)
+            os.environ.pop(EARLY_ENV, None)
 
     return run, (keep, feeds)
 
@@ -313,14 +317,15 @@ def _fmt_table(rows, copy_bw):
     gb = lambda x: f"{x / 1e9:.0f}" if x else "-"  # noqa: E731
     pct = lambda x: f"{x / copy_bw:.0%}" if x else "-"  # noqa: E731
     ratio = lambda x, y: f"{x / y:.2f}" if x and y else "-"  # noqa: E731
-    lines = ["| Hq/Hkv/D | keys L | batch | K+V MiB per node | v3 GB/s | v3 / copy | v2 GB/s | v2 / copy | "
-             "v1 GB/s | GQA GB/s | GQA / copy | v3 / v2 | v3 / GQA | note |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    lines = ["| Hq/Hkv/D | keys L | batch | K+V MiB per node | v3 GB/s | v3 / copy | v3 plain GB/s | v3 plain / copy | "
+             "v2 GB/s | v2 / copy | v1 GB/s | GQA GB/s | GQA / copy | v3 / v3 plain | v3 / v2 | v3 / GQA | note |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for Hq, Hkv, D, L, B, med, note in rows:
-        a, o, v1, g = med.get("v3"), med.get("v2"), med.get("v1"), med.get("gqa")
+        a, ap_, o, v1, g = med.get("v3"), med.get("v3-plain"), med.get("v2"), med.get("v1"), med.get("gqa")
         mib = 2 * B * L * Hkv * D * 2 / (1 << 20)
-        lines.append(f"| {Hq}/{Hkv}/{D} | {L} | {B} | {mib:.1f} | {gb(a)} | {pct(a)} | {gb(o)} | {pct(o)} | "
-                     f"{gb(v1)} | {gb(g)} | {pct(g)} | {ratio(a, o)} | {ratio(a, g)} | {note} |")
+        lines.append(f"| {Hq}/{Hkv}/{D} | {L} | {B} | {mib:.1f} | {gb(a)} | {pct(a)} | {gb(ap_)} | {pct(ap_)} | "
+                     f"{gb(o)} | {pct(o)} | {gb(v1)} | {gb(g)} | {pct(g)} | {ratio(a, ap_)} | {ratio(a, o)} | "
+                     f"{ratio(a, g)} | {note} |")
     return lines
 
 

@@ -196,15 +196,15 @@ def main():
     cells = [tuple(int(x) for x in c.split("x")) for c in a.cells.split(",")]
     rng = np.random.default_rng(0)
     kinds = (["dense"] + [f.name for f in FORMATS] + ["F16 in order"] + [f"{f.name} v2" for f in V2_FORMATS] +
-             ["ORT-PA"])
+             ["dense plain", "F16 plain", "INT4 plain", "ORT-PA"])
     lines = ["# PagedCacheAttention (CUDA) vs dense CacheAttention, decode", "",
              f"SmolLM2 heads {HQ}/{HKV}/{D}, float16 queries, pages of {PS} tokens, CUDA graphs; microseconds per "
              f"node (median of {a.rounds} rounds x median of {a.reps} calls). `python "
              f"benchmarks/bench_paged_attention_cuda.py --cells {a.cells}`", "",
              "| L | B | R | " + " | ".join(f"{k} us" for k in kinds) +
-             " | F16 / dense | F16 in order / dense | INT8 / F16 | INT4 / F16 | F16 v3 / v2 | INT4 v3 / v2 | F16 / ORT-PA"
-             " | ORT-PA graph |",
-             "|---|---|---|" + "---|" * (len(kinds) + 8)]
+             " | F16 / dense | F16 in order / dense | INT8 / F16 | INT4 / F16 | F16 v3 / v2 | INT4 v3 / v2"
+             " | plain: F16 / dense | plain: INT4 / F16 | F16 / F16 plain | F16 / ORT-PA | ORT-PA graph |",
+             "|---|---|---|" + "---|" * (len(kinds) + 11)]
     pa_note = None
     for L, B in cells:
         R = _reps(B, L)
@@ -218,6 +218,13 @@ def main():
                 runners[f"{f.name} v2"] = Runner(*paged_case(rng, B, L, R, f))
         finally:
             del os.environ["ORTKV_CUDA_ATTENTION"]
+        os.environ["ORTKV_CUDA_EARLY"] = "0"  # plain launches (Note [CUDA attention early start]), read at capture
+        try:
+            runners["dense plain"] = Runner(*dense_case(rng, B, L, R))
+            runners["F16 plain"] = Runner(*paged_case(rng, B, L, R, PageFormat.F16))
+            runners["INT4 plain"] = Runner(*paged_case(rng, B, L, R, PageFormat.INT4))
+        finally:
+            del os.environ["ORTKV_CUDA_EARLY"]
         runners["ORT-PA"], pa_graph, why = ort_paged_runner(rng, B, L, R)
         if runners["ORT-PA"] is None:
             kinds_now = [k for k in kinds if k != "ORT-PA"]
@@ -232,6 +239,8 @@ def main():
         row = f"| {L} | {B} | {R} | " + " | ".join(f"{med[k]:.1f}" if k in med else "-" for k in kinds)
         row += f" | {med['F16'] / med['dense']:.2f} | {med['F16 in order'] / med['dense']:.2f} | {med['INT8'] / med['F16']:.2f} | {med['INT4'] / med['F16']:.2f}"
         row += f" | {med['F16'] / med['F16 v2']:.2f} | {med['INT4'] / med['INT4 v2']:.2f}"
+        row += (f" | {med['F16 plain'] / med['dense plain']:.2f} | {med['INT4 plain'] / med['F16 plain']:.2f}"
+                f" | {med['F16'] / med['F16 plain']:.2f}")
         row += (f" | {med['F16'] / med['ORT-PA']:.2f} | {'yes' if pa_graph else 'no'} |" if "ORT-PA" in med
                 else " | - | - |")
         lines.append(row)

@@ -255,6 +255,71 @@ def test_unknown_kernel_name_is_refused(rng, monkeypatch):
     assert _ortkv.cuda_take_error() is None
 
 
+EARLY_CASES = {  # onnx_type, layout, B, C, Hq, Hkv, D, T, start
+    # 8K keys x 4 rows (split chunks; the last chunk of each row holds the step's row st, re-read after the wait)
+    "f16-BSNH-8K-B4": (TP.FLOAT16, 1, 4, 8192, 9, 3, 64, 1, [8191, 4000, 17, 8000]),
+    # prefill: the step's rows [st, st + T) straddle the prologue's tiles; head size 128, G = 4
+    "bf16-BNSH-d128-T6": (TP.BFLOAT16, 2, 2, 4100, 32, 8, 128, 6, [4094, 1000]),
+    # the cluster merge, launched early too
+    "f16-SBNH-2K-cluster": (TP.FLOAT16, 0, 1, 2048, 9, 3, 64, 1, [100]),
+}
+
+
+@pytest.mark.parametrize("case", EARLY_CASES.values(), ids=EARLY_CASES.keys())
+def test_early_launch_equals_plain_launch(rng, monkeypatch, case):
+    """Note [CUDA attention early start]: the v3 kernel launched as a programmatic dependent (the default on
+    sm_90+: the rows before `start` are read before the wait) gives the same bytes as a plain launch
+    (ORTKV_CUDA_EARLY=0), and both match the oracle with NaN-poisoned tails."""
+    onnx_type, layout, B, C, Hq, Hkv, D, T, start = case
+    start = np.array(start)
+    q, k, v = _poisoned_case(rng, onnx_type, layout, B, C, Hq, Hkv, D, T, start)
+    sess = _session(cache_attention_model(Hq, Hkv, layout, onnx_type))
+    outs = {}
+    for early in ("0", "1"):
+        monkeypatch.setenv("ORTKV_CUDA_EARLY", early)
+        outs[early], k_after, v_after = _run_attention(sess, onnx_type, q, k, v, start)
+        _check(outs[early], q, k, v, start, Hq, Hkv, layout, onnx_type)
+        assert k_after.tobytes() == k.tobytes() and v_after.tobytes() == v.tobytes()
+        assert _ortkv.cuda_take_error() is None
+    assert outs["0"].tobytes() == outs["1"].tobytes()
+
+
+def test_early_launch_rereads_start_written_by_the_node_before(rng):
+    """`start` computed on the GPU by the node right before CacheAttention (an Add: the kernel an early launch
+    overlaps, and the one whose output it must not trust before its wait). Each run's start differs from the
+    last one's, in the same ORT buffer; the attention re-reads it after the wait, so every run reads exactly its
+    own keys (tails NaN-poisoned) and matches the oracle."""
+    Hq, Hkv, D, layout, B, C = 9, 3, 64, 1, 2, 8192
+    attn = make_cache_attention("q", "k", "v", "start", "out", name="attn", num_heads=Hq, kv_num_heads=Hkv,
+                                seq_axis=layout)
+    add = helper.make_node("Add", ["start_in", "one"], ["start"], name="add")
+    vi = helper.make_tensor_value_info
+    g = helper.make_graph([add, attn], "attn", [vi("q", TP.FLOAT16, ["B", "T", "W"]),
+                                                vi("k", TP.FLOAT16, ["B", "C", "H", "D"]),
+                                                vi("v", TP.FLOAT16, ["B", "C", "H", "D"]),
+                                                vi("start_in", TP.INT64, ["B"])],
+                          [vi("out", TP.FLOAT16, ["B", "T", "W"])],
+                          initializer=[helper.make_tensor("one", TP.INT64, [1], [1])])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("ortkv", 1)],
+                              ir_version=10)
+    sess = _session(model)
+    for start in ([8191, 300], [17, 8000], [4095, 4096], [8191, 8191]):
+        start = np.array(start)
+        q, k, v = _poisoned_case(rng, TP.FLOAT16, layout, B, C, Hq, Hkv, D, 1, start)
+        io = sess.io_binding()
+        qv, kv_, vv = _dev(q, TP.FLOAT16), _dev(k, TP.FLOAT16), _dev(v, TP.FLOAT16)
+        sv = ort.OrtValue.ortvalue_from_numpy(start - 1, "cuda", 0)
+        out = _dev(np.zeros(q.shape, np.float16), TP.FLOAT16)
+        _bind(io, "q", qv, TP.FLOAT16, q.shape)
+        _bind(io, "k", kv_, TP.FLOAT16, k.shape)
+        _bind(io, "v", vv, TP.FLOAT16, v.shape)
+        io.bind_ortvalue_input("start_in", sv)
+        _bind(io, "out", out, TP.FLOAT16, q.shape, output=True)
+        sess.run_with_iobinding(io)
+        _check(_host(out, TP.FLOAT16).astype(np.float32), q, k, v, start, Hq, Hkv, layout, TP.FLOAT16)
+        assert _ortkv.cuda_take_error() is None
+
+
 # --- CacheUpdate -> CacheAttention models ------------------------------------------------------
 def _decode_model(onnx_type, Hq, Hkv, D, layout):
     """k/v caches (graph inputs, aliased outputs) <- CacheUpdate(new k/v at `position`), then

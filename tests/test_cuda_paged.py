@@ -220,6 +220,19 @@ def test_attention_each_kernel_every_format(rng, monkeypatch, kernel, D, T, dtyp
     _attn_case(rng, ALL, B=2, T=T, lengths=[301, 64], PS=32, D=D, H=2, G=8, dtype=dtype)
 
 
+@pytest.mark.parametrize("D,T", [(64, 1), (128, 5)])
+def test_attention_early_launch_equals_plain_launch(monkeypatch, D, T):
+    """Note [CUDA attention early start]: the v3 kernel launched as a programmatic dependent (the default on
+    sm_90+: a block resolves the pages that end before `start` before its wait) gives the same bytes as a plain
+    launch (ORTKV_CUDA_EARLY=0), every format in one pool, rows whose step straddles a page."""
+    outs = {}
+    for early in ("0", "1"):
+        monkeypatch.setenv("ORTKV_CUDA_EARLY", early)
+        outs[early] = _attn_case(np.random.default_rng(7), ALL, B=3, T=T, lengths=[8203, 37, 16 + T], PS=16, D=D,
+                                 NL=1, layer=0)
+    assert outs["0"].tobytes() == outs["1"].tobytes()
+
+
 def test_attention_chunks_longer_than_one_page_window(rng):
     """Pages of 4 tokens, 4 rows x 8 query tokens (few splits): a block's key chunk spans > 256 pages, so the v2
     kernel resolves its pages in several windows (Note [Paged CUDA v2])."""

@@ -188,7 +188,27 @@ int Main(int argc, char** argv) {
         for (size_t i = 0; i < o2.size(); ++i) wc = std::max(wc, std::fabs(__half2float(o2[i]) - __half2float(oc[i])));
         std::printf("   v3 cluster (S=%lld) vs v2 max |diff| %.5f\n", (long long)a.splits, wc);
       }
+      std::vector<__half> oe(hq.size());
+      {  // v3 launched early (programmatic dependent), same splits as the production launch
+        Args a{};
+        a.q = q; a.out = out; a.start = start; a.start_stride = 1; a.B = c.B; a.T = 1; a.Hq = c.Hq; a.Hkv = c.Hkv;
+        a.D = c.D; a.C = c.C; a.row_stride = v.row_stride; a.tok_stride = v.tok_stride; a.head_stride = v.head_stride;
+        a.scale = 0.125f; a.head_blocks = 1; a.partial = partial; a.err = nullptr; a.label = 0; a.tpk = 8;
+        a.k = ks[0]; a.v = vs[0];
+        CK(cudaMemsetAsync(out, 0, oe.size() * 2, s));
+        if (c.D == 64) {
+          a.splits = v2::WaveSplits(v.splits, v.units(), v3::BlocksPerSm<__half, 64, 4, 4>());
+          CK((v3::LaunchWith<__half, 64, 4, 4>(a, v.units(), s, false, true)));
+        } else {
+          a.splits = v2::WaveSplits(v.splits, v.units(), v3::BlocksPerSm<__half, 128, 4, 3>());
+          CK((v3::LaunchWith<__half, 128, 4, 3>(a, v.units(), s, false, true)));
+        }
+        CK(cudaMemcpyAsync(oe.data(), out, oe.size() * 2, cudaMemcpyDeviceToHost, s));
+      }
       CK(cudaStreamSynchronize(s));
+      float we = 0;
+      for (size_t i = 0; i < o2.size(); ++i) we = std::max(we, std::fabs(__half2float(o2[i]) - __half2float(oe[i])));
+      std::printf("   v3 early vs v2 max |diff| %.5f\n", we);
       float worst = 0;
       for (size_t i = 0; i < o2.size(); ++i) worst = std::max(worst, std::fabs(__half2float(o2[i]) - __half2float(o3[i])));
       std::printf("   v3 vs v2 max |diff| %.5f (|out| ~%.3f)\n", worst, std::fabs(__half2float(o2[1])));
@@ -225,11 +245,13 @@ int Main(int argc, char** argv) {
       if (c.D == 64) {
         sweep([&](Args& a, int64_t base) { v3::LaunchWith<__half, 64, 4, 3>(a, base, s, false); }, "v3 NW4 ST3", v3::BlocksPerSm<__half, 64, 4, 3>());
         sweep([&](Args& a, int64_t base) { v3::LaunchWith<__half, 64, 4, 4>(a, base, s, false); }, "v3 NW4 ST4", v3::BlocksPerSm<__half, 64, 4, 4>());
+        sweep([&](Args& a, int64_t base) { v3::LaunchWith<__half, 64, 4, 4>(a, base, s, false, true); }, "v3 NW4 ST4 early", v3::BlocksPerSm<__half, 64, 4, 4>());
         sweep([&](Args& a, int64_t base) { a.splits = std::min<int64_t>(a.splits, 8); v3::LaunchWith<__half, 64, 4, 4>(a, base, s, true); }, "v3 ST4 cluster<=8", v3::BlocksPerSm<__half, 64, 4, 4>());
         sweep([&](Args& a, int64_t base) { a.splits = std::min<int64_t>(a.splits, 16); v3::LaunchWith<__half, 64, 4, 4>(a, base, s, true); }, "v3 ST4 cluster<=16", v3::BlocksPerSm<__half, 64, 4, 4>());
       } else {
         sweep([&](Args& a, int64_t base) { v3::LaunchWith<__half, 128, 4, 2>(a, base, s, false); }, "v3 NW4 ST2", v3::BlocksPerSm<__half, 128, 4, 2>());
         sweep([&](Args& a, int64_t base) { v3::LaunchWith<__half, 128, 4, 3>(a, base, s, false); }, "v3 NW4 ST3", v3::BlocksPerSm<__half, 128, 4, 3>());
+        sweep([&](Args& a, int64_t base) { v3::LaunchWith<__half, 128, 4, 3>(a, base, s, false, true); }, "v3 NW4 ST3 early", v3::BlocksPerSm<__half, 128, 4, 3>());
         sweep([&](Args& a, int64_t base) { v3::LaunchWith<__half, 128, 4, 4>(a, base, s, false); }, "v3 NW4 ST4", v3::BlocksPerSm<__half, 128, 4, 4>());
       }
     }

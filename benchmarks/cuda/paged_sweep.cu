@@ -41,6 +41,11 @@ Status CudaAttentionKernelChoice(int* level) {  // as cache_attention.cu: unset 
   return *level < 0 ? Status(Code::kInvalidArgument, "ORTKV_CUDA_ATTENTION: set v1, v2 or v3") : Status::Ok();
 }
 
+bool CudaEarlyLaunch() {  // as cache_attention.cu: ORTKV_CUDA_EARLY=0 launches the attention plainly
+  const char* e = std::getenv("ORTKV_CUDA_EARLY");
+  return !(e != nullptr && std::strcmp(e, "0") == 0);
+}
+
 namespace {
 
 using sweep::Capture;

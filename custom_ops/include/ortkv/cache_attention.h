@@ -126,6 +126,10 @@ Status CacheAttentionCuda(const CacheAttentionCudaView& view, void* stream);
 // ORTKV_CUDA_ATTENTION (for A/B runs): *level = 0 when unset or empty (the newest kernel that applies), 1, 2
 // or 3 for "v1", "v2", "v3"; anything else is an error.
 Status CudaAttentionKernelChoice(int* level);
+// ORTKV_CUDA_EARLY (for A/B runs): false when set to "0", else true: the decode attention kernels may start as
+// programmatic dependents of the kernel before them (Note [CUDA attention early start] in
+// kernels/cuda/cache_attention.cu).
+bool CudaEarlyLaunch();
 // The number of SMs of a CUDA device (0 if the query fails).
 int CudaSmCount(int device);
 // The device pointer of the process-wide error words ([0] CacheUpdate, [1] CacheAttention) (Note [CUDA deferred errors] in ortkv/core.h),

@@ -296,6 +296,7 @@ __global__ void __launch_bounds__(kMergeThreads) CombineKernel(const Args a) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   // launched as a programmatic dependent of the v2 / v3 attention (Note [CacheAttention CUDA v2 waves]):
   // wait for that grid to complete and its partials to be visible (a no-op for a plain launch)
+  asm volatile("griddepcontrol.launch_dependents;" :::);  // a programmatic dependent may start (it waits)
   if (LOG2) asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
   CombineUnitHead<T, LOG2>(a.partial, a.out, a.splits, a.T, a.Hq, a.Hkv, a.D);
@@ -736,6 +737,24 @@ cudaError_t Launch(const CacheAttentionCudaView& v, const Args& a, int gm, cudaS
 // 8 warps x 3-slot rings at 4 splits 18.38 us, 8 warps x 2 slots at 8 splits 18.49, 4 warps x 4 slots at 8 splits
 // 18.85, vs 19.15 for this kernel in the same run: at best 4 %, and the distributed-shared-memory merge itself
 // costs ~1.8 us (17.08 us for the 8-split kernel alone), so not adopted.
+// Note [CUDA attention early start]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// On sm_90+ the decode attention kernels (CacheAttention v3 here, PagedCacheAttention v3 in paged_cuda.cu) are
+// launched as programmatic dependents of the kernel before them on the stream (a CUDA graph keeps the edge), and
+// both combines let their own dependents start at their start. A block may then become resident while the kernel
+// before it still runs (its last blocks, or the previous attention's combine), and before griddepcontrol.wait it
+// does only what that kernel cannot change:
+//   * dense: reads `start` and issues its ring's prologue (each warp's first ST - 1 tiles) for rows < start;
+//   * paged: reads `start` and resolves its first window (page table entries, directory rows, formats) when all
+//     of the window's pages end before `start`.
+// After the wait it loads q, reads `start` again (if the kernel before wrote it, the block starts over from the
+// new value: the dense prologue re-issued, the paged window resolved again), and copies the prologue's rows at
+// or past `start` (this step's rows: the update just before writes them). The assumption: the kernel launched
+// right before the attention writes neither cache rows before `start` nor the pages, table entries or directory
+// rows of pages that end before it. ortkv's writers keep to it (CacheUpdate, RotaryCacheUpdate and
+// PagedCacheUpdate write rows from their position on; a KC page is re-encoded by the step that writes its last
+// row; the page pool's host-side edits run between two device synchronizes, Note [Page pool on CUDA]). A graph
+// that rewrites older rows in the kernel just before the attention runs with ORTKV_CUDA_EARLY=0.
 namespace v3 {
 
 using tile16::kTile;
@@ -763,7 +782,10 @@ struct Cfg {
   static constexpr size_t kSmem = kFinOffset + kHeads * (D + 2) * sizeof(float);
 };
 
-template <typename T, int D, int NW, int ST, bool CLUSTER>
+#ifndef ORTKV_DENSE_EARLY_PF
+#define ORTKV_DENSE_EARLY_PF 0
+#endif
+template <typename T, int D, int NW, int ST, bool CLUSTER, bool EARLY = false>
 __global__ void __launch_bounds__(NW * 32) AttentionKernelV3(const Args a) {
   using C = Cfg<D, NW, ST>;
   constexpr bool BF = std::is_same<T, __nv_bfloat16>::value;
@@ -786,35 +808,48 @@ __global__ void __launch_bounds__(NW * 32) AttentionKernelV3(const Args a) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, c = lane & 3;  // the mma's row (query head g0 + g) and column pair of this lane
 
-  // the raw q pairs of this lane's fragments, loaded with `start` (neither waits for the other)
+  // the raw q pairs of this lane's fragments, loaded with `start` (neither waits for the other); EARLY: after
+  // the wait (the previous kernel writes q)
   uint32_t qr[D / 16][2];
-  LoadQueryPairs<T, D>(static_cast<const T*>(a.q) + ((b * a.T + t) * a.Hq + hk * G + g0 + g) * a.D, g, gn, c, qr);
-  if (blockIdx.x == 0 && tid == 0) ReportStart(a);
-  int64_t st = a.start[b * a.start_stride];
+  const T* qp = static_cast<const T*>(a.q) + ((b * a.T + t) * a.Hq + hk * G + g0 + g) * a.D;
+  if constexpr (!EARLY) {
+    LoadQueryPairs<T, D>(qp, g, gn, c, qr);
+    if (blockIdx.x == 0 && tid == 0) ReportStart(a);
+  }
   const int64_t hi = a.C - a.T;
-  if (st < 0 || st > hi) st = st < 0 ? 0 : hi;
-  const int64_t L = st + t + 1;  // keys [0, L)
-  int64_t chunk = (L + S - 1) / S;
-  if (chunk < kAttnCudaMinChunk) chunk = kAttnCudaMinChunk;
-  chunk = (chunk + kTile - 1) / kTile * kTile;
-  const int64_t j0 = split * chunk < L ? split * chunk : L;
-  const int64_t j1 = j0 + chunk < L ? j0 + chunk : L;
-
+  const auto clamped_start = [&]() {
+    const int64_t x = a.start[b * a.start_stride];
+    return x < 0 ? int64_t{0} : x > hi ? hi : x;
+  };
   const int64_t ts = a.tok_stride;
   const T* kb = static_cast<const T*>(a.k) + b * a.row_stride + hk * a.head_stride;
   const T* vb = static_cast<const T*>(a.v) + b * a.row_stride + hk * a.head_stride;
-  const int n_tiles = static_cast<int>((j1 - j0 + kTile - 1) / kTile);
-  const int mine = n_tiles > warp ? (n_tiles - warp + NW - 1) / NW : 0;
   uint8_t* wring = dsm + warp * C::kWarpBytes;
-  int next = 0, stage_in = 0;
+  int64_t st = clamped_start(), j0 = 0, j1 = 0, lim = 0;
+  int mine = 0, next = 0, stage_in = 0;
+  // keys [0, L) with L = st + t + 1, this block's chunk [j0, j1); lim: EARLY's prologue reads rows < lim only
+  // (rows st.. are this step's, written by the kernel this one may overlap; Note [CacheAttention CUDA early])
+  const auto setup = [&](bool early_rows) {
+    const int64_t L = st + t + 1;
+    int64_t chunk = (L + S - 1) / S;
+    if (chunk < kAttnCudaMinChunk) chunk = kAttnCudaMinChunk;
+    chunk = (chunk + kTile - 1) / kTile * kTile;
+    j0 = split * chunk < L ? split * chunk : L;
+    j1 = j0 + chunk < L ? j0 + chunk : L;
+    lim = early_rows ? (st < j1 ? st : j1) : j1;
+    const int n_tiles = static_cast<int>((j1 - j0 + kTile - 1) / kTile);
+    mine = n_tiles > warp ? (n_tiles - warp + NW - 1) / NW : 0;
+    next = 0, stage_in = 0;
+  };
   auto issue = [&]() {
     if (next < mine) {
       const int64_t k0 = j0 + static_cast<int64_t>(warp + next * NW) * kTile;
+      const int64_t end = (EARLY && next < ST - 1) ? lim : j1;
       uint8_t* sg = wring + stage_in * C::kStageBytes;
 #pragma unroll
       for (int i = lane; i < kTile * C::kCh; i += 32) {
         const int r = i / C::kCh, ch = i % C::kCh;
-        if (k0 + r < j1) {
+        if (k0 + r < end) {
           CpAsync<16>(sg + Sw<D>(r, ch), kb + (k0 + r) * ts + ch * 8);
           CpAsync<16>(sg + C::kRegion + Sw<D>(r, ch), vb + (k0 + r) * ts + ch * 8);
         }
@@ -824,8 +859,58 @@ __global__ void __launch_bounds__(NW * 32) AttentionKernelV3(const Args a) {
     ++next;
     stage_in = stage_in + 1 == ST ? 0 : stage_in + 1;
   };
+  setup(EARLY);
 #pragma unroll
   for (int s = 0; s < ST - 1; ++s) issue();
+  if constexpr (EARLY) {
+#if ORTKV_DENSE_EARLY_PF  // A/B knob: the warp's later tiles (rows < lim) prefetched into L2 while it waits
+    for (int s = ST - 1; s < mine; ++s) {
+      const int64_t k0 = j0 + static_cast<int64_t>(warp + s * NW) * kTile;
+      for (int i = lane; i < kTile * 2 * (D / 64); i += 32) {  // 128-byte lines: 16 rows x (K, V) x D / 64
+        const int r = i % kTile, kv = (i / kTile) & 1, part = i / (2 * kTile);
+        if (k0 + r < lim) {
+          const T* ptr = (kv ? vb : kb) + (k0 + r) * ts + part * 64;
+          asm volatile("prefetch.global.L2 [%0];" ::"l"(ptr));
+        }
+      }
+    }
+#endif
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");  // the previous kernel's writes are visible from here
+#endif
+    LoadQueryPairs<T, D>(qp, g, gn, c, qr);
+    if (blockIdx.x == 0 && tid == 0) ReportStart(a);
+    const int64_t st2 = clamped_start();
+    if (st2 != st) {  // `start` was written by the previous kernel: the prologue read the wrong rows, start again
+      CpAsyncWait<0>();
+      __syncwarp();
+      st = st2;
+      setup(false);
+#pragma unroll
+      for (int s = 0; s < ST - 1; ++s) issue();
+    } else if (lim < j1) {  // the prologue tiles' rows [lim, j1): one more group, waited for at once
+      bool any = false;
+#pragma unroll
+      for (int s = 0; s < ST - 1; ++s) {
+        const int64_t k0 = j0 + static_cast<int64_t>(warp + s * NW) * kTile;
+        if (s < mine && k0 + kTile > lim) {
+          uint8_t* sg = wring + s * C::kStageBytes;
+          for (int i = lane; i < kTile * C::kCh; i += 32) {
+            const int r = i / C::kCh, ch = i % C::kCh;
+            if (k0 + r >= lim && k0 + r < j1) {
+              CpAsync<16>(sg + Sw<D>(r, ch), kb + (k0 + r) * ts + ch * 8);
+              CpAsync<16>(sg + C::kRegion + Sw<D>(r, ch), vb + (k0 + r) * ts + ch * 8);
+            }
+          }
+          any = true;
+        }
+      }
+      if (any) {  // warp-uniform
+        CpAsyncCommit();
+        CpAsyncWait<0>();
+      }
+    }
+  }
 
   uint32_t qa[D / 16][2];
   QueryFragments<BF, D>(qr, a.scale * 1.4426950408889634f, qa);  // base-2 scores
@@ -905,7 +990,8 @@ template <typename T, int D, int NW, int ST>
 int BlocksPerSm() {
   static const int per_sm = [] {
     using C = Cfg<D, NW, ST>;
-    for (auto* k : {AttentionKernelV3<T, D, NW, ST, false>, AttentionKernelV3<T, D, NW, ST, true>}) {
+    for (auto* k : {AttentionKernelV3<T, D, NW, ST, false>, AttentionKernelV3<T, D, NW, ST, true>,
+                    AttentionKernelV3<T, D, NW, ST, false, true>, AttentionKernelV3<T, D, NW, ST, true, true>}) {
       (void)cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(C::kSmem));
       (void)cudaFuncSetAttribute(k, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared);
       (void)cudaFuncSetAttribute(k, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
@@ -927,7 +1013,7 @@ int BlocksPerSm() {
 // CLUSTER (sm_90+, 2 <= splits <= kMaxCluster): the unit's split blocks form one thread-block cluster and merge
 // through distributed shared memory, no combine launch; falls back to the partials + combine if refused.
 template <typename T, int D, int NW, int ST>
-cudaError_t LaunchWith(const Args& a, int64_t base, cudaStream_t stream, bool cluster) {
+cudaError_t LaunchWith(const Args& a, int64_t base, cudaStream_t stream, bool cluster, bool early = false) {
   using C = Cfg<D, NW, ST>;
   const unsigned blocks = static_cast<unsigned>(base * a.splits);
   if (cluster && a.splits > 1) {
@@ -936,17 +1022,36 @@ cudaError_t LaunchWith(const Args& a, int64_t base, cudaStream_t stream, bool cl
     cfg.blockDim = dim3(NW * 32);
     cfg.dynamicSmemBytes = C::kSmem;
     cfg.stream = stream;
-    cudaLaunchAttribute attr[1];
+    cudaLaunchAttribute attr[2];
     attr[0].id = cudaLaunchAttributeClusterDimension;
     attr[0].val.clusterDim.x = static_cast<unsigned>(a.splits);
     attr[0].val.clusterDim.y = 1;
     attr[0].val.clusterDim.z = 1;
+    attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[1].val.programmaticStreamSerializationAllowed = 1;
     cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    if (cudaLaunchKernelEx(&cfg, AttentionKernelV3<T, D, NW, ST, true>, a) == cudaSuccess) return cudaSuccess;
+    cfg.numAttrs = early ? 2 : 1;
+    if (cudaLaunchKernelEx(&cfg, early ? AttentionKernelV3<T, D, NW, ST, true, true> : AttentionKernelV3<T, D, NW, ST, true>,
+                           a) == cudaSuccess)
+      return cudaSuccess;
     (void)cudaGetLastError();  // refused: the partials and the combine below
   }
-  AttentionKernelV3<T, D, NW, ST, false><<<blocks, NW * 32, C::kSmem, stream>>>(a);
+  bool launched = false;
+  if (early) {
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(blocks);
+    cfg.blockDim = dim3(NW * 32);
+    cfg.dynamicSmemBytes = C::kSmem;
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    launched = cudaLaunchKernelEx(&cfg, AttentionKernelV3<T, D, NW, ST, false, true>, a) == cudaSuccess;
+    if (!launched) (void)cudaGetLastError();
+  }
+  if (!launched) AttentionKernelV3<T, D, NW, ST, false><<<blocks, NW * 32, C::kSmem, stream>>>(a);
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess || a.splits == 1) return e;
   const unsigned combine_blocks = static_cast<unsigned>(a.B * a.T * a.Hq);
@@ -975,7 +1080,8 @@ cudaError_t LaunchCfg(const CacheAttentionCudaView& v, Args a, cudaStream_t stre
   // Note [CacheAttention CUDA v3]: a cluster merge only for a grid of at most one block per SM with 2..8 splits
   const bool cluster = a.splits >= 2 && a.splits <= kMaxCluster && v2::CurrentDevice().major >= 9 &&
                        base * a.splits <= v2::CurrentDevice().sms;
-  return LaunchWith<T, D, NW, ST>(a, base, stream, cluster);
+  return LaunchWith<T, D, NW, ST>(a, base, stream, cluster,
+                                  v2::CurrentDevice().major >= 9 && CudaEarlyLaunch());  // Note [CUDA attention early start]
 }
 
 template <typename T>
@@ -1035,6 +1141,14 @@ Status CudaAttentionKernelChoice(int* level) {
                                             "' is not a CUDA attention kernel; set v1, v2 or v3, or unset it");
 }
 
+
+// ORTKV_CUDA_EARLY: "0" launches the decode attention kernels plainly (for A/B runs); unset or anything else lets
+// them start as programmatic dependents of the kernel before them on sm_90+ (Note [CUDA attention early start]).
+// Read at every launch (a captured CUDA graph keeps the launches of its capture).
+bool CudaEarlyLaunch() {
+  const char* e = std::getenv("ORTKV_CUDA_EARLY");
+  return !(e != nullptr && std::strcmp(e, "0") == 0);
+}
 
 Status CacheAttentionCuda(const CacheAttentionCudaView& v, void* stream_ptr) {
   if (v.units() == 0) return Status::Ok();

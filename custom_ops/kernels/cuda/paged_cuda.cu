@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <sstream>
 #include <string>
+#include <type_traits>
 
 #include "cpu/paged_common.h"
 #include "ortkv/cache_attention.h"
@@ -931,6 +932,7 @@ __device__ void ReportAttention(const PagedAttentionCudaView& a, unsigned long l
 template <typename T, bool LOG2>
 __global__ void __launch_bounds__(kMergeThreads) PagedCombineKernel(const AttnArgs args) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" :::);  // a programmatic dependent may start (it waits)
   if (LOG2) asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
   const PagedAttentionCudaView& a = args.v;
@@ -1883,13 +1885,26 @@ __device__ __forceinline__ void DecodeTile(uint8_t* st, const uint8_t* pg, const
 // Bit k set for key off + k (k < N <= 32, offsets from the window's first tile) inside the window's keys [lo, win):
 // a bit range, not a per-key loop (Note [Paged CUDA v3 register decode]: the loop's size counted).
 template <int N>
-__device__ __forceinline__ uint32_t KeysInWindow(int off, int lo, int win) {
-  uint32_t valid = N == 32 ? 0xFFFFFFFFu : (1u << N) - 1u;
-  if (off < lo || off + N > win) {
-    const int a = lo > off ? lo - off : 0, e = win - off < N ? win - off : N;  // keys [a, e); a < N
-    valid = e > a ? (((N == 32 && e == 32) ? 0xFFFFFFFFu : (1u << e) - 1u) & ~((1u << a) - 1u)) : 0u;
+using KeyMask = std::conditional_t<(N > 32), uint64_t, uint32_t>;
+template <int N>
+__device__ __forceinline__ KeyMask<N> KeysInWindow(int off, int lo, int win) {
+  static_assert(N <= 64, "");
+  if constexpr (N > 32) {
+    const auto below = [](int e) { return e >= 64 ? ~0ull : (1ull << e) - 1ull; };
+    uint64_t valid = below(N);
+    if (off < lo || off + N > win) {
+      const int a = lo > off ? lo - off : 0, e = win - off < N ? win - off : N;  // keys [a, e); a < N
+      valid = e > a ? below(e) & ~below(a) : 0ull;
+    }
+    return valid;
+  } else {
+    uint32_t valid = N == 32 ? 0xFFFFFFFFu : (1u << N) - 1u;
+    if (off < lo || off + N > win) {
+      const int a = lo > off ? lo - off : 0, e = win - off < N ? win - off : N;  // keys [a, e); a < N
+      valid = e > a ? (((N == 32 && e == 32) ? 0xFFFFFFFFu : (1u << e) - 1u) & ~((1u << a) - 1u)) : 0u;
+    }
+    return valid;
   }
-  return valid;
 }
 
 // A window's keys [s0, s1) of a row as 16-key tiles aligned to kTile (so each within one page), counted from
@@ -2341,7 +2356,7 @@ __device__ __forceinline__ uint32_t Transpose8x8(uint32_t x) {
 // O^T += V^T (P s_v)^T, mv += P m_v (Note [Paged CUDA v3 transposed INT4]).
 template <int NT>
 __device__ __forceinline__ void Int4TilesT(const uint8_t* st, const uint32_t (*qa)[2], const float* qs,
-                                           const float* k0, int lane, uint32_t valid, float* m, float* l, float* mv,
+                                           const float* k0, int lane, KeyMask<NT * kTile> valid, float* m, float* l, float* mv,
                                            float (*o)[4]) {
   using R = RegCfg<kInt4F, 64>;
   const int g = lane >> 2, c = lane & 3;
@@ -2470,8 +2485,12 @@ __device__ __forceinline__ void MergeWindowT(uint8_t* wring, int lane, const flo
 
 // Tiles per step of a register-decoded window: 2 (32 keys: one softmax update and two independent tiles' products
 // per step) where the warp's ring holds >= 3 such steps, else 1.
+#ifndef ORTKV_PAGED_V3_INT4T_NT  // tiles per step of the transposed INT4 loop (an A/B knob for paged_sweep.cu)
+#define ORTKV_PAGED_V3_INT4T_NT 2
+#endif
 template <int F, int D>
 __host__ __device__ constexpr int RegStepTiles() {
+  if (F == kInt4F && D == 64) return ORTKV_PAGED_V3_INT4T_NT;
   return Cfg<D>::kWarpBytes / (2 * RegCfg<F, D>::kStageBytes) >= 3 ? 2 : 1;
 }
 
@@ -2490,7 +2509,7 @@ __device__ __forceinline__ void WindowTilesReg(const PageWindow& sh, uint8_t* wr
   constexpr int kStep = NT * R::kStageBytes;
   constexpr int kStages0 = Cfg<D>::kWarpBytes / kStep;
   constexpr int kStages = kStages0 < 8 ? kStages0 : 8;
-  static_assert(kStages >= 3, "");
+  static_assert(kStages >= 2, "");
   const auto page_of = [&](int x) { return POW2 ? x >> ps_shift : x / ps; };
   const WindowGeom wg = Geom(s0, s1, p0, ps, hk);
   const int base_off = wg.base_off, lo = wg.lo, win = wg.win, n_tiles = wg.n_tiles;
@@ -2534,7 +2553,7 @@ __device__ __forceinline__ void WindowTilesReg(const PageWindow& sh, uint8_t* wr
     __syncwarp();  // this step's copies landed for the whole warp; the slot refilled next was read
     issue();
     const int off = (warp + it * kWarps) * NT * kTile;  // from a0
-    const uint32_t valid = KeysInWindow<NT * kTile>(off, lo, win);
+    const auto valid = KeysInWindow<NT * kTile>(off, lo, win);
     if constexpr (kT)
       Int4TilesT<NT>(wring + stage * kStep, qa, qs, kc, lane, valid, mw, lw, mvw, ow);
     else
@@ -2581,7 +2600,7 @@ static_assert(8 * 128 * 4 <= Cfg<128>::kWarpBytes && 8 * 64 * 4 <= Cfg<64>::kWar
 #ifndef ORTKV_PAGED_V3_MIN_BLOCKS
 #define ORTKV_PAGED_V3_MIN_BLOCKS 1
 #endif
-template <typename T, int D>
+template <typename T, int D, bool EARLY = false>
 __global__ void __launch_bounds__(kThreads, ORTKV_PAGED_V3_MIN_BLOCKS) PagedAttentionV3(const AttnArgs args) {
   using C = Cfg<D>;
   constexpr bool BF = std::is_same<T, __nv_bfloat16>::value;  // the products' 16-bit type is the queries'
@@ -2614,17 +2633,46 @@ __global__ void __launch_bounds__(kThreads, ORTKV_PAGED_V3_MIN_BLOCKS) PagedAtte
   const int g = lane >> 2, c = lane & 3;
   uint32_t qr[D / 16][2];
   const T* qrow = static_cast<const T*>(a.q) + ((b * a.T + t) * a.Hq + hk * G + g0 + g) * a.D;
-  LoadQueryPairs<T, D>(qrow, g, gn, c, qr);
+  if constexpr (!EARLY) LoadQueryPairs<T, D>(qrow, g, gn, c, qr);
 
   bool bad_start = false;
-  const int64_t st0 = ClampedStart(a, b, &bad_start);
-  const int64_t L = st0 + t + 1;
-  int64_t chunk = (L + S - 1) / S;
-  if (chunk < kPagedMinChunk) chunk = kPagedMinChunk;
-  const int64_t j0 = split * chunk < L ? split * chunk : L;
-  const int64_t j1 = j0 + chunk < L ? j0 + chunk : L;
+  int64_t st0 = ClampedStart(a, b, &bad_start), j0 = 0, j1 = 0;
+  const auto chunk_of = [&]() {  // this block's keys [j0, j1) of the row's [0, st0 + t + 1)
+    const int64_t L = st0 + t + 1;
+    int64_t chunk = (L + S - 1) / S;
+    if (chunk < kPagedMinChunk) chunk = kPagedMinChunk;
+    j0 = split * chunk < L ? split * chunk : L;
+    j1 = j0 + chunk < L ? j0 + chunk : L;
+  };
+  chunk_of();
 
   LoadFormats(a, tid, sh);
+  // EARLY: the first window's pages are resolved before the wait when they all end before row st0 (the pages
+  // this step's update writes or re-encodes are resolved after it; Note [CUDA attention early start])
+  bool pre = false, pre_bad = false;
+  uint32_t pre_formats = 0;
+  if constexpr (EARLY) {
+    if (j0 < j1) {
+      const int64_t p0 = j0 / ps;
+      const int64_t s1 = j1 < (p0 + kMaxPages) * ps ? j1 : (p0 + kMaxPages) * ps;
+      const int64_t p1 = (s1 - 1) / ps;
+      if ((p1 + 1) * ps <= st0) {
+        pre_bad = ResolveWindow(a, b, p0, p1, tid, sh, &pre_formats);
+        pre = true;
+      }
+    }
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");  // the previous kernel's writes are visible from here
+#endif
+    LoadQueryPairs<T, D>(qrow, g, gn, c, qr);
+    bool bad2 = false;
+    const int64_t st2 = ClampedStart(a, b, &bad2);
+    if (st2 != st0 || bad2 != bad_start) {  // `start` was written by the previous kernel: resolve after the wait
+      st0 = st2, bad_start = bad2, pre = false;
+      if (tid == 0) sh.key = kNoError;  // a bad page seen above is not this row's (ResolveWindow syncs first)
+      chunk_of();
+    }
+  }
 
   // this lane's query fragments from the raw pairs (zeros for padding rows: qr is 0 there)
   uint32_t qa[D / 16][2];
@@ -2642,7 +2690,7 @@ __global__ void __launch_bounds__(kThreads, ORTKV_PAGED_V3_MIN_BLOCKS) PagedAtte
     const int64_t s1 = j1 < (p0 + kMaxPages) * ps ? j1 : (p0 + kMaxPages) * ps;
     const int64_t p1 = (s1 - 1) / ps;
     uint32_t formats = 0;
-    if (ResolveWindow(a, b, p0, p1, tid, sh, &formats)) {
+    if (pre && s0 == j0 ? (formats = pre_formats, pre_bad) : ResolveWindow(a, b, p0, p1, tid, sh, &formats)) {
       skip = true;
       break;
     }
@@ -2732,7 +2780,30 @@ cudaError_t LaunchD(AttnArgs a, cudaStream_t stream) {
   const int64_t base = a.v.units() * a.head_blocks;
   if (a.v.splits > 1 && a.v.sm_count > 0)  // one wave (Note [CacheAttention CUDA v2 waves])
     a.v.splits = std::max<int64_t>(1, std::min<int64_t>(a.v.splits, static_cast<int64_t>(per_sm) * a.v.sm_count / base));
-  PagedAttentionV3<T, D><<<static_cast<unsigned>(base * a.v.splits), kThreads, kSmem, stream>>>(a);
+  static const bool early = [] {
+    (void)cudaFuncSetAttribute(PagedAttentionV3<T, D, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmem));
+    (void)cudaFuncSetAttribute(PagedAttentionV3<T, D, true>, cudaFuncAttributePreferredSharedMemoryCarveout,
+                               cudaSharedmemCarveoutMaxShared);
+    (void)cudaGetLastError();
+    return true;
+  }();
+  (void)early;
+  bool launched = false;
+  if (pv2::CurrentMajor() >= 9 && CudaEarlyLaunch()) {  // Note [CUDA attention early start]
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(static_cast<unsigned>(base * a.v.splits));
+    cfg.blockDim = dim3(kThreads);
+    cfg.dynamicSmemBytes = kSmem;
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    launched = cudaLaunchKernelEx(&cfg, PagedAttentionV3<T, D, true>, a) == cudaSuccess;
+    if (!launched) (void)cudaGetLastError();
+  }
+  if (!launched) PagedAttentionV3<T, D><<<static_cast<unsigned>(base * a.v.splits), kThreads, kSmem, stream>>>(a);
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return e;
   return pv2::LaunchCombine<T>(a, stream);
