@@ -755,6 +755,12 @@ cudaError_t Launch(const CacheAttentionCudaView& v, const Args& a, int gm, cudaS
 // PagedCacheUpdate write rows from their position on; a KC page is re-encoded by the step that writes its last
 // row; the page pool's host-side edits run between two device synchronizes, Note [Page pool on CUDA]). A graph
 // that rewrites older rows in the kernel just before the attention runs with ORTKV_CUDA_EARLY=0.
+// H200, SmolLM2's heads (9 / 3 / 64), CUDA graphs of one attention node after another, early vs plain in one run:
+// through ORT (benchmarks/bench_cache_attention_cuda.py, v3 vs v3-plain) 8K keys x 8 rows 56 -> 64 % of the copy's
+// bandwidth, 8K x 1 16 -> 19 %, 32K x 1 38 -> 44 %, 32K x 8 77 -> 80 %; paged (bench_paged_attention_cuda.py)
+// F16 pages 0.86-1.00x their plain time, INT4 pages at 32K x 8 34.6 -> 30.9 us. Harness (attention_sweep.cu):
+// 8K x 8 19.0 -> 16.4-16.6 us. Tried and not kept: the warp's later tiles prefetched into L2 before the wait
+// (prefetch.global.L2, one line per lane): 8K x 8 back at 18.9 us.
 namespace v3 {
 
 using tile16::kTile;
@@ -782,9 +788,6 @@ struct Cfg {
   static constexpr size_t kSmem = kFinOffset + kHeads * (D + 2) * sizeof(float);
 };
 
-#ifndef ORTKV_DENSE_EARLY_PF
-#define ORTKV_DENSE_EARLY_PF 0
-#endif
 template <typename T, int D, int NW, int ST, bool CLUSTER, bool EARLY = false>
 __global__ void __launch_bounds__(NW * 32) AttentionKernelV3(const Args a) {
   using C = Cfg<D, NW, ST>;
@@ -863,18 +866,6 @@ __global__ void __launch_bounds__(NW * 32) AttentionKernelV3(const Args a) {
 #pragma unroll
   for (int s = 0; s < ST - 1; ++s) issue();
   if constexpr (EARLY) {
-#if ORTKV_DENSE_EARLY_PF  // A/B knob: the warp's later tiles (rows < lim) prefetched into L2 while it waits
-    for (int s = ST - 1; s < mine; ++s) {
-      const int64_t k0 = j0 + static_cast<int64_t>(warp + s * NW) * kTile;
-      for (int i = lane; i < kTile * 2 * (D / 64); i += 32) {  // 128-byte lines: 16 rows x (K, V) x D / 64
-        const int r = i % kTile, kv = (i / kTile) & 1, part = i / (2 * kTile);
-        if (k0 + r < lim) {
-          const T* ptr = (kv ? vb : kb) + (k0 + r) * ts + part * 64;
-          asm volatile("prefetch.global.L2 [%0];" ::"l"(ptr));
-        }
-      }
-    }
-#endif
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");  // the previous kernel's writes are visible from here
 #endif

@@ -2338,6 +2338,13 @@ __device__ __forceinline__ void RegTiles(const uint8_t* st, const uint32_t (*qa)
 // (<= 0.0039). Through ORT (bench_paged_attention_cuda.py, one round): INT4 / F16 0.55 at 128K x 4 (0.58 before),
 // 0.60 at 32K x 8 (0.64). Still a lane-latency-bound loop at 8 warps per SM, and the per-block fixed part (a third
 // of the samples at 32K x 8, benchmarks/results/paged_attention_cuda_h200.md) is untouched.
+// Steps of 4 tiles (64 keys: four independent S^T products and one softmax update per step, the ring two steps
+// deep) with the query fragments read after the ring's prologue is issued (their load overlaps the copies), since
+// the kernel starts early (Note [CUDA attention early start] in cache_attention.cu): 928 instructions per step with
+// 32 HMMA, 230 registers (226 for the plain launch). H200 harness, early launches, INT4 us at 8K x 1 / 8K x 8 /
+// 32K x 1 / 32K x 8: 9.22 / 15.38 / 12.97 / 31.44 with steps of 2 tiles, 8.92 / 13.96 / 12.70 / 28.77 with 4;
+// without the early start 4 tiles were no faster than 2 (and INT8 pages lost 1-9 % to the registers it moved), so
+// ORTKV_PAGED_V3_INT4T_NT (2, 3 or 4) stays an A/B knob for paged_sweep.cu.
 __device__ __forceinline__ void MmaRows16(float* c, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
                                           uint32_t b1) {
   asm volatile(
@@ -2483,10 +2490,11 @@ __device__ __forceinline__ void MergeWindowT(uint8_t* wring, int lane, const flo
   __syncwarp();  // the ring is the next window's
 }
 
-// Tiles per step of a register-decoded window: 2 (32 keys: one softmax update and two independent tiles' products
-// per step) where the warp's ring holds >= 3 such steps, else 1.
+// Tiles per step of a register-decoded window: the transposed INT4 loop's ORTKV_PAGED_V3_INT4T_NT (4: 64 keys per
+// step, Note [Paged CUDA v3 transposed INT4]); else 2 (32 keys: one softmax update and two independent tiles'
+// products per step) where the warp's ring holds >= 3 such steps, else 1.
 #ifndef ORTKV_PAGED_V3_INT4T_NT  // tiles per step of the transposed INT4 loop (an A/B knob for paged_sweep.cu)
-#define ORTKV_PAGED_V3_INT4T_NT 2
+#define ORTKV_PAGED_V3_INT4T_NT 4
 #endif
 template <int F, int D>
 __host__ __device__ constexpr int RegStepTiles() {
@@ -2501,7 +2509,7 @@ __host__ __device__ constexpr int RegStepTiles() {
 template <int D, int F, bool POW2>
 __device__ __forceinline__ void WindowTilesReg(const PageWindow& sh, uint8_t* wring, int64_t s0, int64_t s1,
                                                int64_t p0, int ps, int ps_shift, int hk, int warp, int lane,
-                                               const uint32_t (*qa)[2], float qsum, float k0, float& m, float& l,
+                                               const __half* qrow, int gn, float qscale, float& m, float& l,
                                                float (*o)[4]) {
   using R = RegCfg<F, D>;
   constexpr bool kT = F == kInt4F && D == 64;  // Note [Paged CUDA v3 transposed INT4]
@@ -2517,13 +2525,6 @@ __device__ __forceinline__ void WindowTilesReg(const PageWindow& sh, uint8_t* wr
   const int n_steps = (n_tiles + NT - 1) / NT;
   const int mine = n_steps > warp ? (n_steps - warp + kWarps - 1) / kWarps : 0;
   const FormatInfo fi = sh.fi[F];
-  // the transposed form's window state, per query-head column 2c, 2c + 1 (rows of lanes 8c and 8c + 4)
-  float qs[2] = {0.0f, 0.0f}, kc[2] = {0.0f, 0.0f};
-  if constexpr (kT) {
-    const int c = lane & 3;
-    qs[0] = __shfl_sync(0xffffffffu, qsum, 8 * c), qs[1] = __shfl_sync(0xffffffffu, qsum, 8 * c + 4);
-    kc[0] = __shfl_sync(0xffffffffu, k0, 8 * c), kc[1] = __shfl_sync(0xffffffffu, k0, 8 * c + 4);
-  }
   int next = 0, stage_in = 0;
   auto issue = [&]() {
     if (next < mine) {
@@ -2544,6 +2545,22 @@ __device__ __forceinline__ void WindowTilesReg(const PageWindow& sh, uint8_t* wr
   };
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) issue();
+  // the query's fragments for this format, read while the prologue's copies fly (the lane's quarter of its row:
+  // 8 registers, not kept from the kernel's start)
+  uint32_t qa[D / 16][2];
+  float qsum, k0;
+  {
+    uint32_t qc[D / 8];
+    LoadQueryChunk<D>(qrow, lane >> 2, gn, lane & 3, qc);
+    RegQuery<F, D>(qc, qscale, qa, &qsum, &k0);
+  }
+  // the transposed form's window state, per query-head column 2c, 2c + 1 (rows of lanes 8c and 8c + 4)
+  float qs[2] = {0.0f, 0.0f}, kc[2] = {0.0f, 0.0f};
+  if constexpr (kT) {
+    const int c = lane & 3;
+    qs[0] = __shfl_sync(0xffffffffu, qsum, 8 * c), qs[1] = __shfl_sync(0xffffffffu, qsum, 8 * c + 4);
+    kc[0] = __shfl_sync(0xffffffffu, k0, 8 * c), kc[1] = __shfl_sync(0xffffffffu, k0, 8 * c + 4);
+  }
   float mv = 0.0f;
   float mw[2] = {-INFINITY, -INFINITY}, lw[2] = {0.0f, 0.0f}, mvw[2] = {0.0f, 0.0f};
   float ow[4][4] = {};  // O^T of the window: dims 8 g + mt (+ 4), columns 2c, 2c + 1
@@ -2707,14 +2724,11 @@ __global__ void __launch_bounds__(kThreads, ORTKV_PAGED_V3_MIN_BLOCKS) PagedAtte
   if constexpr (BF) {                                                                              \
     ORTKV_WINDOW3(F);                                                                              \
   } else {                                                                                         \
-    uint32_t qc[D / 8], qn[D / 16][2]; /* read here, not kept from the start: 8 registers */      \
-    LoadQueryChunk<D>(reinterpret_cast<const __half*>(qrow), g, gn, c, qc);                        \
-    float qsum, k0;                                                                                \
-    RegQuery<F, D>(qc, qscale, qn, &qsum, &k0);                                                    \
+    const __half* qh = reinterpret_cast<const __half*>(qrow);                                      \
     if (ps_shift >= 0)                                                                             \
-      WindowTilesReg<D, F, true>(sh, wring, s0, s1, p0, ps, ps_shift, hk, warp, lane, qn, qsum, k0, m, l, o); \
+      WindowTilesReg<D, F, true>(sh, wring, s0, s1, p0, ps, ps_shift, hk, warp, lane, qh, gn, qscale, m, l, o); \
     else                                                                                           \
-      WindowTilesReg<D, F, false>(sh, wring, s0, s1, p0, ps, ps_shift, hk, warp, lane, qn, qsum, k0, m, l, o); \
+      WindowTilesReg<D, F, false>(sh, wring, s0, s1, p0, ps, ps_shift, hk, warp, lane, qh, gn, qscale, m, l, o); \
   }
       case 0: ORTKV_WINDOW3(0); break;
       case 1: ORTKV_WINDOW3(1); break;
