@@ -233,6 +233,53 @@ def test_attention_early_launch_equals_plain_launch(monkeypatch, D, T):
     assert outs["0"].tobytes() == outs["1"].tobytes()
 
 
+def test_attention_early_launch_rereads_start_written_by_the_node_before(rng):
+    """`start` computed on the GPU by the node right before PagedCacheAttention (an Add: the kernel an early
+    launch overlaps; Note [CUDA attention early start]). Each run's start differs from the last one's in the same
+    ORT buffer, so a block that resolved pages (and issued their tiles) for the stale value before its wait must
+    start over from the new one: every run reads exactly its own keys (the rest poisoned) and matches the oracle."""
+    H, G, PS, NL, D, B = 3, 3, 16, 1, 64, 2
+    lengths_max = 8200
+    fmts = [[PageFormat.F16, PageFormat.INT8, PageFormat.INT4][i % 3] for i in range(2 * (-(-lengths_max // PS)))]
+    pool0, directory = build_pool(rng, fmts, num_layers=NL, kv_heads=H, page_size=PS, head_size=D)
+    n = -(-lengths_max // PS)
+    table = table_for([list(range(n)), list(range(n, 2 * n))], n + 1)
+    node = helper.make_node("PagedCacheAttention", ["query", "pool", "directory", "page_table", "start"], ["out"],
+                            name="attn", domain="ortkv", num_heads=H * G, kv_num_heads=H, layer=0, num_layers=NL,
+                            page_size=PS)
+    add = helper.make_node("Add", ["start_in", "one"], ["start"], name="add")
+    vi = helper.make_tensor_value_info
+    g = helper.make_graph([add, node], "attn", [vi("query", TP.FLOAT16, ["B", 1, "W"]), vi("pool", TP.UINT8, ["P"]),
+                                                vi("directory", TP.INT64, ["N", 2]),
+                                                vi("page_table", TP.INT32, ["B", "M"]),
+                                                vi("start_in", TP.INT64, ["B"])],
+                          [vi("out", TP.FLOAT16, ["B", 1, "W"])],
+                          initializer=[helper.make_tensor("one", TP.INT64, [1], [1])])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("ortkv", 1)],
+                              ir_version=10)
+    sess = _session(model)
+    for lengths in ([8200, 300], [17, 8000], [4097, 4096], [8200, 8200]):
+        start = np.array(lengths) - 1
+        pool = pool0.copy()
+        poison_rows(pool, directory, table, lengths, num_layers=NL, kv_heads=H, page_size=PS, head_size=D)
+        q = _rand(rng, (B, 1, H * G * D), "float16")
+        io = sess.io_binding()
+        keep = [(_dev(q), "query", TP.FLOAT16, q.shape), (_dev(pool), "pool", TP.UINT8, pool.shape),
+                (_dev(directory), "directory", TP.INT64, directory.shape),
+                (_dev(table), "page_table", TP.INT32, table.shape), (_dev(start - 1), "start_in", TP.INT64, start.shape)]
+        for v, name, t, shape in keep:
+            _bind(io, name, v, t, shape)
+        out = _dev(np.zeros(q.shape, np.float16))
+        _bind(io, "out", out, TP.FLOAT16, q.shape, output=True)
+        sess.run_with_iobinding(io)
+        assert _ortkv.cuda_take_error() is None
+        got = out.numpy().astype(np.float32)
+        assert np.isfinite(got).all(), f"lengths {lengths}: a poisoned row past a sequence's length was read"
+        want = paged_cache_attention_ref(q, pool0, directory, table, start, num_heads=H * G, kv_num_heads=H, layer=0,
+                                         num_layers=NL, page_size=PS)
+        np.testing.assert_allclose(got, want, rtol=2e-3, atol=2e-3, err_msg=f"lengths {lengths}")
+
+
 def test_attention_chunks_longer_than_one_page_window(rng):
     """Pages of 4 tokens, 4 rows x 8 query tokens (few splits): a block's key chunk spans > 256 pages, so the v2
     kernel resolves its pages in several windows (Note [Paged CUDA v2])."""

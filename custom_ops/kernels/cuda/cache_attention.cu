@@ -653,21 +653,9 @@ cudaError_t LaunchOne(const CacheAttentionCudaView& v, Args a, cudaStream_t stre
   if (e != cudaSuccess || a.splits == 1) return e;
   const int threads = kMergeThreads;
   const unsigned combine_blocks = static_cast<unsigned>(v.units() * v.group());
-  if (CurrentDevice().major >= 9) {
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(combine_blocks);
-    cfg.blockDim = dim3(threads);
-    cfg.dynamicSmemBytes = 0;
-    cfg.stream = stream;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    if (cudaLaunchKernelEx(&cfg, CombineKernel<T, true>, a) == cudaSuccess) return cudaSuccess;
-    (void)cudaGetLastError();  // refused: a plain launch below
-  }
-  CombineKernel<T, true><<<combine_blocks, threads, 0, stream>>>(a);
+  if (CurrentDevice().major >= 9 && LaunchProgrammatic(CombineKernel<T, true>, combine_blocks, threads, 0, stream, a))
+    return cudaSuccess;
+  CombineKernel<T, true><<<combine_blocks, threads, 0, stream>>>(a);  // refused or before sm_90: a plain launch
   return cudaGetLastError();
 }
 
@@ -1027,39 +1015,15 @@ cudaError_t LaunchWith(const Args& a, int64_t base, cudaStream_t stream, bool cl
       return cudaSuccess;
     (void)cudaGetLastError();  // refused: the partials and the combine below
   }
-  bool launched = false;
-  if (early) {
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(blocks);
-    cfg.blockDim = dim3(NW * 32);
-    cfg.dynamicSmemBytes = C::kSmem;
-    cfg.stream = stream;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    launched = cudaLaunchKernelEx(&cfg, AttentionKernelV3<T, D, NW, ST, false, true>, a) == cudaSuccess;
-    if (!launched) (void)cudaGetLastError();
-  }
-  if (!launched) AttentionKernelV3<T, D, NW, ST, false><<<blocks, NW * 32, C::kSmem, stream>>>(a);
+  if (!early || !LaunchProgrammatic(AttentionKernelV3<T, D, NW, ST, false, true>, blocks, NW * 32, C::kSmem, stream, a))
+    AttentionKernelV3<T, D, NW, ST, false><<<blocks, NW * 32, C::kSmem, stream>>>(a);
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess || a.splits == 1) return e;
   const unsigned combine_blocks = static_cast<unsigned>(a.B * a.T * a.Hq);
-  if (v2::CurrentDevice().major >= 9) {
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(combine_blocks);
-    cfg.blockDim = dim3(kMergeThreads);
-    cfg.stream = stream;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    if (cudaLaunchKernelEx(&cfg, CombineKernel<T, true>, a) == cudaSuccess) return cudaSuccess;
-    (void)cudaGetLastError();  // refused: a plain launch below
-  }
-  CombineKernel<T, true><<<combine_blocks, kMergeThreads, 0, stream>>>(a);
+  if (v2::CurrentDevice().major >= 9 &&
+      LaunchProgrammatic(CombineKernel<T, true>, combine_blocks, kMergeThreads, 0, stream, a))
+    return cudaSuccess;
+  CombineKernel<T, true><<<combine_blocks, kMergeThreads, 0, stream>>>(a);  // refused or before sm_90
   return cudaGetLastError();
 }
 

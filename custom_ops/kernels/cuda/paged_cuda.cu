@@ -1553,20 +1553,9 @@ template <typename T>
 cudaError_t LaunchCombine(const AttnArgs& a, cudaStream_t stream) {
   const unsigned combine_blocks = a.v.splits > 1 ? static_cast<unsigned>(a.v.units() * a.v.group()) + 1u : 1u;
   const int threads = kMergeThreads;
-  if (CurrentMajor() >= 9) {
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(combine_blocks);
-    cfg.blockDim = dim3(threads);
-    cfg.stream = stream;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    if (cudaLaunchKernelEx(&cfg, PagedCombineKernel<T, true>, a) == cudaSuccess) return cudaSuccess;
-    (void)cudaGetLastError();
-  }
-  PagedCombineKernel<T, true><<<combine_blocks, threads, 0, stream>>>(a);
+  if (CurrentMajor() >= 9 && LaunchProgrammatic(PagedCombineKernel<T, true>, combine_blocks, threads, 0, stream, a))
+    return cudaSuccess;
+  PagedCombineKernel<T, true><<<combine_blocks, threads, 0, stream>>>(a);  // refused or before sm_90
   return cudaGetLastError();
 }
 
@@ -2779,9 +2768,10 @@ template <typename T, int D>
 cudaError_t LaunchD(AttnArgs a, cudaStream_t stream) {
   constexpr size_t kSmem = SmemBytes<D>();
   static const int per_sm = [] {
-    (void)cudaFuncSetAttribute(PagedAttentionV3<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmem));
-    (void)cudaFuncSetAttribute(PagedAttentionV3<T, D>, cudaFuncAttributePreferredSharedMemoryCarveout,
-                               cudaSharedmemCarveoutMaxShared);
+    for (auto* k : {PagedAttentionV3<T, D>, PagedAttentionV3<T, D, true>}) {  // plain and early (same occupancy)
+      (void)cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmem));
+      (void)cudaFuncSetAttribute(k, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared);
+    }
     (void)cudaGetLastError();
     int n = 0;
     if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, PagedAttentionV3<T, D>, kThreads, kSmem) != cudaSuccess ||
@@ -2794,30 +2784,10 @@ cudaError_t LaunchD(AttnArgs a, cudaStream_t stream) {
   const int64_t base = a.v.units() * a.head_blocks;
   if (a.v.splits > 1 && a.v.sm_count > 0)  // one wave (Note [CacheAttention CUDA v2 waves])
     a.v.splits = std::max<int64_t>(1, std::min<int64_t>(a.v.splits, static_cast<int64_t>(per_sm) * a.v.sm_count / base));
-  static const bool early = [] {
-    (void)cudaFuncSetAttribute(PagedAttentionV3<T, D, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmem));
-    (void)cudaFuncSetAttribute(PagedAttentionV3<T, D, true>, cudaFuncAttributePreferredSharedMemoryCarveout,
-                               cudaSharedmemCarveoutMaxShared);
-    (void)cudaGetLastError();
-    return true;
-  }();
-  (void)early;
-  bool launched = false;
-  if (pv2::CurrentMajor() >= 9 && CudaEarlyLaunch()) {  // Note [CUDA attention early start]
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(static_cast<unsigned>(base * a.v.splits));
-    cfg.blockDim = dim3(kThreads);
-    cfg.dynamicSmemBytes = kSmem;
-    cfg.stream = stream;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    launched = cudaLaunchKernelEx(&cfg, PagedAttentionV3<T, D, true>, a) == cudaSuccess;
-    if (!launched) (void)cudaGetLastError();
-  }
-  if (!launched) PagedAttentionV3<T, D><<<static_cast<unsigned>(base * a.v.splits), kThreads, kSmem, stream>>>(a);
+  const unsigned blocks = static_cast<unsigned>(base * a.v.splits);
+  if (!(pv2::CurrentMajor() >= 9 && CudaEarlyLaunch() &&  // Note [CUDA attention early start]
+        LaunchProgrammatic(PagedAttentionV3<T, D, true>, blocks, kThreads, kSmem, stream, a)))
+    PagedAttentionV3<T, D><<<blocks, kThreads, kSmem, stream>>>(a);
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return e;
   return pv2::LaunchCombine<T>(a, stream);
