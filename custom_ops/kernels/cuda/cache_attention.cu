@@ -718,7 +718,8 @@ cudaError_t Launch(const CacheAttentionCudaView& v, const Args& a, int gm, cudaS
 // the combine (the fence, the atomic and the partial reads sit on the last block's critical path, where the
 // programmatic-dependent combine overlaps its launch); L2 prefetch of the warp's tiles 2..8 ahead
 // (prefetch.global.L2): kernel alone 16.45 -> 17.9 us, worse at every shape; launching v3 itself as a
-// programmatic dependent of the kernel before it (griddepcontrol.wait first): 19.1 vs 19.1, 8K x 1 8.8 vs 8.4,
+// programmatic dependent of the kernel before it (griddepcontrol.wait first; Note [CUDA attention early start] now
+// issues the first tiles before the wait, which is what gains): 19.1 vs 19.1, 8K x 1 8.8 vs 8.4,
 // a decode layer (128 keys) 5.3 vs 5.6; 8 warps per block with a 2- or 3-slot ring, or 2 warps: the
 // attention alone stays at 16.4-16.7 us for every block shape that fills one wave. A second session (same harness,
 // its "cl" rows): the cluster merge with bigger blocks and fewer splits, more than one block per SM allowed,
