@@ -26,7 +26,7 @@ with com.microsoft.GroupQueryAttention on the same shapes, for both ortkv kernel
   Each figure is the median over --rounds rounds (the kinds alternate inside a round) of the median
   of --reps timed calls after a warm-up.
 
-    python benchmarks/bench_cache_attention_cuda.py [--rounds 3] [--reps 20] [--lengths 1024,8192,...]
+    python benchmarks/bench_cache_attention_cuda.py [--rounds 3] [--reps 20] [--min-nodes N] [--lengths 1024,8192,...]
                                                     [--batches 1,8,64] [--heads 9/3/64,32/8/128]
                                                     [--copy auto|torch|cupy|cudart]
                                                     [--out benchmarks/results/cache_attention_cuda.md]
@@ -62,6 +62,16 @@ EARLY_ENV = "ORTKV_CUDA_EARLY"  # v3-plain: v3 launched plainly, not early (Note
 LENGTHS = [1024, 8192, 32768, 131072]
 BATCHES = [1, 8, 64]
 POOL_BYTES = 256 << 20
+MIN_NODES, MAX_BYTES = 1, 40 << 30  # --min-nodes, --max-gib
+
+
+def _nodes(pair):
+    """Nodes (cache pairs) per call: enough pairs for POOL_BYTES (at most 16), and at least --min-nodes where
+    --max-gib allows. Every call pays one graph replay and a synchronize (~10-20 us) spread over its nodes: at 8K keys
+    x 8 rows of SmolLM2's heads (6 nodes) that is ~2 us of a ~18 us node, so --min-nodes 32 times the nodes more
+    than the calls."""
+    base = max(1, min(16, math.ceil(POOL_BYTES / pair)))
+    return max(base, min(MIN_NODES, MAX_BYTES // pair))
 
 
 def _model(nodes, inputs, outputs):
@@ -245,7 +255,7 @@ def attention_case(kind, Hq, Hkv, D, L, B, shared=None):
     """A timing function for one kind (v3, v2, v1: ortkv; gqa) and what must stay alive. v2 and v1 reuse v3's
     device buffers (`shared`: the second value returned for the first ortkv kind) in a session of their own."""
     pair = 2 * B * L * Hkv * D * 2
-    R = max(1, min(16, math.ceil(POOL_BYTES / pair)))
+    R = _nodes(pair)
     nodes, ins, outs, keep = [], [], [], []
     ortkv_kind = kind in ("v1", "v2", "v3", "v3-plain")
     if shared is not None:
@@ -341,8 +351,12 @@ def main() -> int:
     ap.add_argument("--copy", choices=["auto", "torch", "cupy", "cudart"], default="auto",
                     help="how to run the cudaMemcpy reference (auto: the first that works, in this order)")
     ap.add_argument("--kinds", default=",".join(DEFAULT_KINDS), help=f"comma-separated, of {KINDS}")
+    ap.add_argument("--min-nodes", type=int, default=1,
+                    help="at least this many attention nodes (cache pairs) per call (default: as many as 256 MiB needs)")
     ap.add_argument("--out")
     args = ap.parse_args()
+    global MIN_NODES, MAX_BYTES
+    MIN_NODES, MAX_BYTES = max(1, args.min_nodes), int(args.max_gib * (1 << 30))
     kinds = tuple(k for k in args.kinds.split(",") if k)
     if not kinds or any(k not in KINDS for k in kinds):
         ap.error(f"--kinds takes a comma-separated list of {KINDS}, not {args.kinds!r}")
@@ -362,7 +376,7 @@ def main() -> int:
         for L in map(int, args.lengths.split(",")):
             for B in map(int, args.batches.split(",")):
                 pair = 2 * B * L * Hkv * D * 2
-                if pair * max(1, min(16, math.ceil(POOL_BYTES / pair))) > args.max_gib * (1 << 30):
+                if pair * _nodes(pair) > args.max_gib * (1 << 30):
                     rows.append((Hq, Hkv, D, L, B, {}, "skipped: over --max-gib"))
                     continue
                 res = {k: [] for k in kinds}
