@@ -820,7 +820,7 @@ __global__ void __launch_bounds__(NW * 32) AttentionKernelV3(const Args a) {
   int64_t st = clamped_start(), j0 = 0, j1 = 0, lim = 0;
   int mine = 0, next = 0, stage_in = 0;
   // keys [0, L) with L = st + t + 1, this block's chunk [j0, j1); lim: EARLY's prologue reads rows < lim only
-  // (rows st.. are this step's, written by the kernel this one may overlap; Note [CacheAttention CUDA early])
+  // (rows st.. are this step's, written by the kernel this one may overlap; Note [CUDA attention early start])
   const auto setup = [&](bool early_rows) {
     const int64_t L = st + t + 1;
     int64_t chunk = (L + S - 1) / S;
