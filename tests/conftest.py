@@ -118,6 +118,16 @@ def cache_attention_model(num_heads: int, kv_heads: int, seq_axis: int = 1, onnx
                              ir_version=10)
 
 
+def start_from_add(model: onnx.ModelProto, name: str = "start") -> onnx.ModelProto:
+    """`model` with its input `name` computed by Add(`name`_in, 1) as the graph's first node: on the GPU, the
+    kernel launched right before an attention that reads it (Note [CUDA attention early start])."""
+    g = model.graph
+    next(i for i in g.input if i.name == name).name = f"{name}_in"
+    g.node.insert(0, helper.make_node("Add", [f"{name}_in", "one"], [name], name="add"))
+    g.initializer.append(helper.make_tensor("one", TP.INT64, [1], [1]))
+    return model
+
+
 def ort_session(model: onnx.ModelProto, providers=("CPUExecutionProvider",), threads: int | None = None
                 ) -> ort.InferenceSession:
     """A session of `model` with ortkv's op library; threads: ORT's intra-op threads (None: ORT's default)."""

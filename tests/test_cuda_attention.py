@@ -17,7 +17,7 @@ from onnx import TensorProto as TP
 from onnx import helper
 
 import ortkv
-from conftest import cache_attention_model
+from conftest import cache_attention_model, start_from_add
 from ortkv.graph import make_cache_attention, make_cache_update, mark_mutable, set_alias_of
 from ortkv.reference import cache_attention_ref, cache_update_ref
 
@@ -290,19 +290,7 @@ def test_early_launch_rereads_start_written_by_the_node_before(rng):
     last one's, in the same ORT buffer; the attention re-reads it after the wait, so every run reads exactly its
     own keys (tails NaN-poisoned) and matches the oracle."""
     Hq, Hkv, D, layout, B, C = 9, 3, 64, 1, 2, 8192
-    attn = make_cache_attention("q", "k", "v", "start", "out", name="attn", num_heads=Hq, kv_num_heads=Hkv,
-                                seq_axis=layout)
-    add = helper.make_node("Add", ["start_in", "one"], ["start"], name="add")
-    vi = helper.make_tensor_value_info
-    g = helper.make_graph([add, attn], "attn", [vi("q", TP.FLOAT16, ["B", "T", "W"]),
-                                                vi("k", TP.FLOAT16, ["B", "C", "H", "D"]),
-                                                vi("v", TP.FLOAT16, ["B", "C", "H", "D"]),
-                                                vi("start_in", TP.INT64, ["B"])],
-                          [vi("out", TP.FLOAT16, ["B", "T", "W"])],
-                          initializer=[helper.make_tensor("one", TP.INT64, [1], [1])])
-    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("ortkv", 1)],
-                              ir_version=10)
-    sess = _session(model)
+    sess = _session(start_from_add(cache_attention_model(Hq, Hkv, layout, TP.FLOAT16)))
     for start in ([8191, 300], [17, 8000], [4095, 4096], [8191, 8191]):
         start = np.array(start)
         q, k, v = _poisoned_case(rng, TP.FLOAT16, layout, B, C, Hq, Hkv, D, 1, start)

@@ -18,6 +18,7 @@ from onnx import helper
 import ortkv
 from ortkv.reference.codecs import PageFormat
 from ortkv.reference.paged import paged_cache_attention_ref, paged_cache_update_ref
+from conftest import start_from_add
 from test_paged_ops import (ALL, DIRECT, NP, ONNX, attention_model, build_pool, poison_rows,  # noqa: F401
                             run_update, table_for, update_model)
 
@@ -244,20 +245,7 @@ def test_attention_early_launch_rereads_start_written_by_the_node_before(rng):
     pool0, directory = build_pool(rng, fmts, num_layers=NL, kv_heads=H, page_size=PS, head_size=D)
     n = -(-lengths_max // PS)
     table = table_for([list(range(n)), list(range(n, 2 * n))], n + 1)
-    node = helper.make_node("PagedCacheAttention", ["query", "pool", "directory", "page_table", "start"], ["out"],
-                            name="attn", domain="ortkv", num_heads=H * G, kv_num_heads=H, layer=0, num_layers=NL,
-                            page_size=PS)
-    add = helper.make_node("Add", ["start_in", "one"], ["start"], name="add")
-    vi = helper.make_tensor_value_info
-    g = helper.make_graph([add, node], "attn", [vi("query", TP.FLOAT16, ["B", 1, "W"]), vi("pool", TP.UINT8, ["P"]),
-                                                vi("directory", TP.INT64, ["N", 2]),
-                                                vi("page_table", TP.INT32, ["B", "M"]),
-                                                vi("start_in", TP.INT64, ["B"])],
-                          [vi("out", TP.FLOAT16, ["B", 1, "W"])],
-                          initializer=[helper.make_tensor("one", TP.INT64, [1], [1])])
-    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("ortkv", 1)],
-                              ir_version=10)
-    sess = _session(model)
+    sess = _session(start_from_add(attention_model("float16", H * G, H, 0, NL, PS)))
     for lengths in ([8200, 300], [17, 8000], [4097, 4096], [8200, 8200]):
         start = np.array(lengths) - 1
         pool = pool0.copy()
