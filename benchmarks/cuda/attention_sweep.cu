@@ -246,12 +246,18 @@ int Main(int argc, char** argv) {
         sweep([&](Args& a, int64_t base) { v3::LaunchWith<__half, 64, 4, 3>(a, base, s, false); }, "v3 NW4 ST3", v3::BlocksPerSm<__half, 64, 4, 3>());
         sweep([&](Args& a, int64_t base) { v3::LaunchWith<__half, 64, 4, 4>(a, base, s, false); }, "v3 NW4 ST4", v3::BlocksPerSm<__half, 64, 4, 4>());
         sweep([&](Args& a, int64_t base) { v3::LaunchWith<__half, 64, 4, 4>(a, base, s, false, true); }, "v3 NW4 ST4 early", v3::BlocksPerSm<__half, 64, 4, 4>());
+        // deeper rings put more of a block's tiles before the wait of the early start (2026-12-02)
+        sweep([&](Args& a, int64_t base) { v3::LaunchWith<__half, 64, 4, 6>(a, base, s, false, true); }, "v3 NW4 ST6 early", v3::BlocksPerSm<__half, 64, 4, 6>());
+        sweep([&](Args& a, int64_t base) { v3::LaunchWith<__half, 64, 4, 8>(a, base, s, false, true); }, "v3 NW4 ST8 early", v3::BlocksPerSm<__half, 64, 4, 8>());
+        sweep([&](Args& a, int64_t base) { v3::LaunchWith<__half, 64, 8, 4>(a, base, s, false, true); }, "v3 NW8 ST4 early", v3::BlocksPerSm<__half, 64, 8, 4>());
+        sweep([&](Args& a, int64_t base) { v3::LaunchWith<__half, 64, 2, 8>(a, base, s, false, true); }, "v3 NW2 ST8 early", v3::BlocksPerSm<__half, 64, 2, 8>());
         sweep([&](Args& a, int64_t base) { a.splits = std::min<int64_t>(a.splits, 8); v3::LaunchWith<__half, 64, 4, 4>(a, base, s, true); }, "v3 ST4 cluster<=8", v3::BlocksPerSm<__half, 64, 4, 4>());
         sweep([&](Args& a, int64_t base) { a.splits = std::min<int64_t>(a.splits, 16); v3::LaunchWith<__half, 64, 4, 4>(a, base, s, true); }, "v3 ST4 cluster<=16", v3::BlocksPerSm<__half, 64, 4, 4>());
       } else {
         sweep([&](Args& a, int64_t base) { v3::LaunchWith<__half, 128, 4, 2>(a, base, s, false); }, "v3 NW4 ST2", v3::BlocksPerSm<__half, 128, 4, 2>());
         sweep([&](Args& a, int64_t base) { v3::LaunchWith<__half, 128, 4, 3>(a, base, s, false); }, "v3 NW4 ST3", v3::BlocksPerSm<__half, 128, 4, 3>());
         sweep([&](Args& a, int64_t base) { v3::LaunchWith<__half, 128, 4, 3>(a, base, s, false, true); }, "v3 NW4 ST3 early", v3::BlocksPerSm<__half, 128, 4, 3>());
+        sweep([&](Args& a, int64_t base) { v3::LaunchWith<__half, 128, 4, 5>(a, base, s, false, true); }, "v3 NW4 ST5 early", v3::BlocksPerSm<__half, 128, 4, 5>());
         sweep([&](Args& a, int64_t base) { v3::LaunchWith<__half, 128, 4, 4>(a, base, s, false); }, "v3 NW4 ST4", v3::BlocksPerSm<__half, 128, 4, 4>());
       }
     }
