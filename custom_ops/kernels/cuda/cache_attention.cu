@@ -749,7 +749,10 @@ cudaError_t Launch(const CacheAttentionCudaView& v, const Args& a, int gm, cudaS
 // bandwidth, 8K x 1 16 -> 19 %, 32K x 1 38 -> 44 %, 32K x 8 77 -> 80 %; paged (bench_paged_attention_cuda.py)
 // F16 pages 0.86-1.00x their plain time, INT4 pages at 32K x 8 34.6 -> 30.9 us. Harness (attention_sweep.cu):
 // 8K x 8 19.0 -> 16.4-16.6 us. Tried and not kept: the warp's later tiles prefetched into L2 before the wait
-// (prefetch.global.L2, one line per lane): 8K x 8 back at 18.9 us.
+// (prefetch.global.L2, one line per lane): 8K x 8 back at 18.9 us; dense rings 6 or 8 deep (more tiles before the
+// wait): no faster (16.9 / 19.0 us at their best split counts); paged: the first window's tiles issued before the
+// wait as well (paged_sweep, head size 64): F16 -4 %, INT8 -7 %, INT4 +1-3 % at 8K x 8, mixed, so paged keeps to
+// the pages' metadata (benchmarks/results/paged_attention_cuda_h200.md, 2026-12-02 sixth session).
 namespace v3 {
 
 using tile16::kTile;
