@@ -204,6 +204,39 @@ def test_simd_paths_agree_with_the_scalar_path(isa):
     np.testing.assert_allclose(b, a, rtol=0, atol=1e-5 * np.abs(a).max())
 
 
+@pytest.mark.parametrize("terms", [1, 2])
+def test_activation_quantization_is_the_same_bytes_in_every_path(terms):
+    """Note [MatMulQ4 activation quantization]: a selector W (w[n, k] = 1 where k == n: d 1, m 0) makes
+    y[n] = e a[n] exactly (one float32 product), so y shows each path's int8 activations bit for bit: ties
+    (x * 127 / amax = k + 0.5, rounded to even), negatives, a zero block, against numpy's rint and each other."""
+    K = N = 128
+    codes = np.zeros((N, K // 32, 32), np.int64)
+    codes[np.arange(N), np.arange(N) // 32, np.arange(N) % 32] = 1
+    w = weights.Q4Weight((codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8),
+                         np.ones((N, K // 32), np.float32), np.zeros((N, K // 64), np.uint8), K, N, 4, 32,
+                         mins=np.zeros((N, K // 32), np.float32))
+    rng = np.random.default_rng(5)
+    x = np.zeros((2, K), np.float32)
+    x[0, :32] = np.concatenate([[127.0, -127.0], rng.integers(-126, 126, 30) + 0.5])  # inv = 1: every value a tie
+    x[0, 32:64] = rng.standard_normal(32)
+    x[0, 96:128] = rng.standard_normal(32) * 1e-3  # block 64:96 stays zero
+    x[1] = rng.standard_normal(K) * 3
+    (a, e), *_ = activation_terms(x, 1)
+    expect = (a.astype(np.float32) * e).reshape(2, K)
+    runs = {isa: run(w, x, isa, terms) for isa in ISAS if RUNNABLE[isa]}
+    if terms == 1:  # one product a e per output: every path exactly the reference
+        for isa, y in runs.items():
+            np.testing.assert_array_equal(y, expect, err_msg=isa)
+    else:  # e1 a1 + e2 a2: the SIMD paths fuse the second add (FMA) alike; the scalar path rounds it apart
+        simd = [y for isa, y in runs.items() if isa != "scalar"]
+        for y in simd[1:]:
+            np.testing.assert_array_equal(y, simd[0])
+        ref = reference(x, w, 2)
+        for isa, y in runs.items():
+            np.testing.assert_allclose(y, ref, rtol=1e-6, atol=1e-30, err_msg=isa)
+    assert (a[0, 0, 2:] % 2 == 0).all()  # the ties went to even
+
+
 def test_zero_and_tiny_blocks_and_threads():
     """An all-zero activation block (e = 0) contributes only its minimum term, exactly 0; 1 and 2 threads agree."""
     rng = np.random.default_rng(3)
