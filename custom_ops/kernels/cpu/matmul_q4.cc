@@ -113,6 +113,19 @@ void TileScalar(const MatMulQ4View& v, int64_t t, int64_t m0) {
 #endif
 constexpr int64_t kQ4PrefetchBlocks = ORTKV_Q4_PREFETCH_BLOCKS;
 
+// Block b of a tile (codes line, its d / m rows ws / wm): the codes kQ4PrefetchBlocks blocks ahead and, every
+// other block, the d and m lines that far ahead (32 bytes of each per block).
+inline void PrefetchAhead(const uint8_t* line, const uint16_t* ws, const uint16_t* wm, int64_t b) {
+  if constexpr (kQ4PrefetchBlocks > 0) {
+    const char* pf = reinterpret_cast<const char*>(line + kQ4PrefetchBlocks * kQ4TileBytes);
+    for (int g = 0; g < 4; ++g) _mm_prefetch(pf + 64 * g, _MM_HINT_T0);
+    if ((b & 1) == 0) {
+      _mm_prefetch(reinterpret_cast<const char*>(ws + (b + kQ4PrefetchBlocks) * kQ4TileCols), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(wm + (b + kQ4PrefetchBlocks) * kQ4TileCols), _MM_HINT_T0);
+    }
+  }
+}
+
 // ---- AVX2 (+ F16C, FMA) ----------------------------------------------------------------------------------
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
@@ -131,14 +144,7 @@ void Tile(const MatMulQ4View& v, int64_t t, int64_t m0) {
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int64_t b = 0; b < KB; ++b) {
     const uint8_t* line = wc + b * kQ4TileBytes;
-    if constexpr (kQ4PrefetchBlocks > 0) {  // Note [MatMulQ4 prefetch]
-      const char* pf = reinterpret_cast<const char*>(line + kQ4PrefetchBlocks * kQ4TileBytes);
-      for (int g = 0; g < 4; ++g) _mm_prefetch(pf + 64 * g, _MM_HINT_T0);
-      if ((b & 1) == 0) {
-        _mm_prefetch(reinterpret_cast<const char*>(ws + (b + kQ4PrefetchBlocks) * kQ4TileCols), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(wm + (b + kQ4PrefetchBlocks) * kQ4TileCols), _MM_HINT_T0);
-      }
-    }
+    PrefetchAhead(line, ws, wm, b);  // Note [MatMulQ4 prefetch]
     for (int h = 0; h < 2; ++h) {
       __m256i lo[4], hi[4];
       for (int g = 0; g < 4; ++g) {
@@ -231,14 +237,7 @@ void Tile(const MatMulQ4View& v, int64_t t, int64_t m0) {
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < KB; ++b) {
     const uint8_t* line = wc + b * kQ4TileBytes;
-    if constexpr (kQ4PrefetchBlocks > 0) {  // Note [MatMulQ4 prefetch]
-      const char* pf = reinterpret_cast<const char*>(line + kQ4PrefetchBlocks * kQ4TileBytes);
-      for (int g = 0; g < 4; ++g) _mm_prefetch(pf + 64 * g, _MM_HINT_T0);
-      if ((b & 1) == 0) {
-        _mm_prefetch(reinterpret_cast<const char*>(ws + (b + kQ4PrefetchBlocks) * kQ4TileCols), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(wm + (b + kQ4PrefetchBlocks) * kQ4TileCols), _MM_HINT_T0);
-      }
-    }
+    PrefetchAhead(line, ws, wm, b);  // Note [MatMulQ4 prefetch]
     __m512i lo[4], hi[4];
     for (int g = 0; g < 4; ++g) {
       const __m512i w = _mm512_loadu_si512(line + g * 64);
