@@ -410,7 +410,6 @@ Status PlanMatMulQ4(const std::string& node, const TensorArg& x, const TensorArg
   return Status::Ok();
 }
 
-
 // Note [MatMulQ4 activation quantization]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // Every call quantizes X's blocks of 32 before the tiles run (on the calling thread at M = 1). The scalar loop

@@ -1083,8 +1083,8 @@ __device__ __forceinline__ void LoadFormats(const PagedAttentionCudaView& a, int
   }
 }
 
-// Every thread of the block: resolves row b's pages p0 .. p1 into w (table, directory, every check of
-// PageProblem) after a barrier (the previous window's list is no longer read, and w.fi is written). A bad
+// Every thread of the block: resolves row b's pages p0 .. p1 (p1 - p0 < kMaxPages: every caller's window is cut at
+// p0 + kMaxPages pages) into w (table, directory, every check of PageProblem) after a barrier (the previous window's list is no longer read, and w.fi is written). A bad
 // page is recorded in w.key (atomicMin); true when the window has one (then nothing of it may be read).
 // *formats: the OR of 1 << format over the window's pages, the same in every thread (each warp's OR goes into
 // its own word, read after the closing barrier and rewritten only after the next window's opening one: no
