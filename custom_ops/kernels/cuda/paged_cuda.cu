@@ -1044,6 +1044,17 @@ __host__ __device__ constexpr int GroupBytes() { return 2 * 64 * TPK + 32; }
 constexpr int kStageBytes = (kThreads / 8) * GroupBytes<8>();  // the largest over TPK = 8, 16, 32
 constexpr int kMaxPages = 256;
 
+// The page window that starts at key s0 of a block's keys [.., j1): pages p0 .. p1, keys [s0, s1), at most kMaxPages
+// pages (ResolveWindow relies on that bound).
+struct PageSpan {
+  int64_t p0, s1, p1;
+};
+__device__ __forceinline__ PageSpan WindowAt(int64_t s0, int64_t j1, int ps) {
+  const int64_t p0 = s0 / ps;
+  const int64_t s1 = j1 < (p0 + kMaxPages) * ps ? j1 : (p0 + kMaxPages) * ps;
+  return {p0, s1, (s1 - 1) / ps};
+}
+
 struct FormatInfo {
   uint32_t row_bytes, v_payload, k_scales, v_scales, srb, bits;
 };
@@ -1083,8 +1094,9 @@ __device__ __forceinline__ void LoadFormats(const PagedAttentionCudaView& a, int
   }
 }
 
-// Every thread of the block: resolves row b's pages p0 .. p1 (p1 - p0 < kMaxPages: every caller's window is cut at
-// p0 + kMaxPages pages) into w (table, directory, every check of PageProblem) after a barrier (the previous window's list is no longer read, and w.fi is written). A bad
+// Every thread of the block: resolves row b's pages p0 .. p1 (p1 - p0 < kMaxPages: every caller's window comes from
+// WindowAt) into w (table, directory, every check of PageProblem) after a barrier (the previous window's list is no
+// longer read, and w.fi is written). A bad
 // page is recorded in w.key (atomicMin); true when the window has one (then nothing of it may be read).
 // *formats: the OR of 1 << format over the window's pages, the same in every thread (each warp's OR goes into
 // its own word, read after the closing barrier and rewritten only after the next window's opening one: no
@@ -1379,9 +1391,7 @@ __global__ void __launch_bounds__(kThreads) PagedAttentionV2(const AttnArgs args
 
   bool skip = false;
   for (int64_t s0 = j0; s0 < j1;) {
-    const int64_t p0 = s0 / ps;
-    const int64_t s1 = j1 < (p0 + kMaxPages) * ps ? j1 : (p0 + kMaxPages) * ps;
-    const int64_t p1 = (s1 - 1) / ps;
+    const auto [p0, s1, p1] = pv2::WindowAt(s0, j1, ps);
     uint32_t formats = 0;
     if (ResolveWindow(a, b, p0, p1, tid, sm.w, &formats)) {
       skip = true;
@@ -2689,9 +2699,7 @@ __global__ void __launch_bounds__(kThreads, ORTKV_PAGED_V3_MIN_BLOCKS) PagedAtte
   uint32_t pre_formats = 0;
   if constexpr (EARLY) {
     if (j0 < j1) {
-      const int64_t p0 = j0 / ps;
-      const int64_t s1 = j1 < (p0 + kMaxPages) * ps ? j1 : (p0 + kMaxPages) * ps;
-      const int64_t p1 = (s1 - 1) / ps;
+      const auto [p0, s1, p1] = pv2::WindowAt(j0, j1, ps);
       if ((p1 + 1) * ps <= st0) {
         pre_bad = ResolveWindow(a, b, p0, p1, tid, sh, &pre_formats);
         pre = true;
@@ -2722,9 +2730,7 @@ __global__ void __launch_bounds__(kThreads, ORTKV_PAGED_V3_MIN_BLOCKS) PagedAtte
   bool skip = false;
   int mode = 0;  // the layout of o: DimOf (Note [Paged CUDA v3 register decode])
   for (int64_t s0 = j0; s0 < j1;) {
-    const int64_t p0 = s0 / ps;
-    const int64_t s1 = j1 < (p0 + kMaxPages) * ps ? j1 : (p0 + kMaxPages) * ps;
-    const int64_t p1 = (s1 - 1) / ps;
+    const auto [p0, s1, p1] = pv2::WindowAt(s0, j1, ps);
     uint32_t formats = 0;
     if (pre && s0 == j0 ? (formats = pre_formats, pre_bad) : ResolveWindow(a, b, p0, p1, tid, sh, &formats)) {
       skip = true;
