@@ -16,6 +16,7 @@
 #include "sweep_common.cuh"
 
 #include <cmath>
+#include <cstdlib>
 #include <cstdio>
 #include <vector>
 
@@ -134,9 +135,15 @@ int Main(int argc, char** argv) {
     v.Hkv = c.Hkv;
     v.D = c.D;
     v.C = c.C;
-    v.row_stride = c.C * c.Hkv * c.D;  // BSNH
-    v.tok_stride = c.Hkv * c.D;
-    v.head_stride = c.D;
+    if (std::getenv("BNSH") != nullptr) {  // BNSH=1: each head's rows contiguous (as a page's)
+      v.row_stride = c.C * c.Hkv * c.D;
+      v.tok_stride = c.D;
+      v.head_stride = c.C * c.D;
+    } else {
+      v.row_stride = c.C * c.Hkv * c.D;  // BSNH
+      v.tok_stride = c.Hkv * c.D;
+      v.head_stride = c.D;
+    }
     v.scale = 0.125f;
     v.vec = true;
     v.partial = partial;
@@ -212,10 +219,29 @@ int Main(int argc, char** argv) {
       float worst = 0;
       for (size_t i = 0; i < o2.size(); ++i) worst = std::max(worst, std::fabs(__half2float(o2[i]) - __half2float(o3[i])));
       std::printf("   v3 vs v2 max |diff| %.5f (|out| ~%.3f)\n", worst, std::fabs(__half2float(o2[1])));
-      CK(cudaMemset(q, 0, hq.size() * 2));
+      if (std::getenv("RANDOM") != nullptr) {  // RANDOM=1: timing caches of random halves and this q (as paged_sweep)
+        for (int r = 1; r < R; ++r) {
+          RandomFill<<<1024, 256, 0, s>>>(ks[r], per_tensor, 1u + 2 * r);
+          RandomFill<<<1024, 256, 0, s>>>(vs[r], per_tensor, 2u + 2 * r);
+        }
+        CK(cudaStreamSynchronize(s));
+      } else {
+        CK(cudaMemset(q, 0, hq.size() * 2));
+      }
     }
     row("v2 (attention + combine)", Capture(s, R, reps, [&](int r) { run_level("v2", r); }));
     row("v3 (attention + combine)", Capture(s, R, reps, [&](int r) { run_level("v3", r); }));
+    if (std::getenv("QUICK") != nullptr) {  // QUICK=1: the two rows above only
+      for (int r = 0; r < R; ++r) {
+        CK(cudaFree(ks[r]));
+        CK(cudaFree(vs[r]));
+      }
+      CK(cudaFree(q));
+      CK(cudaFree(out));
+      CK(cudaFree(start));
+      CK(cudaFree(partial));
+      continue;
+    }
     {
       auto sweep = [&](auto launch, const char* tag, int per_sm) {
         for (int64_t S0 : {v.splits / 2, v.splits, v.splits * 2}) {

@@ -9,7 +9,7 @@
 //   nvcc -std=c++17 -O3 -arch=sm_90 -DORTKV_WITH_CUDA -I custom_ops/include -I custom_ops/codecs \
 //        -I custom_ops/kernels benchmarks/cuda/paged_sweep.cu custom_ops/kernels/cpu/paged_update.cc \
 //        -o /tmp/paged_sweep        (paged_update.cc: the plans' shared pool checks)
-//   /tmp/paged_sweep [reps] [cases, e.g. 03: indices into `cases`] [formats, e.g. F84: F16 INT8 INT4]
+//   /tmp/paged_sweep [reps] [cases, e.g. 03: indices into `cases`] [formats, e.g. F84: F16 INT8 INT4] [page size]
 //
 // Run on the H200 on 2026-12-01 and -02 (benchmarks/results/paged_attention_cuda_h200.md): v3 agrees with v2 on F16
 // and INT4 pools (max |diff| <= 0.008); on INT8 pools of random bytes (codes up to +-128 times float16 scales up to 1)
@@ -78,12 +78,13 @@ struct Pools {
   }
 };
 
-constexpr int64_t kHq = 9, kHkv = 3, kD = 64, kPs = 16;
+constexpr int64_t kHq = 9, kHkv = 3, kD = 64;
+int64_t kPs = 16;  // argv[4]: the page size (a multiple of 16)
 
 Pools MakePools(codecs::PageFormat f, const Case& c, int R, bool shuffled, cudaStream_t s) {
   Pools p;
   p.n_pages = c.B * c.L / kPs;
-  p.page_bytes = static_cast<int64_t>(codecs::LayoutOf(f, codecs::PageShape{kHkv, kPs, kD}).page_bytes);
+  p.page_bytes = static_cast<int64_t>(codecs::LayoutOf(f, codecs::PageShape{kHkv, static_cast<int>(kPs), kD}).page_bytes);
   std::vector<int64_t> dir(2 * p.n_pages);
   for (int64_t i = 0; i < p.n_pages; ++i) {
     dir[2 * i] = static_cast<int64_t>(f);
@@ -135,6 +136,7 @@ Node Plan(const Pools& p, int r, const Case& c, const __half* q, __half* out, co
 
 int Main(int argc, char** argv) {
   const int reps = argc > 1 ? std::atoi(argv[1]) : 20;
+  if (argc > 4) kPs = std::atoll(argv[4]);
   const char* only = argc > 2 ? argv[2] : nullptr;
   cudaStream_t s;
   CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
@@ -143,7 +145,7 @@ int Main(int argc, char** argv) {
   const Case cases[] = {{8192, 1}, {8192, 8}, {32768, 1}, {32768, 8}};
   using codecs::PageFormat;
   const PageFormat formats[] = {PageFormat::kF16, PageFormat::kInt8, PageFormat::kInt4};
-  std::printf("%6s %3s %3s | %-22s %9s %8s\n", "L", "B", "R", "kernel", "us", "GB/s");
+  std::printf("pages of %lld tokens\n%6s %3s %3s | %-22s %9s %8s\n", (long long)kPs, "L", "B", "R", "kernel", "us", "GB/s");
   for (int ci = 0; ci < static_cast<int>(sizeof(cases) / sizeof(cases[0])); ++ci) {
     if (only != nullptr && std::strchr(only, '0' + ci) == nullptr) continue;
     const Case c = cases[ci];
