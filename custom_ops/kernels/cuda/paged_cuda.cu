@@ -2687,6 +2687,7 @@ __global__ void __launch_bounds__(kThreads, ORTKV_PAGED_V3_MIN_BLOCKS) PagedAtte
     const int64_t L = st0 + t + 1;
     int64_t chunk = (L + S - 1) / S;
     if (chunk < kPagedMinChunk) chunk = kPagedMinChunk;
+    chunk = (chunk + kTile - 1) / kTile * kTile;  // whole tiles: no tile read by two blocks (as dense v3)
     j0 = split * chunk < L ? split * chunk : L;
     j1 = j0 + chunk < L ? j0 + chunk : L;
   };
