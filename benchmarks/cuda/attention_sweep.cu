@@ -123,6 +123,16 @@ int Main(int argc, char** argv) {
     CK(cudaMalloc(&start, c.B * 8));
     CK(cudaMemcpy(start, st.data(), c.B * 8, cudaMemcpyHostToDevice));
     CK(cudaMalloc(&partial, size_t(c.B) * c.Hq * 512 * (c.D + 2) * 4));
+    const auto free_case = [&]() {
+      for (int r = 0; r < R; ++r) {
+        CK(cudaFree(ks[r]));
+        CK(cudaFree(vs[r]));
+      }
+      CK(cudaFree(q));
+      CK(cudaFree(out));
+      CK(cudaFree(start));
+      CK(cudaFree(partial));
+    };
     CacheAttentionCudaView v;
     v.q = q;
     v.out = out;
@@ -232,14 +242,7 @@ int Main(int argc, char** argv) {
     row("v2 (attention + combine)", Capture(s, R, reps, [&](int r) { run_level("v2", r); }));
     row("v3 (attention + combine)", Capture(s, R, reps, [&](int r) { run_level("v3", r); }));
     if (std::getenv("QUICK") != nullptr) {  // QUICK=1: the two rows above only
-      for (int r = 0; r < R; ++r) {
-        CK(cudaFree(ks[r]));
-        CK(cudaFree(vs[r]));
-      }
-      CK(cudaFree(q));
-      CK(cudaFree(out));
-      CK(cudaFree(start));
-      CK(cudaFree(partial));
+      free_case();
       continue;
     }
     {
@@ -353,14 +356,7 @@ int Main(int argc, char** argv) {
             else ReadKernel<16, 4><<<grid, 128, 0, s>>>(a, sink);
           }));
     }
-    for (int r = 0; r < R; ++r) {
-      CK(cudaFree(ks[r]));
-      CK(cudaFree(vs[r]));
-    }
-    CK(cudaFree(q));
-    CK(cudaFree(out));
-    CK(cudaFree(start));
-    CK(cudaFree(partial));
+    free_case();
   }
   return 0;
 }
