@@ -81,8 +81,51 @@ struct WarpMerge {
 // rather than one dependent chain per output element (~6 us per node at 22 splits on the H200 before). A split
 // with m = -inf (no keys, or refused) weighs nothing; out is 0 where no split had keys.
 constexpr int kMergeThreads = 256;
+// Note [Combine in one load round]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// When D divides kMergeThreads into a power of two of parts (P = 256 / D: 4 at head size 64, 2 at 128) and
+// S <= kOneRoundPer * P, the P adjacent lanes of element d each take the splits part, part + P, ... and issue all
+// their (m, l, acc[d]) loads at once; max and sums go through shuffles, no barrier, one round of loads. The
+// staged merge below takes three dependent rounds (m, then l, then acc) and four barriers. Few registers
+// matter as much: the combine is a programmatic dependent of the attention, and its blocks become resident next
+// to the attention's (and wait there) only if they fit beside them; a first version with one thread per element
+// and 32 splits in registers did not fit and was 1 us slower per node.
+constexpr int kOneRoundPer = 8;
+template <typename T, bool LOG2>
+__device__ __forceinline__ void MergeSplitsOneRound(const float* p, int S, int D, int parts, T* out) {
+  const int tid = threadIdx.x, d = tid / parts, part = tid % parts, P = D + 2;
+  float m[kOneRoundPer], l[kOneRoundPer], acc[kOneRoundPer];
+#pragma unroll
+  for (int i = 0; i < kOneRoundPer; ++i) {
+    const int s = part + i * parts;
+    m[i] = s < S ? p[s * P + D] : -INFINITY;
+    l[i] = s < S ? p[s * P + D + 1] : 0.0f;
+    acc[i] = s < S ? p[s * P + d] : 0.0f;
+  }
+  float mx = -INFINITY;
+#pragma unroll
+  for (int i = 0; i < kOneRoundPer; ++i) mx = fmaxf(mx, m[i]);
+  for (int o = 1; o < parts; o <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+  float num = 0.0f, den = 0.0f;
+#pragma unroll
+  for (int i = 0; i < kOneRoundPer; ++i) {
+    const float f = m[i] == -INFINITY ? 0.0f : LOG2 ? Exp2(m[i] - mx) : __expf(m[i] - mx);
+    den += f * l[i];
+    num += f * acc[i];
+  }
+  for (int o = 1; o < parts; o <<= 1) {
+    den += __shfl_xor_sync(0xffffffffu, den, o);
+    num += __shfl_xor_sync(0xffffffffu, num, o);
+  }
+  if (part == 0 && d < D) out[d] = FromF<T>(den > 0.0f ? num / den : 0.0f);
+}
+
 template <typename T, bool LOG2>
 __device__ void MergeSplits(const float* p, int S, int D, T* out) {
+  // Note [Combine in one load round]
+  const int parts = kMergeThreads / D;
+  if (D * parts == kMergeThreads && (parts & (parts - 1)) == 0 && parts <= 32 && S <= kOneRoundPer * parts)
+    return MergeSplitsOneRound<T, LOG2>(p, S, D, parts, out);
   __shared__ float w[kAttnCudaMaxSplits];
   __shared__ float red[kMergeThreads];
   __shared__ float warp_v[kMergeThreads / 32];
