@@ -651,7 +651,7 @@ cudaError_t LaunchOne(const CacheAttentionCudaView& v, Args a, cudaStream_t stre
   AttentionKernelV2<T, TPK, GM><<<static_cast<unsigned>(base * a.splits), kThreads, 0, stream>>>(a);
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess || a.splits == 1) return e;
-  const int threads = kMergeThreads;
+  const int threads = CombineThreads(a.splits, v.D);  // Note [Combine in one load round]
   const unsigned combine_blocks = static_cast<unsigned>(v.units() * v.group());
   if (CurrentDevice().major >= 9 && LaunchProgrammatic(CombineKernel<T, true>, combine_blocks, threads, 0, stream, a))
     return cudaSuccess;
@@ -1024,10 +1024,10 @@ cudaError_t LaunchWith(const Args& a, int64_t base, cudaStream_t stream, bool cl
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess || a.splits == 1) return e;
   const unsigned combine_blocks = static_cast<unsigned>(a.B * a.T * a.Hq);
-  if (v2::CurrentDevice().major >= 9 &&
-      LaunchProgrammatic(CombineKernel<T, true>, combine_blocks, kMergeThreads, 0, stream, a))
+  const int threads = CombineThreads(a.splits, a.D);  // Note [Combine in one load round]
+  if (v2::CurrentDevice().major >= 9 && LaunchProgrammatic(CombineKernel<T, true>, combine_blocks, threads, 0, stream, a))
     return cudaSuccess;
-  CombineKernel<T, true><<<combine_blocks, kMergeThreads, 0, stream>>>(a);  // refused or before sm_90
+  CombineKernel<T, true><<<combine_blocks, threads, 0, stream>>>(a);  // refused or before sm_90
   return cudaGetLastError();
 }
 
@@ -1074,7 +1074,7 @@ cudaError_t Launch(const CacheAttentionCudaView& v, const Args& a, cudaStream_t 
   const int64_t blocks = v.units() * a.head_blocks * v.splits;
   cudaError_t e = v.vec ? LaunchT<T, true>(a, gm, blocks, stream) : LaunchT<T, false>(a, gm, blocks, stream);
   if (e != cudaSuccess || v.splits == 1) return e;
-  const int threads = kMergeThreads;
+  const int threads = CombineThreads(v.splits, v.D);  // Note [Combine in one load round]
   CombineKernel<T, false><<<static_cast<unsigned>(v.units() * G), threads, 0, stream>>>(a);
   return cudaGetLastError();
 }

@@ -83,17 +83,32 @@ struct WarpMerge {
 constexpr int kMergeThreads = 256;
 // Note [Combine in one load round]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-// When D divides kMergeThreads into a power of two of parts (P = 256 / D: 4 at head size 64, 2 at 128) and
-// S <= kOneRoundPer * P, the P adjacent lanes of element d each take the splits part, part + P, ... and issue all
-// their (m, l, acc[d]) loads at once; max and sums go through shuffles, no barrier, one round of loads. The
-// staged merge below takes three dependent rounds (m, then l, then acc) and four barriers. Few registers
-// matter as much: the combine is a programmatic dependent of the attention, and its blocks become resident next
-// to the attention's (and wait there) only if they fit beside them; a first version with one thread per element
-// and 32 splits in registers did not fit and was 1 us slower per node.
+// The combine merges each output element's S split partials. With P parts per element (P a power of two, the
+// block D x P threads, whole warps) and S <= kOneRoundPer * P, the P adjacent lanes of element d take the splits
+// part, part + P, ... and issue all their (m, l, acc[d]) loads at once; the max and the sums go through shuffles:
+// one round of loads, no barrier. The staged merge below (kMergeThreads threads) takes three dependent rounds (m,
+// then l, then acc) and four barriers. The combine's footprint matters as much as its rounds: it is a
+// programmatic dependent of the attention, and its blocks become resident beside the attention's (and wait
+// there) only if they fit in what those leave of the SM (a first version with one thread per element and 32
+// splits in registers did not fit and was 1 us slower per node; the paged attention's two blocks of 229
+// registers leave ~6K registers of an SM). So the combine is launched with CombineThreads(S, D) threads: the
+// fewest that merge in one round; kMergeThreads, and the staged merge, only where none does.
+// H200 harness (benchmarks/cuda/attention_sweep.cu, paged_sweep.cu; SmolLM2 heads, early start): a dense node with no
+// combine at all takes 14.3 us at 8K x 8 and 4.4 us at 8K x 1; with the staged combine 16.7 and 7.2.
 constexpr int kOneRoundPer = 8;
+__host__ __device__ constexpr bool OneRound(int threads, int S, int D) {
+  return D > 0 && threads % D == 0 && threads % 32 == 0 && threads <= kMergeThreads &&
+         ((threads / D) & (threads / D - 1)) == 0 && S <= kOneRoundPer * (threads / D);
+}
+inline int CombineThreads(int64_t S, int64_t D) {
+  for (int64_t t = D; t <= kMergeThreads; t *= 2)
+    if (OneRound(static_cast<int>(t), static_cast<int>(S), static_cast<int>(D))) return static_cast<int>(t);
+  return kMergeThreads;
+}
 template <typename T, bool LOG2>
 __device__ __forceinline__ void MergeSplitsOneRound(const float* p, int S, int D, int parts, T* out) {
-  const int tid = threadIdx.x, d = tid / parts, part = tid % parts, P = D + 2;
+  // parts is a power of two: shifts, not divisions (this is the latency between two attention nodes)
+  const int tid = threadIdx.x, d = tid >> (__ffs(parts) - 1), part = tid & (parts - 1), P = D + 2;
   float m[kOneRoundPer], l[kOneRoundPer], acc[kOneRoundPer];
 #pragma unroll
   for (int i = 0; i < kOneRoundPer; ++i) {
@@ -122,9 +137,10 @@ __device__ __forceinline__ void MergeSplitsOneRound(const float* p, int S, int D
 
 template <typename T, bool LOG2>
 __device__ void MergeSplits(const float* p, int S, int D, T* out) {
-  // Note [Combine in one load round]
-  const int parts = kMergeThreads / D;
-  if (D * parts == kMergeThreads && (parts & (parts - 1)) == 0 && parts <= 32 && S <= kOneRoundPer * parts)
+  // Note [Combine in one load round]: blockDim.x from CombineThreads (a whole number of warps; kMergeThreads
+  // where OneRound is false). One division, the rest of OneRound's test by multiplication and masks.
+  const int threads = static_cast<int>(blockDim.x), parts = threads / D;
+  if (parts * D == threads && (parts & (parts - 1)) == 0 && S <= kOneRoundPer * parts)
     return MergeSplitsOneRound<T, LOG2>(p, S, D, parts, out);
   __shared__ float w[kAttnCudaMaxSplits];
   __shared__ float red[kMergeThreads];

@@ -983,7 +983,7 @@ cudaError_t LaunchAttn(const AttnArgs& a, int gm, int64_t blocks, cudaStream_t s
   if (e != cudaSuccess) return e;
   const int64_t G = a.v.group();
   const unsigned combine_blocks = a.v.splits > 1 ? static_cast<unsigned>(a.v.units() * G) : 1u;
-  const int threads = kMergeThreads;
+  const int threads = CombineThreads(a.v.splits, a.v.D);  // Note [Combine in one load round]
   PagedCombineKernel<T, false><<<combine_blocks, threads, 0, stream>>>(a);
   return cudaGetLastError();
 }
@@ -1592,7 +1592,7 @@ int CurrentMajor() {
 template <typename T>
 cudaError_t LaunchCombine(const AttnArgs& a, cudaStream_t stream) {
   const unsigned combine_blocks = a.v.splits > 1 ? static_cast<unsigned>(a.v.units() * a.v.group()) + 1u : 1u;
-  const int threads = kMergeThreads;
+  const int threads = CombineThreads(a.v.splits, a.v.D);  // Note [Combine in one load round]
   if (CurrentMajor() >= 9 && LaunchProgrammatic(PagedCombineKernel<T, true>, combine_blocks, threads, 0, stream, a))
     return cudaSuccess;
   PagedCombineKernel<T, true><<<combine_blocks, threads, 0, stream>>>(a);  // refused or before sm_90
