@@ -707,7 +707,8 @@ cudaError_t Launch(const CacheAttentionCudaView& v, const Args& a, int gm, cudaS
 //     of 100 KiB blocks: 109 us clustered, 70.5 us with the combine).
 //   * Otherwise the partials are merged by CombineKernel (MergeSplits in device_common.cuh: all loads of a
 //     merge issued together; the combine it replaced looped over the splits one load at a time per output
-//     element, ~6 us per node at 22 splits).
+//     element, ~6 us per node at 22 splits; since Note [Combine in one load round] up to 8 splits per lane,
+//     one round of loads, launched small enough to wait resident beside the attention's blocks).
 // H200, standalone (benchmarks/cuda/attention_sweep.cu, CUDA graph replays, float16, BSNH), us per node,
 // v2 -> v3: 9/3/64 heads 8K x 8 25.8 -> 19.0, 8K x 1 15.1 -> 8.4, 131K x 1 62.1 -> 33.4, 128 keys x 1 (a
 // decode step's layer) 7.7 -> 5.6; 32/8/128 heads 8K x 8 80.5 -> 70.5. A kernel that only reads the same
