@@ -21,6 +21,11 @@ with com.microsoft.GroupQueryAttention on the same shapes, for both ortkv kernel
                 gqa   : com.microsoft.GroupQueryAttention, BNSH past/present bound to ONE buffer of
                         L tokens (GenAI's share-buffer decode: seqlens_k = L - 1, the new key/value
                         written at slot L - 1 by the op).
+                sdpa  : torch.nn.functional.scaled_dot_product_attention (when torch with CUDA is present),
+                        float16 caches [B, Hkv, L, D] (BNSH) and the Hq / Hkv query heads of each KV head
+                        folded into the query length ([B, Hkv, Hq / Hkv, D]: a decode step's grouped query
+                        attention with no K/V repeat or copy; torch picks its backend), R calls captured in one
+                        torch CUDA graph and timed the same way (replay + synchronize per call).
   Every session runs with enable_cuda_graph=1 (ORT captures the whole call once and replays it), so
   the figures are GPU time plus one replay + synchronization per call, not per-node launch cost.
   Each figure is the median over --rounds rounds (the kinds alternate inside a round) of the median
@@ -56,8 +61,8 @@ from ortkv.graph import make_cache_attention  # noqa: E402
 
 HEADS = [(9, 3, 64), (32, 8, 128)]  # SmolLM2-135M; a Llama-8B-like layer
 KERNEL_ENV = "ORTKV_CUDA_ATTENTION"
-KINDS = ("v3", "v3-plain", "v2", "v1", "gqa")
-DEFAULT_KINDS = ("v3", "v3-plain", "v2", "gqa")
+KINDS = ("v3", "v3-plain", "v2", "v1", "gqa", "sdpa")
+DEFAULT_KINDS = ("v3", "v3-plain", "v2", "gqa", "sdpa")
 EARLY_ENV = "ORTKV_CUDA_EARLY"  # v3-plain: v3 launched plainly, not early (Note [CUDA attention early start])
 LENGTHS = [1024, 8192, 32768, 131072]
 BATCHES = [1, 8, 64]
@@ -323,19 +328,62 @@ def attention_case(kind, Hq, Hkv, D, L, B, shared=None):
     return run, (keep, feeds)
 
 
+def sdpa_case(Hq, Hkv, D, L, B):
+    """torch's scaled_dot_product_attention on the decode shape (see the docstring): a timing function and what
+    must stay alive. Raises if torch or its CUDA device is missing (the table then says so)."""
+    import torch
+    import torch.nn.functional as F
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("torch has no CUDA device")
+    pair = 2 * B * L * Hkv * D * 2
+    R = _nodes(pair)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(B, Hkv, Hq // Hkv, D, device="cuda", dtype=torch.float16, generator=gen)
+    ks = [torch.randn(B, Hkv, L, D, device="cuda", dtype=torch.float16, generator=gen) for _ in range(R)]
+    vs = [torch.randn(B, Hkv, L, D, device="cuda", dtype=torch.float16, generator=gen) for _ in range(R)]
+    outs = [None] * R
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the capture stream (backend choice, workspaces)
+        for i in range(R):
+            F.scaled_dot_product_attention(q, ks[i], vs[i])
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(R):
+            outs[i] = F.scaled_dot_product_attention(q, ks[i], vs[i])
+
+    def run(reps):
+        for _ in range(3):
+            graph.replay()
+            torch.cuda.synchronize()
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            graph.replay()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        return pair * R / statistics.median(times)
+
+    return run, (q, ks, vs, outs, graph)
+
+
 def _fmt_table(rows, copy_bw):
     gb = lambda x: f"{x / 1e9:.0f}" if x else "-"  # noqa: E731
     pct = lambda x: f"{x / copy_bw:.0%}" if x else "-"  # noqa: E731
     ratio = lambda x, y: f"{x / y:.2f}" if x and y else "-"  # noqa: E731
     lines = ["| Hq/Hkv/D | keys L | batch | K+V MiB per node | v3 GB/s | v3 / copy | v3 plain GB/s | v3 plain / copy | "
-             "v2 GB/s | v2 / copy | v1 GB/s | GQA GB/s | GQA / copy | v3 / v3 plain | v3 / v2 | v3 / GQA | note |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "v2 GB/s | v2 / copy | v1 GB/s | GQA GB/s | GQA / copy | SDPA GB/s | SDPA / copy | v3 / v3 plain | "
+             "v3 / v2 | v3 / GQA | v3 / SDPA | note |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for Hq, Hkv, D, L, B, med, note in rows:
         a, ap_, o, v1, g = med.get("v3"), med.get("v3-plain"), med.get("v2"), med.get("v1"), med.get("gqa")
+        sd = med.get("sdpa")
         mib = 2 * B * L * Hkv * D * 2 / (1 << 20)
         lines.append(f"| {Hq}/{Hkv}/{D} | {L} | {B} | {mib:.1f} | {gb(a)} | {pct(a)} | {gb(ap_)} | {pct(ap_)} | "
-                     f"{gb(o)} | {pct(o)} | {gb(v1)} | {gb(g)} | {pct(g)} | {ratio(a, ap_)} | {ratio(a, o)} | "
-                     f"{ratio(a, g)} | {note} |")
+                     f"{gb(o)} | {pct(o)} | {gb(v1)} | {gb(g)} | {pct(g)} | {gb(sd)} | {pct(sd)} | {ratio(a, ap_)} | "
+                     f"{ratio(a, o)} | {ratio(a, g)} | {ratio(a, sd)} | {note} |")
     return lines
 
 
@@ -383,10 +431,14 @@ def main() -> int:
                 note = ""
                 fns = {}
                 for kind in kinds:
-                    first = next((k for k in fns if k != "gqa"), None)  # ortkv kinds share one set of buffers
+                    # ortkv kinds share one set of buffers
+                    first = next((k for k in fns if k not in ("gqa", "sdpa")), None)
                     try:
-                        fns[kind] = attention_case(kind, Hq, Hkv, D, L, B,
-                                                   shared=fns[first][1] if kind != "gqa" and first else None)
+                        if kind == "sdpa":
+                            fns[kind] = sdpa_case(Hq, Hkv, D, L, B)
+                        else:
+                            fns[kind] = attention_case(kind, Hq, Hkv, D, L, B,
+                                                       shared=fns[first][1] if kind != "gqa" and first else None)
                     except Exception as exc:  # noqa: BLE001 - reported in the table
                         note += f"{kind}: {type(exc).__name__}: {str(exc).splitlines()[0][:120]} "
                 for _ in range(args.rounds):
@@ -397,6 +449,8 @@ def main() -> int:
                             note += f"{kind}: {type(exc).__name__}: {str(exc).splitlines()[0][:120]} "
                             del fns[kind]
                 fns.clear()
+                if "sdpa" in kinds and "torch" in sys.modules:  # the cell's torch buffers back to the device
+                    sys.modules["torch"].cuda.empty_cache()
                 med = {k: statistics.median(v) for k, v in res.items() if v}
                 rows.append((Hq, Hkv, D, L, B, med, note.strip()))
                 print(rows[-1], flush=True)
@@ -408,7 +462,8 @@ def main() -> int:
              f"{', '.join(f'{c / 1e9:.0f}' for c in copies)}). ORT Identity, same size and count: "
              f"{ident_bw / 1e9:.0f} GB/s. Host load (1 min): {os.getloadavg()[0]:.2f}.", "",
              "v3: the default kernel (Note [CacheAttention CUDA v3]); v2, v1: `ORTKV_CUDA_ATTENTION=v2` / `v1` "
-             "(the older kernels, for A/B); "
+             "(the older kernels, for A/B); GQA: com.microsoft.GroupQueryAttention (share-buffer); SDPA: torch's "
+             "scaled_dot_product_attention, query heads folded into the query length; "
              "GB/s = bytes of K and V read per node / time; x / copy = that over the copy's read + write bytes/s. "
              + ("Caches hold standard-normal float16 values (a 64 MiB block repeated)."
                 if _FILL.get("filled") else "Caches were NOT filled (no libcudart): their contents are arbitrary."),
