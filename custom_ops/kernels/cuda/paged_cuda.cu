@@ -2646,6 +2646,15 @@ static_assert(8 * 128 * 4 <= Cfg<128>::kWarpBytes && 8 * 64 * 4 <= Cfg<64>::kWar
 #ifndef ORTKV_PAGED_V3_MIN_BLOCKS
 #define ORTKV_PAGED_V3_MIN_BLOCKS 1
 #endif
+// The page formats PagedAttentionV3 is compiled for (bit f: PageFormat f; 0xFF, every format and the mixed windows'
+// loop, is the only value the library is built with). A harness-only A/B knob: `nvcc ... -DORTKV_PAGED_V3_FORMATS=1u
+// -DORTKV_PAGED_V3_MIN_BLOCKS=3 benchmarks/cuda/paged_sweep.cu` builds a kernel for uniform F16 windows alone (a
+// window of any other format traps), to measure what a format-specialized kernel with fewer registers would gain.
+// An F16-only kernel (147 registers, 3 blocks / SM) measured no faster on 2026-12-02, when the combine's 256-thread
+// blocks did not fit beside three attention blocks (Note [Combine in one load round]): worth measuring again.
+#ifndef ORTKV_PAGED_V3_FORMATS
+#define ORTKV_PAGED_V3_FORMATS 0xFFu
+#endif
 template <typename T, int D, bool EARLY = false>
 __global__ void __launch_bounds__(kThreads, ORTKV_PAGED_V3_MIN_BLOCKS) PagedAttentionV3(const AttnArgs args) {
   using C = Cfg<D>;
@@ -2756,15 +2765,28 @@ __global__ void __launch_bounds__(kThreads, ORTKV_PAGED_V3_MIN_BLOCKS) PagedAtte
     else                                                                                           \
       WindowTilesReg<D, F, false>(sh, wring, s0, s1, p0, ps, ps_shift, hk, warp, lane, qh, gn, qscale, m, l, o); \
   }
-      case 0: ORTKV_WINDOW3(0); break;
-      case 1: ORTKV_WINDOW3(1); break;
-      case 2: ORTKV_WINDOW3R(2); break;
-      case 3: ORTKV_WINDOW3(3); break;
-      case 4: ORTKV_WINDOW3R(4); break;
-      case 5: ORTKV_WINDOW3(5); break;
-      case 6: ORTKV_WINDOW3(6); break;
-      case 7: ORTKV_WINDOW3(7); break;
-      default: ORTKV_WINDOW3(-1); break;
+#define ORTKV_IF_FORMAT(F, X)                                     \
+  if constexpr (((ORTKV_PAGED_V3_FORMATS >> (F)) & 1u) != 0u) { \
+    X;                                                          \
+  } else {                                                      \
+    __trap();                                                   \
+  }
+      case 0: ORTKV_IF_FORMAT(0, ORTKV_WINDOW3(0)); break;
+      case 1: ORTKV_IF_FORMAT(1, ORTKV_WINDOW3(1)); break;
+      case 2: ORTKV_IF_FORMAT(2, ORTKV_WINDOW3R(2)); break;
+      case 3: ORTKV_IF_FORMAT(3, ORTKV_WINDOW3(3)); break;
+      case 4: ORTKV_IF_FORMAT(4, ORTKV_WINDOW3R(4)); break;
+      case 5: ORTKV_IF_FORMAT(5, ORTKV_WINDOW3(5)); break;
+      case 6: ORTKV_IF_FORMAT(6, ORTKV_WINDOW3(6)); break;
+      case 7: ORTKV_IF_FORMAT(7, ORTKV_WINDOW3(7)); break;
+      default:
+        if constexpr (ORTKV_PAGED_V3_FORMATS == 0xFFu) {
+          ORTKV_WINDOW3(-1);
+        } else {
+          __trap();
+        }
+        break;
+#undef ORTKV_IF_FORMAT
 #undef ORTKV_WINDOW3R
 #undef ORTKV_WINDOW3
     }
