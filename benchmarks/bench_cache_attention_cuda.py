@@ -104,13 +104,15 @@ def _dev(shape, dtype=np.float16, value=None):
     return ort.OrtValue.ortvalue_from_shape_and_type(list(shape), dtype, "cuda", 0)
 
 
-def _time(sess, io, reps):
-    for _ in range(3):  # ORT's warm-up run, the capture, one replay
-        sess.run_with_iobinding(io)
+def _time(call, reps):
+    """Median wall time of call() (one whole call: a graph replay and its synchronize) after three untimed ones
+    (ORT's warm-up run, the capture, one replay)."""
+    for _ in range(3):
+        call()
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
-        sess.run_with_iobinding(io)
+        call()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
@@ -126,7 +128,7 @@ def identity_case(nbytes=1 << 30):
     io = sess.io_binding()
     io.bind_ortvalue_input("x", x)
     io.bind_ortvalue_output("y", y)
-    return lambda reps: 2 * nbytes / _time(sess, io, reps), (x, y, sess)
+    return lambda reps: 2 * nbytes / _time(lambda: sess.run_with_iobinding(io), reps), (x, y, sess)
 
 
 def _memcpy_torch(nbytes, reps):
@@ -320,7 +322,7 @@ def attention_case(kind, Hq, Hkv, D, L, B, shared=None):
             if kind == "v3-plain":
                 os.environ[EARLY_ENV] = "0"
         try:
-            return pair * R / _time(sess, io, reps)
+            return pair * R / _time(lambda: sess.run_with_iobinding(io), reps)
         finally:
             os.environ.pop(KERNEL_ENV, None)
             os.environ.pop(EARLY_ENV, None)
@@ -354,19 +356,11 @@ def sdpa_case(Hq, Hkv, D, L, B):
         for i in range(R):
             outs[i] = F.scaled_dot_product_attention(q, ks[i], vs[i])
 
-    def run(reps):
-        for _ in range(3):
-            graph.replay()
-            torch.cuda.synchronize()
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            graph.replay()
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
-        return pair * R / statistics.median(times)
+    def replay():
+        graph.replay()
+        torch.cuda.synchronize()
 
-    return run, (q, ks, vs, outs, graph)
+    return (lambda reps: pair * R / _time(replay, reps)), (q, ks, vs, outs, graph)
 
 
 def _fmt_table(rows, copy_bw):
