@@ -96,13 +96,19 @@ constexpr int kMergeThreads = 256;
 // H200 harness (benchmarks/cuda/attention_sweep.cu, paged_sweep.cu; SmolLM2 heads, early start): a dense node with no
 // combine at all takes 14.3 us at 8K x 8 and 4.4 us at 8K x 1; with the staged combine 16.7 and 7.2.
 constexpr int kOneRoundPer = 8;
-__host__ __device__ constexpr bool OneRound(int threads, int S, int D) {
-  return D > 0 && threads % D == 0 && threads % 32 == 0 && threads <= kMergeThreads &&
-         ((threads / D) & (threads / D - 1)) == 0 && S <= kOneRoundPer * (threads / D);
+// The parts P per element when a block of `threads` (whole warps, at most kMergeThreads) merges S splits in one
+// round, else 0. Host (CombineThreads) and device (MergeSplits) both ask it; one division, the rest by
+// multiplication and masks (the device evaluates it between two attention nodes).
+__host__ __device__ constexpr int OneRoundParts(int threads, int S, int D) {
+  const int parts = D > 0 ? threads / D : 0;
+  return parts > 0 && parts * D == threads && (threads & 31) == 0 && threads <= kMergeThreads &&
+                 (parts & (parts - 1)) == 0 && S <= kOneRoundPer * parts
+             ? parts
+             : 0;
 }
 inline int CombineThreads(int64_t S, int64_t D) {
   for (int64_t t = D; t <= kMergeThreads; t *= 2)
-    if (OneRound(static_cast<int>(t), static_cast<int>(S), static_cast<int>(D))) return static_cast<int>(t);
+    if (OneRoundParts(static_cast<int>(t), static_cast<int>(S), static_cast<int>(D)) > 0) return static_cast<int>(t);
   return kMergeThreads;
 }
 template <typename T, bool LOG2>
@@ -132,15 +138,14 @@ __device__ __forceinline__ void MergeSplitsOneRound(const float* p, int S, int D
     den += __shfl_xor_sync(0xffffffffu, den, o);
     num += __shfl_xor_sync(0xffffffffu, num, o);
   }
-  if (part == 0 && d < D) out[d] = FromF<T>(den > 0.0f ? num / den : 0.0f);
+  if (part == 0) out[d] = FromF<T>(den > 0.0f ? num / den : 0.0f);  // d < D: the block is D x parts threads
 }
 
 template <typename T, bool LOG2>
 __device__ void MergeSplits(const float* p, int S, int D, T* out) {
-  // Note [Combine in one load round]: blockDim.x from CombineThreads (a whole number of warps; kMergeThreads
-  // where OneRound is false). One division, the rest of OneRound's test by multiplication and masks.
-  const int threads = static_cast<int>(blockDim.x), parts = threads / D;
-  if (parts * D == threads && (parts & (parts - 1)) == 0 && S <= kOneRoundPer * parts)
+  // Note [Combine in one load round]: blockDim.x from CombineThreads (kMergeThreads where no block size merges
+  // in one round)
+  if (const int parts = OneRoundParts(static_cast<int>(blockDim.x), S, D))
     return MergeSplitsOneRound<T, LOG2>(p, S, D, parts, out);
   __shared__ float w[kAttnCudaMaxSplits];
   __shared__ float red[kMergeThreads];
