@@ -2650,8 +2650,9 @@ static_assert(8 * 128 * 4 <= Cfg<128>::kWarpBytes && 8 * 64 * 4 <= Cfg<64>::kWar
 // loop, is the only value the library is built with). A harness-only A/B knob: `nvcc ... -DORTKV_PAGED_V3_FORMATS=1u
 // -DORTKV_PAGED_V3_MIN_BLOCKS=3 benchmarks/cuda/paged_sweep.cu` builds a kernel for uniform F16 windows alone (a
 // window of any other format traps), to measure what a format-specialized kernel with fewer registers would gain.
-// An F16-only kernel (147 registers, 3 blocks / SM) measured no faster on 2026-12-02, when the combine's 256-thread
-// blocks did not fit beside three attention blocks (Note [Combine in one load round]): worth measuring again.
+// Measured on the H200 (benchmarks/results/paged_attention_cuda_h200.md): F16-only (143 / 167 registers) and
+// INT4-only (165 / 168) kernels at 3 blocks / SM are 2-10 % slower at 8K keys than this every-format kernel, also
+// with the small combine (Note [Combine in one load round]); INT4-only is 5 % faster at 32K x 1 alone.
 #ifndef ORTKV_PAGED_V3_FORMATS
 #define ORTKV_PAGED_V3_FORMATS 0xFFu
 #endif
