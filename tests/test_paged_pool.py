@@ -403,57 +403,120 @@ def test_directory_input_is_the_host_rows_on_the_device(device):
         assert pool.stats()["directory_bytes_uploaded"] == pool.directory_bytes_uploaded
 
 
+def _cuda_kernel_or_skip():
+    if paged._cuda_requantize_kernel() is None:
+        pytest.skip("this build has no CUDA kernels (_ortkv.paged_requantize_cuda): Note [Requantize on a CUDA pool]")
+
+
+_ROUND_TRIPS = [(F.F16, F.INT8), (F.F16, F.INT4), (F.F16, F.FP8_E4M3), (F.F16, F.INT4_KC), (F.F16, F.INT2),
+                (F.F16, F.INT2_KC), (F.F16, F.BF16), (F.BF16, F.INT8), (F.INT8, F.INT4), (F.INT4_KC, F.INT8),
+                (F.FP8_E4M3, F.F16), (F.INT2, F.INT4_KC)]
+
+
 @pytest.mark.cuda
-@pytest.mark.parametrize("dst", [F.INT8, F.INT4, F.FP8_E4M3, F.INT4_KC])
-@pytest.mark.parametrize("logical", [np.float32, np.float16])
-def test_requantize_on_cuda_equals_cpu_byte_for_byte_and_counts_staged_bytes(dst, logical):
+@pytest.mark.parametrize("src,dst", _ROUND_TRIPS, ids=lambda f: f.name)
+@pytest.mark.parametrize("logical", [np.float32, np.float16, "bfloat16"])
+def test_requantize_on_cuda_runs_on_the_device_and_equals_cpu_byte_for_byte(src, dst, logical):
+    """Note [Requantize on CUDA]: the device kernels give the host's bytes (and the numpy reference's for float32),
+    touch nothing else, and stage nothing."""
+    _cuda_kernel_or_skip()
     values = np.random.default_rng(7).standard_normal((L, 2, H, PS, D)).astype(np.float32)
     slots = {}
     for device in ("cpu", "cuda:0"):
         with PagePool(L, H, D, PS, logical, device=device, max_pages=16) as pool:
-            keep = pool.alloc(F.F16)
-            p = pool.alloc(F.F16)
+            keep = pool.alloc(src)
+            p = pool.alloc(src)
             _write(pool, keep, -values)
             _write(pool, p, values)
-            keep_bytes = pool.slot_contents(keep)
+            keep_bytes, src_bytes = pool.slot_contents(keep), pool.slot_contents(p)
             pool.requantize(p, dst)
             assert pool.format_of(p) == dst and pool.bytes_copied == pool.slot_bytes(dst)
             assert np.array_equal(pool.slot_contents(keep), keep_bytes)  # the neighbour is untouched
             assert np.array_equal(_device_directory(pool), pool.directory)
-            staged = pool.slot_bytes(F.F16) + pool.slot_bytes(dst)
-            assert pool.bytes_staged == (staged if device != "cpu" else 0)
-            assert pool.stats()["bytes_staged"] == pool.bytes_staged
-            slots[device] = (pool.slot_contents(p), pool.offset_of(p))
+            assert pool.bytes_staged == 0 and pool.stats()["bytes_staged"] == 0
+            slots[device] = (pool.slot_contents(p), pool.offset_of(p), src_bytes)
     assert slots["cpu"][1] == slots["cuda:0"][1]
+    assert np.array_equal(slots["cpu"][2], slots["cuda:0"][2])  # the same source bytes on both
     assert np.array_equal(slots["cpu"][0], slots["cuda:0"][0])
+    if logical is np.float32:  # and the numpy reference's
+        ref = np.concatenate([rc.encode_page(dst, rc.decode_page(src, layer, H, PS, D))
+                              for layer in np.split(slots["cpu"][2], L)])
+        assert np.array_equal(slots["cuda:0"][0], ref)
 
 
 @pytest.mark.cuda
-def test_requantize_refusal_on_cuda_leaves_the_device_bytes_untouched():
+@pytest.mark.parametrize("dst,where", [(F.INT8, "V row [head=0 token=3]"), (F.INT4_KC, "K channel [head=1 channel=5]"),
+                                       (F.INT4, "K row [head=1 token=3]")])
+def test_requantize_refusal_on_cuda_gives_the_cpu_message_and_writes_nothing(dst, where):
+    _cuda_kernel_or_skip()
+    values = np.ones((L, 2, H, PS, D), np.float32)
+    values[1, 0, 1, 3, 5] = np.inf  # layer 1: K head 1 token 3 channel 5
+    values[1, 1, 0, 3, 7] = np.nan  # layer 1: V head 0 token 3 (after the K rows in the host's order)
+    if dst == F.INT8:
+        values[1, 0, 1, 3, 5] = 1.0  # only the V row is bad
+    messages = {}
+    for device in ("cpu", "cuda:0"):
+        with _pool(device=device) as pool:
+            spare = pool.alloc(dst)  # commits the slab's granule; its slot is the one the refusal takes
+            spare_offset = pool.offset_of(spare)
+            fresh = pool.slot_contents(spare)
+            pool.free(spare)
+            p = pool.alloc(F.F16)
+            _write(pool, p, values)
+            before = pool.slot_contents(p)
+            directory = pool.directory.copy()
+            with pytest.raises(CacheInputError) as err:
+                pool.requantize(p, dst)
+            messages[device] = str(err.value)
+            assert np.array_equal(pool.directory, directory) and pool.bytes_copied == 0
+            assert np.array_equal(_device_directory(pool), directory)
+            assert np.array_equal(pool.slot_contents(p), before)
+            assert pool.bytes_staged == 0
+            again = pool.alloc(dst)
+            assert pool.offset_of(again) == spare_offset  # the slot the refused copy took went back to the free list
+            assert np.array_equal(pool.slot_contents(again), fresh)  # and no byte of it was written
+    assert f"layer 1: {dst.name} page: {where}" in messages["cpu"]
+    assert "nothing was written" in messages["cpu"]
+    assert messages["cuda:0"].replace("paged_requantize (CUDA): ", "paged_requantize: ") == messages["cpu"]
+
+
+@pytest.mark.cuda
+def test_requantize_cuda_refuses_uncommitted_or_overlapping_slots_and_writes_nothing():
+    _cuda_kernel_or_skip()
+    kernel = paged._cuda_requantize_kernel()
     with _pool(device="cuda:0") as pool:
-        spare = pool.alloc(F.INT8)  # commits the INT8 slab's granule; its slot is the one the refusal takes
-        spare_offset = pool.offset_of(spare)
-        fresh = pool.slot_contents(spare)
-        pool.free(spare)
         p = pool.alloc(F.F16)
-        values = np.ones((L, 2, H, PS, D), np.float32)
-        values[1, 0, 1, 3, 5] = np.inf
-        _write(pool, p, values)
+        _write(pool, p, np.ones((L, 2, H, PS, D), np.float32))
         before = pool.slot_contents(p)
-        directory = pool.directory.copy()
-        with pytest.raises(CacheInputError, match="inf|NaN|finite"):
-            pool.requantize(p, F.INT8)
-        assert np.array_equal(pool.directory, directory) and pool.bytes_copied == 0
-        assert np.array_equal(_device_directory(pool), directory)
+        far = pool.slabs[F.INT8].offset  # reserved, never committed (no INT8 page yet)
+        args = (pool.num_layers, pool.kv_heads, pool.page_size, pool.head_size, "float32")
+        with pytest.raises((RuntimeError, ValueError), match=r"paged_requantize \(CUDA\): destination slot \[\d+, "
+                                                             r"\+\d+\) overlaps uncommitted memory .*nothing was written"):
+            kernel(0, pool.arena.base, pool.pool_bytes, pool.offset_of(p), int(F.F16), far, int(F.INT8), *args)
+        with pytest.raises((RuntimeError, ValueError), match=r"overlap; requantize into a free slot; nothing was written"):
+            kernel(0, pool.arena.base, pool.pool_bytes, pool.offset_of(p), int(F.F16), pool.offset_of(p) + 16,
+                   int(F.INT8), *args)
         assert np.array_equal(pool.slot_contents(p), before)
-        assert pool.bytes_staged == pool.slot_bytes(F.F16)  # the source came up; nothing went back
-        i8 = pool.alloc(F.INT8)
-        assert pool.offset_of(i8) == spare_offset  # the slot the refused copy took went back to the free list
-        assert np.array_equal(pool.slot_contents(i8), fresh)  # and no byte of it was written
+
+
+def test_requantize_cuda_checks_its_arguments_before_touching_a_device():
+    """The device function's argument checks run on the host (no GPU needed): a refusal names the numbers."""
+    kernel = paged._cuda_requantize_kernel()
+    if kernel is None:
+        pytest.skip("this build has no CUDA kernels (_ortkv.paged_requantize_cuda)")
+    with pytest.raises((RuntimeError, ValueError), match=r"source slot \[0, \+\d+\) and destination slot \[16, "
+                                                         r"\+\d+\) overlap; requantize into a free slot"):
+        kernel(0, 1 << 40, 1 << 20, 0, int(F.F16), 16, int(F.INT8), 2, 2, 16, 64, "float32")
+    with pytest.raises((RuntimeError, ValueError), match=r"INT4 packs 2 channels per byte, so head_size must be a "
+                                                         r"multiple of 2; got head_size=63"):
+        kernel(0, 1 << 40, 1 << 20, 0, int(F.F16), 1 << 16, int(F.INT4), 2, 2, 16, 63, "float32")
+    with pytest.raises(ValueError, match="logical must be 'float32', 'float16' or 'bfloat16', got 'int8'"):
+        kernel(0, 1 << 40, 1 << 20, 0, int(F.F16), 1 << 16, int(F.INT8), 2, 2, 16, 64, "int8")
 
 
 @pytest.mark.cuda
-def test_demotion_on_a_cuda_pool_stages_one_page_and_matches_a_cpu_requantize():
+def test_demotion_on_a_cuda_pool_requantizes_on_the_device_and_matches_a_cpu_requantize():
+    _cuda_kernel_or_skip()
     values = np.random.default_rng(1).standard_normal((L, 2, H, PS, D)).astype(np.float32)
     gov = Governor(2 * (2 << 20))  # two CUDA granules: one for INT8, one for F16
     with PagePool(L, H, D, PS, np.float32, device="cuda:0", governor=gov, max_pages=256,
@@ -461,10 +524,9 @@ def test_demotion_on_a_cuda_pool_stages_one_page_and_matches_a_cpu_requantize():
         pool.free(pool.alloc(F.INT8))  # the INT8 slab's granule is committed, its slot free
         pages = [pool.alloc(F.F16) for _ in range(pool.granule // pool.slot_bytes(F.F16))]
         _write(pool, pages[0], values)
-        assert pool.bytes_staged == 0
         new = pool.alloc(F.F16)  # refused by the governor: pages[0] (oldest) is demoted, its F16 slot reused
         assert pool.demoted_pages == 1 and pool.format_of(pages[0]) == F.INT8
-        assert pool.bytes_staged == pool.slot_bytes(F.F16) + pool.slot_bytes(F.INT8)
+        assert pool.bytes_staged == 0
         assert pool.format_of(new) == F.F16
         assert np.array_equal(_device_directory(pool), pool.directory)
         demoted = pool.slot_contents(pages[0])
@@ -491,6 +553,7 @@ def _as_host_staged(pool, monkeypatch):
             ctypes.memmove(dst, src, nbytes)
 
     monkeypatch.setattr(paged, "_cuda_copy", fake_copy)
+    monkeypatch.setattr(paged, "_cuda_requantize_kernel", lambda: None)  # the path of a build without CUDA kernels
     pool.device = "cuda:0"
     pool._fake_device_directory = np.full_like(pool.directory, -1)  # kept alive: the OrtValue borrows it
     pool.directory_device = ort.OrtValue.ortvalue_from_numpy(pool._fake_device_directory)

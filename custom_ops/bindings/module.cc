@@ -249,6 +249,34 @@ PYBIND11_MODULE(_ortkv, m) {
       "dst_format at dst_offset: DecodePage, rounding to the logical type, EncodePage, every layer. Checks "
       "everything first; on failure (non-finite or unrepresentable values, bad offsets) nothing is written.");
 
+#if ORTKV_WITH_CUDA_BUILD
+  m.def(
+      "paged_requantize_cuda",
+      [](int32_t device, uintptr_t pool, uint64_t pool_bytes, uint64_t src_offset, int32_t src_format,
+         uint64_t dst_offset, int32_t dst_format, int32_t num_layers, int32_t kv_heads, int32_t page_size,
+         int32_t head_size, const std::string& logical) {
+        int32_t type = 0;
+        if (logical == "float32") type = ortkv::kFloat32;
+        else if (logical == "float16") type = ortkv::kFloat16;
+        else if (logical == "bfloat16") type = ortkv::kBFloat16;
+        else throw py::value_error("[ortkv:E_INPUT] paged_requantize_cuda: logical must be 'float32', 'float16' or "
+                                   "'bfloat16', got '" + logical + "'");
+        ortkv::Status s;
+        {
+          py::gil_scoped_release nogil;
+          s = ortkv::PagedRequantizeCuda(device, reinterpret_cast<uint8_t*>(pool), pool_bytes, src_offset, src_format,
+                                         dst_offset, dst_format, num_layers,
+                                         ortkv::codecs::PageShape{kv_heads, page_size, head_size}, type);
+        }
+        Check(s);
+      },
+      py::arg("device"), py::arg("pool"), py::arg("pool_bytes"), py::arg("src_offset"), py::arg("src_format"),
+      py::arg("dst_offset"), py::arg("dst_format"), py::arg("num_layers"), py::arg("kv_heads"), py::arg("page_size"),
+      py::arg("head_size"), py::arg("logical"),
+      "paged_requantize on a pool in CUDA device memory (pool: its device address on cuda:device), by kernels on "
+      "the device (Note [Requantize on CUDA]): the same bytes, checks and messages; nothing written on refusal.");
+#endif
+
   // Test hooks, kept out of the public surface: only the test suite imports ortkv._ortkv._testing.
   py::module_ testing = m.def_submodule("_testing", "ortkv test hooks (not a public API)");
   testing.def(

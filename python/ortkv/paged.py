@@ -56,15 +56,15 @@ array itself. Byte helpers that must work on both devices (``read_bytes``, ``wri
 the pool is idle when the host touches it, and the copy is complete before the next run is launched,
 whatever stream ORT launches it on.
 
-Note [Requantize on CUDA]
-~~~~~~~~~~~~~~~~~~~~~~~~~
-There is no CUDA requantize kernel yet; the codecs' encoders run on the host (_ortkv.paged_requantize).
-A requantize on a CUDA pool therefore stages ONE page: the source slot (every layer) is copied to a small
-host buffer, paged_requantize converts it into the destination half of that buffer (same code, same bytes
-as on a CPU pool; nothing written on refusal), and the destination slot (every layer) is copied back.
-One page each way, never the cache; the bytes that cross the bus are counted in ``bytes_staged`` (and the
-destination slot in ``bytes_copied``, as on the CPU). This is an explicit, counted path, not a silent
-fallback: its cost is in ``stats()``, and a device kernel would replace it without changing the pool.
+Note [Requantize on a CUDA pool]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A requantize on a CUDA pool runs on the device: ``_ortkv.paged_requantize_cuda`` (Note [Requantize on
+CUDA] in custom_ops/kernels/cuda/paged_requantize.cu): the host's codecs and checks, the same bytes as on a
+CPU pool, nothing written on refusal, only an 8-byte verdict crossing the bus; ``bytes_staged`` stays 0 and
+the destination slot counts in ``bytes_copied``, as on the CPU. A build without the CUDA kernels has no
+device function; there a requantize on a CUDA pool stages ONE page through host memory (the source slot
+up, ``paged_requantize`` into the destination half of a small host buffer, the destination slot down),
+counted in ``bytes_staged``: explicit and visible in ``stats()``, never the cache.
 """
 
 from __future__ import annotations
@@ -151,9 +151,18 @@ def _native_requantize(pool_array, src_offset, src_format, dst_offset, dst_forma
     if fn is None:
         raise OrtkvError("PagePool.requantize: this build of ortkv has no _ortkv.paged_requantize (the paged "
                          "cache kernels are not in it); rebuild ortkv from a tree that has them")
+    _call_native(fn, pool_array, src_offset, src_format, dst_offset, dst_format, num_layers, kv_heads, page_size,
+                 head_size, logical)
+
+
+def _cuda_requantize_kernel():
+    """``_ortkv.paged_requantize_cuda`` (Note [Requantize on a CUDA pool]), or None in a build without the CUDA kernels."""
+    return getattr(_ortkv, "paged_requantize_cuda", None)
+
+
+def _call_native(fn, *args) -> None:
     try:
-        fn(pool_array, src_offset, src_format, dst_offset, dst_format, num_layers, kv_heads, page_size, head_size,
-           logical)
+        fn(*args)
     except (RuntimeError, ValueError) as exc:
         typed = from_native(exc)
         raise (typed if typed is not exc else OrtkvError(str(exc))) from None
@@ -391,7 +400,11 @@ class PagePool:
             if self.device == "cpu":
                 _native_requantize(self.pool, self.offset_of(page), int(src_fmt), dst_offset, int(fmt),
                                    self.num_layers, self.kv_heads, self.page_size, self.head_size, self.logical)
-            else:
+            elif (kernel := _cuda_requantize_kernel()) is not None:  # Note [Requantize on a CUDA pool]
+                _call_native(kernel, self.device_index, self.arena.base, self.pool_bytes, self.offset_of(page),
+                             int(src_fmt), dst_offset, int(fmt), self.num_layers, self.kv_heads, self.page_size,
+                             self.head_size, self.logical)
+            else:  # a build without the CUDA kernels: one page staged through the host, counted
                 self._staged_requantize(self.offset_of(page), src_fmt, dst_offset, fmt)
         except BaseException:
             heapq.heappush(self.slabs[dst[0]].free, dst[1])
@@ -404,7 +417,7 @@ class PagePool:
         self.requantized_pages += 1
 
     def _staged_requantize(self, src_offset: int, src_fmt: PageFormat, dst_offset: int, fmt: PageFormat) -> None:
-        """Note [Requantize on CUDA]: one page staged through a host buffer [source slot | destination slot]."""
+        """Note [Requantize on a CUDA pool], builds without the CUDA kernels: one page staged through a host buffer [source slot | destination slot]."""
         ss, ds = self.slabs[src_fmt].slot_bytes, self.slabs[fmt].slot_bytes
         at = -(-ss // 16) * 16  # the destination half, 16-byte aligned as the codecs want
         buf = np.zeros(at + ds, np.uint8)

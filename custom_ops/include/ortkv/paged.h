@@ -235,5 +235,16 @@ void PagedCacheAttentionCombine(const PagedAttentionView& view);
 Status PagedRequantize(uint8_t* pool, uint64_t pool_bytes, uint64_t src_offset, int32_t src_format,
                        uint64_t dst_offset, int32_t dst_format, int32_t num_layers, codecs::PageShape shape,
                        int32_t logical);
+// PagedRequantize's argument checks (formats, shape, layers, logical type, both slots aligned, inside the
+// pool and disjoint), shared by the host and the device versions.
+Status CheckPagedRequantize(uint64_t pool_bytes, uint64_t src_offset, int32_t src_format, uint64_t dst_offset,
+                            int32_t dst_format, int32_t num_layers, codecs::PageShape shape, int32_t logical);
+// The same on a pool in CUDA device memory (`pool`: its device address on `device`), by kernels on the device:
+// the same bytes as PagedRequantize, the same checks and messages, nothing written on refusal (Note
+// [Requantize on CUDA], kernels/cuda/paged_requantize.cu). Synchronizes the device before and after (the pool
+// is idle between runs). Builds with the CUDA kernels only.
+Status PagedRequantizeCuda(int32_t device, uint8_t* pool, uint64_t pool_bytes, uint64_t src_offset,
+                           int32_t src_format, uint64_t dst_offset, int32_t dst_format, int32_t num_layers,
+                           codecs::PageShape shape, int32_t logical);
 
 }  // namespace ortkv

@@ -12,9 +12,8 @@ namespace ortkv {
 using codecs::PageFormat;
 using codecs::PageView;
 
-Status PagedRequantize(uint8_t* pool, uint64_t pool_bytes, uint64_t src_offset, int32_t src_format,
-                       uint64_t dst_offset, int32_t dst_format, int32_t num_layers, codecs::PageShape shape,
-                       int32_t logical) {
+Status CheckPagedRequantize(uint64_t pool_bytes, uint64_t src_offset, int32_t src_format, uint64_t dst_offset,
+                            int32_t dst_format, int32_t num_layers, codecs::PageShape shape, int32_t logical) {
   const std::string what = "paged_requantize: ";
   ORTKV_RETURN_IF_ERR(codecs::ValidateShape(src_format, shape));
   ORTKV_RETURN_IF_ERR(codecs::ValidateShape(dst_format, shape));
@@ -39,6 +38,18 @@ Status PagedRequantize(uint8_t* pool, uint64_t pool_bytes, uint64_t src_offset, 
       << ") overlap; requantize into a free slot; nothing was written";
     return Status(Code::kInvalidArgument, m.str());
   }
+  return Status::Ok();
+}
+
+Status PagedRequantize(uint8_t* pool, uint64_t pool_bytes, uint64_t src_offset, int32_t src_format,
+                       uint64_t dst_offset, int32_t dst_format, int32_t num_layers, codecs::PageShape shape,
+                       int32_t logical) {
+  const std::string what = "paged_requantize: ";
+  ORTKV_RETURN_IF_ERR(
+      CheckPagedRequantize(pool_bytes, src_offset, src_format, dst_offset, dst_format, num_layers, shape, logical));
+  const auto sf = static_cast<PageFormat>(src_format), df = static_cast<PageFormat>(dst_format);
+  const codecs::PageLayout sl = codecs::LayoutOf(sf, shape), dl = codecs::LayoutOf(df, shape);
+  const uint64_t ds = dl.page_bytes * num_layers;
   const uint64_t vals = 2ull * shape.kv_heads * shape.page_size * shape.head_size;
   std::vector<float> values(vals);
   std::vector<uint8_t> staged(ds);  // one slot: every layer is encoded before the destination changes

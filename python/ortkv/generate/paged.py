@@ -134,7 +134,7 @@ def paged_model_path(cfg: GenAIConfig, log=print, page_fill: bool = False):
 # has one shape. With --cuda-graph the decode step is captured as in Note [CUDA graph decode]: the prefill runs
 # with gpu_graph_id -1, decode under a graph id of its own, and a new id (a fresh capture) after every arena
 # commit (the captured PagedCacheUpdate keeps the uncommitted ranges of its capture) and every start(). A
-# requantize (the policy, or demotion) runs between steps through one staged page (Note [Requantize on CUDA]).
+# requantize (the policy, or demotion) runs between steps on the device (Note [Requantize on a CUDA pool]).
 # Greedy picks run on the device (GreedyToken, Note [Greedy on the device]); sampling brings [B, V] logits back.
 class PagedRunner:
     """The runner interface of runners.py (start / prefill / step / kv_bytes / close) on the paged
@@ -289,7 +289,7 @@ class PagedRunner:
                                    "directory": directory, "page_table": self._table()},
                       run_options=self._decode_ro, bound_outputs={"logits": io["logits"]})
         self.lengths += 1
-        self._advance(self.lengths)  # a requantize here stages one page (Note [Requantize on CUDA])
+        self._advance(self.lengths)  # a requantize here runs between steps (Note [Requantize on a CUDA pool])
         return io["logits"]
 
     def step(self, next_ids: np.ndarray) -> np.ndarray:
