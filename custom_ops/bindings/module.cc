@@ -29,6 +29,15 @@ std::shared_ptr<ortkv::vmm::Backend> BackendFor(const std::string& kind, int dev
   Check(ortkv::vmm::MakeCudaBackend(device, &b));
   return b;
 }
+// The logical element type a requantize rounds to, from its numpy name.
+int32_t LogicalType(const std::string& logical, const char* fn) {
+  if (logical == "float32") return ortkv::kFloat32;
+  if (logical == "float16") return ortkv::kFloat16;
+  if (logical == "bfloat16") return ortkv::kBFloat16;
+  throw py::value_error(std::string("[ortkv:E_INPUT] ") + fn + ": logical must be 'float32', 'float16' or "
+                        "'bfloat16', got '" + logical + "'");
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_ortkv, m) {
@@ -227,12 +236,7 @@ PYBIND11_MODULE(_ortkv, m) {
                                 "[pool_bytes] (the page pool's bytes, changed in place); got dtype " +
                                 std::string(py::str(pool.dtype())) + " of rank " + std::to_string(pool.ndim()));
         }
-        int32_t type = 0;
-        if (logical == "float32") type = ortkv::kFloat32;
-        else if (logical == "float16") type = ortkv::kFloat16;
-        else if (logical == "bfloat16") type = ortkv::kBFloat16;
-        else throw py::value_error("[ortkv:E_INPUT] paged_requantize: logical must be 'float32', 'float16' or "
-                                   "'bfloat16', got '" + logical + "'");
+        const int32_t type = LogicalType(logical, "paged_requantize");
         uint8_t* base = static_cast<uint8_t*>(pool.mutable_data());
         const uint64_t nbytes = static_cast<uint64_t>(pool.shape(0));
         ortkv::Status s;
@@ -255,12 +259,7 @@ PYBIND11_MODULE(_ortkv, m) {
       [](int32_t device, uintptr_t pool, uint64_t pool_bytes, uint64_t src_offset, int32_t src_format,
          uint64_t dst_offset, int32_t dst_format, int32_t num_layers, int32_t kv_heads, int32_t page_size,
          int32_t head_size, const std::string& logical) {
-        int32_t type = 0;
-        if (logical == "float32") type = ortkv::kFloat32;
-        else if (logical == "float16") type = ortkv::kFloat16;
-        else if (logical == "bfloat16") type = ortkv::kBFloat16;
-        else throw py::value_error("[ortkv:E_INPUT] paged_requantize_cuda: logical must be 'float32', 'float16' or "
-                                   "'bfloat16', got '" + logical + "'");
+        const int32_t type = LogicalType(logical, "paged_requantize_cuda");
         ortkv::Status s;
         {
           py::gil_scoped_release nogil;
