@@ -490,10 +490,12 @@ def test_requantize_cuda_refuses_uncommitted_or_overlapping_slots_and_writes_not
         before = pool.slot_contents(p)
         far = pool.slabs[F.INT8].offset  # reserved, never committed (no INT8 page yet)
         args = (pool.num_layers, pool.kv_heads, pool.page_size, pool.head_size, "float32")
-        with pytest.raises((RuntimeError, ValueError), match=r"paged_requantize \(CUDA\): destination slot \[\d+, "
-                                                             r"\+\d+\) overlaps uncommitted memory .*nothing was written"):
+        refused = (r"paged_requantize \(CUDA\): destination slot \[\d+, \+\d+\) overlaps uncommitted memory "
+                   r".*nothing was written")
+        with pytest.raises((RuntimeError, ValueError), match=refused):
             kernel(0, pool.arena.base, pool.pool_bytes, pool.offset_of(p), int(F.F16), far, int(F.INT8), *args)
-        with pytest.raises((RuntimeError, ValueError), match=r"overlap; requantize into a free slot; nothing was written"):
+        overlap = "overlap; requantize into a free slot; nothing was written"
+        with pytest.raises((RuntimeError, ValueError), match=overlap):
             kernel(0, pool.arena.base, pool.pool_bytes, pool.offset_of(p), int(F.F16), pool.offset_of(p) + 16,
                    int(F.INT8), *args)
         assert np.array_equal(pool.slot_contents(p), before)

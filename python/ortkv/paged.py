@@ -156,7 +156,7 @@ def _native_requantize(pool_array, src_offset, src_format, dst_offset, dst_forma
 
 
 def _cuda_requantize_kernel():
-    """``_ortkv.paged_requantize_cuda`` (Note [Requantize on a CUDA pool]), or None in a build without the CUDA kernels."""
+    """``_ortkv.paged_requantize_cuda`` (Note [Requantize on a CUDA pool]); None in a build without CUDA kernels."""
     return getattr(_ortkv, "paged_requantize_cuda", None)
 
 
@@ -417,7 +417,8 @@ class PagePool:
         self.requantized_pages += 1
 
     def _staged_requantize(self, src_offset: int, src_fmt: PageFormat, dst_offset: int, fmt: PageFormat) -> None:
-        """Note [Requantize on a CUDA pool], builds without the CUDA kernels: one page staged through a host buffer [source slot | destination slot]."""
+        """Note [Requantize on a CUDA pool] (builds without the CUDA kernels): one page staged through a host
+        buffer [source slot | destination slot]."""
         ss, ds = self.slabs[src_fmt].slot_bytes, self.slabs[fmt].slot_bytes
         at = -(-ss // 16) * 16  # the destination half, 16-byte aligned as the codecs want
         buf = np.zeros(at + ds, np.uint8)

@@ -162,8 +162,9 @@ Status PagedRequantizeCuda(int32_t device, uint8_t* pool, uint64_t pool_bytes, u
 
   // Note [Arena lease]: the slots' memory stays mapped while we check and write it
   CoreLease lease;
-  for (const auto& [at, n, name] : {std::tuple<uint64_t, uint64_t, const char*>{src_offset, j.src_page * num_layers, "source"},
-                                    std::tuple<uint64_t, uint64_t, const char*>{dst_offset, ds, "destination"}}) {
+  using Slot = std::tuple<uint64_t, uint64_t, const char*>;
+  for (const auto& [at, n, name] :
+       {Slot{src_offset, j.src_page * num_layers, "source"}, Slot{dst_offset, ds, "destination"}}) {
     uintptr_t hit = 0;
     uint64_t hit_n = 0;
     char label[128] = {0};
