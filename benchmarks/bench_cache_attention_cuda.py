@@ -28,6 +28,7 @@ with com.microsoft.GroupQueryAttention on the same shapes, for both ortkv kernel
                         torch CUDA graph and timed the same way (replay + synchronize per call).
   Every session runs with enable_cuda_graph=1 (ORT captures the whole call once and replays it), so
   the figures are GPU time plus one replay + synchronization per call, not per-node launch cost.
+  Cells run from the biggest caches down (ORT's arena keeps freed chunks; the table is in argument order).
   Each figure is the median over --rounds rounds (the kinds alternate inside a round) of the median
   of --reps timed calls after a warm-up.
 
@@ -363,6 +364,35 @@ def sdpa_case(Hq, Hkv, D, L, B):
     return (lambda reps: pair * R / _time(replay, reps)), (q, ks, vs, outs, graph)
 
 
+def run_cell(kinds, Hq, Hkv, D, L, B, rounds, reps):
+    """One cell: every kind built (the ortkv kinds on one set of buffers), then `rounds` rounds alternating
+    the kinds; returns ({kind: median GB/s}, note)."""
+    res = {k: [] for k in kinds}
+    note = ""
+    fns = {}
+    for kind in kinds:
+        first = next((k for k in fns if k not in ("gqa", "sdpa")), None)  # ortkv kinds share one set of buffers
+        try:
+            if kind == "sdpa":
+                fns[kind] = sdpa_case(Hq, Hkv, D, L, B)
+            else:
+                fns[kind] = attention_case(kind, Hq, Hkv, D, L, B,
+                                           shared=fns[first][1] if kind != "gqa" and first else None)
+        except Exception as exc:  # noqa: BLE001 - reported in the table
+            note += f"{kind}: {type(exc).__name__}: {str(exc).splitlines()[0][:120]} "
+    for _ in range(rounds):
+        for kind, (fn, _) in list(fns.items()):
+            try:
+                res[kind].append(fn(reps))
+            except Exception as exc:  # noqa: BLE001
+                note += f"{kind}: {type(exc).__name__}: {str(exc).splitlines()[0][:120]} "
+                del fns[kind]
+    fns.clear()
+    if "sdpa" in kinds and "torch" in sys.modules:  # the cell's torch buffers back to the device
+        sys.modules["torch"].cuda.empty_cache()
+    return {k: statistics.median(v) for k, v in res.items() if v}, note.strip()
+
+
 def _fmt_table(rows, copy_bw):
     gb = lambda x: f"{x / 1e9:.0f}" if x else "-"  # noqa: E731
     pct = lambda x: f"{x / copy_bw:.0%}" if x else "-"  # noqa: E731
@@ -413,41 +443,22 @@ def main() -> int:
         copies.append(memcpy_fn(args.reps))
     del ident_keep
     copy_bw, ident_bw = statistics.median(copies), statistics.median(idents)
-    rows = []
-    for Hq, Hkv, D in heads:
-        for L in map(int, args.lengths.split(",")):
-            for B in map(int, args.batches.split(",")):
-                pair = 2 * B * L * Hkv * D * 2
-                if pair * _nodes(pair) > args.max_gib * (1 << 30):
-                    rows.append((Hq, Hkv, D, L, B, {}, "skipped: over --max-gib"))
-                    continue
-                res = {k: [] for k in kinds}
-                note = ""
-                fns = {}
-                for kind in kinds:
-                    # ortkv kinds share one set of buffers
-                    first = next((k for k in fns if k not in ("gqa", "sdpa")), None)
-                    try:
-                        if kind == "sdpa":
-                            fns[kind] = sdpa_case(Hq, Hkv, D, L, B)
-                        else:
-                            fns[kind] = attention_case(kind, Hq, Hkv, D, L, B,
-                                                       shared=fns[first][1] if kind != "gqa" and first else None)
-                    except Exception as exc:  # noqa: BLE001 - reported in the table
-                        note += f"{kind}: {type(exc).__name__}: {str(exc).splitlines()[0][:120]} "
-                for _ in range(args.rounds):
-                    for kind, (fn, _) in list(fns.items()):
-                        try:
-                            res[kind].append(fn(args.reps))
-                        except Exception as exc:  # noqa: BLE001
-                            note += f"{kind}: {type(exc).__name__}: {str(exc).splitlines()[0][:120]} "
-                            del fns[kind]
-                fns.clear()
-                if "sdpa" in kinds and "torch" in sys.modules:  # the cell's torch buffers back to the device
-                    sys.modules["torch"].cuda.empty_cache()
-                med = {k: statistics.median(v) for k, v in res.items() if v}
-                rows.append((Hq, Hkv, D, L, B, med, note.strip()))
-                print(rows[-1], flush=True)
+    cells = [(Hq, Hkv, D, L, B) for Hq, Hkv, D in heads for L in map(int, args.lengths.split(","))
+             for B in map(int, args.batches.split(","))]
+    # Cells with the biggest caches first: ORT's arena keeps the chunks a cell freed, and a later cell with
+    # bigger caches would find only smaller free chunks and run out of device memory (seen at 128K x 64 after
+    # 32K x 64); smaller caches split the big chunks. The table keeps the order of the arguments.
+    pair_bytes = [2 * B * L * Hkv * D * 2 for Hq, Hkv, D, L, B in cells]
+    done = {}
+    for c in sorted(range(len(cells)), key=lambda c: -pair_bytes[c]):  # the biggest buffers first
+        Hq, Hkv, D, L, B = cells[c]
+        pair = pair_bytes[c]
+        if pair * _nodes(pair) > args.max_gib * (1 << 30):
+            done[c] = (Hq, Hkv, D, L, B, {}, "skipped: over --max-gib")
+            continue
+        done[c] = (Hq, Hkv, D, L, B) + run_cell(kinds, Hq, Hkv, D, L, B, args.rounds, args.reps)
+        print(done[c], flush=True)
+    rows = [done[c] for c in range(len(cells))]
     cmd = " ".join(["python", "benchmarks/bench_cache_attention_cuda.py"] + sys.argv[1:])
     lines = [f"# CUDA CacheAttention decode vs device-to-device copy (onnxruntime {ort.__version__}, float16, BSNH)",
              "", f"Command: `{cmd}` (CUDA graph replays; see the script's docstring).", "",
