@@ -404,8 +404,11 @@ def test_directory_input_is_the_host_rows_on_the_device(device):
 
 
 def _cuda_kernel_or_skip():
-    if paged._cuda_requantize_kernel() is None:
+    """_ortkv.paged_requantize_cuda, or skip in a build without the CUDA kernels."""
+    kernel = paged._cuda_requantize_kernel()
+    if kernel is None:
         pytest.skip("this build has no CUDA kernels (_ortkv.paged_requantize_cuda): Note [Requantize on a CUDA pool]")
+    return kernel
 
 
 _ROUND_TRIPS = [(F.F16, F.INT8), (F.F16, F.INT4), (F.F16, F.FP8_E4M3), (F.F16, F.INT4_KC), (F.F16, F.INT2),
@@ -482,8 +485,7 @@ def test_requantize_refusal_on_cuda_gives_the_cpu_message_and_writes_nothing(dst
 
 @pytest.mark.cuda
 def test_requantize_cuda_refuses_uncommitted_or_overlapping_slots_and_writes_nothing():
-    _cuda_kernel_or_skip()
-    kernel = paged._cuda_requantize_kernel()
+    kernel = _cuda_kernel_or_skip()
     with _pool(device="cuda:0") as pool:
         p = pool.alloc(F.F16)
         _write(pool, p, np.ones((L, 2, H, PS, D), np.float32))
@@ -503,9 +505,7 @@ def test_requantize_cuda_refuses_uncommitted_or_overlapping_slots_and_writes_not
 
 def test_requantize_cuda_checks_its_arguments_before_touching_a_device():
     """The device function's argument checks run on the host (no GPU needed): a refusal names the numbers."""
-    kernel = paged._cuda_requantize_kernel()
-    if kernel is None:
-        pytest.skip("this build has no CUDA kernels (_ortkv.paged_requantize_cuda)")
+    kernel = _cuda_kernel_or_skip()
     with pytest.raises((RuntimeError, ValueError), match=r"source slot \[0, \+\d+\) and destination slot \[16, "
                                                          r"\+\d+\) overlap; requantize into a free slot"):
         kernel(0, 1 << 40, 1 << 20, 0, int(F.F16), 16, int(F.INT8), 2, 2, 16, 64, "float32")
