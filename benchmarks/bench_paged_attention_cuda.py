@@ -6,6 +6,8 @@ with ORT only (no torch, no cupy). SmolLM2-135M heads (9 query / 3 KV heads of 6
           tokens, page ids shuffled so that consecutive pages are not adjacent in the pool), default kernel
           (Note [Paged CUDA v3]: tensor cores).
   F16 in order : F16 pages in pool order (row b's pages b * L / 16 ...): what the shuffle costs.
+  F16 promised : F16 pages, the nodes' page_format = "F16" (what ortkv's single-format F16 policy builds on CUDA):
+          the uniform 16-bit kernel (Note [Paged CUDA uniform 16-bit]).
   F16 v2 / INT4 v2 : the same, captured with ORTKV_CUDA_ATTENTION=v2 (Note [Paged CUDA v2]), for the A/B.
 R nodes of one kind in one model, each over its own cache / pool, so one call reads R caches one after the
 other (R chosen so that they hold >= 256 MiB of F16 bytes: K/V come from HBM, not from L2; at least 8). Sessions run
@@ -17,7 +19,7 @@ round) of the median of --reps timed calls after a warm-up; the time per node is
           the op allows capture; otherwise without one (the table says which).
 
     python benchmarks/bench_paged_attention_cuda.py [--rounds 3] [--reps 20] [--cells 8192x1,8192x8,32768x1,32768x8]
-                                                    [--out benchmarks/results/paged_attention_cuda.md]
+                                                    [--kinds dense,F16,...] [--out benchmarks/results/paged_attention_cuda.md]
 """
 
 from __future__ import annotations
@@ -91,9 +93,11 @@ def dense_case(rng, B, L, R):
     return _model(nodes, inputs, outs), feeds, [o.name for o in outs]
 
 
-def paged_case(rng, B, L, R, fmt, shuffled=True):
+def paged_case(rng, B, L, R, fmt, shuffled=True, promise=False):
     """One pool per node; every row L tokens over shuffled pages of `fmt` (in pool order when not `shuffled`;
-    the pages' bytes are one encoded random page repeated: the decode work is the same for any bytes)."""
+    the pages' bytes are one encoded random page repeated: the decode work is the same for any bytes); `promise`:
+    the nodes' page_format attribute names `fmt`."""
+    extra = {"page_format": fmt.name} if promise else {}
     vi = helper.make_tensor_value_info
     n_pages = B * (L // PS)
     pb = layout(fmt, HKV, PS, D).page_bytes
@@ -106,7 +110,7 @@ def paged_case(rng, B, L, R, fmt, shuffled=True):
     for r in range(R):
         nodes.append(helper.make_node("PagedCacheAttention", ["q", f"pool{r}", "directory", "table", "start"], [f"o{r}"],
                                       name=f"a{r}", domain="ortkv", num_heads=HQ, kv_num_heads=HKV, layer=0,
-                                      num_layers=1, page_size=PS))
+                                      num_layers=1, page_size=PS, **extra))
         inputs.append(vi(f"pool{r}", TP.UINT8, [n_pages * pb]))
         outs.append(vi(f"o{r}", TP.FLOAT16, [B, 1, HQ * D]))
         feeds[f"pool{r}"] = np.tile(page, n_pages)
@@ -191,58 +195,79 @@ def main():
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--cells", default=CELLS, help="LxB,LxB,...: keys per row x rows")
+    p.add_argument("--kinds", default="", help="comma-separated subset of the kinds (default: all); ratios whose "
+                   "kinds were not run print -")
     p.add_argument("--out", default="benchmarks/results/paged_attention_cuda.md")
     a = p.parse_args()
     cells = [tuple(int(x) for x in c.split("x")) for c in a.cells.split(",")]
     rng = np.random.default_rng(0)
-    kinds = (["dense"] + [f.name for f in FORMATS] + ["F16 in order"] + [f"{f.name} v2" for f in V2_FORMATS] +
-             ["dense plain", "F16 plain", "INT4 plain", "ORT-PA"])
+    kinds = (["dense"] + [f.name for f in FORMATS] + ["F16 promised", "F16 in order"] +
+             [f"{f.name} v2" for f in V2_FORMATS] + ["dense plain", "F16 plain", "INT4 plain", "ORT-PA"])
+    if a.kinds:
+        wanted = a.kinds.split(",")
+        unknown = [k for k in wanted if k not in kinds]
+        if unknown:
+            p.error(f"--kinds: unknown {unknown}; the kinds are {kinds}")
+        kinds = [k for k in kinds if k in wanted]
+    ratios = [("F16", "dense"), ("F16 promised", "dense"), ("F16 in order", "dense"), ("INT8", "F16"),
+              ("INT4", "F16"), ("INT4", "F16 promised"), ("F16", "F16 v2"), ("INT4", "INT4 v2"),
+              ("F16 plain", "dense plain"), ("INT4 plain", "F16 plain"), ("F16", "F16 plain"), ("F16", "ORT-PA"),
+              ("F16 promised", "ORT-PA")]
+    names = {("F16", "F16 v2"): "F16 v3 / v2", ("INT4", "INT4 v2"): "INT4 v3 / v2",
+             ("F16 plain", "dense plain"): "plain: F16 / dense", ("INT4 plain", "F16 plain"): "plain: INT4 / F16"}
     lines = ["# PagedCacheAttention (CUDA) vs dense CacheAttention, decode", "",
              f"SmolLM2 heads {HQ}/{HKV}/{D}, float16 queries, pages of {PS} tokens, CUDA graphs; microseconds per "
              f"node (median of {a.rounds} rounds x median of {a.reps} calls). `python "
              f"benchmarks/bench_paged_attention_cuda.py --cells {a.cells}`", "",
-             "| L | B | R | " + " | ".join(f"{k} us" for k in kinds) +
-             " | F16 / dense | F16 in order / dense | INT8 / F16 | INT4 / F16 | F16 v3 / v2 | INT4 v3 / v2"
-             " | plain: F16 / dense | plain: INT4 / F16 | F16 / F16 plain | F16 / ORT-PA | ORT-PA graph |",
-             "|---|---|---|" + "---|" * (len(kinds) + 11)]
+             "| L | B | R | " + " | ".join(f"{k} us" for k in kinds) + " | " +
+             " | ".join(names.get(r, f"{r[0]} / {r[1]}") for r in ratios) + " | ORT-PA graph |",
+             "|---|---|---|" + "---|" * (len(kinds) + len(ratios) + 1)]
     pa_note = None
     for L, B in cells:
         R = _reps(B, L)
-        runners = {"dense": Runner(*dense_case(rng, B, L, R))}
+        runners = {}
+        want = set(kinds)
+        if "dense" in want:
+            runners["dense"] = Runner(*dense_case(rng, B, L, R))
         for f in FORMATS:
-            runners[f.name] = Runner(*paged_case(rng, B, L, R, f))
-        runners["F16 in order"] = Runner(*paged_case(rng, B, L, R, PageFormat.F16, shuffled=False))
+            if f.name in want:
+                runners[f.name] = Runner(*paged_case(rng, B, L, R, f))
+        if "F16 promised" in want:
+            runners["F16 promised"] = Runner(*paged_case(rng, B, L, R, PageFormat.F16, promise=True))
+        if "F16 in order" in want:
+            runners["F16 in order"] = Runner(*paged_case(rng, B, L, R, PageFormat.F16, shuffled=False))
         os.environ["ORTKV_CUDA_ATTENTION"] = "v2"  # read when the graph is captured (in Runner())
         try:
             for f in V2_FORMATS:
-                runners[f"{f.name} v2"] = Runner(*paged_case(rng, B, L, R, f))
+                if f"{f.name} v2" in want:
+                    runners[f"{f.name} v2"] = Runner(*paged_case(rng, B, L, R, f))
         finally:
             del os.environ["ORTKV_CUDA_ATTENTION"]
         os.environ["ORTKV_CUDA_EARLY"] = "0"  # plain launches (Note [CUDA attention early start]), read at capture
         try:
-            runners["dense plain"] = Runner(*dense_case(rng, B, L, R))
-            runners["F16 plain"] = Runner(*paged_case(rng, B, L, R, PageFormat.F16))
-            runners["INT4 plain"] = Runner(*paged_case(rng, B, L, R, PageFormat.INT4))
+            if "dense plain" in want:
+                runners["dense plain"] = Runner(*dense_case(rng, B, L, R))
+            if "F16 plain" in want:
+                runners["F16 plain"] = Runner(*paged_case(rng, B, L, R, PageFormat.F16))
+            if "INT4 plain" in want:
+                runners["INT4 plain"] = Runner(*paged_case(rng, B, L, R, PageFormat.INT4))
         finally:
             del os.environ["ORTKV_CUDA_EARLY"]
-        runners["ORT-PA"], pa_graph, why = ort_paged_runner(rng, B, L, R)
-        if runners["ORT-PA"] is None:
-            kinds_now = [k for k in kinds if k != "ORT-PA"]
-            pa_note = why
-        else:
-            kinds_now = kinds
+        pa_graph = False
+        if "ORT-PA" in want:
+            runners["ORT-PA"], pa_graph, why = ort_paged_runner(rng, B, L, R)
+            if runners["ORT-PA"] is None:
+                del runners["ORT-PA"]
+                pa_note = why
+        kinds_now = [k for k in kinds if k in runners]
         per = {k: [] for k in kinds_now}
         for _ in range(a.rounds):
             for k in kinds_now:
                 per[k].append(runners[k].time(a.reps) / R * 1e6)
         med = {k: statistics.median(v) for k, v in per.items()}
         row = f"| {L} | {B} | {R} | " + " | ".join(f"{med[k]:.1f}" if k in med else "-" for k in kinds)
-        row += f" | {med['F16'] / med['dense']:.2f} | {med['F16 in order'] / med['dense']:.2f} | {med['INT8'] / med['F16']:.2f} | {med['INT4'] / med['F16']:.2f}"
-        row += f" | {med['F16'] / med['F16 v2']:.2f} | {med['INT4'] / med['INT4 v2']:.2f}"
-        row += (f" | {med['F16 plain'] / med['dense plain']:.2f} | {med['INT4 plain'] / med['F16 plain']:.2f}"
-                f" | {med['F16'] / med['F16 plain']:.2f}")
-        row += (f" | {med['F16'] / med['ORT-PA']:.2f} | {'yes' if pa_graph else 'no'} |" if "ORT-PA" in med
-                else " | - | - |")
+        row += " | " + " | ".join(f"{med[x] / med[y]:.2f}" if x in med and y in med else "-" for x, y in ratios)
+        row += f" | {('yes' if pa_graph else 'no') if 'ORT-PA' in med else '-'} |"
         lines.append(row)
         print(row, flush=True)
         del runners

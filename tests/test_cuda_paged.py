@@ -70,8 +70,9 @@ def update_session(dtype, layer, num_layers, kv_heads, page_size, fill=False):
 
 
 @functools.lru_cache(maxsize=None)
-def attention_session(dtype, num_heads, kv_heads, layer, num_layers, page_size, fill=False):
-    return _session(attention_model(dtype, num_heads, kv_heads, layer, num_layers, page_size, fill=fill))
+def attention_session(dtype, num_heads, kv_heads, layer, num_layers, page_size, fill=False, page_format=None):
+    return _session(attention_model(dtype, num_heads, kv_heads, layer, num_layers, page_size, fill=fill,
+                                    page_format=page_format))
 
 
 def _dev(arr):
@@ -109,8 +110,8 @@ def cuda_update(pool, directory, table, key, value, position, *, layer, num_laye
 
 
 def cuda_attention(q, pool, directory, table, start, *, num_heads, kv_heads, layer, num_layers, page_size,
-                   dtype="float32", fill=None):
-    sess = attention_session(dtype, num_heads, kv_heads, layer, num_layers, page_size, fill is not None)
+                   dtype="float32", fill=None, page_format=None):
+    sess = attention_session(dtype, num_heads, kv_heads, layer, num_layers, page_size, fill is not None, page_format)
     io = sess.io_binding()
     st = np.broadcast_to(np.asarray(start, np.int64), (q.shape[0],)).copy()
     out = _dev(np.zeros(q.shape, RAW[dtype]))
@@ -139,9 +140,9 @@ def _logical_arg(x, dtype):
 
 # ---- PagedCacheAttention -------------------------------------------------------------------------------------
 def _attn_case(rng, formats, *, B, T, lengths, NL=2, H=3, G=3, PS=16, D=64, layer=1, dtype="float16", poison=True,
-               runs=None):
+               runs=None, page_format=None):
     """runs=R: each row's pages in table order take formats[0] for R pages, then formats[1] for R pages, ...
-    (cycling), instead of formats spread over shuffled pages."""
+    (cycling), instead of formats spread over shuffled pages. page_format: the node's attribute."""
     pages_per_row = [-(-n // PS) for n in lengths]
     if runs is None:
         fmts = [formats[i % len(formats)] for i in range(sum(pages_per_row))]
@@ -161,7 +162,7 @@ def _attn_case(rng, formats, *, B, T, lengths, NL=2, H=3, G=3, PS=16, D=64, laye
         poison_rows(pool, directory, table, lengths, num_layers=NL, kv_heads=H, page_size=PS, head_size=D)
     q = _rand(rng, (B, T, H * G * D), dtype)
     got, after, err = cuda_attention(q, pool, directory, table, start, num_heads=H * G, kv_heads=H, layer=layer,
-                                     num_layers=NL, page_size=PS, dtype=dtype)
+                                     num_layers=NL, page_size=PS, dtype=dtype, page_format=page_format)
     assert err is None, err
     assert after.tobytes() == pool.tobytes()  # read only
     want = paged_cache_attention_ref(_logical_arg(q, dtype), clean, directory, table, start, num_heads=H * G,
@@ -221,6 +222,29 @@ def test_attention_each_kernel_every_format(rng, monkeypatch, kernel, D, T, dtyp
     _attn_case(rng, ALL, B=2, T=T, lengths=[301, 64], PS=32, D=D, H=2, G=8, dtype=dtype)
 
 
+@pytest.mark.parametrize("PS", [16, 48])
+@pytest.mark.parametrize("D,T,dtype", [(64, 1, "float16"), (128, 5, "float16"), (64, 3, "bfloat16"),
+                                       (128, 1, "bfloat16")])
+def test_attention_uniform_16bit_pages(rng, PS, D, T, dtype):
+    """Note [Paged CUDA uniform 16-bit]: page_format naming the queries' own 16-bit format (F16 / BF16) takes the
+    dense-shaped kernel: against the reference with rows ending inside a tile, a row of 8K keys (split, chunk edges
+    inside tiles), a page size that is not a power of two, G = 3 and 8."""
+    fmt = PageFormat.F16 if dtype == "float16" else PageFormat.BF16
+    _attn_case(rng, [fmt], B=3, T=T, lengths=[8203, 37, PS + T], PS=PS, D=D, NL=1, layer=0, dtype=dtype,
+               page_format=fmt.name)
+    _attn_case(rng, [fmt], B=2, T=T, lengths=[301, 64], PS=PS, D=D, H=2, G=8, dtype=dtype, page_format=fmt.name)
+
+
+@pytest.mark.parametrize("T", [1, 8])
+def test_attention_uniform_16bit_pages_many_tiles_per_warp(rng, T):
+    """Enough (row, head, token) units that a node does not split (>= 4 blocks per SM), so each warp of a block
+    walks more than 32 tiles of one long chunk: its page pointers are resolved in batches of 32 (Note [Paged CUDA
+    uniform 16-bit]); T = 8: three batches."""
+    B, L = (66, 2100) if T == 1 else (9, 4100)
+    _attn_case(rng, [PageFormat.F16], B=B, T=T, lengths=[L - 5 * b for b in range(B)], H=8, G=1, PS=16, NL=1,
+               layer=0, page_format="F16")
+
+
 @pytest.mark.parametrize("D,T", [(64, 1), (128, 5)])
 def test_attention_early_launch_equals_plain_launch(monkeypatch, D, T):
     """Note [CUDA attention early start]: the v3 kernel launched as a programmatic dependent (the default on
@@ -234,18 +258,22 @@ def test_attention_early_launch_equals_plain_launch(monkeypatch, D, T):
     assert outs["0"].tobytes() == outs["1"].tobytes()
 
 
-def test_attention_early_launch_rereads_start_written_by_the_node_before(rng):
+@pytest.mark.parametrize("uniform", [False, True], ids=["mixed", "uniform_f16"])
+def test_attention_early_launch_rereads_start_written_by_the_node_before(rng, uniform):
     """`start` computed on the GPU by the node right before PagedCacheAttention (an Add: the kernel an early
     launch overlaps; Note [CUDA attention early start]). Each run's start differs from the last one's in the same
     ORT buffer, so a block that resolved pages (and issued their tiles) for the stale value before its wait must
-    start over from the new one: every run reads exactly its own keys (the rest poisoned) and matches the oracle."""
+    start over from the new one: every run reads exactly its own keys (the rest poisoned) and matches the oracle.
+    uniform: F16 pages and page_format F16 (Note [Paged CUDA uniform 16-bit]: the dense-shaped kernel's prologue)."""
     H, G, PS, NL, D, B = 3, 3, 16, 1, 64, 2
     lengths_max = 8200
-    fmts = [[PageFormat.F16, PageFormat.INT8, PageFormat.INT4][i % 3] for i in range(2 * (-(-lengths_max // PS)))]
+    kinds = [PageFormat.F16] if uniform else [PageFormat.F16, PageFormat.INT8, PageFormat.INT4]
+    fmts = [kinds[i % len(kinds)] for i in range(2 * (-(-lengths_max // PS)))]
     pool0, directory = build_pool(rng, fmts, num_layers=NL, kv_heads=H, page_size=PS, head_size=D)
     n = -(-lengths_max // PS)
     table = table_for([list(range(n)), list(range(n, 2 * n))], n + 1)
-    sess = _session(start_from_add(attention_model("float16", H * G, H, 0, NL, PS)))
+    sess = _session(start_from_add(attention_model("float16", H * G, H, 0, NL, PS,
+                                                   page_format="F16" if uniform else None)))
     for lengths in ([8200, 300], [17, 8000], [4097, 4096], [8200, 8200]):
         start = np.array(lengths) - 1
         pool = pool0.copy()
@@ -366,6 +394,40 @@ def test_attention_refusals_are_reported(rng, case):
     want = paged_cache_attention_ref(q[:1], before, directory, table[:1], start[:1], num_heads=kw["num_heads"],
                                      kv_num_heads=kw["kv_heads"], layer=0, num_layers=1, page_size=kw["page_size"])
     np.testing.assert_allclose(out[:1], want, rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize("kernel", ["uniform", "v3", "v1"])
+def test_attention_page_format_attribute_refuses_another_format(rng, kernel):
+    """A page of another format than the node's page_format promises is reported by every kernel (uniform: F16
+    promised under float16 queries, an INT8 page; v3: INT8 promised, an F16 page; v1 (pages of 1 token): INT4
+    promised, an F16 page), with the row, the page and the remedy; the pool untouched; the rows whose
+    pages keep the promise right. A missing page under the uniform kernel is reported as by the others."""
+    NL, H, D = 1, 2, 64
+    PS = 1 if kernel == "v1" else 16
+    good, bad = {"uniform": (PageFormat.F16, PageFormat.INT8), "v3": (PageFormat.INT8, PageFormat.F16),
+                 "v1": (PageFormat.INT4, PageFormat.F16)}[kernel]
+    n = -(-40 // PS)  # pages per row for 40 tokens
+    pool, directory = build_pool(rng, [good] * (2 * n) + [bad], num_layers=NL, kv_heads=H, page_size=PS, head_size=D)
+    table = table_for([list(range(n)), list(range(n, 2 * n))], n)
+    table[1, n - 1] = 2 * n  # row 1's last page: the other format
+    q = _rand(rng, (2, 1, H * D), "float16")
+    start = np.array([39, 39])
+    kw = dict(num_heads=H, kv_heads=H, layer=0, num_layers=NL, page_size=PS, dtype="float16", page_format=good.name)
+    before = pool.copy()
+    out, after, err = cuda_attention(q, pool, directory, table, start, **kw)
+    assert err is not None and "PagedCacheAttention node 'attn'" in err and "row 1" in err, err
+    assert f"page {2 * n} is {bad.name}, not {good.name}, the format the node's page_format attribute promises" in err, err
+    assert "Remedy: keep every page of this cache in that format" in err, err
+    assert after.tobytes() == before.tobytes()
+    assert np.isfinite(out).all()
+    want = paged_cache_attention_ref(q[:1], before, directory, table[:1], start[:1], num_heads=H, kv_num_heads=H,
+                                     layer=0, num_layers=NL, page_size=PS)
+    np.testing.assert_allclose(out[:1], want, rtol=2e-3, atol=2e-3)
+    if kernel == "uniform":
+        table[1, n - 1] = -1
+        out, after, err = cuda_attention(q, pool, directory, table, start, **kw)
+        assert err is not None and "row 1" in err and "the entry is -1 (no page)" in err, err
+        np.testing.assert_allclose(out[:1], want, rtol=2e-3, atol=2e-3)
 
 
 # ---- PagedCacheUpdate ----------------------------------------------------------------------------------------

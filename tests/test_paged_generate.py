@@ -250,6 +250,41 @@ def test_paged_cache_on_cuda_is_refused_only_without_cuda_kernels(monkeypatch):
     assert cfg.validate().ortkv.cache == "paged" and cfg.dtype == "float16"
 
 
+def test_uniform_page_format_promised_only_where_pages_never_change_format(monkeypatch, slice_paths):
+    """uniform_page_format: the decoder's attention nodes promise F16 pages (Note [Paged CUDA uniform 16-bit] in
+    custom_ops/kernels/cuda/paged_cuda.cu) on CUDA for a float16 model with one format, F16, for every page; not
+    on the CPU, not for another format, a recency policy, explicit formats, demotion or the page_fill model.
+    to_paged writes it into every PagedCacheAttention node."""
+    from ortkv.generate import config as config_module
+    from ortkv.generate.config import set_device
+    from ortkv.generate.paged import uniform_page_format
+
+    monkeypatch.setattr(config_module, "_cuda_kernels", lambda: True)
+
+    def cfg_for(device, **keys):
+        cfg = GenAIConfig()
+        cfg.ortkv.cache = "paged"
+        if device != "cpu":
+            set_device(cfg, device, False)
+        for k, v in keys.items():
+            setattr(cfg.ortkv, k, v)
+        return cfg.validate()
+
+    assert uniform_page_format(cfg_for("cuda:0")) == "F16"
+    assert uniform_page_format(cfg_for("cuda:0", kv_format="f16")) == "F16"
+    assert uniform_page_format(cfg_for("cuda:0"), page_fill=True) is None
+    assert uniform_page_format(cfg_for("cpu")) is None
+    for keys in ({"kv_format": "int8"}, {"kv_format": "int4_kc"}, {"kv_policy": {"sink_pages": 1}},
+                 {"kv_page_formats": ["f16"]}, {"kv_demote_on_refusal": True}):
+        assert uniform_page_format(cfg_for("cuda:0", **keys)) is None, keys
+    w, _ = weights.load(smollm2_gguf(), layers=2)
+    model = to_paged(builder.build(w, "ortkv", max_positions=64, cache_layout="BSNH"), 9, 3, 4, page_format="F16")
+    att = [n for n in model.graph.node if n.op_type == "PagedCacheAttention"]
+    assert len(att) == 2 and all({a.name: a.s for a in n.attribute}["page_format"] == b"F16" for n in att)
+    plain = onnx.load(str(slice_paths["paged"]), load_external_data=False)
+    assert not any(a.name == "page_format" for n in plain.graph.node for a in n.attribute)
+
+
 def test_paged_runner_refuses_float16_on_the_cpu(slice_paths):
     cfg = _slice_cfg(dtype="float16")
     with pytest.raises(OrtkvError, match=r"ortkv.cache = 'paged' on the CPU runs float32 models; got dtype float16"):

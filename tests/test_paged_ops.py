@@ -97,11 +97,15 @@ def update_model(dtype, layer, num_layers, kv_heads, page_size, value_dtype=None
                   [vi("pool_out", TP.UINT8, ["P"])])
 
 
-def attention_model(dtype, num_heads, kv_heads, layer, num_layers, page_size, scale=None, fill=False):
-    """One PagedCacheAttention node; `fill`: with the optional page_fill input (Note [Page fill])."""
+def attention_model(dtype, num_heads, kv_heads, layer, num_layers, page_size, scale=None, fill=False,
+                    page_format=None):
+    """One PagedCacheAttention node; `fill`: with the optional page_fill input (Note [Page fill]); `page_format`:
+    the attribute (every page must have that format)."""
     attrs = dict(num_heads=num_heads, kv_num_heads=kv_heads, layer=layer, num_layers=num_layers, page_size=page_size)
     if scale is not None:
         attrs["scale"] = scale
+    if page_format is not None:
+        attrs["page_format"] = page_format
     ins = ["query", "pool", "directory", "page_table", "start"] + (["page_fill"] if fill else [])
     node = helper.make_node("PagedCacheAttention", ins, ["out"], name="attn", domain="ortkv", **attrs)
     vi = helper.make_tensor_value_info
@@ -117,8 +121,10 @@ def update_session(dtype, layer, num_layers, kv_heads, page_size, value_dtype=No
 
 
 @functools.lru_cache(maxsize=None)
-def attention_session(dtype, num_heads, kv_heads, layer, num_layers, page_size, scale=None, fill=False):
-    return ort_session(attention_model(dtype, num_heads, kv_heads, layer, num_layers, page_size, scale, fill))
+def attention_session(dtype, num_heads, kv_heads, layer, num_layers, page_size, scale=None, fill=False,
+                      page_format=None):
+    return ort_session(attention_model(dtype, num_heads, kv_heads, layer, num_layers, page_size, scale, fill,
+                                       page_format))
 
 
 def _bind(io, name, arr, onnx_type, output=False):
@@ -148,8 +154,9 @@ def run_update(pool, directory, table, key, value, position, *, layer, num_layer
 
 
 def run_attention(q, pool, directory, table, start, *, num_heads, kv_heads, layer, num_layers, page_size,
-                  dtype="float32", scale=None, fill=None):
-    sess = attention_session(dtype, num_heads, kv_heads, layer, num_layers, page_size, scale, fill is not None)
+                  dtype="float32", scale=None, fill=None, page_format=None):
+    sess = attention_session(dtype, num_heads, kv_heads, layer, num_layers, page_size, scale, fill is not None,
+                             page_format)
     io = sess.io_binding()
     out = np.zeros(q.shape, NP[dtype])
     keep = [_bind(io, "query", q, ONNX[dtype]), _bind(io, "pool", pool, TP.UINT8),
@@ -450,6 +457,44 @@ def test_attention_refusals(rng):
         run_attention(q, pool, directory, table, [0], num_heads=2 * H, kv_heads=H, layer=1, num_layers=NL,
                       page_size=PS)
     assert digest(pool) == before
+
+
+@pytest.mark.parametrize("name", ["F16", "f16", "INT4"])
+def test_attention_page_format_attribute_keeps_the_output(rng, name):
+    """The page_format attribute (Note [Paged CUDA uniform 16-bit]) is a checked promise: with every page in that
+    format the output is the one without the attribute, bit for bit on the CPU (either case of the name)."""
+    fmt = PageFormat[name.upper()]
+    NL, H, PS, D = 2, 2, 16, 64
+    pool, directory = build_pool(rng, [fmt] * 9, num_layers=NL, kv_heads=H, page_size=PS, head_size=D)
+    table = table_for([[4, 0, 7, 2], [8, 1, 3]], 5)
+    q = _rand(rng, (2, 1, 3 * H * D), "float32")
+    kw = dict(num_heads=3 * H, kv_heads=H, layer=1, num_layers=NL, page_size=PS)
+    plain = run_attention(q, pool, directory, table, [60, 40], **kw)
+    promised = run_attention(q, pool, directory, table, [60, 40], page_format=name, **kw)
+    assert promised.tobytes() == plain.tobytes()
+    want = paged_cache_attention_ref(q, pool, directory, table, [60, 40], num_heads=3 * H, kv_num_heads=H, layer=1,
+                                     num_layers=NL, page_size=PS)
+    np.testing.assert_allclose(promised, want, rtol=2e-5, atol=2e-5)
+
+
+def test_attention_page_format_attribute_refuses_another_format(rng):
+    """A page of another format than page_format promises: refused with the row, the page and the remedy; the
+    pool's bytes untouched; an unknown name refused when the session is made."""
+    NL, H, PS, D = 1, 2, 16, 64
+    pool, directory = build_pool(rng, [PageFormat.F16, PageFormat.F16, PageFormat.INT8], num_layers=NL, kv_heads=H,
+                                 page_size=PS, head_size=D)
+    table = table_for([[0, 1], [1, 2]], 2)
+    q = _rand(rng, (2, 1, H * D), "float32")
+    kw = dict(num_heads=H, kv_heads=H, layer=0, num_layers=NL, page_size=PS)
+    before = digest(pool)
+    with pytest.raises(CacheInputError, match=r"PagedCacheAttention node 'attn': row 1 needs page 1 of its page table "
+                                              r"'page_table' but page 2 is INT8, not F16, the format the node's "
+                                              r"page_format attribute promises .* Remedy: keep every page"):
+        run_attention(q, pool, directory, table, [20, 20], page_format="F16", **kw)
+    assert digest(pool) == before
+    run_attention(q[:1], pool, directory, table[:1], [20], page_format="F16", **kw)  # row 0's pages are F16
+    with pytest.raises(Exception, match=r"attribute page_format = 'F17' is not a page format; use one of F16, BF16"):
+        run_attention(q, pool, directory, table, [20, 20], page_format="F17", **kw)
 
 
 # ---- update then attention, one token at a time (a decode loop through ORT) ---------------------------------------

@@ -177,17 +177,29 @@ int Main(int argc, char** argv) {
         OK(PagedCacheAttentionCuda(nodes[0].v, s));
         CK(cudaMemcpyAsync(o3.data(), out, o3.size() * 2, cudaMemcpyDeviceToHost, s));
         CK(cudaStreamSynchronize(s));
-        float worst = 0;
+        float worst = 0, worst_u = 0;
         for (size_t i = 0; i < o2.size(); ++i) worst = std::max(worst, std::fabs(__half2float(o2[i]) - __half2float(o3[i])));
-        for (const char* level : {"v3", "v2"}) {
+        if (f == PageFormat::kF16) {  // Note [Paged CUDA uniform 16-bit]: the node's page_format attribute set
+          nodes[0].v.page_format = static_cast<int32_t>(PageFormat::kF16);
+          OK(PagedCacheAttentionCuda(nodes[0].v, s));
+          CK(cudaMemcpyAsync(o3.data(), out, o3.size() * 2, cudaMemcpyDeviceToHost, s));
+          CK(cudaStreamSynchronize(s));
+          nodes[0].v.page_format = -1;
+          for (size_t i = 0; i < o2.size(); ++i)
+            worst_u = std::max(worst_u, std::fabs(__half2float(o2[i]) - __half2float(o3[i])));
+        }
+        for (const char* level : {"v3u", "v3", "v2"}) {
           if (!shuffled && std::strcmp(level, "v2") == 0) continue;
-          setenv("ORTKV_CUDA_ATTENTION", level, 1);  // read at each launch, so during the capture
+          const bool u = std::strcmp(level, "v3u") == 0;
+          if (u && f != PageFormat::kF16) continue;
+          for (auto& n : nodes) n.v.page_format = u ? static_cast<int32_t>(PageFormat::kF16) : -1;
+          setenv("ORTKV_CUDA_ATTENTION", u ? "v3" : level, 1);  // read at each launch, so during the capture
           const float us = Capture(s, R, reps, [&](int r) { OK(PagedCacheAttentionCuda(nodes[r].v, s)); });
           char name[64];
           std::snprintf(name, sizeof name, "%s %s%s", fname, level, shuffled ? "" : " in order");
           const double bytes = static_cast<double>(c.B) * (c.L / kPs) * p.page_bytes;  // pages read per node
           std::printf("%6lld %3lld %3d | %-22s %9.2f %8.0f   (v3 vs v2 max |diff| %.5f)\n", (long long)c.L,
-                      (long long)c.B, R, name, us, bytes / (us * 1e3), worst);
+                      (long long)c.B, R, name, us, bytes / (us * 1e3), u ? worst_u : worst);
         }
         unsetenv("ORTKV_CUDA_ATTENTION");
         for (auto& n : nodes) n.Free();

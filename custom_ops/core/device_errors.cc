@@ -117,7 +117,9 @@ int FinishPaged(ortkv_device_error* words, const ortkv_device_error& e, int code
       }
       break;
     case ORTKV_DERR_PAGE: {
-      const int problem = static_cast<int>(e.last & 0xFF), fmt = static_cast<int>((e.last >> 8) & 0xFF);
+      // problem 8 (the page_format attribute) holds that attribute's format in bits 4..7 of its byte
+      const int problem = static_cast<int>(e.last & 0xF), fmt = static_cast<int>((e.last >> 8) & 0xFF);
+      const int hint = static_cast<int>((e.last >> 4) & 0xF);
       const uint64_t off = e.last >> 16;
       const int64_t id = static_cast<int64_t>(e.first);
       if (problem == 7) {  // Note [Page fill]: the fill value is in the offset field
@@ -134,6 +136,7 @@ int FinishPaged(ortkv_device_error* words, const ortkv_device_error& e, int code
         case 3: m << "directory '" << names[1] << "' gives page " << id << " format " << fmt << ", not a page format (0 F16 .. 7 INT2_KC). Remedy: fix the directory entry."; break;
         case 4: m << "page " << id << " is " << (fmt < 8 ? kFormats[fmt] : "?") << ", which cannot pack this head size. Remedy: store such pages as F16/BF16/INT8/FP8_E4M3."; break;
         case 5: m << "directory '" << names[1] << "' places page " << id << " (" << (fmt < 8 ? kFormats[fmt] : "?") << ") at offset " << off << ", which is not a multiple of 16 or not inside the pool '" << names[0] << "'. Remedy: fix the directory entry or bind the whole pool."; break;
+        case 8: m << "page " << id << " is " << (fmt < 8 ? kFormats[fmt] : "?") << ", not " << (hint < 8 ? kFormats[hint] : "?") << ", the format the node's page_format attribute promises for every page ('" << names[1] << "'). Remedy: keep every page of this cache in that format (no requantize or demotion), or drop the attribute (pages of any format)."; break;
         default: m << "page " << id << " is " << (fmt < 8 ? kFormats[fmt] : "?") << ": its keys are scaled per channel over the whole page, so key rows cannot be written alone. Remedy: fill the page as F16/BF16 and requantize it when full (paged_requantize)."; break;
       }
       m << tail;

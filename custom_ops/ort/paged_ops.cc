@@ -6,7 +6,8 @@
 //       attributes layer, num_layers, kv_num_heads, page_size (all required)
 //   output = PagedCacheAttention(query, pool, directory, page_table, start[, page_fill])
 //       attributes num_heads, kv_num_heads, layer, num_layers, page_size (required), scale (default
-//       1/sqrt(head_size))
+//       1/sqrt(head_size)), page_format (default "": any; a format name: every page read must have it, and on
+//       CUDA F16 / BF16 under queries of that type run Note [Paged CUDA uniform 16-bit])
 //
 // PagedCacheUpdate's output MUST be the pool's storage: declared with GetAliasMap (0 <- 0) and
 // enforced by a pointer check before anything is written, exactly as CacheUpdate (Note [Aliasing
@@ -15,6 +16,7 @@
 // [batch, max_pages], is optional (INPUT_OUTPUT_OPTIONAL; Note [Page fill] in ortkv/paged.h; on CUDA
 // Note [Page fill] on CUDA in ortkv/paged_cuda.h).
 #include <algorithm>
+#include <cctype>
 #include <memory>
 #include <sstream>
 #include <vector>
@@ -252,12 +254,47 @@ OrtStatus* AttnCompute(void* op_kernel, OrtKernelContext* ctx) {
   return nullptr;
 }
 
+// The optional string attribute page_format (absent or "": -1, pages of any format): a format name, F16 .. INT2_KC
+// in either case (Note [Paged CUDA uniform 16-bit] in kernels/cuda/paged_cuda.cu).
+OrtStatus* ReadPageFormat(const OrtApi* api, const OrtKernelInfo* info, const std::string& node, int32_t* out) {
+  *out = -1;
+  size_t size = 0;
+  OrtStatus* s = api->KernelInfoGetAttribute_string(info, "page_format", nullptr, &size);
+  const std::string where = "[ortkv:E_INPUT] PagedCacheAttention node '" + node + "': attribute page_format";
+  if (s != nullptr) {
+    const std::string why = api->GetErrorMessage(s);
+    api->ReleaseStatus(s);
+    if (why.find("No attribute with name") != std::string::npos) return nullptr;
+    const std::string m = where + " must be a string (ONNX Runtime: " + why + ")";
+    return api->CreateStatus(ORT_INVALID_ARGUMENT, m.c_str());
+  }
+  std::vector<char> buf(size + 1, '\0');
+  ORTKV_RETURN_IF_ORT_ERROR(api->KernelInfoGetAttribute_string(info, "page_format", buf.data(), &size));
+  std::string name(buf.data());
+  if (name.empty()) return nullptr;
+  std::string upper = name;
+  std::transform(upper.begin(), upper.end(), upper.begin(), [](unsigned char ch) { return static_cast<char>(std::toupper(ch)); });
+  std::string names;
+  for (int32_t f = 0; f < ortkv::codecs::kNumPageFormats; ++f) {
+    const char* fn = ortkv::codecs::FormatName(static_cast<ortkv::codecs::PageFormat>(f));
+    if (upper == fn) {
+      *out = f;
+      return nullptr;
+    }
+    names += (f ? ", " : "") + std::string(fn);
+  }
+  const std::string m = where + " = '" + name + "' is not a page format; use one of " + names +
+                        " (either case), or leave it out for pages of any format";
+  return api->CreateStatus(ORT_INVALID_ARGUMENT, m.c_str());
+}
+
 OrtStatus* AttnCreate(const OrtCustomOp*, const OrtApi* api, const OrtKernelInfo* info, void** kernel) {
   auto k = std::make_unique<PagedKernel>();
   ORTKV_RETURN_IF_ORT_ERROR(ReadNames(api, info, 5, 6, &k->names));
   ORTKV_RETURN_IF_ORT_ERROR(ReadAttrs(api, info, k.get()));
   ORTKV_RETURN_IF_ORT_ERROR(api->KernelInfoGetAttribute_int64(info, "num_heads", &k->num_heads));
   ORTKV_RETURN_IF_ORT_ERROR(OptionalAttribute(api, info, k->names.node, "scale", 0.0f, &k->scale));
+  ORTKV_RETURN_IF_ORT_ERROR(ReadPageFormat(api, info, k->names.node, &k->attrs.page_format));
   *kernel = k.release();
   return nullptr;
 }

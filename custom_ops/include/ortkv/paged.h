@@ -88,6 +88,10 @@ struct PagedAttrs {
   int64_t num_layers = 0;
   int64_t kv_num_heads = 0;
   int64_t page_size = 0;
+  // PagedCacheAttention's optional page_format attribute (a PageFormat; -1 when absent: any format): the node
+  // promises that every page it reads has this format, and refuses a page of another (Note [Paged CUDA uniform
+  // 16-bit] in kernels/cuda/paged_cuda.cu: what the promise buys on CUDA)
+  int32_t page_format = -1;
 };
 
 // What both ops resolve: the pool, the directory, the page table, and the layer's page bytes per format.

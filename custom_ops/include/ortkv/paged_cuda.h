@@ -39,7 +39,8 @@
 //
 // Device report fields for the paged codes (ortkv_device_error): ORTKV_DERR_PAGE: row, position
 // (position / start), n (tokens), hit_addr = page index in the row's table, first = page id, last =
-// problem | format << 8 | offset << 16 (problem: kPageNone...kPageKeysPerChannel below).
+// problem | format << 8 | offset << 16 (problem: kPageNone...kPageFormatHint below; kPageFormatHint's byte also holds
+// the page_format attribute's format << 4).
 // ORTKV_DERR_SHARED_ROW: row (the later row), position (its token), hit_addr = the earlier row, first =
 // page id, last = row inside the page. ORTKV_DERR_ENCODE: row, position (the token), hit_addr = head,
 // first = page id, last = RowResult | kv << 8 | format << 16. ORTKV_DERR_READONLY / _UNCOMMITTED as for
@@ -61,6 +62,7 @@ enum PagedProblem : int32_t {
   kPageBadSlot = 5,         // offset not 16-aligned or the slot not inside the pool
   kPageKeysPerChannel = 6,  // PagedCacheUpdate: keys into a *_KC page
   kPageBadFill = 7,         // page_fill of the entry outside [0, page_size] (Note [Page fill])
+  kPageFormatHint = 8,      // PagedCacheAttention: a page of another format than the node's page_format
 };
 
 constexpr int kPagedMaxRanges = 32;
@@ -109,6 +111,9 @@ struct PagedAttentionCudaView {
   size_t fill_prefix_bytes() const {
     return p.page_fill ? static_cast<size_t>(B * (p.max_pages + 1)) * sizeof(int64_t) + static_cast<size_t>(B) * 8 : 0;
   }
+  // the node's page_format attribute (-1: any): every page read has this format (Note [Paged CUDA uniform
+  // 16-bit] in kernels/cuda/paged_cuda.cu)
+  int32_t page_format = -1;
   int32_t label = -1;
   void* error_word = nullptr;
   int64_t units() const { return B * Hkv * T; }

@@ -263,6 +263,18 @@ Status PlanPagedCacheAttention(const std::string& node, const TensorArg& q, cons
     for (int64_t pi = 0; pi < p.max_pages && p.EntryBegin(b, pi) < s + T; ++pi) {
       if (p.EntryBegin(b, pi) == p.EntryBegin(b, pi + 1)) continue;  // fill 0: skipped, id not read
       ORTKV_RETURN_IF_ERR(CheckPage(where, p, pool.name, directory.name, page_table.name, b, pi, s + T));
+      if (attrs.page_format >= 0) {
+        const int64_t id = p.page_table[b * p.max_pages + pi], f = p.directory[2 * id];
+        if (f != attrs.page_format) {
+          m << where << ": row " << b << " needs page " << pi << " of its page table '" << page_table.name
+            << "' but page " << id << " is " << codecs::FormatName(static_cast<PageFormat>(f)) << ", not "
+            << codecs::FormatName(static_cast<PageFormat>(attrs.page_format))
+            << ", the format the node's page_format attribute promises for every page ('" << directory.name
+            << "'). Remedy: keep every page of this cache in that format (no requantize or demotion), or drop "
+            << "the attribute (pages of any format).";
+          return Status(Code::kInvalidArgument, m.str());
+        }
+      }
     }
     max_keys = std::max(max_keys, s + T);
   }

@@ -137,6 +137,7 @@ Status PlanPagedCacheAttentionCuda(const std::string& node, const TensorArg& q, 
   view->D = D;
   view->scale = scale > 0 ? scale : 1.0f / std::sqrt(static_cast<float>(D));
   view->sm_count = sm_count;
+  view->page_format = attrs.page_format;  // checked per page on the device (Note [Paged CUDA uniform 16-bit])
   const uintptr_t align = reinterpret_cast<uintptr_t>(q.data) | reinterpret_cast<uintptr_t>(out);
   view->vec = D % 8 == 0 && align % 16 == 0;
   // Note [CacheAttention CUDA]: ~4 blocks per SM, splits from the CAPACITY (start is on the device)
@@ -754,7 +755,8 @@ __global__ void __launch_bounds__(kThreads) PagedAttentionKernel(const AttnArgs 
     const int64_t e_first = EntryOf(a.p, b, j0, &r0), e_last = EntryOf(a.p, b, j1 - 1, &r1);
     for (int64_t pi = e_first + threadIdx.x; pi <= e_last; pi += kThreads) {
       if (EntryFill(a.p, b, pi) == 0) continue;  // skipped by the mapping (Note [Page fill])
-      if (EntryProblem(a.p, b, pi, false) != kPageOk) {
+      if (EntryProblem(a.p, b, pi, false) != kPageOk ||
+          (a.page_format >= 0 && a.p.directory[2 * TableAt(a.p, b, pi)] != a.page_format)) {
         atomicMin(flag, Key(kClassRow, (static_cast<unsigned long long>(b) << 28) | static_cast<unsigned long long>(pi + 1)));
         bad = 1;
       }
@@ -925,8 +927,14 @@ __device__ void ReportAttention(const PagedAttentionCudaView& a, unsigned long l
     return;
   }
   const int64_t pi = sub - 1, id = TableAt(a.p, b, pi);
+  uint64_t detail_word = EntryDetail(a.p, b, pi, false);
+  // a valid page of another format than the node's page_format attribute (Note [Paged CUDA uniform 16-bit])
+  // (problem byte: kPageFormatHint | the attribute's format << 4; device_errors.cc decodes it)
+  if ((detail_word & 0xFFu) == kPageOk && a.page_format >= 0 &&
+      ((detail_word >> 8) & 0xFFu) != static_cast<uint64_t>(a.page_format))
+    detail_word |= kPageFormatHint | (static_cast<uint64_t>(a.page_format) << 4);
   WriteReport(err, a.label, ORTKV_DERR_PAGE, b, st, a.T, cap, static_cast<uint64_t>(pi), static_cast<uint64_t>(id),
-              EntryDetail(a.p, b, pi, false));
+              detail_word);
 }
 
 // One block per (unit, query head): merges the S chunks (splits > 1); block 0 also reports.
@@ -1133,7 +1141,7 @@ __device__ __forceinline__ bool ResolveWindow(const PagedAttentionCudaView& a, i
   for (int k = 0; k < kPer; ++k) {
     const int64_t pi = p0 + tid + k * kThreads;
     if (pi > p1) break;
-    if (PageProblemAt(a.p, id[k], f[k], off[k], false) != kPageOk) {
+    if (PageProblemAt(a.p, id[k], f[k], off[k], false) != kPageOk || (a.page_format >= 0 && f[k] != a.page_format)) {
       atomicMin(&w.key, Key(kClassRow, (static_cast<unsigned long long>(b) << 28) | static_cast<unsigned long long>(pi + 1)));
       bad = 1;
     } else {
@@ -2860,6 +2868,271 @@ cudaError_t Launch(const AttnArgs& a, cudaStream_t stream) {
 
 }  // namespace pv3
 
+// ---- PagedCacheAttention over pages of one 16-bit format: Note [Paged CUDA uniform 16-bit] ----------------------
+// Note [Paged CUDA uniform 16-bit]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A node whose `page_format` attribute names the queries' own 16-bit format (F16 pages under float16 queries,
+// BF16 under bfloat16) promises that every page it reads has that format: ortkv's single-format policies set it.
+// Such pages need no decode, no per-window format mask and no page window in shared memory, so the node runs dense
+// v3's kernel shape (Note [CacheAttention CUDA v3]: 4 warps, a 4-deep ring at head size 64, 3 deep at 128, ~128
+// registers, 3 blocks per SM, the ring's prologue issued before griddepcontrol.wait) with one difference: a tile's
+// 16 rows come from the page that holds them. Each lane resolves the page of one of its warp's next 32 tiles
+// (table entry, directory row, every check of PageProblem plus "the format is the attribute's"), the warp reads a
+// tile's pointer from the lane that resolved it (a shuffle), and the 33rd tile's batch is resolved when it is
+// reached. Before the wait only pages that end before `start` are resolved and copied (Note [CUDA attention early
+// start]); after it the rest. A bad page is recorded in the block's key (atomicMin, the order of v3's) and the
+// block's output is empty, as v3; a page of another format is problem kPageFormatHint (the report says which
+// attribute and which page). Without the attribute, or for any other format, Note [Paged CUDA v3] runs.
+namespace pu {
+
+using tile16::kTile;
+using tile16::LoadQueryPairs;
+using tile16::MergeWarpTiles;
+using tile16::QueryFragments;
+using tile16::Sw;
+using tile16::TileProducts;
+using tile16::ZeroInvalidV;
+
+template <int D>
+struct Cfg {
+  static constexpr int kStages = D <= 64 ? 4 : 3;  // dense v3's rings
+  static constexpr int kRegion = kTile * D * 2;
+  static constexpr int kStageBytes = 2 * kRegion;  // K, then V
+  static constexpr int kWarpBytes = kStages * kStageBytes;
+  static constexpr int kRingBytes = kWarps * kWarpBytes;
+  static constexpr int kCh = D / 8;
+  static constexpr size_t kSmem = kRingBytes + 16;  // + the block's first failure key
+};
+using Merge = WarpMerge<kWarps, 8>;
+static_assert(sizeof(Merge) <= Cfg<64>::kRingBytes && sizeof(Merge) <= Cfg<128>::kRingBytes, "");
+
+template <typename T, int D, bool EARLY = false>
+__global__ void __launch_bounds__(kThreads) PagedAttentionU16(const AttnArgs args) {
+  using C = Cfg<D>;
+  constexpr bool BF = std::is_same<T, __nv_bfloat16>::value;
+  constexpr int64_t UF = BF ? static_cast<int64_t>(PageFormat::kBF16) : static_cast<int64_t>(PageFormat::kF16);
+  constexpr int NW = kWarps, ST = C::kStages;
+  extern __shared__ __align__(128) unsigned char dsm[];
+  unsigned long long& s_key = *reinterpret_cast<unsigned long long*>(dsm + C::kRingBytes);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" :::);
+#endif
+  const PagedAttentionCudaView& a = args.v;
+  const int64_t S = a.splits;
+  int64_t blk = blockIdx.x;
+  const int64_t split = blk % S;
+  blk /= S;
+  const int64_t hb = blk % args.head_blocks;
+  const int64_t unit = blk / args.head_blocks;
+  const int64_t t = unit % a.T;
+  const int hk = static_cast<int>((unit / a.T) % a.Hkv);
+  const int64_t b = unit / (a.T * a.Hkv);
+  const int64_t G = a.Hq / a.Hkv;
+  const int64_t g0 = hb * 8;
+  const int gn = static_cast<int>(G - g0 < 8 ? G - g0 : 8);
+  const int ps = a.p.shape.page_size;  // a multiple of kTile (the launch checks)
+  const int ps_shift = (ps & (ps - 1)) == 0 ? __ffs(ps) - 1 : -1;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, c = lane & 3;
+  const uint64_t v_off = a.p.layouts[UF].v_payload;
+  const uint64_t layer_off = static_cast<uint64_t>(a.p.layer) * a.p.layouts[UF].page_bytes;
+  if (tid == 0) s_key = kNoError;
+
+  uint32_t qr[D / 16][2];
+  const T* qrow = static_cast<const T*>(a.q) + ((b * a.T + t) * a.Hq + hk * G + g0 + g) * a.D;
+  if constexpr (!EARLY) LoadQueryPairs<T, D>(qrow, g, gn, c, qr);
+
+  bool bad_start = false;
+  int64_t st0 = ClampedStart(a, b, &bad_start), j0 = 0, j1 = 0;
+  int mine = 0, next = 0, stage_in = 0;
+  const auto setup = [&]() {  // this block's keys [j0, j1) of [0, st0 + t + 1) in whole tiles; this warp's tiles
+    const int64_t L = st0 + t + 1;
+    int64_t chunk = (L + S - 1) / S;
+    if (chunk < kPagedMinChunk) chunk = kPagedMinChunk;
+    chunk = (chunk + kTile - 1) / kTile * kTile;
+    j0 = split * chunk < L ? split * chunk : L;
+    j1 = j0 + chunk < L ? j0 + chunk : L;
+    const int n_tiles = static_cast<int>((j1 - j0 + kTile - 1) / kTile);
+    mine = n_tiles > warp ? (n_tiles - warp + NW - 1) / NW : 0;
+    next = 0, stage_in = 0;
+  };
+  // This lane's tile of the batch (tiles 32 * batch + lane of the warp): `kp`, its first K row (nullptr: a bad
+  // page, recorded in s_key), resolved when `res`; before the wait (pre) only pages that end before st0.
+  const uint8_t* kp = nullptr;
+  bool res = false;
+  const auto resolve = [&](int batch, bool pre) {
+    const int idx = batch * 32 + lane;
+    if (res || idx >= mine) return;
+    const int64_t k0 = j0 + static_cast<int64_t>(warp + idx * NW) * kTile;
+    const int64_t pi = ps_shift >= 0 ? k0 >> ps_shift : k0 / ps;
+    if (pre && (pi + 1) * ps > st0) return;
+    const int64_t id = TableAt(a.p, b, pi);
+    const bool in = id >= 0 && id < a.p.num_pages;
+    const int64_t f = in ? a.p.directory[2 * id] : -1, off = in ? a.p.directory[2 * id + 1] : 0;
+    res = true;
+    if (PageProblemAt(a.p, id, f, off, false) != kPageOk || f != UF) {
+      atomicMin(&s_key, Key(kClassRow, (static_cast<unsigned long long>(b) << 28) | static_cast<unsigned long long>(pi + 1)));
+      kp = nullptr;
+      return;
+    }
+    kp = a.p.pool + off + layer_off + (static_cast<uint64_t>(hk) * ps + static_cast<uint64_t>(k0 - pi * ps)) * (D * 2);
+  };
+  uint8_t* wring = dsm + warp * C::kWarpBytes;
+  const auto copy_rows = [&](uint8_t* sg, const uint8_t* p, int64_t k0, int64_t lo, int64_t hi) {
+    if (p == nullptr) return;
+#pragma unroll
+    for (int i = lane; i < kTile * C::kCh; i += 32) {
+      const int r = i / C::kCh, ch = i % C::kCh;
+      if (k0 + r >= lo && k0 + r < hi) {
+        CpAsync<16>(sg + Sw<D>(r, ch), p + r * (D * 2) + ch * 16);
+        CpAsync<16>(sg + C::kRegion + Sw<D>(r, ch), p + v_off + r * (D * 2) + ch * 16);
+      }
+    }
+  };
+  // the tile `next` into the ring (an empty group past the warp's tiles or when its page is not resolved yet)
+  uint32_t pending = 0;  // EARLY: prologue tiles left for after the wait
+  const auto issue = [&]() {
+    if (next < mine) {
+      if ((next & 31) == 0 && next > 0) {  // the next batch of 32 tiles (every lane's tile of the last one was issued)
+        res = false;
+        resolve(next >> 5, false);
+      }
+      const int from = next & 31;
+      const unsigned long long pv = __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(kp), from);
+      const bool ok = __shfl_sync(0xffffffffu, res, from);
+      const int64_t k0 = j0 + static_cast<int64_t>(warp + next * NW) * kTile;
+      if (ok)
+        copy_rows(wring + stage_in * C::kStageBytes, reinterpret_cast<const uint8_t*>(pv), k0, k0, j1);
+      else
+        pending |= 1u << next;
+    }
+    CpAsyncCommit();  // one group per tile, empty ones included: the waits count groups
+    ++next;
+    stage_in = stage_in + 1 == ST ? 0 : stage_in + 1;
+  };
+  setup();
+  __syncthreads();  // s_key is set before any atomicMin
+  resolve(0, EARLY);
+#pragma unroll
+  for (int s = 0; s < ST - 1; ++s) issue();
+  if constexpr (EARLY) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");  // the previous kernel's writes are visible from here
+#endif
+    LoadQueryPairs<T, D>(qrow, g, gn, c, qr);
+    bool bad2 = false;
+    const int64_t st2 = ClampedStart(a, b, &bad2);
+    if (st2 != st0 || bad2 != bad_start) {  // `start` was written by the previous kernel: start over (block-uniform)
+      CpAsyncWait<0>();
+      __syncthreads();  // every early atomicMin is done
+      if (tid == 0) s_key = kNoError;
+      __syncthreads();
+      st0 = st2, bad_start = bad2, res = false, kp = nullptr, pending = 0;
+      setup();
+      resolve(0, false);
+#pragma unroll
+      for (int s = 0; s < ST - 1; ++s) issue();
+    } else {
+      resolve(0, false);  // the lanes whose pages end at or after st0
+      if (pending != 0) {  // warp-uniform: the prologue tiles whose pages were not resolved before the wait
+#pragma unroll
+        for (int s = 0; s < ST - 1; ++s) {
+          if ((pending >> s) & 1u) {
+            const unsigned long long pv = __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(kp), s);
+            const int64_t k0 = j0 + static_cast<int64_t>(warp + s * NW) * kTile;
+            copy_rows(wring + s * C::kStageBytes, reinterpret_cast<const uint8_t*>(pv), k0, k0, j1);
+          }
+        }
+        CpAsyncCommit();
+        CpAsyncWait<0>();
+      }
+    }
+  }
+
+  uint32_t qa[D / 16][2];
+  QueryFragments<BF, D>(qr, a.scale * 1.4426950408889634f, qa);  // base-2 scores
+  float m = -INFINITY, l = 0.0f, o[D / 8][4];
+#pragma unroll
+  for (int nt = 0; nt < D / 8; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.0f;
+
+  int stage = 0;
+  for (int it = 0; it < mine; ++it, stage = stage + 1 == ST ? 0 : stage + 1) {
+    CpAsyncWait<ST - 2>();
+    __syncwarp();  // this tile's copies landed for the whole warp; the slot refilled next was read
+    issue();
+    const int64_t k0 = j0 + static_cast<int64_t>(warp + it * NW) * kTile;
+    const uint32_t valid = k0 + kTile <= j1 ? 0xFFFFu : (1u << static_cast<int>(j1 - k0)) - 1u;
+    uint8_t* sg = wring + stage * C::kStageBytes;
+    if (valid != 0xFFFFu) ZeroInvalidV<D>(sg, lane, valid);
+    TileProducts<BF, D>(sg, qa, lane, valid, m, l, o);
+  }
+  l += __shfl_xor_sync(0xffffffffu, l, 1);
+  l += __shfl_xor_sync(0xffffffffu, l, 2);
+  CpAsyncWait<0>();
+  __syncthreads();  // the ring becomes the merge arrays; s_key is final
+  const unsigned long long key = s_key;
+  if (key != kNoError) {  // a bad page: this block's output is empty (as Note [Paged CUDA v3])
+    m = -INFINITY;
+    l = 0.0f;
+#pragma unroll
+    for (int nt = 0; nt < D / 8; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.0f;
+  }
+  if (tid == 0) {
+    const unsigned long long sk = bad_start ? Key(kClassRow, static_cast<unsigned long long>(b) << 28) : kNoError;
+    a.block_flags[blockIdx.x] = sk < key ? sk : key;
+  }
+  MergeWarpTiles<NW, D>(*reinterpret_cast<Merge*>(dsm), m, l, o, gn, [&](int gg, int d, float mb, float lb, float ab) {
+    const int64_t head = hk * G + g0 + gg;
+    if (S == 1) {
+      T* out = static_cast<T*>(a.out) + ((b * a.T + t) * a.Hq + head) * a.D;
+      out[d] = FromF<T>(lb > 0.0f ? ab / lb : 0.0f);
+    } else {
+      float* p = a.partial + ((unit * G + g0 + gg) * S + split) * (a.D + 2);
+      p[d] = ab;
+      if (d == 0) {
+        p[a.D] = mb;
+        p[a.D + 1] = lb;
+      }
+    }
+  });
+}
+
+template <typename T, int D>
+cudaError_t LaunchD(AttnArgs a, cudaStream_t stream) {
+  constexpr size_t kSmem = Cfg<D>::kSmem;
+  static const int per_sm = [] {
+    for (auto* k : {PagedAttentionU16<T, D>, PagedAttentionU16<T, D, true>}) {
+      (void)cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmem));
+      (void)cudaFuncSetAttribute(k, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared);
+    }
+    (void)cudaGetLastError();
+    int n = 0;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, PagedAttentionU16<T, D>, kThreads, kSmem) != cudaSuccess ||
+        n < 1) {
+      (void)cudaGetLastError();
+      n = 2;
+    }
+    return n;
+  }();
+  const int64_t base = a.v.units() * a.head_blocks;
+  if (a.v.splits > 1 && a.v.sm_count > 0)  // one wave (Note [CacheAttention CUDA v2 waves])
+    a.v.splits = std::max<int64_t>(1, std::min<int64_t>(a.v.splits, static_cast<int64_t>(per_sm) * a.v.sm_count / base));
+  const unsigned blocks = static_cast<unsigned>(base * a.v.splits);
+  if (!(pv2::CurrentMajor() >= 9 && CudaEarlyLaunch() &&  // Note [CUDA attention early start]
+        LaunchProgrammatic(PagedAttentionU16<T, D, true>, blocks, kThreads, kSmem, stream, a)))
+    PagedAttentionU16<T, D><<<blocks, kThreads, kSmem, stream>>>(a);
+  cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) return e;
+  return pv2::LaunchCombine<T>(a, stream);
+}
+
+template <typename T>
+cudaError_t Launch(const AttnArgs& a, cudaStream_t stream) {
+  return a.v.D == 64 ? LaunchD<T, 64>(a, stream) : LaunchD<T, 128>(a, stream);
+}
+
+}  // namespace pu
+
 Status LaunchError(const char* op, cudaError_t e) {
   return Status(Code::kRuntime, std::string(op) + " CUDA launch failed: " + cudaGetErrorName(e) + ": " +
                                     cudaGetErrorString(e));
@@ -2920,6 +3193,8 @@ Status PagedCacheAttentionCuda(const PagedAttentionCudaView& v, void* stream_ptr
                   v.block_flags != nullptr;  // Note [Paged CUDA v2]; page_fill: Note [Page fill] on CUDA
   const bool v3 = v2 && level != 2 && (v.D == 64 || v.D == 128) && v.p.shape.page_size % pv3::kTile == 0 &&
                   (v.elem_type == kFloat16 || v.elem_type == kBFloat16);  // Note [Paged CUDA v3]
+  // Note [Paged CUDA uniform 16-bit]: the node promises pages of the queries' own 16-bit format
+  const bool u16 = v3 && v.page_format == static_cast<int32_t>(v.elem_type == kFloat16 ? PageFormat::kF16 : PageFormat::kBF16);
   cudaError_t e = cudaSuccess;
   if (!v2) {  // the first kernel's blocks atomicMin into one flag: cleared first
     e = cudaMemsetAsync(v.flag, 0xFF, sizeof(unsigned long long), stream);
@@ -2933,10 +3208,11 @@ Status PagedCacheAttentionCuda(const PagedAttentionCudaView& v, void* stream_ptr
   }
   switch (v.elem_type) {
     case kFloat16:
-      e = v3 ? pv3::Launch<__half>(a, stream) : v2 ? pv2::Launch<__half>(a, gm, stream) : LaunchAttn<__half>(a, gm, blocks, stream);
+      e = u16 ? pu::Launch<__half>(a, stream) : v3 ? pv3::Launch<__half>(a, stream) : v2 ? pv2::Launch<__half>(a, gm, stream) : LaunchAttn<__half>(a, gm, blocks, stream);
       break;
     case kBFloat16:
-      e = v3   ? pv3::Launch<__nv_bfloat16>(a, stream)
+      e = u16  ? pu::Launch<__nv_bfloat16>(a, stream)
+          : v3 ? pv3::Launch<__nv_bfloat16>(a, stream)
           : v2 ? pv2::Launch<__nv_bfloat16>(a, gm, stream)
                : LaunchAttn<__nv_bfloat16>(a, gm, blocks, stream);
       break;

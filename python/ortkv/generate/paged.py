@@ -30,7 +30,8 @@ from onnx import helper
 from ..errors import OrtkvError
 from ..graph import mark_mutable, set_alias_of
 from ..graph.annotations import declare_output_alias
-from ..paged import PagedKVCache, PagePool, policy_from_config
+from ..paged import PagedKVCache, PagePool, UniformPolicy, policy_from_config
+from ..reference.codecs import PageFormat
 from ..vmm import Governor
 from .builder import ortkv_names
 from .config import GenAIConfig
@@ -43,9 +44,11 @@ def pool_output(i: int) -> str:
 
 
 def to_paged(model: onnx.ModelProto, num_heads: int, kv_heads: int, page_size: int,
-             page_fill: bool = False) -> onnx.ModelProto:
+             page_fill: bool = False, page_format: str | None = None) -> onnx.ModelProto:
     """The ortkv decoder (BSNH) rewritten onto the paged ops (Note [Paged decoder]), in place; with
-    ``page_fill`` both ops of every layer read the graph input ``page_fill`` (Note [Page fill])."""
+    ``page_fill`` both ops of every layer read the graph input ``page_fill`` (Note [Page fill]); with
+    ``page_format`` (a format name) every attention node promises pages of that format alone
+    (uniform_page_format)."""
     g = model.graph
     by_name = {n.name: n for n in g.node}
     producer = {o: n for n in g.node for o in n.output}
@@ -71,9 +74,10 @@ def to_paged(model: onnx.ModelProto, num_heads: int, kv_heads: int, page_size: i
         upd = helper.make_node("PagedCacheUpdate", [prev, "directory", "page_table", k, v, positions] + fill,
                                [pool_output(i)], domain="ortkv", name=f"paged_update_{i}", **common)
         declare_output_alias(upd, 0, 0)
+        promise = {"page_format": page_format} if page_format else {}
         attn = helper.make_node("PagedCacheAttention", [q, pool_output(i), "directory", "page_table", positions] + fill,
                                 list(att.output), domain="ortkv", name=f"paged_attention_{i}", num_heads=num_heads,
-                                **common)
+                                **common, **promise)
         removed |= {id(uk), id(uv), id(att)} | {id(r) for r in (rk, rv) if r is not None}
         new_nodes[id(att)] = [upd, attn]
     nodes = []
@@ -103,16 +107,30 @@ def to_paged(model: onnx.ModelProto, num_heads: int, kv_heads: int, page_size: i
     return model
 
 
+def uniform_page_format(cfg: GenAIConfig, page_fill: bool = False) -> str | None:
+    """The page_format the decoder's PagedCacheAttention nodes promise, or None (pages of any format): on CUDA, a
+    float16 model whose policy is one format, F16, for every page (kv_format; no demotion, no page_fill), so that
+    the attention runs the uniform 16-bit kernel (Note [Paged CUDA uniform 16-bit] in
+    custom_ops/kernels/cuda/paged_cuda.cu). A page of another format would be refused, so nothing that changes
+    formats gets the promise."""
+    o = cfg.ortkv
+    if cfg.device == "cpu" or cfg.dtype != "float16" or page_fill or o.kv_demote_on_refusal:
+        return None
+    policy = policy_from_config(o.kv_format, o.kv_policy, o.kv_page_formats)
+    return "F16" if isinstance(policy, UniformPolicy) and policy.fmt == PageFormat.F16 else None
+
+
 def paged_model_path(cfg: GenAIConfig, log=print, page_fill: bool = False):
-    """The paged decoder's model.onnx (one per page size, and one with the page_fill input for the
-    many-sequence path), built on first use next to the other variants."""
+    """The paged decoder's model.onnx (one per page size, one promising F16 pages (uniform_page_format), and one
+    with the page_fill input for the many-sequence path), built on first use next to the other variants."""
     from .builder import build
     from .config import MAX_POSITIONS
     from .models import gguf_path, model_dir, save_decoder
     from .weights import load
 
     root = model_dir(cfg)
-    name = f"paged-{'fill-' if page_fill else ''}ps{cfg.ortkv.page_size}"
+    page_format = uniform_page_format(cfg, page_fill)
+    name = f"paged-{'fill-' if page_fill else ''}ps{cfg.ortkv.page_size}{'-' + page_format.lower() if page_format else ''}"
     target = root / name / "model.onnx"
     if target.exists():
         return target
@@ -120,7 +138,7 @@ def paged_model_path(cfg: GenAIConfig, log=print, page_fill: bool = False):
     log(f"ortkv: building the paged decoder ({cfg.ortkv.weights} weights, pages of {cfg.ortkv.page_size}) ...")
     c = weights.config
     model = to_paged(build(weights, "ortkv", max_positions=MAX_POSITIONS, cache_layout="BSNH", dtype=cfg.dtype),
-                     c.heads, c.kv_heads, cfg.ortkv.page_size, page_fill=page_fill)
+                     c.heads, c.kv_heads, cfg.ortkv.page_size, page_fill=page_fill, page_format=page_format)
     return save_decoder(model, root, name)
 
 

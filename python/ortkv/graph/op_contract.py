@@ -140,6 +140,9 @@ _add(OpContract(
 # The paged ops (Note [Paged cache physical form] in custom_ops/include/ortkv/paged.h): one uint8 pool of
 # page slots, a directory (format, byte offset) per page id and a page table per sequence; the directory
 # and the page table are host-managed and only read by the ops.
+# PagedCacheAttention's page_format attribute: a format name in either case (custom_ops/ort/paged_ops.cc)
+_PAGE_FORMAT_NAMES = tuple(n for f in ("F16", "BF16", "INT8", "FP8_E4M3", "INT4", "INT2", "INT4_KC", "INT2_KC")
+                           for n in (f, f.lower()))
 _PAGED_ATTRS = (Attr("layer", INT, required=True, minimum=0, doc="this node's layer; < num_layers"),
                 Attr("num_layers", INT, required=True, minimum=1, doc="layers per page slot"),
                 Attr("kv_num_heads", INT, required=True, minimum=1, doc="KV heads of a page"),
@@ -168,7 +171,10 @@ _add(OpContract(
     must_alias=(),
     attrs=(Attr("num_heads", INT, required=True, minimum=1, doc="query heads"),) + _PAGED_ATTRS[:2] +
           (Attr("kv_num_heads", INT, required=True, minimum=1, doc="KV heads; num_heads must be a multiple"),
-           _PAGED_ATTRS[3], Attr("scale", FLOAT, default=0.0, doc="softmax scale; <= 0: 1 / sqrt(head_size)")),
+           _PAGED_ATTRS[3], Attr("scale", FLOAT, default=0.0, doc="softmax scale; <= 0: 1 / sqrt(head_size)"),
+           Attr("page_format", STRING, default="", allowed=("",) + _PAGE_FORMAT_NAMES,
+                doc="every page read has this format (refused otherwise); '' = any. On CUDA F16 / BF16 under "
+                    "queries of that type take the uniform 16-bit kernel")),
     limits={"max_group": 64},
     kernel="CPU",
 ))
