@@ -483,6 +483,30 @@ def test_requantize_refusal_on_cuda_gives_the_cpu_message_and_writes_nothing(dst
     assert messages["cuda:0"].replace("paged_requantize (CUDA): ", "paged_requantize: ") == messages["cpu"]
 
 
+def test_requantize_refuses_uncommitted_slots_and_writes_nothing():
+    """The host requantize checks both slots against the arena's registered ranges (Note [Write-protection check]):
+    a destination or a source in reserved, uncommitted arena space is refused with E_UNCOMMITTED (a CapacityError
+    through the pool's wrapper) before any byte is written."""
+    if not hasattr(_ortkv, "paged_requantize"):
+        pytest.skip("this build has no _ortkv.paged_requantize (the numpy stand-in has no range check)")
+    with _pool() as pool:
+        p = pool.alloc(F.F16)
+        _write(pool, p, np.ones((L, 2, H, PS, D), np.float32))
+        before = pool.slot_contents(p)
+        far = pool.slabs[F.INT8].offset  # reserved, never committed (no INT8 page yet)
+        args = (pool.num_layers, pool.kv_heads, pool.page_size, pool.head_size, "float32")
+        with pytest.raises(CapacityError, match=r"paged_requantize: the destination slot \[0x[0-9a-f]+, 0x[0-9a-f]+\), "
+                                                r"which overlaps the uncommitted range .*Nothing was written. Remedy: "
+                                                r"requantize into a committed free slot"):
+            paged._call_native(_ortkv.paged_requantize, pool.pool, pool.offset_of(p), int(F.F16), far, int(F.INT8),
+                               *args)
+        with pytest.raises(CapacityError, match=r"paged_requantize: the source slot .*which overlaps the uncommitted "
+                                                r"range .*Remedy: requantize only a page whose slot is committed"):
+            paged._call_native(_ortkv.paged_requantize, pool.pool, far, int(F.INT8), pool.offset_of(p) + 4096 * 4,
+                               int(F.F16), *args)
+        assert np.array_equal(pool.slot_contents(p), before)
+
+
 @pytest.mark.cuda
 def test_requantize_cuda_refuses_uncommitted_or_overlapping_slots_and_writes_nothing():
     kernel = _cuda_kernel_or_skip()
@@ -492,10 +516,16 @@ def test_requantize_cuda_refuses_uncommitted_or_overlapping_slots_and_writes_not
         before = pool.slot_contents(p)
         far = pool.slabs[F.INT8].offset  # reserved, never committed (no INT8 page yet)
         args = (pool.num_layers, pool.kv_heads, pool.page_size, pool.head_size, "float32")
-        refused = (r"paged_requantize \(CUDA\): destination slot \[\d+, \+\d+\) overlaps uncommitted memory "
-                   r".*nothing was written")
+        refused = (r"\[ortkv:E_UNCOMMITTED\] paged_requantize \(CUDA\): the destination slot \[0x[0-9a-f]+, "
+                   r"0x[0-9a-f]+\), which overlaps the uncommitted range .*Nothing was written. Remedy: requantize "
+                   r"into a committed free slot")
         with pytest.raises((RuntimeError, ValueError), match=refused):
             kernel(0, pool.arena.base, pool.pool_bytes, pool.offset_of(p), int(F.F16), far, int(F.INT8), *args)
+        src_refused = (r"\[ortkv:E_UNCOMMITTED\] paged_requantize \(CUDA\): the source slot .*which overlaps the "
+                       r"uncommitted range .*Remedy: requantize only a page whose slot is committed")
+        with pytest.raises((RuntimeError, ValueError), match=src_refused):
+            kernel(0, pool.arena.base, pool.pool_bytes, far, int(F.INT8), pool.offset_of(p) + 4096 * 4, int(F.F16),
+                   *args)
         overlap = "overlap; requantize into a free slot; nothing was written"
         with pytest.raises((RuntimeError, ValueError), match=overlap):
             kernel(0, pool.arena.base, pool.pool_bytes, pool.offset_of(p), int(F.F16), pool.offset_of(p) + 16,

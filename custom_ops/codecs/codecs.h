@@ -81,6 +81,17 @@ ORTKV_HD uint16_t F32ToBF16Bits(float f) {
 }
 ORTKV_HD float BF16BitsToF32(uint16_t b) { return FloatOf(static_cast<uint32_t>(b) << 16); }
 
+// n float32 values rounded to a 16-bit logical type and back in place (`logical`: ONNX's element type number, 10
+// float16 or 16 bfloat16; anything else leaves them): what a kernel fed that type would hold. Both requantizes
+// (kernels/cpu/paged_requantize.cc, kernels/cuda/paged_requantize.cu) round decoded pages with it.
+ORTKV_HD void RoundToLogical(float* x, int64_t n, int32_t logical) {
+  if (logical == 10) {
+    for (int64_t i = 0; i < n; ++i) x[i] = F16BitsToF32(F32ToF16Bits(x[i]));
+  } else if (logical == 16) {
+    for (int64_t i = 0; i < n; ++i) x[i] = BF16BitsToF32(F32ToBF16Bits(x[i]));
+  }
+}
+
 // float32 -> float8 e4m3fn (bias 7, no inf, 0x7F / 0xFF NaN, max 448), round-to-nearest-even,
 // SATURATING: |x| > 448 (inf included) -> +-448. NaN -> 0x7F (the scaled codecs refuse NaN first).
 ORTKV_HD uint8_t F32ToE4M3(float f) {
@@ -311,6 +322,34 @@ ORTKV_HD void DecodeKeyRowPerChannel(PageFormat f, const uint8_t* payload, const
 // Encode the keys of one head of a *_KC page: keys [page_size][head_size] float32 (row stride
 // head_size), channel scales computed over the page's tokens. Returns the first channel's failure
 // (nothing written) or kOk.
+// Byte column b of per-channel keys (channels b * per_byte .. b * per_byte + per_byte - 1, whose codes share that
+// byte of every row): their scales, then their codes in every row. Columns own disjoint channels and bytes, so they
+// may be encoded in any order or at once (the CUDA requantize runs one thread per column); the channels must have
+// passed RowScales (EncodeKeysPerChannel checks them all first).
+ORTKV_HD void EncodeKeyColumn(PageFormat f, const float* keys, int32_t page_size, int32_t head_size, uint8_t* payload,
+                              uint64_t row_bytes, uint16_t* channel_scales, int32_t b) {
+  const int32_t bits = PayloadBits(f);
+  const int32_t per_byte = 8 / bits;
+  const float qmax = QMax(f);
+  for (int32_t j = 0; j < per_byte; ++j) {
+    const int32_t c = b * per_byte + j;
+    RowScales(f, keys + c, page_size, channel_scales + 2 * c, head_size);
+  }
+  for (int32_t t = 0; t < page_size; ++t) {
+    const float* x = keys + static_cast<int64_t>(t) * head_size;
+    uint32_t byte = 0;
+    for (int32_t j = 0; j < per_byte; ++j) {
+      const int32_t c = b * per_byte + j;
+      const float s = F16BitsToF32(channel_scales[2 * c]);
+      const float m = F16BitsToF32(channel_scales[2 * c + 1]);
+      float q = s > 0.0f ? rintf((x[c] - m) / s) : 0.0f;
+      q = q > qmax ? qmax : (q < 0.0f ? 0.0f : q);
+      byte |= static_cast<uint32_t>(q) << (bits * j);
+    }
+    payload[t * row_bytes + b] = static_cast<uint8_t>(byte);
+  }
+}
+
 ORTKV_HD RowResult EncodeKeysPerChannel(PageFormat f, const float* keys, int32_t page_size, int32_t head_size,
                                         uint8_t* payload, uint64_t row_bytes, uint16_t* channel_scales) {
   for (int32_t c = 0; c < head_size; ++c) {
@@ -318,26 +357,8 @@ ORTKV_HD RowResult EncodeKeysPerChannel(PageFormat f, const float* keys, int32_t
     const RowResult r = RowScales(f, keys + c, page_size, sc, head_size);
     if (r != RowResult::kOk) return r;
   }
-  const int32_t bits = PayloadBits(f);
-  const int32_t per_byte = 8 / bits;
-  const float qmax = QMax(f);
-  for (int32_t c = 0; c < head_size; ++c) RowScales(f, keys + c, page_size, channel_scales + 2 * c, head_size);
-  for (int32_t t = 0; t < page_size; ++t) {
-    const float* x = keys + static_cast<int64_t>(t) * head_size;
-    uint8_t* row = payload + t * row_bytes;
-    for (int32_t b = 0; b < head_size / per_byte; ++b) {
-      uint32_t byte = 0;
-      for (int32_t j = 0; j < per_byte; ++j) {
-        const int32_t c = b * per_byte + j;
-        const float s = F16BitsToF32(channel_scales[2 * c]);
-        const float m = F16BitsToF32(channel_scales[2 * c + 1]);
-        float q = s > 0.0f ? rintf((x[c] - m) / s) : 0.0f;
-        q = q > qmax ? qmax : (q < 0.0f ? 0.0f : q);
-        byte |= static_cast<uint32_t>(q) << (bits * j);
-      }
-      row[b] = static_cast<uint8_t>(byte);
-    }
-  }
+  for (int32_t b = 0; b < head_size / (8 / PayloadBits(f)); ++b)
+    EncodeKeyColumn(f, keys, page_size, head_size, payload, row_bytes, channel_scales, b);
   return RowResult::kOk;
 }
 

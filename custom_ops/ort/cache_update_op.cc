@@ -105,7 +105,7 @@ Status CollectCacheDeviceRanges(const char* op, const std::string& node, const s
 
 Status CheckCacheWriteProtection(const char* op, const std::string& node, const std::string& cache_name,
                                  const CacheUpdateView& v, int device_type, int device_id) {
-  // Note [Write-protection check] in ort_util.h
+  // Note [Write-protection check] in ortkv/protected_writes.h
   return CheckProtectedWrites(
       device_type, device_id, v.pairs(),
       [&](int64_t pair, uintptr_t* first, uintptr_t* last) { ortkv::CacheUpdatePairSpan(v, pair, first, last); },

@@ -40,32 +40,6 @@ std::string Hex(const void* p) {
   return s.str();
 }
 
-ortkv::Status CheckProtectedWrites(int device_type, int device_id, int64_t n,
-                                   FnRef<void(int64_t, uintptr_t*, uintptr_t*)> span,
-                                   FnRef<std::pair<std::string, std::string>(int64_t)> words,
-                                   const char* uncommitted_remedy, const char* readonly_remedy) {
-  if (ortkv_core_protected_count() == 0) return ortkv::Status::Ok();  // the common case: one atomic read
-  for (int64_t i = 0; i < n; ++i) {
-    uintptr_t first = 0, last = 0;
-    span(i, &first, &last);
-    uintptr_t hit = 0;
-    uint64_t hit_len = 0;
-    char label[128];
-    const int kind = ortkv_core_find_protected(device_type, device_id, first, last - first, 0, &hit, &hit_len, label,
-                                               sizeof(label));
-    if (kind == 0) continue;
-    const bool uncommitted = kind == ORTKV_RANGE_UNCOMMITTED;
-    const auto [before, after] = words(i);
-    std::ostringstream m;
-    m << before << " [" << Hex(reinterpret_cast<void*>(first)) << ", " << Hex(reinterpret_cast<void*>(last)) << ")"
-      << after << " which overlaps the " << (uncommitted ? "uncommitted" : "write-protected") << " range ["
-      << Hex(reinterpret_cast<void*>(hit)) << ", +" << hit_len << " bytes) '" << label
-      << "'. Nothing was written. Remedy: " << (uncommitted ? uncommitted_remedy : readonly_remedy);
-    return ortkv::Status(uncommitted ? ortkv::Code::kUncommitted : ortkv::Code::kReadOnly, m.str());
-  }
-  return ortkv::Status::Ok();
-}
-
 OrtStatus* ReadNodeNames(const OrtApi* api, const OrtKernelInfo* info, size_t inputs, size_t outputs, NodeNames* out) {
   ORTKV_RETURN_IF_ORT_ERROR(
       ReadString([&](char* b, size_t* n) { return api->KernelInfo_GetNodeName(info, b, n); }, &out->node));

@@ -8,6 +8,7 @@
 #include "onnxruntime_c_api.h"
 #include "ortkv/cache_update.h"
 #include "ortkv/core.h"
+#include "ortkv/protected_writes.h"
 #include "ortkv/status.h"
 
 namespace ortkv_ort {
@@ -62,34 +63,9 @@ void ClearArgs(ortkv::TensorArg (&args)[N]) {
 
 std::string Hex(const void* p);
 
-// A non-owning reference to a callable (it must outlive the call that takes it): unlike std::function, making
-// one never allocates. CheckProtectedWrites runs on every CacheUpdate / RotaryCacheUpdate call and the KV arena's
-// uncommitted tail is a registered range, so its two std::function arguments were two allocations per run.
-template <typename Sig>
-class FnRef;
-template <typename R, typename... A>
-class FnRef<R(A...)> {
- public:
-  template <typename F>
-  FnRef(const F& f) : obj_(&f), call_([](const void* o, A... a) -> R { return (*static_cast<const F*>(o))(a...); }) {}
-  R operator()(A... a) const { return call_(obj_, a...); }
-
- private:
-  const void* obj_;
-  R (*call_)(const void*, A...);
-};
-
-// Note [Write-protection check]
-// CacheUpdate and PagedCacheUpdate refuse, before any store, a write span [first, last) that overlaps a range
-// registered in ortkv_core as write-protected (a read-only shared prefix) or uncommitted (arena space not yet
-// backed). CheckProtectedWrites walks the op's spans, `span(i, &first, &last)` for i in [0, n), and on the first
-// hit builds the op's message: `before(i)` + " [first, last)" + `after(i)` + " which overlaps the <kind> range
-// [hit, +len bytes) '<label>'. Nothing was written. Remedy: " + the remedy for that kind. The common case (no
-// range registered) is one atomic read.
-ortkv::Status CheckProtectedWrites(int device_type, int device_id, int64_t n,
-                                   FnRef<void(int64_t, uintptr_t*, uintptr_t*)> span,
-                                   FnRef<std::pair<std::string, std::string>(int64_t)> words,
-                                   const char* uncommitted_remedy, const char* readonly_remedy);
+// Note [Write-protection check] in ortkv/protected_writes.h (shared with the pool manager's requantize)
+using ortkv::CheckProtectedWrites;
+using ortkv::FnRef;
 
 // Node name, input and output value names of a kernel, read once at kernel creation.
 struct NodeNames {

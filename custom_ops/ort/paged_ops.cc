@@ -98,7 +98,7 @@ void UpdateTask(void* user, size_t i) {
 }
 
 Status CheckWriteProtection(const PagedKernel& k, const ortkv::PagedUpdateView& v, int device_type, int device_id) {
-  // Note [Write-protection check] in ort_util.h
+  // Note [Write-protection check] in ortkv/protected_writes.h
   return CheckProtectedWrites(
       device_type, device_id, v.units(),
       [&](int64_t u, uintptr_t* first, uintptr_t* last) { ortkv::PagedUpdateUnitSpan(v, u, first, last); },

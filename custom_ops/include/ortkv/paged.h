@@ -243,6 +243,11 @@ Status PagedRequantize(uint8_t* pool, uint64_t pool_bytes, uint64_t src_offset, 
 // pool and disjoint), shared by the host and the device versions.
 Status CheckPagedRequantize(uint64_t pool_bytes, uint64_t src_offset, int32_t src_format, uint64_t dst_offset,
                             int32_t dst_format, int32_t num_layers, codecs::PageShape shape, int32_t logical);
+// The slots against ortkv_core's registered ranges (Note [Write-protection check] in ortkv/protected_writes.h): the
+// source, only read, must be committed (E_UNCOMMITTED); the destination, written, committed and writable
+// (E_UNCOMMITTED / E_READONLY). `what`: the message's prefix ("paged_requantize: ", "paged_requantize (CUDA): ").
+Status CheckRequantizeSlots(int device_type, int32_t device, const uint8_t* pool, uint64_t src_offset,
+                            uint64_t src_bytes, uint64_t dst_offset, uint64_t dst_bytes, const std::string& what);
 // The same on a pool in CUDA device memory (`pool`: its device address on `device`), by kernels on the device:
 // the same bytes as PagedRequantize, the same checks and messages, nothing written on refusal (Note
 // [Requantize on CUDA], kernels/cuda/paged_requantize.cu). Synchronizes the device before and after (the pool

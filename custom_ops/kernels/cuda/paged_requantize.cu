@@ -18,7 +18,7 @@
 //      the host version's message and NOTHING has been written to the pool (the destination is a free slot
 //      whose bytes stay as they were);
 //   4. encode: the destination slot is zeroed (the host version's padding) and one thread per row encodes
-//      it with EncodeRow (one thread per head and layer for per-channel keys: EncodeKeysPerChannel).
+//      it with EncodeRow (per-channel keys: one thread per byte column of a head's keys, EncodeKeyColumn).
 // The same functions as the host (codecs.h, ORTKV_HD), compiled without fused multiply-adds (CMakeLists:
 // --fmad=false), so the bytes equal the host version's (Note [Codec arithmetic]); tests/test_paged_pool.py
 // compares them byte for byte on the device. Workspace: the float32 values of one slot and the key, allocated
@@ -29,7 +29,6 @@
 
 #include <climits>
 #include <string>
-#include <tuple>
 
 #include "codecs.h"
 #include "ortkv/core.h"
@@ -78,11 +77,7 @@ __global__ void DecodeRows(Job j) {
   const PageView src = PageView::Make(const_cast<uint8_t*>(j.src) + l * j.src_page, j.sf, j.shape);
   float* out = j.values + r * j.shape.head_size;
   src.DecodeRow(kv, h, t, out);
-  if (j.logical == kFloat16) {
-    for (int32_t c = 0; c < j.shape.head_size; ++c) out[c] = codecs::F16BitsToF32(codecs::F32ToF16Bits(out[c]));
-  } else if (j.logical == kBFloat16) {
-    for (int32_t c = 0; c < j.shape.head_size; ++c) out[c] = codecs::BF16BitsToF32(codecs::F32ToBF16Bits(out[c]));
-  }
+  codecs::RoundToLogical(out, j.shape.head_size, j.logical);
 }
 
 // item i of unit u = (layer * 2 + kv) * kv_heads + head: token i (a row), or channel i for per-channel keys
@@ -115,13 +110,24 @@ __global__ void EncodeRows(Job j) {
   RowOf(j, r, &l, &kv, &h, &t);
   const PageView dst = PageView::Make(j.dst + l * j.dst_page, j.df, j.shape);
   const float* row = j.values + r * j.shape.head_size;
-  if (kv == 0 && codecs::KeysPerChannel(j.df)) {
-    if (t == 0)  // the head's keys, encoded whole (checked in CheckRows)
-      codecs::EncodeKeysPerChannel(j.df, row, j.shape.page_size, j.shape.head_size, dst.PayloadRow(0, h, 0),
-                                   dst.layout.row_bytes, dst.ScaleRow(0, h, 0));
-    return;
-  }
+  if (kv == 0 && codecs::KeysPerChannel(j.df)) return;  // EncodeKeyColumns
   dst.EncodeRow(kv, h, t, row);
+}
+
+// Per-channel keys (*_KC destinations): one thread per (layer, head, byte column) of the keys (codecs::EncodeKeyColumn;
+// the channels were checked in CheckRows). A thread per head encoding its whole page took 513 us per SmolLM2 page on
+// the H200 (benchmarks/results/requantize_cuda_h200.md).
+__global__ void EncodeKeyColumns(Job j) {
+  const int32_t cols = j.shape.head_size / (8 / codecs::PayloadBits(j.df));
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= static_cast<int64_t>(j.layers) * j.shape.kv_heads * cols) return;
+  const int32_t b = static_cast<int32_t>(i % cols);
+  const int32_t h = static_cast<int32_t>((i / cols) % j.shape.kv_heads);
+  const int32_t l = static_cast<int32_t>(i / (static_cast<int64_t>(cols) * j.shape.kv_heads));
+  const PageView dst = PageView::Make(j.dst + l * j.dst_page, j.df, j.shape);
+  const int64_t r = ((static_cast<int64_t>(l) * 2) * j.shape.kv_heads + h) * j.shape.page_size;  // K, head h, token 0
+  codecs::EncodeKeyColumn(j.df, j.values + r * j.shape.head_size, j.shape.page_size, j.shape.head_size,
+                          dst.PayloadRow(0, h, 0), dst.layout.row_bytes, dst.ScaleRow(0, h, 0), b);
 }
 
 unsigned Blocks(int64_t n) { return static_cast<unsigned>((n + kThreads - 1) / kThreads); }
@@ -162,21 +168,8 @@ Status PagedRequantizeCuda(int32_t device, uint8_t* pool, uint64_t pool_bytes, u
 
   // Note [Arena lease]: the slots' memory stays mapped while we check and write it
   CoreLease lease;
-  using Slot = std::tuple<uint64_t, uint64_t, const char*>;
-  for (const auto& [at, n, name] :
-       {Slot{src_offset, j.src_page * num_layers, "source"}, Slot{dst_offset, ds, "destination"}}) {
-    uintptr_t hit = 0;
-    uint64_t hit_n = 0;
-    char label[128] = {0};
-    const int kind = ortkv_core_find_protected(ORTKV_DEVICE_CUDA, device, reinterpret_cast<uintptr_t>(pool) + at, n,
-                                               0, &hit, &hit_n, label, sizeof(label));
-    if (kind != 0) {
-      return Status(Code::kInvalidArgument,
-                    what + name + " slot [" + std::to_string(at) + ", +" + std::to_string(n) + ") overlaps " +
-                        (kind == ORTKV_RANGE_UNCOMMITTED ? "uncommitted" : "read-only") + " memory (" + label +
-                        "); requantize only allocated pages into a committed free slot; nothing was written");
-    }
-  }
+  ORTKV_RETURN_IF_ERR(
+      CheckRequantizeSlots(ORTKV_DEVICE_CUDA, device, pool, src_offset, j.src_page * num_layers, dst_offset, ds, what));
 
   bool writing = false;  // from the destination's cudaMemset on
   const auto cuda = [&](cudaError_t e, const char* call) {
@@ -216,6 +209,10 @@ Status PagedRequantizeCuda(int32_t device, uint8_t* pool, uint64_t pool_bytes, u
   writing = true;
   ORTKV_RETURN_IF_ERR(cuda(cudaMemset(j.dst, 0, ds), "cudaMemset (destination)"));
   EncodeRows<<<Blocks(j.rows), kThreads>>>(j);
+  if (codecs::KeysPerChannel(j.df)) {
+    const int64_t cols = static_cast<int64_t>(num_layers) * shape.kv_heads * (shape.head_size / (8 / codecs::PayloadBits(j.df)));
+    EncodeKeyColumns<<<Blocks(cols), kThreads>>>(j);
+  }
   ORTKV_RETURN_IF_ERR(cuda(cudaGetLastError(), "launch (encode)"));
   return cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
 }
