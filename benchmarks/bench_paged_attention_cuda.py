@@ -218,7 +218,8 @@ def main():
     lines = ["# PagedCacheAttention (CUDA) vs dense CacheAttention, decode", "",
              f"SmolLM2 heads {HQ}/{HKV}/{D}, float16 queries, pages of {PS} tokens, CUDA graphs; microseconds per "
              f"node (median of {a.rounds} rounds x median of {a.reps} calls). `python "
-             f"benchmarks/bench_paged_attention_cuda.py --cells {a.cells}`", "",
+             f"benchmarks/bench_paged_attention_cuda.py --cells {a.cells}"
+             + (f" --kinds '{a.kinds}'" if a.kinds else "") + "`", "",
              "| L | B | R | " + " | ".join(f"{k} us" for k in kinds) + " | " +
              " | ".join(names.get(r, f"{r[0]} / {r[1]}") for r in ratios) + " | ORT-PA graph |",
              "|---|---|---|" + "---|" * (len(kinds) + len(ratios) + 1)]
