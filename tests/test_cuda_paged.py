@@ -222,27 +222,30 @@ def test_attention_each_kernel_every_format(rng, monkeypatch, kernel, D, T, dtyp
     _attn_case(rng, ALL, B=2, T=T, lengths=[301, 64], PS=32, D=D, H=2, G=8, dtype=dtype)
 
 
+@pytest.mark.parametrize("kind", ["16bit", "INT8", "INT4"])
 @pytest.mark.parametrize("PS", [16, 48])
 @pytest.mark.parametrize("D,T,dtype", [(64, 1, "float16"), (128, 5, "float16"), (64, 3, "bfloat16"),
                                        (128, 1, "bfloat16")])
-def test_attention_uniform_16bit_pages(rng, PS, D, T, dtype):
+def test_attention_uniform_pages(rng, kind, PS, D, T, dtype):
     """Note [Paged CUDA uniform 16-bit]: page_format naming the queries' own 16-bit format (F16 / BF16) takes the
-    dense-shaped kernel: against the reference with rows ending inside a tile, a row of 8K keys (split, chunk edges
-    inside tiles), a page size that is not a power of two, G = 3 and 8."""
-    fmt = PageFormat.F16 if dtype == "float16" else PageFormat.BF16
+    dense-shaped kernel (INT8 / INT4: the every-format kernel, or the dense-shaped one in a build with
+    ORTKV_PAGED_U_NARROW=1): against the reference with rows ending inside a tile, a row of 8K keys (split, chunk
+    edges inside tiles), a page size that is not a power of two, G = 3 and 8."""
+    fmt = PageFormat[kind] if kind != "16bit" else PageFormat.F16 if dtype == "float16" else PageFormat.BF16
     _attn_case(rng, [fmt], B=3, T=T, lengths=[8203, 37, PS + T], PS=PS, D=D, NL=1, layer=0, dtype=dtype,
                page_format=fmt.name)
     _attn_case(rng, [fmt], B=2, T=T, lengths=[301, 64], PS=PS, D=D, H=2, G=8, dtype=dtype, page_format=fmt.name)
 
 
+@pytest.mark.parametrize("fmt", [PageFormat.F16, PageFormat.INT4], ids=lambda f: f.name)
 @pytest.mark.parametrize("T", [1, 8])
-def test_attention_uniform_16bit_pages_many_tiles_per_warp(rng, T):
+def test_attention_uniform_pages_many_tiles_per_warp(rng, fmt, T):
     """Enough (row, head, token) units that a node does not split (>= 4 blocks per SM), so each warp of a block
     walks more than 32 tiles of one long chunk: its page pointers are resolved in batches of 32 (Note [Paged CUDA
     uniform 16-bit]); T = 8: three batches."""
     B, L = (66, 2100) if T == 1 else (9, 4100)
-    _attn_case(rng, [PageFormat.F16], B=B, T=T, lengths=[L - 5 * b for b in range(B)], H=8, G=1, PS=16, NL=1,
-               layer=0, page_format="F16")
+    _attn_case(rng, [fmt], B=B, T=T, lengths=[L - 5 * b for b in range(B)], H=8, G=1, PS=16, NL=1, layer=0,
+               page_format=fmt.name)
 
 
 @pytest.mark.parametrize("D,T", [(64, 1), (128, 5)])
@@ -258,22 +261,23 @@ def test_attention_early_launch_equals_plain_launch(monkeypatch, D, T):
     assert outs["0"].tobytes() == outs["1"].tobytes()
 
 
-@pytest.mark.parametrize("uniform", [False, True], ids=["mixed", "uniform_f16"])
+@pytest.mark.parametrize("uniform", [None, PageFormat.F16, PageFormat.INT4], ids=["mixed", "uniform_f16", "uniform_int4"])
 def test_attention_early_launch_rereads_start_written_by_the_node_before(rng, uniform):
     """`start` computed on the GPU by the node right before PagedCacheAttention (an Add: the kernel an early
     launch overlaps; Note [CUDA attention early start]). Each run's start differs from the last one's in the same
     ORT buffer, so a block that resolved pages (and issued their tiles) for the stale value before its wait must
     start over from the new one: every run reads exactly its own keys (the rest poisoned) and matches the oracle.
-    uniform: F16 pages and page_format F16 (Note [Paged CUDA uniform 16-bit]: the dense-shaped kernel's prologue)."""
+    uniform: pages of that one format and page_format naming it (Note [Paged CUDA uniform 16-bit]: the dense-shaped
+    kernel's prologue)."""
     H, G, PS, NL, D, B = 3, 3, 16, 1, 64, 2
     lengths_max = 8200
-    kinds = [PageFormat.F16] if uniform else [PageFormat.F16, PageFormat.INT8, PageFormat.INT4]
+    kinds = [uniform] if uniform else [PageFormat.F16, PageFormat.INT8, PageFormat.INT4]
     fmts = [kinds[i % len(kinds)] for i in range(2 * (-(-lengths_max // PS)))]
     pool0, directory = build_pool(rng, fmts, num_layers=NL, kv_heads=H, page_size=PS, head_size=D)
     n = -(-lengths_max // PS)
     table = table_for([list(range(n)), list(range(n, 2 * n))], n + 1)
     sess = _session(start_from_add(attention_model("float16", H * G, H, 0, NL, PS,
-                                                   page_format="F16" if uniform else None)))
+                                                   page_format=uniform.name if uniform else None)))
     for lengths in ([8200, 300], [17, 8000], [4097, 4096], [8200, 8200]):
         start = np.array(lengths) - 1
         pool = pool0.copy()
@@ -396,16 +400,17 @@ def test_attention_refusals_are_reported(rng, case):
     np.testing.assert_allclose(out[:1], want, rtol=2e-3, atol=2e-3)
 
 
-@pytest.mark.parametrize("kernel", ["uniform", "v3", "v1"])
+@pytest.mark.parametrize("kernel", ["uniform", "uniform_int4", "v3", "v1"])
 def test_attention_page_format_attribute_refuses_another_format(rng, kernel):
     """A page of another format than the node's page_format promises is reported by every kernel (uniform: F16
-    promised under float16 queries, an INT8 page; v3: INT8 promised, an F16 page; v1 (pages of 1 token): INT4
-    promised, an F16 page), with the row, the page and the remedy; the pool untouched; the rows whose
-    pages keep the promise right. A missing page under the uniform kernel is reported as by the others."""
+    promised under float16 queries, an INT8 page, or INT4 promised, an F16 page; v3: FP8_E4M3 promised (no uniform
+    kernel), an F16 page; v1 (pages of 1 token): INT4 promised, an F16 page), with the row, the page and the
+    remedy; the pool untouched; the rows whose pages keep the promise right. A missing page under the uniform
+    kernels is reported as by the others."""
     NL, H, D = 1, 2, 64
     PS = 1 if kernel == "v1" else 16
-    good, bad = {"uniform": (PageFormat.F16, PageFormat.INT8), "v3": (PageFormat.INT8, PageFormat.F16),
-                 "v1": (PageFormat.INT4, PageFormat.F16)}[kernel]
+    good, bad = {"uniform": (PageFormat.F16, PageFormat.INT8), "uniform_int4": (PageFormat.INT4, PageFormat.F16),
+                 "v3": (PageFormat.FP8_E4M3, PageFormat.F16), "v1": (PageFormat.INT4, PageFormat.F16)}[kernel]
     n = -(-40 // PS)  # pages per row for 40 tokens
     pool, directory = build_pool(rng, [good] * (2 * n) + [bad], num_layers=NL, kv_heads=H, page_size=PS, head_size=D)
     table = table_for([list(range(n)), list(range(n, 2 * n))], n)
@@ -423,7 +428,7 @@ def test_attention_page_format_attribute_refuses_another_format(rng, kernel):
     want = paged_cache_attention_ref(q[:1], before, directory, table[:1], start[:1], num_heads=H, kv_num_heads=H,
                                      layer=0, num_layers=NL, page_size=PS)
     np.testing.assert_allclose(out[:1], want, rtol=2e-3, atol=2e-3)
-    if kernel == "uniform":
+    if kernel.startswith("uniform"):
         table[1, n - 1] = -1
         out, after, err = cuda_attention(q, pool, directory, table, start, **kw)
         assert err is not None and "row 1" in err and "the entry is -1 (no page)" in err, err
