@@ -228,9 +228,9 @@ def test_attention_each_kernel_every_format(rng, monkeypatch, kernel, D, T, dtyp
                                        (128, 1, "bfloat16")])
 def test_attention_uniform_pages(rng, kind, PS, D, T, dtype):
     """Note [Paged CUDA uniform 16-bit]: page_format naming the queries' own 16-bit format (F16 / BF16) takes the
-    dense-shaped kernel (INT8 / INT4: the every-format kernel, or the dense-shaped one in a build with
-    ORTKV_PAGED_U_NARROW=1): against the reference with rows ending inside a tile, a row of 8K keys (split, chunk
-    edges inside tiles), a page size that is not a power of two, G = 3 and 8."""
+    dense-shaped kernel (INT8 / INT4: the every-format kernel, which checks the promise): against the reference
+    with rows ending inside a tile, a row of 8K keys (split, chunk edges inside tiles), a page size that is not a
+    power of two, G = 3 and 8."""
     fmt = PageFormat[kind] if kind != "16bit" else PageFormat.F16 if dtype == "float16" else PageFormat.BF16
     _attn_case(rng, [fmt], B=3, T=T, lengths=[8203, 37, PS + T], PS=PS, D=D, NL=1, layer=0, dtype=dtype,
                page_format=fmt.name)
@@ -400,16 +400,15 @@ def test_attention_refusals_are_reported(rng, case):
     np.testing.assert_allclose(out[:1], want, rtol=2e-3, atol=2e-3)
 
 
-@pytest.mark.parametrize("kernel", ["uniform", "uniform_int4", "v3", "v1"])
+@pytest.mark.parametrize("kernel", ["uniform", "v3_int4", "v3", "v1"])
 def test_attention_page_format_attribute_refuses_another_format(rng, kernel):
     """A page of another format than the node's page_format promises is reported by every kernel (uniform: F16
-    promised under float16 queries, an INT8 page, or INT4 promised, an F16 page; v3: FP8_E4M3 promised (no uniform
-    kernel), an F16 page; v1 (pages of 1 token): INT4 promised, an F16 page), with the row, the page and the
-    remedy; the pool untouched; the rows whose pages keep the promise right. A missing page under the uniform
-    kernels is reported as by the others."""
+    promised under float16 queries, an INT8 page; v3: INT4 or FP8_E4M3 promised, an F16 page; v1 (pages of 1
+    token): INT4 promised, an F16 page), with the row, the page and the remedy; the pool untouched; the rows whose
+    pages keep the promise right. A missing page under the uniform kernel is reported as by the others."""
     NL, H, D = 1, 2, 64
     PS = 1 if kernel == "v1" else 16
-    good, bad = {"uniform": (PageFormat.F16, PageFormat.INT8), "uniform_int4": (PageFormat.INT4, PageFormat.F16),
+    good, bad = {"uniform": (PageFormat.F16, PageFormat.INT8), "v3_int4": (PageFormat.INT4, PageFormat.F16),
                  "v3": (PageFormat.FP8_E4M3, PageFormat.F16), "v1": (PageFormat.INT4, PageFormat.F16)}[kernel]
     n = -(-40 // PS)  # pages per row for 40 tokens
     pool, directory = build_pool(rng, [good] * (2 * n) + [bad], num_layers=NL, kv_heads=H, page_size=PS, head_size=D)
@@ -428,7 +427,7 @@ def test_attention_page_format_attribute_refuses_another_format(rng, kernel):
     want = paged_cache_attention_ref(q[:1], before, directory, table[:1], start[:1], num_heads=H, kv_num_heads=H,
                                      layer=0, num_layers=NL, page_size=PS)
     np.testing.assert_allclose(out[:1], want, rtol=2e-3, atol=2e-3)
-    if kernel.startswith("uniform"):
+    if kernel == "uniform":
         table[1, n - 1] = -1
         out, after, err = cuda_attention(q, pool, directory, table, start, **kw)
         assert err is not None and "row 1" in err and "the entry is -1 (no page)" in err, err

@@ -2911,42 +2911,29 @@ using tile16::Sw;
 using tile16::TileProducts;
 using tile16::ZeroInvalidV;
 
-// F: the pages' format. 16-bit (the queries' type): the tile's rows copied straight into the swizzled tile, as
-// dense v3; INT8 / INT4: their payload rows and scales copied raw (pv3::IssueTile), decoded into the 16-bit tile
-// in place (pv3::DecodeTile) before the products.
-template <int D, int F>
+template <int D>
 struct Cfg {
-  static constexpr bool kNarrow = F == static_cast<int>(PageFormat::kInt8) || F == static_cast<int>(PageFormat::kInt4);
   static constexpr int kStages = D <= 64 ? 4 : 3;  // dense v3's rings
   static constexpr int kRegion = kTile * D * 2;
-  static constexpr int kStageBytes = 2 * kRegion + (kNarrow ? 128 : 0);  // K, V (then K and V scales)
+  static constexpr int kStageBytes = 2 * kRegion;  // K, then V
   static constexpr int kWarpBytes = kStages * kStageBytes;
   static constexpr int kRingBytes = kWarps * kWarpBytes;
   static constexpr int kCh = D / 8;
   static constexpr size_t kSmem = kRingBytes + 16;  // + the block's first failure key
 };
 using Merge = WarpMerge<kWarps, 8>;
-static_assert(sizeof(Merge) <= Cfg<64, 0>::kRingBytes && sizeof(Merge) <= Cfg<128, 0>::kRingBytes, "");
+static_assert(sizeof(Merge) <= Cfg<64>::kRingBytes && sizeof(Merge) <= Cfg<128>::kRingBytes, "");
 
-// INT8 / INT4 pages through the uniform kernel (their tiles decoded in shared memory, pv3::DecodeTile): a harness
-// knob until measured on a GPU (`nvcc -DORTKV_PAGED_U_NARROW=1 ... benchmarks/cuda/paged_sweep.cu`); the library
-// is built without it, so a node promising INT8 / INT4 runs Note [Paged CUDA v3] (which checks the promise).
-#ifndef ORTKV_PAGED_U_NARROW
-#define ORTKV_PAGED_U_NARROW 0
-#endif
-// Blocks per SM the uniform kernels are compiled for (3: dense v3's occupancy; the narrow formats' decode must fit
-// in 168 registers). A harness knob (benchmarks/cuda/paged_sweep.cu), not the library's.
-#ifndef ORTKV_PAGED_U_MIN_BLOCKS
-#define ORTKV_PAGED_U_MIN_BLOCKS 3
-#endif
-
-template <typename T, int D, int F, bool EARLY = false>
-__global__ void __launch_bounds__(kThreads, ORTKV_PAGED_U_MIN_BLOCKS) PagedAttentionU(const AttnArgs args) {
-  using C = Cfg<D, F>;
+// INT8 / INT4 pages through this kernel's shape (their tiles copied raw and decoded in shared memory with
+// pv3::IssueTile / pv3::DecodeTile, 111 / 115 registers at head size 64) were measured on the H200 and not kept:
+// paged_sweep, INT8 8.9 / 17.0 / 49.3 us and INT4 9.7 / 17.7 / 54.7 us at 8K x 1 / 8K x 8 / 32K x 8 against
+// Note [Paged CUDA v3]'s register decode at 8.4 / 15.2 / 34.9 and 8.5 / 13.3 / 27.6
+// (benchmarks/results/paged_attention_cuda_h200.md, 2026-12-03 third session).
+template <typename T, int D, bool EARLY = false>
+__global__ void __launch_bounds__(kThreads) PagedAttentionU16(const AttnArgs args) {
+  using C = Cfg<D>;
   constexpr bool BF = std::is_same<T, __nv_bfloat16>::value;
-  constexpr int64_t UF = F;
-  static_assert(C::kNarrow || F == (BF ? static_cast<int>(PageFormat::kBF16) : static_cast<int>(PageFormat::kF16)),
-                "a 16-bit page format is the queries' own");
+  constexpr int64_t UF = BF ? static_cast<int64_t>(PageFormat::kBF16) : static_cast<int64_t>(PageFormat::kF16);
   constexpr int NW = kWarps, ST = C::kStages;
   extern __shared__ __align__(128) unsigned char dsm[];
   unsigned long long& s_key = *reinterpret_cast<unsigned long long*>(dsm + C::kRingBytes);
@@ -2961,18 +2948,8 @@ __global__ void __launch_bounds__(kThreads, ORTKV_PAGED_U_MIN_BLOCKS) PagedAtten
   const int ps_shift = (ps & (ps - 1)) == 0 ? __ffs(ps) - 1 : -1;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, c = lane & 3;
-  const codecs::PageLayout& lay = a.p.layouts[UF];
-  const uint64_t v_off = lay.v_payload;
-  const uint64_t layer_off = static_cast<uint64_t>(a.p.layer) * lay.page_bytes;
-  pv2::FormatInfo fi{};  // the narrow formats' layout, as pv3's IssueTile / DecodeTile take it
-  if constexpr (C::kNarrow) {
-    fi.row_bytes = static_cast<uint32_t>(lay.row_bytes);
-    fi.v_payload = static_cast<uint32_t>(lay.v_payload);
-    fi.k_scales = static_cast<uint32_t>(lay.k_scales);
-    fi.v_scales = static_cast<uint32_t>(lay.v_scales);
-    fi.srb = static_cast<uint32_t>(lay.scale_row_bytes);
-    fi.bits = static_cast<uint32_t>(codecs::PayloadBits(static_cast<PageFormat>(F)));
-  }
+  const uint64_t v_off = a.p.layouts[UF].v_payload;
+  const uint64_t layer_off = static_cast<uint64_t>(a.p.layer) * a.p.layouts[UF].page_bytes;
   if (tid == 0) s_key = kNoError;
 
   uint32_t qr[D / 16][2];
@@ -2993,11 +2970,9 @@ __global__ void __launch_bounds__(kThreads, ORTKV_PAGED_U_MIN_BLOCKS) PagedAtten
     mine = n_tiles > warp ? (n_tiles - warp + NW - 1) / NW : 0;
     next = 0, stage_in = 0;
   };
-  // This lane's tile of the batch (tiles 32 * batch + lane of the warp): `kp`, its page's layer base (nullptr: a bad
-  // page, recorded in s_key) and `krow`, the tile's first row in the page's K rows (head hk's rows from hk * ps);
-  // resolved when `res`; before the wait (pre) only pages that end before st0.
+  // This lane's tile of the batch (tiles 32 * batch + lane of the warp): `kp`, its first K row (nullptr: a bad
+  // page, recorded in s_key), resolved when `res`; before the wait (pre) only pages that end before st0.
   const uint8_t* kp = nullptr;
-  uint32_t krow = 0;
   bool res = false;
   const auto resolve = [&](int batch, bool pre) {
     const int idx = batch * 32 + lane;
@@ -3014,17 +2989,11 @@ __global__ void __launch_bounds__(kThreads, ORTKV_PAGED_U_MIN_BLOCKS) PagedAtten
       kp = nullptr;
       return;
     }
-    kp = a.p.pool + off + layer_off;
-    krow = static_cast<uint32_t>(hk) * ps + static_cast<uint32_t>(k0 - pi * ps);
+    kp = a.p.pool + off + layer_off + (static_cast<uint64_t>(hk) * ps + static_cast<uint64_t>(k0 - pi * ps)) * (D * 2);
   };
   uint8_t* wring = dsm + warp * C::kWarpBytes;
-  const auto copy_rows = [&](uint8_t* sg, const uint8_t* pg, uint32_t row0, int64_t k0, int64_t lo, int64_t hi) {
-    if (pg == nullptr) return;
-    if constexpr (C::kNarrow) {  // every row of the tile (rows past hi are zeroed by the decode), raw, and scales
-      pv3::IssueTile<F, D, false>(sg, pg, fi, row0, lane);
-      return;
-    }
-    const uint8_t* p = pg + static_cast<uint64_t>(row0) * (D * 2);
+  const auto copy_rows = [&](uint8_t* sg, const uint8_t* p, int64_t k0, int64_t lo, int64_t hi) {
+    if (p == nullptr) return;
 #pragma unroll
     for (int i = lane; i < kTile * C::kCh; i += 32) {
       const int r = i / C::kCh, ch = i % C::kCh;
@@ -3044,11 +3013,10 @@ __global__ void __launch_bounds__(kThreads, ORTKV_PAGED_U_MIN_BLOCKS) PagedAtten
       }
       const int from = next & 31;
       const unsigned long long pv = __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(kp), from);
-      const uint32_t row0 = __shfl_sync(0xffffffffu, krow, from);
-      const bool ok = __shfl_sync(0xffffffffu, static_cast<int>(res), from) != 0;
+      const bool ok = __shfl_sync(0xffffffffu, res, from);
       const int64_t k0 = j0 + static_cast<int64_t>(warp + next * NW) * kTile;
       if (ok)
-        copy_rows(wring + stage_in * C::kStageBytes, reinterpret_cast<const uint8_t*>(pv), row0, k0, k0, j1);
+        copy_rows(wring + stage_in * C::kStageBytes, reinterpret_cast<const uint8_t*>(pv), k0, k0, j1);
       else
         pending |= 1u << next;
     }
@@ -3085,9 +3053,8 @@ __global__ void __launch_bounds__(kThreads, ORTKV_PAGED_U_MIN_BLOCKS) PagedAtten
         for (int s = 0; s < ST - 1; ++s) {
           if ((pending >> s) & 1u) {
             const unsigned long long pv = __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(kp), s);
-            const uint32_t row0 = __shfl_sync(0xffffffffu, krow, s);
             const int64_t k0 = j0 + static_cast<int64_t>(warp + s * NW) * kTile;
-            copy_rows(wring + s * C::kStageBytes, reinterpret_cast<const uint8_t*>(pv), row0, k0, k0, j1);
+            copy_rows(wring + s * C::kStageBytes, reinterpret_cast<const uint8_t*>(pv), k0, k0, j1);
           }
         }
         CpAsyncCommit();
@@ -3110,10 +3077,7 @@ __global__ void __launch_bounds__(kThreads, ORTKV_PAGED_U_MIN_BLOCKS) PagedAtten
     const int64_t k0 = j0 + static_cast<int64_t>(warp + it * NW) * kTile;
     const uint32_t valid = k0 + kTile <= j1 ? 0xFFFFu : (1u << static_cast<int>(j1 - k0)) - 1u;
     uint8_t* sg = wring + stage * C::kStageBytes;
-    if constexpr (C::kNarrow)
-      pv3::DecodeTile<F, D, BF>(sg, nullptr, fi, hk, lane, valid);  // invalid rows' values zeroed there
-    else if (valid != 0xFFFFu)
-      ZeroInvalidV<D>(sg, lane, valid);
+    if (valid != 0xFFFFu) ZeroInvalidV<D>(sg, lane, valid);
     TileProducts<BF, D>(sg, qa, lane, valid, m, l, o);
   }
   l += __shfl_xor_sync(0xffffffffu, l, 1);
@@ -3147,17 +3111,17 @@ __global__ void __launch_bounds__(kThreads, ORTKV_PAGED_U_MIN_BLOCKS) PagedAtten
   });
 }
 
-template <typename T, int D, int F>
+template <typename T, int D>
 cudaError_t LaunchD(AttnArgs a, cudaStream_t stream) {
-  constexpr size_t kSmem = Cfg<D, F>::kSmem;
+  constexpr size_t kSmem = Cfg<D>::kSmem;
   static const int per_sm = [] {
-    for (auto* k : {PagedAttentionU<T, D, F>, PagedAttentionU<T, D, F, true>}) {
+    for (auto* k : {PagedAttentionU16<T, D>, PagedAttentionU16<T, D, true>}) {
       (void)cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmem));
       (void)cudaFuncSetAttribute(k, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared);
     }
     (void)cudaGetLastError();
     int n = 0;
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, PagedAttentionU<T, D, F>, kThreads, kSmem) != cudaSuccess ||
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, PagedAttentionU16<T, D>, kThreads, kSmem) != cudaSuccess ||
         n < 1) {
       (void)cudaGetLastError();
       n = 2;
@@ -3169,36 +3133,16 @@ cudaError_t LaunchD(AttnArgs a, cudaStream_t stream) {
     a.v.splits = std::max<int64_t>(1, std::min<int64_t>(a.v.splits, static_cast<int64_t>(per_sm) * a.v.sm_count / base));
   const unsigned blocks = static_cast<unsigned>(base * a.v.splits);
   if (!(pv2::CurrentMajor() >= 9 && CudaEarlyLaunch() &&  // Note [CUDA attention early start]
-        LaunchProgrammatic(PagedAttentionU<T, D, F, true>, blocks, kThreads, kSmem, stream, a)))
-    PagedAttentionU<T, D, F><<<blocks, kThreads, kSmem, stream>>>(a);
+        LaunchProgrammatic(PagedAttentionU16<T, D, true>, blocks, kThreads, kSmem, stream, a)))
+    PagedAttentionU16<T, D><<<blocks, kThreads, kSmem, stream>>>(a);
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return e;
   return pv2::LaunchCombine<T>(a, stream);
 }
 
-// a.v.page_format: the queries' 16-bit format, INT8 or INT4 (Supported)
-template <typename T, int F>
-cudaError_t LaunchF(const AttnArgs& a, cudaStream_t stream) {
-  return a.v.D == 64 ? LaunchD<T, 64, F>(a, stream) : LaunchD<T, 128, F>(a, stream);
-}
 template <typename T>
 cudaError_t Launch(const AttnArgs& a, cudaStream_t stream) {
-  constexpr int kDirect = std::is_same<T, __nv_bfloat16>::value ? static_cast<int>(PageFormat::kBF16)
-                                                                : static_cast<int>(PageFormat::kF16);
-#if ORTKV_PAGED_U_NARROW
-  switch (a.v.page_format) {
-    case static_cast<int>(PageFormat::kInt8): return LaunchF<T, static_cast<int>(PageFormat::kInt8)>(a, stream);
-    case static_cast<int>(PageFormat::kInt4): return LaunchF<T, static_cast<int>(PageFormat::kInt4)>(a, stream);
-    default: break;
-  }
-#endif
-  return LaunchF<T, kDirect>(a, stream);
-}
-// The page formats the uniform kernels take under queries of type `elem_type` (float16 / bfloat16).
-bool Supported(int32_t page_format, int32_t elem_type) {
-  return page_format == static_cast<int32_t>(elem_type == kFloat16 ? PageFormat::kF16 : PageFormat::kBF16) ||
-         (ORTKV_PAGED_U_NARROW && (page_format == static_cast<int32_t>(PageFormat::kInt8) ||
-                                   page_format == static_cast<int32_t>(PageFormat::kInt4)));
+  return a.v.D == 64 ? LaunchD<T, 64>(a, stream) : LaunchD<T, 128>(a, stream);
 }
 
 }  // namespace pu
@@ -3264,7 +3208,7 @@ Status PagedCacheAttentionCuda(const PagedAttentionCudaView& v, void* stream_ptr
   const bool v3 = v2 && level != 2 && (v.D == 64 || v.D == 128) && v.p.shape.page_size % pv3::kTile == 0 &&
                   (v.elem_type == kFloat16 || v.elem_type == kBFloat16);  // Note [Paged CUDA v3]
   // Note [Paged CUDA uniform 16-bit]: the node promises pages of the queries' own 16-bit format
-  const bool u16 = v3 && pu::Supported(v.page_format, v.elem_type);
+  const bool u16 = v3 && v.page_format == static_cast<int32_t>(v.elem_type == kFloat16 ? PageFormat::kF16 : PageFormat::kBF16);
   cudaError_t e = cudaSuccess;
   if (!v2) {  // the first kernel's blocks atomicMin into one flag: cleared first
     e = cudaMemsetAsync(v.flag, 0xFF, sizeof(unsigned long long), stream);
