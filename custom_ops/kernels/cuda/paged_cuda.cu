@@ -1653,6 +1653,39 @@ cudaError_t Launch(const AttnArgs& a, int gm, cudaStream_t stream) {
 }  // namespace pv2
 
 // ---- PagedCacheAttention v3: Note [Paged CUDA v3] ----------------------------------------------------
+// The launch of a decode attention kernel of kThreads threads as its plain and early (Note [CUDA attention early
+// start]) instantiations, shared by v3 and the uniform kernel: BlocksPerSm once per pair (dynamic shared memory
+// and carveout set on both; same occupancy), then LaunchOneWave: the splits trimmed to one wave (Note [CacheAttention
+// CUDA v2 waves]), the early launch where it can be made, then the combine.
+using AttnKernel = void (*)(const AttnArgs);
+int BlocksPerSm(AttnKernel plain, AttnKernel early, size_t smem) {
+  for (AttnKernel k : {plain, early}) {
+    (void)cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+    (void)cudaFuncSetAttribute(k, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared);
+  }
+  (void)cudaGetLastError();
+  int n = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, plain, kThreads, smem) != cudaSuccess || n < 1) {
+    (void)cudaGetLastError();
+    n = 2;
+  }
+  return n;
+}
+template <typename T>
+cudaError_t LaunchOneWave(AttnKernel plain, AttnKernel early, size_t smem, int per_sm, AttnArgs a,
+                          cudaStream_t stream) {
+  const int64_t base = a.v.units() * a.head_blocks;
+  if (a.v.splits > 1 && a.v.sm_count > 0)  // one wave (Note [CacheAttention CUDA v2 waves])
+    a.v.splits = std::max<int64_t>(1, std::min<int64_t>(a.v.splits, static_cast<int64_t>(per_sm) * a.v.sm_count / base));
+  const unsigned blocks = static_cast<unsigned>(base * a.v.splits);
+  if (!(pv2::CurrentMajor() >= 9 && CudaEarlyLaunch() &&  // Note [CUDA attention early start]
+        LaunchProgrammatic(early, blocks, kThreads, smem, stream, a)))
+    plain<<<blocks, kThreads, smem, stream>>>(a);
+  cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) return e;
+  return pv2::LaunchCombine<T>(a, stream);
+}
+
 // The (split, head block, unit = (row, KV head, token)) a block of the v3 / uniform kernels serves, from its
 // blockIdx (split fastest), and its query heads g0 .. g0 + gn - 1 of the group of G (one head block for G <= 8, else
 // 8 heads each).
@@ -2848,32 +2881,9 @@ __global__ void __launch_bounds__(kThreads, ORTKV_PAGED_V3_MIN_BLOCKS) PagedAtte
 }
 
 template <typename T, int D>
-cudaError_t LaunchD(AttnArgs a, cudaStream_t stream) {
-  constexpr size_t kSmem = SmemBytes<D>();
-  static const int per_sm = [] {
-    for (auto* k : {PagedAttentionV3<T, D>, PagedAttentionV3<T, D, true>}) {  // plain and early (same occupancy)
-      (void)cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmem));
-      (void)cudaFuncSetAttribute(k, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared);
-    }
-    (void)cudaGetLastError();
-    int n = 0;
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, PagedAttentionV3<T, D>, kThreads, kSmem) != cudaSuccess ||
-        n < 1) {
-      (void)cudaGetLastError();
-      n = 2;
-    }
-    return n;
-  }();
-  const int64_t base = a.v.units() * a.head_blocks;
-  if (a.v.splits > 1 && a.v.sm_count > 0)  // one wave (Note [CacheAttention CUDA v2 waves])
-    a.v.splits = std::max<int64_t>(1, std::min<int64_t>(a.v.splits, static_cast<int64_t>(per_sm) * a.v.sm_count / base));
-  const unsigned blocks = static_cast<unsigned>(base * a.v.splits);
-  if (!(pv2::CurrentMajor() >= 9 && CudaEarlyLaunch() &&  // Note [CUDA attention early start]
-        LaunchProgrammatic(PagedAttentionV3<T, D, true>, blocks, kThreads, kSmem, stream, a)))
-    PagedAttentionV3<T, D><<<blocks, kThreads, kSmem, stream>>>(a);
-  cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess) return e;
-  return pv2::LaunchCombine<T>(a, stream);
+cudaError_t LaunchD(const AttnArgs& a, cudaStream_t stream) {
+  static const int per_sm = BlocksPerSm(PagedAttentionV3<T, D>, PagedAttentionV3<T, D, true>, SmemBytes<D>());
+  return LaunchOneWave<T>(PagedAttentionV3<T, D>, PagedAttentionV3<T, D, true>, SmemBytes<D>(), per_sm, a, stream);
 }
 
 template <typename T>
@@ -3112,32 +3122,9 @@ __global__ void __launch_bounds__(kThreads) PagedAttentionU16(const AttnArgs arg
 }
 
 template <typename T, int D>
-cudaError_t LaunchD(AttnArgs a, cudaStream_t stream) {
-  constexpr size_t kSmem = Cfg<D>::kSmem;
-  static const int per_sm = [] {
-    for (auto* k : {PagedAttentionU16<T, D>, PagedAttentionU16<T, D, true>}) {
-      (void)cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmem));
-      (void)cudaFuncSetAttribute(k, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared);
-    }
-    (void)cudaGetLastError();
-    int n = 0;
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, PagedAttentionU16<T, D>, kThreads, kSmem) != cudaSuccess ||
-        n < 1) {
-      (void)cudaGetLastError();
-      n = 2;
-    }
-    return n;
-  }();
-  const int64_t base = a.v.units() * a.head_blocks;
-  if (a.v.splits > 1 && a.v.sm_count > 0)  // one wave (Note [CacheAttention CUDA v2 waves])
-    a.v.splits = std::max<int64_t>(1, std::min<int64_t>(a.v.splits, static_cast<int64_t>(per_sm) * a.v.sm_count / base));
-  const unsigned blocks = static_cast<unsigned>(base * a.v.splits);
-  if (!(pv2::CurrentMajor() >= 9 && CudaEarlyLaunch() &&  // Note [CUDA attention early start]
-        LaunchProgrammatic(PagedAttentionU16<T, D, true>, blocks, kThreads, kSmem, stream, a)))
-    PagedAttentionU16<T, D><<<blocks, kThreads, kSmem, stream>>>(a);
-  cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess) return e;
-  return pv2::LaunchCombine<T>(a, stream);
+cudaError_t LaunchD(const AttnArgs& a, cudaStream_t stream) {
+  static const int per_sm = BlocksPerSm(PagedAttentionU16<T, D>, PagedAttentionU16<T, D, true>, Cfg<D>::kSmem);
+  return LaunchOneWave<T>(PagedAttentionU16<T, D>, PagedAttentionU16<T, D, true>, Cfg<D>::kSmem, per_sm, a, stream);
 }
 
 template <typename T>
