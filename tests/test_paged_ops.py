@@ -495,6 +495,12 @@ def test_attention_page_format_attribute_refuses_another_format(rng):
     run_attention(q[:1], pool, directory, table[:1], [20], page_format="F16", **kw)  # row 0's pages are F16
     with pytest.raises(Exception, match=r"attribute page_format = 'F17' is not a page format; use one of F16, BF16"):
         run_attention(q, pool, directory, table, [20, 20], page_format="F17", **kw)
+    from ortkv.graph.op_contract import attribute_problems, contract_of
+
+    node = attention_model("float32", H, H, 0, NL, PS, page_format="F17").graph.node[0]  # and the checker says so
+    assert attribute_problems(node, contract_of(node))[0].startswith("attribute page_format=F17; allowed: , F16, f16")
+    good = attention_model("float32", H, H, 0, NL, PS, page_format="int4").graph.node[0]
+    assert attribute_problems(good, contract_of(good)) == []
 
 
 # ---- update then attention, one token at a time (a decode loop through ORT) ---------------------------------------
