@@ -154,6 +154,9 @@ def paged_model_path(cfg: GenAIConfig, log=print, page_fill: bool = False):
 # commit (the captured PagedCacheUpdate keeps the uncommitted ranges of its capture) and every start(). A
 # requantize (the policy, or demotion) runs between steps on the device (Note [Requantize on a CUDA pool]).
 # Greedy picks run on the device (GreedyToken, Note [Greedy on the device]); sampling brings [B, V] logits back.
+# With one format, F16, for every page (and no demotion) the attention nodes promise it (page_format = "F16",
+# uniform_page_format; the model `paged-ps{N}-f16`), which runs the uniform 16-bit kernel (Note [Paged CUDA uniform
+# 16-bit] in custom_ops/kernels/cuda/paged_cuda.cu).
 class PagedRunner:
     """The runner interface of runners.py (start / prefill / step / kv_bytes / close) on the paged
     decoder: a PagePool on one arena under the config's budget, one PagedKVCache for the batch, its policy
