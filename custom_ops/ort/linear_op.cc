@@ -258,27 +258,6 @@ OrtStatus* InferLinear(const OrtCustomOp*, OrtShapeInferContext* ctx) {
   return s;
 }
 
-// The optional string attribute `activation` (absent: "none").
-OrtStatus* ReadActivation(const OrtApi* api, const OrtKernelInfo* info, const std::string& node, std::string* out) {
-  size_t size = 0;
-  OrtStatus* s = api->KernelInfoGetAttribute_string(info, "activation", nullptr, &size);
-  if (s != nullptr) {
-    const std::string why = api->GetErrorMessage(s);
-    api->ReleaseStatus(s);
-    if (why.find("No attribute with name") != std::string::npos) {
-      *out = "none";
-      return nullptr;
-    }
-    const std::string m = "[ortkv:E_INPUT] Linear node '" + node + "': attribute 'activation' must be a string "
-                          "(ONNX Runtime: " + why + ")";
-    return api->CreateStatus(ORT_INVALID_ARGUMENT, m.c_str());
-  }
-  std::vector<char> buf(size + 1, '\0');
-  ORTKV_RETURN_IF_ORT_ERROR(api->KernelInfoGetAttribute_string(info, "activation", buf.data(), &size));
-  out->assign(buf.data());
-  return nullptr;
-}
-
 OrtStatus* Create(const OrtApi* api, const OrtKernelInfo* info, void** kernel, bool cuda) {
   auto k = std::make_unique<LinearKernel>();
   k->cuda = cuda;
@@ -290,7 +269,7 @@ OrtStatus* Create(const OrtApi* api, const OrtKernelInfo* info, void** kernel, b
   ORTKV_RETURN_IF_ORT_ERROR(OptionalAttribute(api, info, k->names.node, "epsilon", 1e-5f, &k->epsilon));
   ORTKV_RETURN_IF_ORT_ERROR(OptionalAttribute(api, info, k->names.node, "rows_per_warp", int64_t{2}, &k->rows_per_warp));
   std::string activation;
-  ORTKV_RETURN_IF_ORT_ERROR(ReadActivation(api, info, k->names.node, &activation));
+  ORTKV_RETURN_IF_ORT_ERROR(OptionalAttribute(api, info, k->names.node, "activation", std::string("none"), &activation));
   if (activation != "none" && activation != "swiglu") {
     const std::string m = "[ortkv:E_INPUT] Linear node '" + k->names.node + "': attribute activation='" + activation +
                           "' must be 'none' or 'swiglu' (Note [Linear SwiGLU epilogue])";

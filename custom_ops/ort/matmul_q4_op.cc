@@ -91,27 +91,6 @@ OrtStatus* Compute(void* op_kernel, OrtKernelContext* ctx) {
   return nullptr;
 }
 
-// The optional string attribute `isa` (absent: "auto").
-OrtStatus* ReadIsa(const OrtApi* api, const OrtKernelInfo* info, const std::string& node, std::string* out) {
-  size_t size = 0;
-  OrtStatus* s = api->KernelInfoGetAttribute_string(info, "isa", nullptr, &size);
-  if (s != nullptr) {
-    const std::string why = api->GetErrorMessage(s);
-    api->ReleaseStatus(s);
-    if (why.find("No attribute with name") != std::string::npos) {
-      *out = "auto";
-      return nullptr;
-    }
-    const std::string m = "[ortkv:E_INPUT] MatMulQ4 node '" + node + "': attribute 'isa' must be a string (ONNX Runtime: " +
-                          why + ")";
-    return api->CreateStatus(ORT_INVALID_ARGUMENT, m.c_str());
-  }
-  std::vector<char> buf(size + 1, '\0');
-  ORTKV_RETURN_IF_ORT_ERROR(api->KernelInfoGetAttribute_string(info, "isa", buf.data(), &size));
-  out->assign(buf.data());
-  return nullptr;
-}
-
 OrtStatus* Create(const OrtCustomOp*, const OrtApi* api, const OrtKernelInfo* info, void** kernel) {
   auto k = std::make_unique<MatMulQ4Kernel>();
   ORTKV_RETURN_IF_ORT_ERROR(ReadNodeNames(api, info, 4, 1, &k->names));
@@ -126,7 +105,7 @@ OrtStatus* Create(const OrtCustomOp*, const OrtApi* api, const OrtKernelInfo* in
     return api->CreateStatus(ORT_INVALID_ARGUMENT, m.c_str());
   }
   std::string isa;
-  ORTKV_RETURN_IF_ORT_ERROR(ReadIsa(api, info, k->names.node, &isa));
+  ORTKV_RETURN_IF_ORT_ERROR(OptionalAttribute(api, info, k->names.node, "isa", std::string("auto"), &isa));
   ORTKV_RETURN_IF_ORT_ERROR(ToOrtStatus(ortkv::ParseQ4Isa(k->names.node, isa, &k->isa)));
   *kernel = k.release();
   return nullptr;

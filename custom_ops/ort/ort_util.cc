@@ -101,4 +101,20 @@ OrtStatus* OptionalAttribute(const OrtApi* api, const OrtKernelInfo* info, const
                   [&] { return api->KernelInfoGetAttribute_float(info, name, out); });
 }
 
+OrtStatus* OptionalAttribute(const OrtApi* api, const OrtKernelInfo* info, const std::string& node, const char* name,
+                             const std::string& fallback, std::string* out) {
+  size_t size = 0;
+  bool present = false;
+  ORTKV_RETURN_IF_ORT_ERROR(Optional(api, node, name, "a string", fallback, out, [&] {
+    OrtStatus* s = api->KernelInfoGetAttribute_string(info, name, nullptr, &size);  // the size query first
+    present = s == nullptr;
+    return s;
+  }));
+  if (!present) return nullptr;
+  std::vector<char> buf(size + 1, '\0');
+  ORTKV_RETURN_IF_ORT_ERROR(api->KernelInfoGetAttribute_string(info, name, buf.data(), &size));
+  out->assign(buf.data());
+  return nullptr;
+}
+
 }  // namespace ortkv_ort

@@ -81,6 +81,8 @@ OrtStatus* OptionalAttribute(const OrtApi* api, const OrtKernelInfo* info, const
                              int64_t fallback, int64_t* out);
 OrtStatus* OptionalAttribute(const OrtApi* api, const OrtKernelInfo* info, const std::string& node, const char* name,
                              float fallback, float* out);
+OrtStatus* OptionalAttribute(const OrtApi* api, const OrtKernelInfo* info, const std::string& node, const char* name,
+                             const std::string& fallback, std::string* out);
 
 // Zeroes `op` and fills what every ortkv op shares: version (>= 18, so GetAliasMap is honoured),
 // required single inputs and outputs, default memory types, opset range [1, INT_MAX]. Each op then

@@ -258,19 +258,8 @@ OrtStatus* AttnCompute(void* op_kernel, OrtKernelContext* ctx) {
 // in either case (Note [Paged CUDA uniform 16-bit] in kernels/cuda/paged_cuda.cu).
 OrtStatus* ReadPageFormat(const OrtApi* api, const OrtKernelInfo* info, const std::string& node, int32_t* out) {
   *out = -1;
-  size_t size = 0;
-  OrtStatus* s = api->KernelInfoGetAttribute_string(info, "page_format", nullptr, &size);
-  const std::string where = "[ortkv:E_INPUT] PagedCacheAttention node '" + node + "': attribute page_format";
-  if (s != nullptr) {
-    const std::string why = api->GetErrorMessage(s);
-    api->ReleaseStatus(s);
-    if (why.find("No attribute with name") != std::string::npos) return nullptr;
-    const std::string m = where + " must be a string (ONNX Runtime: " + why + ")";
-    return api->CreateStatus(ORT_INVALID_ARGUMENT, m.c_str());
-  }
-  std::vector<char> buf(size + 1, '\0');
-  ORTKV_RETURN_IF_ORT_ERROR(api->KernelInfoGetAttribute_string(info, "page_format", buf.data(), &size));
-  std::string name(buf.data());
+  std::string name;
+  ORTKV_RETURN_IF_ORT_ERROR(OptionalAttribute(api, info, node, "page_format", std::string(), &name));
   if (name.empty()) return nullptr;
   std::string upper = name;
   std::transform(upper.begin(), upper.end(), upper.begin(), [](unsigned char ch) { return static_cast<char>(std::toupper(ch)); });
@@ -283,7 +272,8 @@ OrtStatus* ReadPageFormat(const OrtApi* api, const OrtKernelInfo* info, const st
     }
     names += (f ? ", " : "") + std::string(fn);
   }
-  const std::string m = where + " = '" + name + "' is not a page format; use one of " + names +
+  const std::string m = "[ortkv:E_INPUT] PagedCacheAttention node '" + node + "': attribute page_format = '" + name +
+                        "' is not a page format; use one of " + names +
                         " (either case), or leave it out for pages of any format";
   return api->CreateStatus(ORT_INVALID_ARGUMENT, m.c_str());
 }
