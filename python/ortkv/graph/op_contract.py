@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from onnx import AttributeProto, TensorProto
 
 from ..errors import GraphCheckError
+from ..reference.codecs import PageFormat
 
 DOMAIN = "ortkv"
 FLOATS = (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16)
@@ -141,8 +142,7 @@ _add(OpContract(
 # page slots, a directory (format, byte offset) per page id and a page table per sequence; the directory
 # and the page table are host-managed and only read by the ops.
 # PagedCacheAttention's page_format attribute: a format name in either case (custom_ops/ort/paged_ops.cc)
-_PAGE_FORMAT_NAMES = tuple(n for f in ("F16", "BF16", "INT8", "FP8_E4M3", "INT4", "INT2", "INT4_KC", "INT2_KC")
-                           for n in (f, f.lower()))
+_PAGE_FORMAT_NAMES = tuple(n for f in PageFormat for n in (f.name, f.name.lower()))
 _PAGED_ATTRS = (Attr("layer", INT, required=True, minimum=0, doc="this node's layer; < num_layers"),
                 Attr("num_layers", INT, required=True, minimum=1, doc="layers per page slot"),
                 Attr("kv_num_heads", INT, required=True, minimum=1, doc="KV heads of a page"),
