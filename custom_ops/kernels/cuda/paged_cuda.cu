@@ -3002,12 +3002,12 @@ __global__ void __launch_bounds__(kThreads) PagedAttentionU16(const AttnArgs arg
     kp = a.p.pool + off + layer_off + (static_cast<uint64_t>(hk) * ps + static_cast<uint64_t>(k0 - pi * ps)) * (D * 2);
   };
   uint8_t* wring = dsm + warp * C::kWarpBytes;
-  const auto copy_rows = [&](uint8_t* sg, const uint8_t* p, int64_t k0, int64_t lo, int64_t hi) {
+  const auto copy_rows = [&](uint8_t* sg, const uint8_t* p, int64_t k0) {  // the tile's rows below j1
     if (p == nullptr) return;
 #pragma unroll
     for (int i = lane; i < kTile * C::kCh; i += 32) {
       const int r = i / C::kCh, ch = i % C::kCh;
-      if (k0 + r >= lo && k0 + r < hi) {
+      if (k0 + r < j1) {
         CpAsync<16>(sg + Sw<D>(r, ch), p + r * (D * 2) + ch * 16);
         CpAsync<16>(sg + C::kRegion + Sw<D>(r, ch), p + v_off + r * (D * 2) + ch * 16);
       }
@@ -3026,7 +3026,7 @@ __global__ void __launch_bounds__(kThreads) PagedAttentionU16(const AttnArgs arg
       const bool ok = __shfl_sync(0xffffffffu, res, from);
       const int64_t k0 = j0 + static_cast<int64_t>(warp + next * NW) * kTile;
       if (ok)
-        copy_rows(wring + stage_in * C::kStageBytes, reinterpret_cast<const uint8_t*>(pv), k0, k0, j1);
+        copy_rows(wring + stage_in * C::kStageBytes, reinterpret_cast<const uint8_t*>(pv), k0);
       else
         pending |= 1u << next;
     }
@@ -3064,7 +3064,7 @@ __global__ void __launch_bounds__(kThreads) PagedAttentionU16(const AttnArgs arg
           if ((pending >> s) & 1u) {
             const unsigned long long pv = __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(kp), s);
             const int64_t k0 = j0 + static_cast<int64_t>(warp + s * NW) * kTile;
-            copy_rows(wring + s * C::kStageBytes, reinterpret_cast<const uint8_t*>(pv), k0, k0, j1);
+            copy_rows(wring + s * C::kStageBytes, reinterpret_cast<const uint8_t*>(pv), k0);
           }
         }
         CpAsyncCommit();
