@@ -1,5 +1,6 @@
 """CUDA PagedCacheAttention decode per page format against dense CUDA CacheAttention on the same tokens,
-with ORT only (no torch, no cupy). SmolLM2-135M heads (9 query / 3 KV heads of 64), float16 queries.
+with ORT only (no torch, no cupy). SmolLM2-135M heads (9 query / 3 KV heads of 64) unless --heads says otherwise
+(e.g. 32/8/128, Llama-3-8B's: a node that moves 5.3x the bytes per key), float16 queries.
 
   dense : ortkv CacheAttention over BSNH float16 caches [B, L, 3, 64] (start = L - 1).
   F16 / INT8 / INT4 : ortkv PagedCacheAttention over one pool of pages of that format (pages of 16
@@ -19,7 +20,8 @@ round) of the median of --reps timed calls after a warm-up; the time per node is
           the op allows capture; otherwise without one (the table says which).
 
     python benchmarks/bench_paged_attention_cuda.py [--rounds 3] [--reps 20] [--cells 8192x1,8192x8,32768x1,32768x8]
-                                                    [--kinds dense,F16,...] [--out benchmarks/results/paged_attention_cuda.md]
+                                                    [--kinds dense,F16,...] [--heads 9/3/64]
+                                                    [--out benchmarks/results/paged_attention_cuda.md]
 """
 
 from __future__ import annotations
@@ -191,14 +193,23 @@ def ort_paged_runner(rng, B, L, R):
 
 
 def main():
+    global HQ, HKV, D
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--cells", default=CELLS, help="LxB,LxB,...: keys per row x rows")
     p.add_argument("--kinds", default="", help="comma-separated subset of the kinds (default: all); ratios whose "
                    "kinds were not run print -")
+    p.add_argument("--heads", default=f"{HQ}/{HKV}/{D}",
+                   help="query heads / KV heads / head size (default SmolLM2-135M's; e.g. 32/8/128 for Llama-3-8B's)")
     p.add_argument("--out", default="benchmarks/results/paged_attention_cuda.md")
     a = p.parse_args()
+    try:
+        HQ, HKV, D = (int(x) for x in a.heads.split("/"))
+    except ValueError:
+        p.error(f"--heads {a.heads!r}: expected three integers Hq/Hkv/D, e.g. 32/8/128")
+    if HQ % HKV or D not in (64, 128):
+        p.error(f"--heads {a.heads}: the query heads must be a multiple of the KV heads and the head size 64 or 128")
     cells = [tuple(int(x) for x in c.split("x")) for c in a.cells.split(",")]
     rng = np.random.default_rng(0)
     kinds = (["dense"] + [f.name for f in FORMATS] + ["F16 promised", "F16 in order"] +
@@ -216,9 +227,9 @@ def main():
     names = {("F16", "F16 v2"): "F16 v3 / v2", ("INT4", "INT4 v2"): "INT4 v3 / v2",
              ("F16 plain", "dense plain"): "plain: F16 / dense", ("INT4 plain", "F16 plain"): "plain: INT4 / F16"}
     lines = ["# PagedCacheAttention (CUDA) vs dense CacheAttention, decode", "",
-             f"SmolLM2 heads {HQ}/{HKV}/{D}, float16 queries, pages of {PS} tokens, CUDA graphs; microseconds per "
+             f"Heads {HQ}/{HKV}/{D} (query / KV / size), float16 queries, pages of {PS} tokens, CUDA graphs; microseconds per "
              f"node (median of {a.rounds} rounds x median of {a.reps} calls). `python "
-             f"benchmarks/bench_paged_attention_cuda.py --cells {a.cells}"
+             f"benchmarks/bench_paged_attention_cuda.py --cells {a.cells} --heads {a.heads}"
              + (f" --kinds '{a.kinds}'" if a.kinds else "") + "`", "",
              "| L | B | R | " + " | ".join(f"{k} us" for k in kinds) + " | " +
              " | ".join(names.get(r, f"{r[0]} / {r[1]}") for r in ratios) + " | ORT-PA graph |",

@@ -760,10 +760,8 @@ using tile16::kTile;
 using tile16::LoadQueryPairs;
 using tile16::MergeWarpTiles;
 using tile16::Pack2;
-using tile16::QueryFragments;
+using tile16::StreamWarpTiles;
 using tile16::Sw;
-using tile16::TileProducts;
-using tile16::ZeroInvalidV;
 
 constexpr int kHeads = 8;  // query heads per block: rows 0..7 of the mma's A
 constexpr int64_t kMaxCluster = 8;  // the portable cluster size
@@ -896,26 +894,9 @@ __global__ void __launch_bounds__(NW * 32) AttentionKernelV3(const Args a) {
     }
   }
 
-  uint32_t qa[D / 16][2];
-  QueryFragments<BF, D>(qr, a.scale * 1.4426950408889634f, qa);  // base-2 scores
-  float m = -INFINITY, l = 0.0f, o[D / 8][4];
-#pragma unroll
-  for (int nt = 0; nt < D / 8; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.0f;
-
-  int stage = 0;
-  for (int it = 0; it < mine; ++it, stage = stage + 1 == ST ? 0 : stage + 1) {
-    CpAsyncWait<ST - 2>();
-    __syncwarp();  // this tile's copies landed for the whole warp; the slot refilled next was read
-    issue();
-    const int64_t k0 = j0 + static_cast<int64_t>(warp + it * NW) * kTile;
-    const uint32_t valid = k0 + kTile <= j1 ? 0xFFFFu : (1u << static_cast<int>(j1 - k0)) - 1u;
-    uint8_t* sg = wring + stage * C::kStageBytes;
-    if (valid != 0xFFFFu) ZeroInvalidV<D>(sg, lane, valid);
-    TileProducts<BF, D>(sg, qa, lane, valid, m, l, o);
-  }
-  l += __shfl_xor_sync(0xffffffffu, l, 1);
-  l += __shfl_xor_sync(0xffffffffu, l, 2);
-  CpAsyncWait<0>();
+  float m, l, o[D / 8][4];
+  StreamWarpTiles<BF, D, NW, ST, C::kStageBytes>(wring, qr, a.scale * 1.4426950408889634f, j0, j1, mine, warp, lane,
+                                                 issue, m, l, o);  // base-2 scores
   __syncthreads();  // the ring becomes the merge arrays
   // CLUSTER: the block's merged (m, l, acc) of each head, for the cluster's rank 0 to read (after the ring)
   float* fin = reinterpret_cast<float*>(dsm + C::kFinOffset);  // [kHeads][D + 2]: acc, m, l

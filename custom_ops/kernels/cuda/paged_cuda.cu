@@ -1710,6 +1710,25 @@ __device__ __forceinline__ BlockUnit BlockUnitOf(const AttnArgs& args) {
   return u;
 }
 
+// A block's merged result for query head g0 + gg, element d (MergeWarpTiles' emit, base 2): the output itself when
+// the row has one split, else this split's partial [acc, m, l] for the combine.
+template <typename T>
+__device__ __forceinline__ void EmitMerged(const PagedAttentionCudaView& a, const BlockUnit& bu, int gg, int d,
+                                           float mb, float lb, float ab) {
+  const int64_t S = a.splits;
+  if (S == 1) {
+    T* out = static_cast<T*>(a.out) + ((bu.b * a.T + bu.t) * a.Hq + bu.hk * bu.G + bu.g0 + gg) * a.D;
+    out[d] = FromF<T>(lb > 0.0f ? ab / lb : 0.0f);
+  } else {
+    float* p = a.partial + ((bu.unit * bu.G + bu.g0 + gg) * S + bu.split) * (a.D + 2);
+    p[d] = ab;
+    if (d == 0) {
+      p[a.D] = mb;
+      p[a.D + 1] = lb;
+    }
+  }
+}
+
 // Note [Paged CUDA v3]
 // ~~~~~~~~~~~~~~~~~~~~
 // v2 (Note [Paged CUDA v2]) keeps HBM busy but is bound by instruction issue: for every key row its
@@ -2733,7 +2752,7 @@ __global__ void __launch_bounds__(kThreads, ORTKV_PAGED_V3_MIN_BLOCKS) PagedAtte
 #endif
   const PagedAttentionCudaView& a = args.v;
   const BlockUnit bu = BlockUnitOf(args);
-  const int64_t S = a.splits, split = bu.split, unit = bu.unit, t = bu.t, b = bu.b, G = bu.G, g0 = bu.g0;
+  const int64_t S = a.splits, split = bu.split, t = bu.t, b = bu.b, G = bu.G, g0 = bu.g0;
   const int hk = bu.hk, gn = bu.gn;
   const int ps = a.p.shape.page_size;  // a multiple of kTile (the launch checks)
   const int ps_shift = (ps & (ps - 1)) == 0 ? __ffs(ps) - 1 : -1;  // page index by a shift where it can be
@@ -2864,20 +2883,10 @@ __global__ void __launch_bounds__(kThreads, ORTKV_PAGED_V3_MIN_BLOCKS) PagedAtte
     const unsigned long long sk = bad_start ? Key(kClassRow, static_cast<unsigned long long>(b) << 28) : kNoError;
     a.block_flags[blockIdx.x] = sk < sh.key ? sk : sh.key;
   }
-  MergeWarpTiles<kWarps, D>(*reinterpret_cast<Merge*>(ring), m, l, o, gn, [&](int gg, int d, float mb, float lb, float ab) {
-    const int64_t head = hk * G + g0 + gg;
-    if (S == 1) {
-      T* out = static_cast<T*>(a.out) + ((b * a.T + t) * a.Hq + head) * a.D;
-      out[d] = FromF<T>(lb > 0.0f ? ab / lb : 0.0f);
-    } else {
-      float* p = a.partial + ((unit * G + g0 + gg) * S + split) * (a.D + 2);
-      p[d] = ab;
-      if (d == 0) {
-        p[a.D] = mb;
-        p[a.D + 1] = lb;
-      }
-    }
-  }, [mode](int nt, int n) { return DimOf(mode, nt, n); });
+  MergeWarpTiles<kWarps, D>(
+      *reinterpret_cast<Merge*>(ring), m, l, o, gn,
+      [&](int gg, int d, float mb, float lb, float ab) { EmitMerged<T>(a, bu, gg, d, mb, lb, ab); },
+      [mode](int nt, int n) { return DimOf(mode, nt, n); });
 }
 
 template <typename T, int D>
@@ -2916,10 +2925,8 @@ namespace pu {
 using tile16::kTile;
 using tile16::LoadQueryPairs;
 using tile16::MergeWarpTiles;
-using tile16::QueryFragments;
+using tile16::StreamWarpTiles;
 using tile16::Sw;
-using tile16::TileProducts;
-using tile16::ZeroInvalidV;
 
 template <int D>
 struct Cfg {
@@ -2952,7 +2959,7 @@ __global__ void __launch_bounds__(kThreads) PagedAttentionU16(const AttnArgs arg
 #endif
   const PagedAttentionCudaView& a = args.v;
   const BlockUnit bu = BlockUnitOf(args);
-  const int64_t S = a.splits, split = bu.split, unit = bu.unit, t = bu.t, b = bu.b, G = bu.G, g0 = bu.g0;
+  const int64_t S = a.splits, split = bu.split, t = bu.t, b = bu.b, G = bu.G, g0 = bu.g0;
   const int hk = bu.hk, gn = bu.gn;
   const int ps = a.p.shape.page_size;  // a multiple of kTile (the launch checks)
   const int ps_shift = (ps & (ps - 1)) == 0 ? __ffs(ps) - 1 : -1;
@@ -3073,26 +3080,9 @@ __global__ void __launch_bounds__(kThreads) PagedAttentionU16(const AttnArgs arg
     }
   }
 
-  uint32_t qa[D / 16][2];
-  QueryFragments<BF, D>(qr, a.scale * 1.4426950408889634f, qa);  // base-2 scores
-  float m = -INFINITY, l = 0.0f, o[D / 8][4];
-#pragma unroll
-  for (int nt = 0; nt < D / 8; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.0f;
-
-  int stage = 0;
-  for (int it = 0; it < mine; ++it, stage = stage + 1 == ST ? 0 : stage + 1) {
-    CpAsyncWait<ST - 2>();
-    __syncwarp();  // this tile's copies landed for the whole warp; the slot refilled next was read
-    issue();
-    const int64_t k0 = j0 + static_cast<int64_t>(warp + it * NW) * kTile;
-    const uint32_t valid = k0 + kTile <= j1 ? 0xFFFFu : (1u << static_cast<int>(j1 - k0)) - 1u;
-    uint8_t* sg = wring + stage * C::kStageBytes;
-    if (valid != 0xFFFFu) ZeroInvalidV<D>(sg, lane, valid);
-    TileProducts<BF, D>(sg, qa, lane, valid, m, l, o);
-  }
-  l += __shfl_xor_sync(0xffffffffu, l, 1);
-  l += __shfl_xor_sync(0xffffffffu, l, 2);
-  CpAsyncWait<0>();
+  float m, l, o[D / 8][4];
+  StreamWarpTiles<BF, D, NW, ST, C::kStageBytes>(wring, qr, a.scale * 1.4426950408889634f, j0, j1, mine, warp, lane,
+                                                 issue, m, l, o);  // base-2 scores
   __syncthreads();  // the ring becomes the merge arrays; s_key is final
   const unsigned long long key = s_key;
   if (key != kNoError) {  // a bad page: this block's output is empty (as Note [Paged CUDA v3])
@@ -3105,20 +3095,8 @@ __global__ void __launch_bounds__(kThreads) PagedAttentionU16(const AttnArgs arg
     const unsigned long long sk = bad_start ? Key(kClassRow, static_cast<unsigned long long>(b) << 28) : kNoError;
     a.block_flags[blockIdx.x] = sk < key ? sk : key;
   }
-  MergeWarpTiles<NW, D>(*reinterpret_cast<Merge*>(dsm), m, l, o, gn, [&](int gg, int d, float mb, float lb, float ab) {
-    const int64_t head = hk * G + g0 + gg;
-    if (S == 1) {
-      T* out = static_cast<T*>(a.out) + ((b * a.T + t) * a.Hq + head) * a.D;
-      out[d] = FromF<T>(lb > 0.0f ? ab / lb : 0.0f);
-    } else {
-      float* p = a.partial + ((unit * G + g0 + gg) * S + split) * (a.D + 2);
-      p[d] = ab;
-      if (d == 0) {
-        p[a.D] = mb;
-        p[a.D + 1] = lb;
-      }
-    }
-  });
+  MergeWarpTiles<NW, D>(*reinterpret_cast<Merge*>(dsm), m, l, o, gn,
+                        [&](int gg, int d, float mb, float lb, float ab) { EmitMerged<T>(a, bu, gg, d, mb, lb, ab); });
 }
 
 template <typename T, int D>

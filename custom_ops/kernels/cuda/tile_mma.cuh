@@ -172,6 +172,38 @@ __device__ __forceinline__ void TileProducts(const uint8_t* st, const uint32_t (
 }
 
 
+// The key loop of a decode block whose pages (or dense rows) are all in the tile's 16-bit type (dense v3, Note
+// [CacheAttention CUDA v3]; the uniform paged kernel, Note [Paged CUDA uniform 16-bit]): warp w's tiles w, w + NW,
+// ... of the block's keys [j0, j1) (`mine` of them) stream through its ring of ST slots of STAGE bytes, where
+// `issue` has put the first ST - 1 in flight and puts one more per tile (one cp.async group each, empty or not).
+// A tile's rows at or past j1 get zero values and -inf scores. The query fragments come from the raw pairs qr
+// (scale folded in); (m, l, o) leave as the warp's online-softmax state in base 2 with l summed over the quad,
+// every copy landed (the caller's barrier then frees the ring).
+template <bool BF, int D, int NW, int ST, int STAGE, typename Issue>
+__device__ __forceinline__ void StreamWarpTiles(uint8_t* wring, const uint32_t (*qr)[2], float qscale, int64_t j0,
+                                                int64_t j1, int mine, int warp, int lane, Issue& issue, float& m,
+                                                float& l, float (*o)[4]) {
+  uint32_t qa[D / 16][2];
+  QueryFragments<BF, D>(qr, qscale, qa);
+  m = -INFINITY, l = 0.0f;
+#pragma unroll
+  for (int nt = 0; nt < D / 8; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.0f;
+  int stage = 0;
+  for (int it = 0; it < mine; ++it, stage = stage + 1 == ST ? 0 : stage + 1) {
+    CpAsyncWait<ST - 2>();
+    __syncwarp();  // this tile's copies landed for the whole warp; the slot refilled next was read
+    issue();
+    const int64_t k0 = j0 + static_cast<int64_t>(warp + it * NW) * kTile;
+    const uint32_t valid = k0 + kTile <= j1 ? 0xFFFFu : (1u << static_cast<int>(j1 - k0)) - 1u;
+    uint8_t* sg = wring + stage * STAGE;
+    if (valid != 0xFFFFu) ZeroInvalidV<D>(sg, lane, valid);
+    TileProducts<BF, D>(sg, qa, lane, valid, m, l, o);
+  }
+  l += __shfl_xor_sync(0xffffffffu, l, 1);
+  l += __shfl_xor_sync(0xffffffffu, l, 2);
+  CpAsyncWait<0>();
+}
+
 // The end of a block of NW tile-streaming warps (dense and paged v3): each warp's online-softmax state of the 8
 // query-head rows of its mma tiles (row g = lane / 4: m, l summed over the row's quad, o in the C fragments)
 // goes into mg (shared memory the caller freed with a barrier), then, after one barrier, every (head gg < gn,
