@@ -121,10 +121,16 @@ def cache_attention_model(num_heads: int, kv_heads: int, seq_axis: int = 1, onnx
 def start_from_add(model: onnx.ModelProto, name: str = "start") -> onnx.ModelProto:
     """`model` with its input `name` computed by Add(`name`_in, 1) as the graph's first node: on the GPU, the
     kernel launched right before an attention that reads it (Note [CUDA attention early start])."""
+    return input_from_add(model, name, TP.INT64, 1)
+
+
+def input_from_add(model: onnx.ModelProto, name: str, onnx_type: int, addend: int) -> onnx.ModelProto:
+    """`model` with its input `name` computed by Add(`name`_in, addend) (a scalar of onnx_type) as the graph's
+    first node."""
     g = model.graph
     next(i for i in g.input if i.name == name).name = f"{name}_in"
-    g.node.insert(0, helper.make_node("Add", [f"{name}_in", "one"], [name], name="add"))
-    g.initializer.append(helper.make_tensor("one", TP.INT64, [1], [1]))
+    g.node.insert(0, helper.make_node("Add", [f"{name}_in", f"{name}_addend"], [name], name=f"add_{name}"))
+    g.initializer.append(helper.make_tensor(f"{name}_addend", onnx_type, [1], [addend]))
     return model
 
 

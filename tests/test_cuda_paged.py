@@ -17,8 +17,8 @@ from onnx import helper
 
 import ortkv
 from ortkv.reference.codecs import PageFormat
-from ortkv.reference.paged import paged_cache_attention_ref, paged_cache_update_ref
-from conftest import start_from_add
+from ortkv.reference.paged import paged_cache_attention_ref, paged_cache_update_ref, slot_bytes
+from conftest import input_from_add, start_from_add
 from test_paged_ops import (ALL, DIRECT, NP, ONNX, attention_model, build_pool, poison_rows,  # noqa: F401
                             run_update, table_for, update_model)
 
@@ -298,6 +298,53 @@ def test_attention_early_launch_rereads_start_written_by_the_node_before(rng, un
         want = paged_cache_attention_ref(q, pool0, directory, table, start, num_heads=H * G, kv_num_heads=H, layer=0,
                                          num_layers=NL, page_size=PS)
         np.testing.assert_allclose(got, want, rtol=2e-3, atol=2e-3, err_msg=f"lengths {lengths}")
+
+
+@pytest.mark.parametrize("uniform", [None, PageFormat.F16], ids=["mixed", "uniform_f16"])
+def test_attention_early_launch_page_table_written_by_the_node_before(rng, uniform):
+    """The page table computed on the GPU by the node right before PagedCacheAttention (an Add), `start` the
+    same in every run. Each run maps the page that holds `start` to another page, and the page the run before
+    used there is filled with NaN: the page holding `start` must be resolved after the wait (Note [CUDA attention
+    early start]: what the kernel before writes of it is read after the wait), never from the last run's entry."""
+    H, G, PS, NL, D, B = 3, 3, 16, 1, 64, 2
+    lengths = [8200, 300]
+    n = -(-max(lengths) // PS)
+    kinds = [uniform] if uniform else [PageFormat.F16, PageFormat.INT8, PageFormat.INT4]
+    spares = list(range(2 * n, 2 * n + 4))  # row 0's two candidates for its last page, then row 1's
+    fmts = [kinds[i % len(kinds)] for i in range(2 * n + 4)]
+    pool0, directory = build_pool(rng, fmts, num_layers=NL, kv_heads=H, page_size=PS, head_size=D)
+    sess = _session(input_from_add(attention_model("float16", H * G, H, 0, NL, PS,
+                                                   page_format=uniform.name if uniform else None),
+                                   "page_table", TP.INT32, 0))
+    start = np.array(lengths) - 1
+    for r in range(4):
+        rows = [list(range(n)), list(range(n, 2 * n))]
+        used = [spares[r % 2], spares[2 + r % 2]]
+        for b in range(B):
+            rows[b][(lengths[b] - 1) // PS] = used[b]
+        table = table_for(rows, n + 1)
+        pool = pool0.copy()
+        for pid in set(spares) - set(used):
+            fmt = PageFormat(int(directory[pid, 0]))
+            off = int(directory[pid, 1])
+            pool[off:off + slot_bytes(fmt, NL, H, PS, D)] = 0xFF
+        poison_rows(pool, directory, table, lengths, num_layers=NL, kv_heads=H, page_size=PS, head_size=D)
+        q = _rand(rng, (B, 1, H * G * D), "float16")
+        io = sess.io_binding()
+        keep = [(_dev(q), "query", TP.FLOAT16, q.shape), (_dev(pool), "pool", TP.UINT8, pool.shape),
+                (_dev(directory), "directory", TP.INT64, directory.shape),
+                (_dev(table), "page_table_in", TP.INT32, table.shape), (_dev(start), "start", TP.INT64, start.shape)]
+        for v, name, t, shape in keep:
+            _bind(io, name, v, t, shape)
+        out = _dev(np.zeros(q.shape, np.float16))
+        _bind(io, "out", out, TP.FLOAT16, q.shape, output=True)
+        sess.run_with_iobinding(io)
+        assert _ortkv.cuda_take_error() is None
+        got = out.numpy().astype(np.float32)
+        assert np.isfinite(got).all(), f"run {r}: a NaN page (the last run's, or a row past a length) was read"
+        want = paged_cache_attention_ref(q, pool0, directory, table, start, num_heads=H * G, kv_num_heads=H, layer=0,
+                                         num_layers=NL, page_size=PS)
+        np.testing.assert_allclose(got, want, rtol=2e-3, atol=2e-3, err_msg=f"run {r}")
 
 
 def test_attention_chunks_longer_than_one_page_window(rng):
