@@ -261,6 +261,22 @@ def test_attention_early_launch_equals_plain_launch(monkeypatch, D, T):
     assert outs["0"].tobytes() == outs["1"].tobytes()
 
 
+def _run_bound(sess, q, pool, directory, table, start, *, table_name="page_table", start_name="start"):
+    """One run of a float16 attention_model session (its page table / start inputs possibly renamed, for a node
+    before that computes them) with every tensor bound on the device; the output as float32, no deferred error."""
+    io = sess.io_binding()
+    keep = [(_dev(q), "query", TP.FLOAT16, q.shape), (_dev(pool), "pool", TP.UINT8, pool.shape),
+            (_dev(directory), "directory", TP.INT64, directory.shape),
+            (_dev(table), table_name, TP.INT32, table.shape), (_dev(start), start_name, TP.INT64, start.shape)]
+    for v, name, t, shape in keep:
+        _bind(io, name, v, t, shape)
+    out = _dev(np.zeros(q.shape, np.float16))
+    _bind(io, "out", out, TP.FLOAT16, q.shape, output=True)
+    sess.run_with_iobinding(io)
+    assert _ortkv.cuda_take_error() is None
+    return out.numpy().astype(np.float32)
+
+
 @pytest.mark.parametrize("uniform", [None, PageFormat.F16, PageFormat.INT4], ids=["mixed", "uniform_f16", "uniform_int4"])
 def test_attention_early_launch_rereads_start_written_by_the_node_before(rng, uniform):
     """`start` computed on the GPU by the node right before PagedCacheAttention (an Add: the kernel an early
@@ -283,17 +299,7 @@ def test_attention_early_launch_rereads_start_written_by_the_node_before(rng, un
         pool = pool0.copy()
         poison_rows(pool, directory, table, lengths, num_layers=NL, kv_heads=H, page_size=PS, head_size=D)
         q = _rand(rng, (B, 1, H * G * D), "float16")
-        io = sess.io_binding()
-        keep = [(_dev(q), "query", TP.FLOAT16, q.shape), (_dev(pool), "pool", TP.UINT8, pool.shape),
-                (_dev(directory), "directory", TP.INT64, directory.shape),
-                (_dev(table), "page_table", TP.INT32, table.shape), (_dev(start - 1), "start_in", TP.INT64, start.shape)]
-        for v, name, t, shape in keep:
-            _bind(io, name, v, t, shape)
-        out = _dev(np.zeros(q.shape, np.float16))
-        _bind(io, "out", out, TP.FLOAT16, q.shape, output=True)
-        sess.run_with_iobinding(io)
-        assert _ortkv.cuda_take_error() is None
-        got = out.numpy().astype(np.float32)
+        got = _run_bound(sess, q, pool, directory, table, start - 1, start_name="start_in")
         assert np.isfinite(got).all(), f"lengths {lengths}: a poisoned row past a sequence's length was read"
         want = paged_cache_attention_ref(q, pool0, directory, table, start, num_heads=H * G, kv_num_heads=H, layer=0,
                                          num_layers=NL, page_size=PS)
@@ -330,17 +336,7 @@ def test_attention_early_launch_page_table_written_by_the_node_before(rng, unifo
             pool[off:off + slot_bytes(fmt, NL, H, PS, D)] = 0xFF
         poison_rows(pool, directory, table, lengths, num_layers=NL, kv_heads=H, page_size=PS, head_size=D)
         q = _rand(rng, (B, 1, H * G * D), "float16")
-        io = sess.io_binding()
-        keep = [(_dev(q), "query", TP.FLOAT16, q.shape), (_dev(pool), "pool", TP.UINT8, pool.shape),
-                (_dev(directory), "directory", TP.INT64, directory.shape),
-                (_dev(table), "page_table_in", TP.INT32, table.shape), (_dev(start), "start", TP.INT64, start.shape)]
-        for v, name, t, shape in keep:
-            _bind(io, name, v, t, shape)
-        out = _dev(np.zeros(q.shape, np.float16))
-        _bind(io, "out", out, TP.FLOAT16, q.shape, output=True)
-        sess.run_with_iobinding(io)
-        assert _ortkv.cuda_take_error() is None
-        got = out.numpy().astype(np.float32)
+        got = _run_bound(sess, q, pool, directory, table, start, table_name="page_table_in")
         assert np.isfinite(got).all(), f"run {r}: a NaN page (the last run's, or a row past a length) was read"
         want = paged_cache_attention_ref(q, pool0, directory, table, start, num_heads=H * G, kv_num_heads=H, layer=0,
                                          num_layers=NL, page_size=PS)
