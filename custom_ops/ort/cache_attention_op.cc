@@ -26,18 +26,6 @@ struct CacheAttentionKernel {
   float scale = 0.0f;
 };
 
-struct Job {
-  const ortkv::CacheAttentionView* view;
-};
-
-void Task(void* user, size_t i) {
-  const auto& v = *static_cast<const Job*>(user)->view;
-  thread_local std::vector<float> scratch;
-  const size_t need = static_cast<size_t>(v.scratch_floats());
-  if (scratch.size() < need) scratch.resize(need);
-  ortkv::CacheAttentionCpu(v, static_cast<int64_t>(i), static_cast<int64_t>(i) + 1, scratch.data());
-}
-
 OrtStatus* Compute(void* op_kernel, OrtKernelContext* ctx) {
   const auto& k = *static_cast<const CacheAttentionKernel*>(op_kernel);
   const OrtValue* in[4] = {nullptr, nullptr, nullptr, nullptr};
@@ -56,19 +44,10 @@ OrtStatus* Compute(void* op_kernel, OrtKernelContext* ctx) {
                                                                   k.num_heads, k.kv_num_heads, k.scale, k.seq_axis,
                                                                   static_cast<float*>(out_data), &view)));
   if (view.tasks() == 0) return nullptr;
-  // split-K partials (Note [CacheAttention CPU split-K]): a few KiB, merged below after every task ran
-  thread_local std::vector<float> partial;  // reused run to run (Note [Input slots])
-  partial.assign(static_cast<size_t>(view.partial_floats()), 0.0f);
-  view.partial = partial.empty() ? nullptr : partial.data();
   ortkv::CoreLease lease;  // the caches are read here: no Arena release/close meanwhile (Note [Arena lease])
-  Job job{&view};
-  if (view.tasks() == 1) {
-    Task(&job, 0);
-  } else {
-    ORTKV_RETURN_IF_ORT_ERROR(g_api->KernelContext_ParallelFor(ctx, Task, static_cast<size_t>(view.tasks()), 0, &job));
-  }
-  ortkv::CacheAttentionCombine(view);
-  return nullptr;
+  // split-K partials (Note [CacheAttention CPU split-K]): a few KiB, merged after every task ran
+  return RunAttentionTasks<ortkv::CacheAttentionView, ortkv::CacheAttentionCpu, ortkv::CacheAttentionCombine>(ctx,
+                                                                                                             view);
 }
 
 #if defined(ORTKV_WITH_CUDA)

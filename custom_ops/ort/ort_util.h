@@ -89,4 +89,28 @@ OrtStatus* OptionalAttribute(const OrtApi* api, const OrtKernelInfo* info, const
 // sets its name, types, kernel callbacks and shape inference.
 void InitCustomOp(OrtCustomOp* op);
 
+// The run of a CPU attention plan (CacheAttention's and PagedCacheAttention's views): its split-K partials in a
+// thread_local buffer reused run to run (Note [Input slots]), its tasks on ORT's intra-op pool (inline when there is
+// one), each with a per-thread scratch of view.scratch_floats(), then Combine, which merges the partials. The
+// caller holds the CoreLease that keeps the caches mapped meanwhile (Note [Arena lease]).
+template <typename View, void (*Run)(const View&, int64_t, int64_t, float*), void (*Combine)(const View&)>
+OrtStatus* RunAttentionTasks(OrtKernelContext* ctx, View& view) {
+  thread_local std::vector<float> partial;
+  partial.assign(static_cast<size_t>(view.partial_floats()), 0.0f);
+  view.partial = partial.empty() ? nullptr : partial.data();
+  void (*task)(void*, size_t) = [](void* user, size_t i) {
+    const View& v = *static_cast<const View*>(user);
+    thread_local std::vector<float> scratch;
+    const size_t need = static_cast<size_t>(v.scratch_floats());
+    if (scratch.size() < need) scratch.resize(need);
+    Run(v, static_cast<int64_t>(i), static_cast<int64_t>(i) + 1, scratch.data());
+  };
+  if (view.tasks() == 1)
+    task(&view, 0);
+  else
+    ORTKV_RETURN_IF_ORT_ERROR(g_api->KernelContext_ParallelFor(ctx, task, static_cast<size_t>(view.tasks()), 0, &view));
+  Combine(view);
+  return nullptr;
+}
+
 }  // namespace ortkv_ort

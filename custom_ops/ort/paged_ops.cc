@@ -212,18 +212,6 @@ OrtCustomOp MakeUpdate() {
 }
 
 // ---- PagedCacheAttention -----------------------------------------------------------------------------
-struct AttnJob {
-  const ortkv::PagedAttentionView* view;
-};
-
-void AttnTask(void* user, size_t i) {
-  const auto& v = *static_cast<const AttnJob*>(user)->view;
-  thread_local std::vector<float> scratch;
-  const size_t need = static_cast<size_t>(v.scratch_floats());
-  if (scratch.size() < need) scratch.resize(need);
-  ortkv::PagedCacheAttentionCpu(v, static_cast<int64_t>(i), static_cast<int64_t>(i) + 1, scratch.data());
-}
-
 OrtStatus* AttnCompute(void* op_kernel, OrtKernelContext* ctx) {
   const auto& k = *static_cast<const PagedKernel*>(op_kernel);
   thread_local TensorArg in[6];  // Note [Input slots]
@@ -240,18 +228,9 @@ OrtStatus* AttnCompute(void* op_kernel, OrtKernelContext* ctx) {
                                                                        k.num_heads, k.attrs, k.scale, out_data, &view,
                                                                        fill ? &in[5] : nullptr)));
   if (view.tasks() == 0) return nullptr;
-  thread_local std::vector<float> partial;  // reused run to run (Note [Input slots])
-  partial.assign(static_cast<size_t>(view.partial_floats()), 0.0f);
-  view.partial = partial.empty() ? nullptr : partial.data();
   ortkv::CoreLease lease;  // the pool is read here (Note [Arena lease])
-  AttnJob job{&view};
-  if (view.tasks() == 1) {
-    AttnTask(&job, 0);
-  } else {
-    ORTKV_RETURN_IF_ORT_ERROR(g_api->KernelContext_ParallelFor(ctx, AttnTask, static_cast<size_t>(view.tasks()), 0, &job));
-  }
-  ortkv::PagedCacheAttentionCombine(view);
-  return nullptr;
+  return RunAttentionTasks<ortkv::PagedAttentionView, ortkv::PagedCacheAttentionCpu, ortkv::PagedCacheAttentionCombine>(
+      ctx, view);
 }
 
 // The optional string attribute page_format (absent or "": -1, pages of any format): a format name, F16 .. INT2_KC
