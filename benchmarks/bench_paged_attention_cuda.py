@@ -2,7 +2,7 @@
 with ORT only (no torch, no cupy). SmolLM2-135M heads (9 query / 3 KV heads of 64) unless --heads says otherwise
 (e.g. 32/8/128, Llama-3-8B's: a node that moves 5.3x the bytes per key), float16 queries.
 
-  dense : ortkv CacheAttention over BSNH float16 caches [B, L, 3, 64] (start = L - 1).
+  dense : ortkv CacheAttention over BSNH float16 caches [B, L, Hkv, D] (start = L - 1).
   F16 / INT8 / INT4 : ortkv PagedCacheAttention over one pool of pages of that format (pages of 16
           tokens, page ids shuffled so that consecutive pages are not adjacent in the pool), default kernel
           (Note [Paged CUDA v3]: tensor cores).
@@ -14,7 +14,7 @@ R nodes of one kind in one model, each over its own cache / pool, so one call re
 other (R chosen so that they hold >= 256 MiB of F16 bytes: K/V come from HBM, not from L2; at least 8). Sessions run
 with enable_cuda_graph=1. Each figure is the median over --rounds rounds (the kinds alternate inside a
 round) of the median of --reps timed calls after a warm-up; the time per node is the call time / R.
-  ORT-PA : onnxruntime's own com.microsoft.PagedAttention (CUDA, one float16 block cache [blocks, 16, 3, 64] per
+  ORT-PA : onnxruntime's own com.microsoft.PagedAttention (CUDA, one float16 block cache [blocks, 16, Hkv, D] per
           node, same shuffled block tables); it also writes the step's one new key / value row into its cache
           (past_seqlens = L - 1), which ortkv's figure leaves to PagedCacheUpdate. It runs in a CUDA graph when
           the op allows capture; otherwise without one (the table says which).
@@ -208,8 +208,9 @@ def main():
         HQ, HKV, D = (int(x) for x in a.heads.split("/"))
     except ValueError:
         p.error(f"--heads {a.heads!r}: expected three integers Hq/Hkv/D, e.g. 32/8/128")
-    if HQ % HKV or D not in (64, 128):
-        p.error(f"--heads {a.heads}: the query heads must be a multiple of the KV heads and the head size 64 or 128")
+    if HKV < 1 or HQ < HKV or HQ % HKV or D not in (64, 128):
+        p.error(f"--heads {a.heads}: the query heads must be a positive multiple of the KV heads (>= 1) and the head "
+                "size 64 or 128")
     cells = [tuple(int(x) for x in c.split("x")) for c in a.cells.split(",")]
     rng = np.random.default_rng(0)
     kinds = (["dense"] + [f.name for f in FORMATS] + ["F16 promised", "F16 in order"] +
