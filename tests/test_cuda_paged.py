@@ -248,6 +248,78 @@ def test_attention_uniform_pages_many_tiles_per_warp(rng, fmt, T):
                page_format=fmt.name)
 
 
+def _single_row_kind(kind, dtype):
+    """The page formats and the node's page_format of a single-row test's kind."""
+    if kind == "mixed":
+        return [PageFormat.F16, PageFormat.INT8, PageFormat.INT4], None
+    fmt = PageFormat[kind] if kind != "16bit" else PageFormat.F16 if dtype == "float16" else PageFormat.BF16
+    return [fmt], fmt.name
+
+
+@pytest.mark.parametrize("kind", ["mixed", "16bit", "INT4"])
+@pytest.mark.parametrize("L", [37, 600, 2000], ids=["one_split", "cluster2", "cluster7"])
+@pytest.mark.parametrize("T", [1, 5])
+@pytest.mark.parametrize("dtype,D", [("float16", 64), ("bfloat16", 128)])
+def test_attention_single_row_one_launch_and_cluster_merge(rng, kind, L, T, dtype, D):
+    """One batch row, its page table two pages wider than the row (the splits come from the table's width): L = 37,
+    one split, the node is one launch (Note [Paged CUDA one-launch report]); L = 600 / 2000, 2 / 7 splits merged
+    inside a thread-block cluster (Note [Paged CUDA cluster merge]; before sm_90, or where the cluster launch is
+    refused, the partials and the combine). Against the reference: every format in the row ("mixed", the every-format
+    kernel), the queries' own 16-bit pages promised (the uniform kernel) or INT4 pages promised."""
+    fmts, page_format = _single_row_kind(kind, dtype)
+    if kind == "mixed":
+        fmts = ALL
+    _attn_case(rng, fmts, B=1, T=T, lengths=[L], PS=16, D=D, NL=1, layer=0, dtype=dtype, page_format=page_format)
+
+
+@pytest.mark.parametrize("kind", ["mixed", "16bit", "INT4"])
+@pytest.mark.parametrize("W", [3, 40, 128], ids=["one_split", "cluster2", "cluster8"])
+@pytest.mark.parametrize("T", [1, 5])
+def test_attention_single_row_reports_the_first_failure(rng, kind, W, T):
+    """One batch row over a table of W pages of 16 keys, all used: the last query token reaches the first key of the
+    last page, the others stop before it. With one split (W = 3) the block of the last token reports (Note [Paged CUDA
+    one-launch report]); with 2 / 8 splits (W = 40 / 128) the last page lies in the last split of a cluster and
+    entry 5 in the first, and rank 0 of the last token's cluster reports the smallest of its ranks' keys (Note [Paged
+    CUDA cluster merge]). Each refusal is reported once, with the row and the page, the smallest first (the CPU
+    plan's order); the pool is untouched and the output finite; with nothing wrong the output is the reference's."""
+    NL, H, G, PS, D = 1, 3, 3, 16, 64
+    fmts, page_format = _single_row_kind(kind, "float16")
+    pool, directory = build_pool(rng, [fmts[i % len(fmts)] for i in range(W)], num_layers=NL, kv_heads=H,
+                                 page_size=PS, head_size=D)
+    table = table_for([list(range(W))], W)
+    start = (W - 1) * PS - (T - 1)
+    q = _rand(rng, (1, T, H * G * D), "float16")
+    kw = dict(num_heads=H * G, kv_heads=H, layer=0, num_layers=NL, page_size=PS, dtype="float16",
+              page_format=page_format)
+    before = pool.copy()
+
+    def run(table, directory, start):
+        out, after, err = cuda_attention(q, pool, directory, table, start, **kw)
+        assert after.tobytes() == before.tobytes()
+        assert np.isfinite(out).all()
+        assert _ortkv.cuda_take_error() is None  # reported once, taken once
+        return out, err
+
+    out, err = run(table, directory, start)
+    assert err is None, err
+    want = paged_cache_attention_ref(q, before, directory, table, [start], num_heads=H * G, kv_num_heads=H, layer=0,
+                                     num_layers=NL, page_size=PS)
+    np.testing.assert_allclose(out, want, rtol=2e-3, atol=2e-3)
+    missing = table.copy()
+    missing[0, W - 1] = -1  # seen by the last token only (and by the last split)
+    _, err = run(missing, directory, start)
+    assert err is not None and "PagedCacheAttention node 'attn'" in err and "row 0" in err, err
+    assert "the entry is -1 (no page)" in err, err
+    first = min(5, W - 2)  # rank 0's pages; with one split the same block's
+    bad_format = directory.copy()
+    bad_format[first, 0] = 9
+    _, err = run(missing, bad_format, start)
+    assert err is not None and "row 0" in err and "format 9, not a page format" in err, err
+    assert "the entry is -1" not in err, err
+    _, err = run(table, directory, W * PS - T + 1)
+    assert err is not None and f"exceeds the page table's capacity of {W * PS} tokens ('page_table')" in err, err
+
+
 @pytest.mark.parametrize("D,T", [(64, 1), (128, 5)])
 def test_attention_early_launch_equals_plain_launch(monkeypatch, D, T):
     """Note [CUDA attention early start]: the v3 kernel launched as a programmatic dependent (the default on

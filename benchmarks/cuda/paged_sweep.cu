@@ -142,7 +142,7 @@ int Main(int argc, char** argv) {
   CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   int sms = 0;
   CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-  const Case cases[] = {{8192, 1}, {8192, 8}, {32768, 1}, {32768, 8}};
+  const Case cases[] = {{8192, 1}, {8192, 8}, {32768, 1}, {32768, 8}, {16, 1}, {1024, 1}, {16, 8}};  // 4-6: short rows
   using codecs::PageFormat;
   const PageFormat formats[] = {PageFormat::kF16, PageFormat::kInt8, PageFormat::kInt4};
   std::printf("pages of %lld tokens\n%6s %3s %3s | %-22s %9s %8s\n", (long long)kPs, "L", "B", "R", "kernel", "us", "GB/s");
@@ -150,7 +150,7 @@ int Main(int argc, char** argv) {
     if (only != nullptr && std::strchr(only, '0' + ci) == nullptr) continue;
     const Case c = cases[ci];
     const double f16_bytes = 2.0 * c.B * c.L * kHkv * kD * 2;
-    const int R = std::max<int>(8, static_cast<int>(std::ceil(256.0 * 1048576 / f16_bytes)));
+    const int R = std::min(256, std::max<int>(8, static_cast<int>(std::ceil(256.0 * 1048576 / f16_bytes))));
     __half *q, *out;
     int64_t* start;
     CK(cudaMalloc(&q, c.B * kHq * kD * 2));

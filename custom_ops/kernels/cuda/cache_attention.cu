@@ -16,8 +16,6 @@
 #include "device_common.cuh"
 #include "tile_mma.cuh"
 
-#include <cooperative_groups.h>
-
 namespace ortkv {
 namespace {
 
@@ -920,35 +918,11 @@ __global__ void __launch_bounds__(NW * 32) AttentionKernelV3(const Args a) {
                             }
                           }
                         });
-  if constexpr (CLUSTER) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    // the S blocks of this unit and head block form one cluster (split = rank): rank 0 reads the others'
-    // `fin` through distributed shared memory and writes the output; nobody leaves before it has read
-    namespace cg = cooperative_groups;
-    cg::cluster_group cl = cg::this_cluster();
-    cl.sync();
-    if (cl.block_rank() == 0) {
-      for (int x = tid; x < gn * D; x += NW * 32) {
-        const int gg = x / D, d = x % D;
-        float mx = -INFINITY;
-        for (int r = 0; r < static_cast<int>(S); ++r)
-          mx = fmaxf(mx, cl.map_shared_rank(fin, r)[gg * (D + 2) + D]);
-        float num = 0.0f, den = 0.0f;
-        for (int r = 0; r < static_cast<int>(S); ++r) {
-          const float* f = cl.map_shared_rank(fin, r) + gg * (D + 2);
-          const float mr = f[D];
-          if (mr == -INFINITY) continue;  // a chunk with no keys
-          const float wr = Exp2(mr - mx);
-          den += wr * f[D + 1];
-          num += wr * f[d];
-        }
-        T* out = static_cast<T*>(a.out) + ((b * a.T + t) * a.Hq + hk * G + g0 + gg) * a.D;
-        out[d] = FromF<T>(num / den);
-      }
-    }
-    cl.sync();
-#endif
-  }
+  if constexpr (CLUSTER)  // the S blocks of this unit and head block form one cluster (split = rank)
+    tile16::ClusterMerge<T, D>(
+        fin, static_cast<int>(S), gn, tid, NW * 32,
+        [&](int gg) { return static_cast<T*>(a.out) + ((b * a.T + t) * a.Hq + hk * G + g0 + gg) * a.D; },
+        [](auto&) {});
 }
 
 template <typename T, int D, int NW, int ST>
@@ -981,26 +955,10 @@ template <typename T, int D, int NW, int ST>
 cudaError_t LaunchWith(const Args& a, int64_t base, cudaStream_t stream, bool cluster, bool early = false) {
   using C = Cfg<D, NW, ST>;
   const unsigned blocks = static_cast<unsigned>(base * a.splits);
-  if (cluster && a.splits > 1) {
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(blocks);
-    cfg.blockDim = dim3(NW * 32);
-    cfg.dynamicSmemBytes = C::kSmem;
-    cfg.stream = stream;
-    cudaLaunchAttribute attr[2];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = static_cast<unsigned>(a.splits);
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
-    attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[1].val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = early ? 2 : 1;
-    if (cudaLaunchKernelEx(&cfg, early ? AttentionKernelV3<T, D, NW, ST, true, true> : AttentionKernelV3<T, D, NW, ST, true>,
-                           a) == cudaSuccess)
-      return cudaSuccess;
-    (void)cudaGetLastError();  // refused: the partials and the combine below
-  }
+  if (cluster && a.splits > 1 &&
+      LaunchEx(early ? AttentionKernelV3<T, D, NW, ST, true, true> : AttentionKernelV3<T, D, NW, ST, true>, blocks,
+               NW * 32, C::kSmem, stream, static_cast<unsigned>(a.splits), early, a))
+    return cudaSuccess;  // refused: the partials and the combine below
   if (!early || !LaunchProgrammatic(AttentionKernelV3<T, D, NW, ST, false, true>, blocks, NW * 32, C::kSmem, stream, a))
     AttentionKernelV3<T, D, NW, ST, false><<<blocks, NW * 32, C::kSmem, stream>>>(a);
   cudaError_t e = cudaGetLastError();

@@ -22,25 +22,44 @@ __device__ __forceinline__ __half FromF<__half>(float x) { return __float2half_r
 template <>
 __device__ __forceinline__ __nv_bfloat16 FromF<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
 
+// A launch with attributes: `cluster` > 1 groups each run of `cluster` consecutive blocks into one thread-block
+// cluster (sm_90+; Note [Cluster merge] in tile_mma.cuh), `programmatic` makes it a programmatic dependent (below).
+// False, with the error cleared, when the launch is refused.
+template <typename... Params, typename... Args>
+bool LaunchEx(void (*kernel)(Params...), unsigned grid, unsigned block, size_t smem, cudaStream_t stream,
+              unsigned cluster, bool programmatic, const Args&... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(grid);
+  cfg.blockDim = dim3(block);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[2];
+  unsigned n = 0;
+  if (cluster > 1) {
+    attr[n].id = cudaLaunchAttributeClusterDimension;
+    attr[n].val.clusterDim.x = cluster;
+    attr[n].val.clusterDim.y = 1;
+    attr[n].val.clusterDim.z = 1;
+    ++n;
+  }
+  if (programmatic) {
+    attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[n].val.programmaticStreamSerializationAllowed = 1;
+    ++n;
+  }
+  cfg.attrs = attr;
+  cfg.numAttrs = n;
+  if (cudaLaunchKernelEx(&cfg, kernel, args...) == cudaSuccess) return true;
+  (void)cudaGetLastError();
+  return false;
+}
 // Launches `kernel` as a programmatic dependent of the kernel before it on `stream` (sm_90+: it may start before
 // that kernel completes and orders itself with griddepcontrol.wait; a CUDA graph keeps the edge). False, with the
 // error cleared, when the launch is refused: the caller then launches plainly.
 template <typename... Params, typename... Args>
 bool LaunchProgrammatic(void (*kernel)(Params...), unsigned grid, unsigned block, size_t smem, cudaStream_t stream,
                         const Args&... args) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(grid);
-  cfg.blockDim = dim3(block);
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  if (cudaLaunchKernelEx(&cfg, kernel, args...) == cudaSuccess) return true;
-  (void)cudaGetLastError();
-  return false;
+  return LaunchEx(kernel, grid, block, smem, stream, 0u, true, args...);
 }
 
 // 2^x in one instruction (ex2.approx: relative error ~2^-22; 2^-inf = +0).

@@ -1653,36 +1653,77 @@ cudaError_t Launch(const AttnArgs& a, int gm, cudaStream_t stream) {
 }  // namespace pv2
 
 // ---- PagedCacheAttention v3: Note [Paged CUDA v3] ----------------------------------------------------
-// The launch of a decode attention kernel of kThreads threads as its plain and early (Note [CUDA attention early
-// start]) instantiations, shared by v3 and the uniform kernel: BlocksPerSm once per pair (dynamic shared memory
-// and carveout set on both; same occupancy), then LaunchOneWave: the splits trimmed to one wave (Note [CacheAttention
-// CUDA v2 waves]), the early launch where it can be made, then the combine.
+// Note [Paged CUDA one-launch report]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A v2 / v3 attention block writes its first failure key (kNoError if none) to block_flags, and the combine's last
+// block reports the smallest (Note [Paged CUDA v2]): the CPU plan's first failure. With one split that combine had
+// nothing else to do, yet it was a second launch in every short-row node (H200, paged_sweep, 16 keys x 1 row: F16
+// promised 4.10 -> 2.96 us, INT4 7.20 -> 5.14 us without it; benchmarks/results/paged_attention_cuda_h200.md). When
+// the node has one split and one batch row (a single sequence's decode or prefill up to ~kPagedMinChunk keys; the
+// launch decides after trimming the splits, so the graph shape is stable), every block of token t resolves the same
+// pages [0, start + t], so the block of the last token (KV head 0, head block 0) holds the smallest key of the
+// whole node and reports it itself; the v3 and uniform kernels then launch nothing after the attention, as dense
+// CacheAttention. Several rows keep the combine: a block cannot know that the rows before its own are fine. With
+// 2..8 splits the same holds of each cluster (Note [Paged CUDA cluster merge]).
+__host__ __device__ __forceinline__ bool ReportsInBlock(const PagedAttentionCudaView& v) {
+  return v.splits == 1 && v.B == 1;
+}
+
+// Note [Paged CUDA cluster merge]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// One batch row with 2..8 splits (a sequence's decode over a page table wider than 2 x kPagedMinChunk keys and
+// shorter than ~2K keys: the splits come from the table's width) and at most one block per SM: the v3 and uniform
+// kernels are launched as clusters of the unit's split blocks and merge through distributed shared memory (Note
+// [Cluster merge] in tile_mma.cuh, as dense CacheAttention v3), with no partials and no combine launch. Between the
+// cluster barriers rank 0 also takes the smallest of its ranks' failure keys: the unit's key over all its pages, the
+// same in every cluster of the last token, whose (KV head 0, head block 0) cluster reports it (Note [Paged CUDA
+// one-launch report]). Only the early instantiation is clustered: its griddepcontrol.wait returns at once when the
+// launch is not programmatic (ORTKV_CUDA_EARLY=0).
+__host__ __device__ __forceinline__ bool ClusterMerges(const PagedAttentionCudaView& v, int64_t blocks) {
+  return v.B == 1 && v.splits >= 2 && v.splits <= 8 && blocks <= v.sm_count;
+}
+
+// The launch of a decode attention kernel of kThreads threads as its plain, early (Note [CUDA attention early start])
+// and clustered instantiations, shared by v3 and the uniform kernel: MakeKernels once per kernel (dynamic shared
+// memory and carveout set on all three; the plain one's occupancy), then LaunchOneWave: the splits trimmed to one
+// wave (Note [CacheAttention CUDA v2 waves]), the clustered launch where it applies, else the early launch where it
+// can be made, then the combine unless the kernel reports itself.
 using AttnKernel = void (*)(const AttnArgs);
-int BlocksPerSm(AttnKernel plain, AttnKernel early, size_t smem) {
-  for (AttnKernel k : {plain, early}) {
-    (void)cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-    (void)cudaFuncSetAttribute(k, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared);
+struct AttnKernels {
+  AttnKernel plain, early, cluster;
+  size_t smem, cluster_smem;
+  int per_sm;
+};
+AttnKernels MakeKernels(AttnKernel plain, AttnKernel early, AttnKernel cluster, size_t smem, size_t cluster_smem) {
+  AttnKernels k{plain, early, cluster, smem, cluster_smem, 2};
+  for (AttnKernel f : {plain, early, cluster}) {
+    (void)cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               static_cast<int>(f == cluster ? cluster_smem : smem));
+    (void)cudaFuncSetAttribute(f, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared);
   }
   (void)cudaGetLastError();
   int n = 0;
   if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, plain, kThreads, smem) != cudaSuccess || n < 1) {
     (void)cudaGetLastError();
-    n = 2;
+  } else {
+    k.per_sm = n;
   }
-  return n;
+  return k;
 }
 template <typename T>
-cudaError_t LaunchOneWave(AttnKernel plain, AttnKernel early, size_t smem, int per_sm, AttnArgs a,
-                          cudaStream_t stream) {
+cudaError_t LaunchOneWave(const AttnKernels& k, AttnArgs a, cudaStream_t stream) {
   const int64_t base = a.v.units() * a.head_blocks;
   if (a.v.splits > 1 && a.v.sm_count > 0)  // one wave (Note [CacheAttention CUDA v2 waves])
-    a.v.splits = std::max<int64_t>(1, std::min<int64_t>(a.v.splits, static_cast<int64_t>(per_sm) * a.v.sm_count / base));
+    a.v.splits = std::max<int64_t>(1, std::min<int64_t>(a.v.splits, static_cast<int64_t>(k.per_sm) * a.v.sm_count / base));
   const unsigned blocks = static_cast<unsigned>(base * a.v.splits);
-  if (!(pv2::CurrentMajor() >= 9 && CudaEarlyLaunch() &&  // Note [CUDA attention early start]
-        LaunchProgrammatic(early, blocks, kThreads, smem, stream, a)))
-    plain<<<blocks, kThreads, smem, stream>>>(a);
+  const bool sm90 = pv2::CurrentMajor() >= 9, early = sm90 && CudaEarlyLaunch();
+  if (sm90 && ClusterMerges(a.v, blocks) &&  // Note [Paged CUDA cluster merge]
+      LaunchEx(k.cluster, blocks, kThreads, k.cluster_smem, stream, static_cast<unsigned>(a.v.splits), early, a))
+    return cudaSuccess;
+  if (!(early && LaunchProgrammatic(k.early, blocks, kThreads, k.smem, stream, a)))  // Note [CUDA attention early start]
+    k.plain<<<blocks, kThreads, k.smem, stream>>>(a);
   cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess) return e;
+  if (e != cudaSuccess || ReportsInBlock(a.v)) return e;  // Note [Paged CUDA one-launch report]
   return pv2::LaunchCombine<T>(a, stream);
 }
 
@@ -1710,15 +1751,55 @@ __device__ __forceinline__ BlockUnit BlockUnitOf(const AttnArgs& args) {
   return u;
 }
 
+// Thread 0 of an attention block at its end: its failure key to block_flags for the combine, or under
+// ReportsInBlock the report itself from the block that holds the node's smallest key.
+__device__ __forceinline__ void StoreBlockKey(const PagedAttentionCudaView& a, const BlockUnit& bu,
+                                              unsigned long long key) {
+  if (!ReportsInBlock(a)) {
+    a.block_flags[blockIdx.x] = key;
+  } else if (key != kNoError && bu.split == 0 && bu.hk == 0 && bu.g0 == 0 && bu.t == a.T - 1) {
+    ReportAttention(a, key);
+  }
+}
+
+// Thread 0 of a cluster's rank 0 between the cluster barriers (Note [Paged CUDA cluster merge]): the smallest of the
+// ranks' failure keys (`key`: each block's in its shared memory), reported by the cluster that holds the node's.
+template <typename Cluster>
+__device__ __forceinline__ void ClusterReport(const PagedAttentionCudaView& a, const BlockUnit& bu,
+                                              unsigned long long* key, Cluster& cl) {
+  if (threadIdx.x != 0 || bu.hk != 0 || bu.g0 != 0 || bu.t != a.T - 1) return;
+  unsigned long long k = kNoError;
+  for (int r = 0; r < static_cast<int>(a.splits); ++r) {
+    const unsigned long long x = *cl.map_shared_rank(key, r);
+    k = x < k ? x : k;
+  }
+  if (k != kNoError) ReportAttention(a, k);
+}
+
+// The output row of query head g0 + gg of a block's unit.
+template <typename T>
+__device__ __forceinline__ T* OutRow(const PagedAttentionCudaView& a, const BlockUnit& bu, int gg) {
+  return static_cast<T*>(a.out) + ((bu.b * a.T + bu.t) * a.Hq + bu.hk * bu.G + bu.g0 + gg) * a.D;
+}
+// A clustered launch's `fin` after the kernel's own shared memory: [8 query heads][D + 2] floats (Note [Cluster merge]).
+template <int D>
+constexpr size_t kFinBytes = 8 * (D + 2) * sizeof(float);
+
 // A block's merged result for query head g0 + gg, element d (MergeWarpTiles' emit, base 2): the output itself when
-// the row has one split, else this split's partial [acc, m, l] for the combine.
+// the row has one split, else this split's partial [acc, m, l] for the combine, or with `fin` (a clustered launch)
+// that partial in the block's shared memory for the cluster's rank 0 (Note [Cluster merge]).
 template <typename T>
 __device__ __forceinline__ void EmitMerged(const PagedAttentionCudaView& a, const BlockUnit& bu, int gg, int d,
-                                           float mb, float lb, float ab) {
+                                           float mb, float lb, float ab, float* fin = nullptr) {
   const int64_t S = a.splits;
-  if (S == 1) {
-    T* out = static_cast<T*>(a.out) + ((bu.b * a.T + bu.t) * a.Hq + bu.hk * bu.G + bu.g0 + gg) * a.D;
-    out[d] = FromF<T>(lb > 0.0f ? ab / lb : 0.0f);
+  if (fin != nullptr) {
+    fin[gg * (a.D + 2) + d] = ab;
+    if (d == 0) {
+      fin[gg * (a.D + 2) + a.D] = mb;
+      fin[gg * (a.D + 2) + a.D + 1] = lb;
+    }
+  } else if (S == 1) {
+    OutRow<T>(a, bu, gg)[d] = FromF<T>(lb > 0.0f ? ab / lb : 0.0f);
   } else {
     float* p = a.partial + ((bu.unit * bu.G + bu.g0 + gg) * S + bu.split) * (a.D + 2);
     p[d] = ab;
@@ -2740,7 +2821,8 @@ static_assert(8 * 128 * 4 <= Cfg<128>::kWarpBytes && 8 * 64 * 4 <= Cfg<64>::kWar
 #ifndef ORTKV_PAGED_V3_FORMATS
 #define ORTKV_PAGED_V3_FORMATS 0xFFu
 #endif
-template <typename T, int D, bool EARLY = false>
+// CLUSTER: Note [Paged CUDA cluster merge] (instantiated with EARLY only).
+template <typename T, int D, bool EARLY = false, bool CLUSTER = false>
 __global__ void __launch_bounds__(kThreads, ORTKV_PAGED_V3_MIN_BLOCKS) PagedAttentionV3(const AttnArgs args) {
   using C = Cfg<D>;
   constexpr bool BF = std::is_same<T, __nv_bfloat16>::value;  // the products' 16-bit type is the queries'
@@ -2879,20 +2961,27 @@ __global__ void __launch_bounds__(kThreads, ORTKV_PAGED_V3_MIN_BLOCKS) PagedAtte
   l += __shfl_xor_sync(0xffffffffu, l, 2);
   CpAsyncWait<0>();
   __syncthreads();
-  if (tid == 0) {
+  if (tid == 0) {  // the block's key, stored or reported once the merge has freed the accumulators' registers
     const unsigned long long sk = bad_start ? Key(kClassRow, static_cast<unsigned long long>(b) << 28) : kNoError;
-    a.block_flags[blockIdx.x] = sk < sh.key ? sk : sh.key;
+    sh.key = sk < sh.key ? sk : sh.key;
   }
+  float* fin = CLUSTER ? reinterpret_cast<float*>(ring + C::kRingBytes) : nullptr;  // at SmemBytes<D>()
   MergeWarpTiles<kWarps, D>(
       *reinterpret_cast<Merge*>(ring), m, l, o, gn,
-      [&](int gg, int d, float mb, float lb, float ab) { EmitMerged<T>(a, bu, gg, d, mb, lb, ab); },
+      [&](int gg, int d, float mb, float lb, float ab) { EmitMerged<T>(a, bu, gg, d, mb, lb, ab, fin); },
       [mode](int nt, int n) { return DimOf(mode, nt, n); });
+  if constexpr (CLUSTER)  // Note [Paged CUDA cluster merge]
+    tile16::ClusterMerge<T, D>(fin, static_cast<int>(S), gn, tid, kThreads, [&](int gg) { return OutRow<T>(a, bu, gg); },
+                               [&](auto& cl) { ClusterReport(a, bu, &sh.key, cl); });
+  else if (tid == 0)
+    StoreBlockKey(a, bu, sh.key);  // Note [Paged CUDA one-launch report]
 }
 
 template <typename T, int D>
 cudaError_t LaunchD(const AttnArgs& a, cudaStream_t stream) {
-  static const int per_sm = BlocksPerSm(PagedAttentionV3<T, D>, PagedAttentionV3<T, D, true>, SmemBytes<D>());
-  return LaunchOneWave<T>(PagedAttentionV3<T, D>, PagedAttentionV3<T, D, true>, SmemBytes<D>(), per_sm, a, stream);
+  static const AttnKernels k = MakeKernels(PagedAttentionV3<T, D>, PagedAttentionV3<T, D, true>,
+                                           PagedAttentionV3<T, D, true, true>, SmemBytes<D>(), SmemBytes<D>() + kFinBytes<D>);
+  return LaunchOneWave<T>(k, a, stream);
 }
 
 template <typename T>
@@ -2946,7 +3035,8 @@ static_assert(sizeof(Merge) <= Cfg<64>::kRingBytes && sizeof(Merge) <= Cfg<128>:
 // paged_sweep, INT8 8.9 / 17.0 / 49.3 us and INT4 9.7 / 17.7 / 54.7 us at 8K x 1 / 8K x 8 / 32K x 8 against
 // Note [Paged CUDA v3]'s register decode at 8.4 / 15.2 / 34.9 and 8.5 / 13.3 / 27.6
 // (benchmarks/results/paged_attention_cuda_h200.md, 2026-12-03 third session).
-template <typename T, int D, bool EARLY = false>
+// CLUSTER: Note [Paged CUDA cluster merge] (instantiated with EARLY only).
+template <typename T, int D, bool EARLY = false, bool CLUSTER = false>
 __global__ void __launch_bounds__(kThreads) PagedAttentionU16(const AttnArgs args) {
   using C = Cfg<D>;
   constexpr bool BF = std::is_same<T, __nv_bfloat16>::value;
@@ -3091,18 +3181,25 @@ __global__ void __launch_bounds__(kThreads) PagedAttentionU16(const AttnArgs arg
 #pragma unroll
     for (int nt = 0; nt < D / 8; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.0f;
   }
-  if (tid == 0) {
+  if (tid == 0) {  // the block's key, stored or reported once the merge has freed the accumulators' registers
     const unsigned long long sk = bad_start ? Key(kClassRow, static_cast<unsigned long long>(b) << 28) : kNoError;
-    a.block_flags[blockIdx.x] = sk < key ? sk : key;
+    s_key = sk < key ? sk : key;
   }
+  float* fin = CLUSTER ? reinterpret_cast<float*>(dsm + C::kSmem) : nullptr;
   MergeWarpTiles<NW, D>(*reinterpret_cast<Merge*>(dsm), m, l, o, gn,
-                        [&](int gg, int d, float mb, float lb, float ab) { EmitMerged<T>(a, bu, gg, d, mb, lb, ab); });
+                        [&](int gg, int d, float mb, float lb, float ab) { EmitMerged<T>(a, bu, gg, d, mb, lb, ab, fin); });
+  if constexpr (CLUSTER)  // Note [Paged CUDA cluster merge]
+    tile16::ClusterMerge<T, D>(fin, static_cast<int>(S), gn, tid, kThreads, [&](int gg) { return OutRow<T>(a, bu, gg); },
+                               [&](auto& cl) { ClusterReport(a, bu, &s_key, cl); });
+  else if (tid == 0)
+    StoreBlockKey(a, bu, s_key);  // Note [Paged CUDA one-launch report]
 }
 
 template <typename T, int D>
 cudaError_t LaunchD(const AttnArgs& a, cudaStream_t stream) {
-  static const int per_sm = BlocksPerSm(PagedAttentionU16<T, D>, PagedAttentionU16<T, D, true>, Cfg<D>::kSmem);
-  return LaunchOneWave<T>(PagedAttentionU16<T, D>, PagedAttentionU16<T, D, true>, Cfg<D>::kSmem, per_sm, a, stream);
+  static const AttnKernels k = MakeKernels(PagedAttentionU16<T, D>, PagedAttentionU16<T, D, true>,
+                                           PagedAttentionU16<T, D, true, true>, Cfg<D>::kSmem, Cfg<D>::kSmem + kFinBytes<D>);
+  return LaunchOneWave<T>(k, a, stream);
 }
 
 template <typename T>

@@ -5,6 +5,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <cooperative_groups.h>
 #include <cstdint>
 
 #include "device_common.cuh"
@@ -244,6 +245,45 @@ template <int NW, int D, typename Emit>
 __device__ __forceinline__ void MergeWarpTiles(WarpMerge<NW, 8>& mg, float m, float l, const float (*o)[4], int gn,
                                                Emit emit) {
   MergeWarpTiles<NW, D>(mg, m, l, o, gn, emit, [](int nt, int n) { return nt * 8 + n; });
+}
+
+// Note [Cluster merge]
+// ~~~~~~~~~~~~~~~~~~~~
+// A decode step's short rows split over 2..8 blocks would need a second launch to merge the splits (a combine over a
+// partial workspace). Launched as one thread-block cluster per unit (split = rank; LaunchEx, sm_90+), the blocks
+// merge through distributed shared memory instead: each leaves its merged (acc[D], m, l) of its gn query heads in
+// `fin` ([8][D + 2] floats of its own shared memory), and rank 0 reads every rank's and writes the output rows
+// (out_row(gg): head gg's row). `rank0(cluster)` runs on rank 0's threads between the two cluster barriers, where
+// the other ranks' shared memory may be read too (the paged kernels take the smallest failure key there). A head
+// whose chunks hold no key (m = -inf everywhere: a refused row) gets zeros. Serves dense CacheAttention v3 (Note
+// [CacheAttention CUDA v3]) and PagedCacheAttention v3 / uniform (Note [Paged CUDA cluster merge]).
+template <typename T, int D, typename OutRow, typename Rank0>
+__device__ __forceinline__ void ClusterMerge(float* fin, int S, int gn, int tid, int nthreads, OutRow out_row,
+                                             Rank0 rank0) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  namespace cg = cooperative_groups;
+  cg::cluster_group cl = cg::this_cluster();
+  cl.sync();  // every rank's fin is written
+  if (cl.block_rank() == 0) {
+    rank0(cl);
+    for (int x = tid; x < gn * D; x += nthreads) {
+      const int gg = x / D, d = x % D;
+      float mx = -INFINITY;
+      for (int r = 0; r < S; ++r) mx = fmaxf(mx, cl.map_shared_rank(fin, r)[gg * (D + 2) + D]);
+      float num = 0.0f, den = 0.0f;
+      for (int r = 0; r < S; ++r) {
+        const float* f = cl.map_shared_rank(fin, r) + gg * (D + 2);
+        const float mr = f[D];
+        if (mr == -INFINITY) continue;  // a chunk with no keys
+        const float wr = Exp2(mr - mx);
+        den += wr * f[D + 1];
+        num += wr * f[d];
+      }
+      out_row(gg)[d] = FromF<T>(den > 0.0f ? num / den : 0.0f);
+    }
+  }
+  cl.sync();  // nobody leaves before rank 0 has read its shared memory
+#endif
 }
 
 }  // namespace tile16
