@@ -1751,15 +1751,16 @@ __device__ __forceinline__ BlockUnit BlockUnitOf(const AttnArgs& args) {
   return u;
 }
 
-// Thread 0 of an attention block at its end: its failure key to block_flags for the combine, or under
-// ReportsInBlock the report itself from the block that holds the node's smallest key.
-__device__ __forceinline__ void StoreBlockKey(const PagedAttentionCudaView& a, const BlockUnit& bu,
-                                              unsigned long long key) {
-  if (!ReportsInBlock(a)) {
-    a.block_flags[blockIdx.x] = key;
-  } else if (key != kNoError && bu.split == 0 && bu.hk == 0 && bu.g0 == 0 && bu.t == a.T - 1) {
+// Thread 0 of an attention block, its key final: to block_flags for the combine (before the merge, as the key is
+// known), or under ReportsInBlock (after the merge, where the report's code costs the loop no registers) the report
+// itself from the block that holds the node's smallest key.
+__device__ __forceinline__ void StoreBlockKey(const PagedAttentionCudaView& a, unsigned long long key) {
+  if (!ReportsInBlock(a)) a.block_flags[blockIdx.x] = key;
+}
+__device__ __forceinline__ void ReportBlockKey(const PagedAttentionCudaView& a, const BlockUnit& bu,
+                                               unsigned long long key) {
+  if (ReportsInBlock(a) && key != kNoError && bu.split == 0 && bu.hk == 0 && bu.g0 == 0 && bu.t == a.T - 1)
     ReportAttention(a, key);
-  }
 }
 
 // Thread 0 of a cluster's rank 0 between the cluster barriers (Note [Paged CUDA cluster merge]): the smallest of the
@@ -2961,9 +2962,10 @@ __global__ void __launch_bounds__(kThreads, ORTKV_PAGED_V3_MIN_BLOCKS) PagedAtte
   l += __shfl_xor_sync(0xffffffffu, l, 2);
   CpAsyncWait<0>();
   __syncthreads();
-  if (tid == 0) {  // the block's key, stored or reported once the merge has freed the accumulators' registers
+  if (tid == 0) {  // the block's key (Note [Paged CUDA one-launch report])
     const unsigned long long sk = bad_start ? Key(kClassRow, static_cast<unsigned long long>(b) << 28) : kNoError;
     sh.key = sk < sh.key ? sk : sh.key;
+    if constexpr (!CLUSTER) StoreBlockKey(a, sh.key);
   }
   float* fin = CLUSTER ? reinterpret_cast<float*>(ring + C::kRingBytes) : nullptr;  // at SmemBytes<D>()
   MergeWarpTiles<kWarps, D>(
@@ -2974,7 +2976,7 @@ __global__ void __launch_bounds__(kThreads, ORTKV_PAGED_V3_MIN_BLOCKS) PagedAtte
     tile16::ClusterMerge<T, D>(fin, static_cast<int>(S), gn, tid, kThreads, [&](int gg) { return OutRow<T>(a, bu, gg); },
                                [&](auto& cl) { ClusterReport(a, bu, &sh.key, cl); });
   else if (tid == 0)
-    StoreBlockKey(a, bu, sh.key);  // Note [Paged CUDA one-launch report]
+    ReportBlockKey(a, bu, sh.key);  // Note [Paged CUDA one-launch report]
 }
 
 template <typename T, int D>
@@ -3181,9 +3183,10 @@ __global__ void __launch_bounds__(kThreads) PagedAttentionU16(const AttnArgs arg
 #pragma unroll
     for (int nt = 0; nt < D / 8; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.0f;
   }
-  if (tid == 0) {  // the block's key, stored or reported once the merge has freed the accumulators' registers
+  if (tid == 0) {  // the block's key (Note [Paged CUDA one-launch report])
     const unsigned long long sk = bad_start ? Key(kClassRow, static_cast<unsigned long long>(b) << 28) : kNoError;
     s_key = sk < key ? sk : key;
+    if constexpr (!CLUSTER) StoreBlockKey(a, s_key);
   }
   float* fin = CLUSTER ? reinterpret_cast<float*>(dsm + C::kSmem) : nullptr;
   MergeWarpTiles<NW, D>(*reinterpret_cast<Merge*>(dsm), m, l, o, gn,
@@ -3192,7 +3195,7 @@ __global__ void __launch_bounds__(kThreads) PagedAttentionU16(const AttnArgs arg
     tile16::ClusterMerge<T, D>(fin, static_cast<int>(S), gn, tid, kThreads, [&](int gg) { return OutRow<T>(a, bu, gg); },
                                [&](auto& cl) { ClusterReport(a, bu, &s_key, cl); });
   else if (tid == 0)
-    StoreBlockKey(a, bu, s_key);  // Note [Paged CUDA one-launch report]
+    ReportBlockKey(a, bu, s_key);  // Note [Paged CUDA one-launch report]
 }
 
 template <typename T, int D>
