@@ -260,12 +260,16 @@ def _single_row_kind(kind, dtype):
 @pytest.mark.parametrize("L", [37, 600, 2000], ids=["one_split", "cluster2", "cluster7"])
 @pytest.mark.parametrize("T", [1, 5])
 @pytest.mark.parametrize("dtype,D", [("float16", 64), ("bfloat16", 128)])
-def test_attention_single_row_one_launch_and_cluster_merge(rng, kind, L, T, dtype, D):
+@pytest.mark.parametrize("early", ["1", "0"], ids=["early", "plain"])
+def test_attention_single_row_one_launch_and_cluster_merge(rng, monkeypatch, kind, L, T, dtype, D, early):
     """One batch row, its page table two pages wider than the row (the splits come from the table's width): L = 37,
     one split, the node is one launch (Note [Paged CUDA one-launch report]); L = 600 / 2000, 2 / 7 splits merged
     inside a thread-block cluster (Note [Paged CUDA cluster merge]; before sm_90, or where the cluster launch is
     refused, the partials and the combine). Against the reference: every format in the row ("mixed", the every-format
-    kernel), the queries' own 16-bit pages promised (the uniform kernel) or INT4 pages promised."""
+    kernel), the queries' own 16-bit pages promised (the uniform kernel) or INT4 pages promised; launched early
+    (Note [CUDA attention early start]) or plainly (ORTKV_CUDA_EARLY=0: the cluster launch without the programmatic
+    attribute, whose griddepcontrol.wait then returns at once)."""
+    monkeypatch.setenv("ORTKV_CUDA_EARLY", early)
     fmts, page_format = _single_row_kind(kind, dtype)
     if kind == "mixed":
         fmts = ALL
