@@ -264,8 +264,8 @@ def _single_row_kind(kind, dtype):
 def test_attention_single_row_one_launch_and_cluster_merge(rng, monkeypatch, kind, L, T, dtype, D, early):
     """One batch row, its page table two pages wider than the row (the splits come from the table's width): L = 37,
     one split, the node is one launch (Note [Paged CUDA one-launch report]); L = 600 / 2000, 2 / 7 splits merged
-    inside a thread-block cluster (Note [Paged CUDA cluster merge]; before sm_90, or where the cluster launch is
-    refused, the partials and the combine). Against the reference: every format in the row ("mixed", the every-format
+    inside a thread-block cluster (Note [Paged CUDA cluster merge]; the uniform kernel clusters 2..4 splits only;
+    before sm_90, or where the cluster launch is refused, the partials and the combine). Against the reference: every format in the row ("mixed", the every-format
     kernel), the queries' own 16-bit pages promised (the uniform kernel) or INT4 pages promised; launched early
     (Note [CUDA attention early start]) or plainly (ORTKV_CUDA_EARLY=0: the cluster launch without the programmatic
     attribute, whose griddepcontrol.wait then returns at once)."""
@@ -284,7 +284,7 @@ def test_attention_single_row_reports_the_first_failure(rng, kind, W, T):
     last page, the others stop before it. With one split (W = 3) the block of the last token reports (Note [Paged CUDA
     one-launch report]); with 2 / 8 splits (W = 40 / 128) the last page lies in the last split of a cluster and
     entry 5 in the first, and rank 0 of the last token's cluster reports the smallest of its ranks' keys (Note [Paged
-    CUDA cluster merge]). Each refusal is reported once, with the row and the page, the smallest first (the CPU
+    CUDA cluster merge]; the uniform kernel's 8 splits: the combine). Each refusal is reported once, with the row and the page, the smallest first (the CPU
     plan's order); the pool is untouched and the output finite; with nothing wrong the output is the reference's."""
     NL, H, G, PS, D = 1, 3, 3, 16, 64
     fmts, page_format = _single_row_kind(kind, "float16")

@@ -29,6 +29,7 @@
 #include <cstring>
 #include <numeric>
 #include <random>
+#include <string>
 #include <vector>
 
 namespace ortkv {
@@ -61,8 +62,12 @@ using sweep::TimeGraph;
     }                                                                                 \
   } while (0)
 
+int64_t kPs = 16;  // argv[4]: the page size (a multiple of 16)
+
 struct Case {
   int64_t L, B;
+  int64_t C = 0;  // the page table's width in keys (0: L; wider: entries past the row are -1, as in a generation)
+  int64_t W() const { return (C > 0 ? C : L) / kPs; }
 };
 
 // R pools of one format (each B * L / 16 pages), one directory and page table shared by all of them.
@@ -79,7 +84,6 @@ struct Pools {
 };
 
 constexpr int64_t kHq = 9, kHkv = 3, kD = 64;
-int64_t kPs = 16;  // argv[4]: the page size (a multiple of 16)
 
 Pools MakePools(codecs::PageFormat f, const Case& c, int R, bool shuffled, cudaStream_t s) {
   Pools p;
@@ -90,9 +94,11 @@ Pools MakePools(codecs::PageFormat f, const Case& c, int R, bool shuffled, cudaS
     dir[2 * i] = static_cast<int64_t>(f);
     dir[2 * i + 1] = i * p.page_bytes;
   }
-  std::vector<int32_t> tab(p.n_pages);
-  std::iota(tab.begin(), tab.end(), 0);
-  if (shuffled) std::shuffle(tab.begin(), tab.end(), std::mt19937(7));
+  std::vector<int32_t> ids(p.n_pages), tab(c.B * c.W(), -1);
+  std::iota(ids.begin(), ids.end(), 0);
+  if (shuffled) std::shuffle(ids.begin(), ids.end(), std::mt19937(7));
+  for (int64_t b = 0; b < c.B; ++b)
+    std::copy(ids.begin() + b * (c.L / kPs), ids.begin() + (b + 1) * (c.L / kPs), tab.begin() + b * c.W());
   CK(cudaMalloc(&p.directory, dir.size() * 8));
   CK(cudaMemcpy(p.directory, dir.data(), dir.size() * 8, cudaMemcpyHostToDevice));
   CK(cudaMalloc(&p.table, tab.size() * 4));
@@ -121,7 +127,7 @@ Node Plan(const Pools& p, int r, const Case& c, const __half* q, __half* out, co
   tq.data = q, tq.elem_type = kFloat16, tq.dims = {c.B, 1, kHq * kD}, tq.name = "q";
   tpool.data = p.pool[r], tpool.elem_type = 2, tpool.dims = {p.n_pages * p.page_bytes}, tpool.name = "pool";
   tdir.data = p.directory, tdir.elem_type = kInt64, tdir.dims = {p.n_pages, 2}, tdir.name = "directory";
-  ttab.data = p.table, ttab.elem_type = 6, ttab.dims = {c.B, c.L / kPs}, ttab.name = "table";
+  ttab.data = p.table, ttab.elem_type = 6, ttab.dims = {c.B, c.W()}, ttab.name = "table";
   tstart.data = start, tstart.elem_type = kInt64, tstart.dims = {c.B}, tstart.name = "start";
   PagedAttrs at;
   at.layer = 0, at.num_layers = 1, at.kv_num_heads = kHkv, at.page_size = kPs;
@@ -142,7 +148,8 @@ int Main(int argc, char** argv) {
   CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   int sms = 0;
   CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-  const Case cases[] = {{8192, 1}, {8192, 8}, {32768, 1}, {32768, 8}, {16, 1}, {1024, 1}, {16, 8}};  // 4-6: short rows
+  const Case cases[] = {{8192, 1}, {8192, 8}, {32768, 1}, {32768, 8}, {16, 1}, {1024, 1}, {16, 8},  // 4-6: short rows
+                        {16, 1, 2048}, {128, 1, 2048}};  // 7-8: a short row in a table of 2K keys
   using codecs::PageFormat;
   const PageFormat formats[] = {PageFormat::kF16, PageFormat::kInt8, PageFormat::kInt4};
   std::printf("pages of %lld tokens\n%6s %3s %3s | %-22s %9s %8s\n", (long long)kPs, "L", "B", "R", "kernel", "us", "GB/s");
@@ -196,7 +203,8 @@ int Main(int argc, char** argv) {
           setenv("ORTKV_CUDA_ATTENTION", u ? "v3" : level, 1);  // read at each launch, so during the capture
           const float us = Capture(s, R, reps, [&](int r) { OK(PagedCacheAttentionCuda(nodes[r].v, s)); });
           char name[64];
-          std::snprintf(name, sizeof name, "%s %s%s", fname, level, shuffled ? "" : " in order");
+          std::snprintf(name, sizeof name, "%s %s%s%s", fname, level, shuffled ? "" : " in order",
+                        c.C > 0 ? (" table " + std::to_string(c.C)).c_str() : "");
           const double bytes = static_cast<double>(c.B) * (c.L / kPs) * p.page_bytes;  // pages read per node
           std::printf("%6lld %3lld %3d | %-22s %9.2f %8.0f   (v3 vs v2 max |diff| %.5f)\n", (long long)c.L,
                       (long long)c.B, R, name, us, bytes / (us * 1e3), u ? worst_u : worst);

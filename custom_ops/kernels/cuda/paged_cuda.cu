@@ -1671,16 +1671,21 @@ __host__ __device__ __forceinline__ bool ReportsInBlock(const PagedAttentionCuda
 
 // Note [Paged CUDA cluster merge]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-// One batch row with 2..8 splits (a sequence's decode over a page table wider than 2 x kPagedMinChunk keys and
-// shorter than ~2K keys: the splits come from the table's width) and at most one block per SM: the v3 and uniform
-// kernels are launched as clusters of the unit's split blocks and merge through distributed shared memory (Note
-// [Cluster merge] in tile_mma.cuh, as dense CacheAttention v3), with no partials and no combine launch. Between the
-// cluster barriers rank 0 also takes the smallest of its ranks' failure keys: the unit's key over all its pages, the
-// same in every cluster of the last token, whose (KV head 0, head block 0) cluster reports it (Note [Paged CUDA
-// one-launch report]). Only the early instantiation is clustered: its griddepcontrol.wait returns at once when the
-// launch is not programmatic (ORTKV_CUDA_EARLY=0).
-__host__ __device__ __forceinline__ bool ClusterMerges(const PagedAttentionCudaView& v, int64_t blocks) {
-  return v.B == 1 && v.splits >= 2 && v.splits <= 8 && blocks <= v.sm_count;
+// One batch row with 2..8 splits (2..4 for the uniform kernel; a sequence's decode over a page table wider than
+// 2 x kPagedMinChunk keys and at most ~2K keys: the splits come from the table's width) and at most one block per
+// SM: the v3 and uniform kernels are launched as clusters of the unit's split blocks and merge through distributed
+// shared memory (Note [Cluster merge] in tile_mma.cuh, as dense CacheAttention v3), with no partials and no combine
+// launch. Between the cluster barriers rank 0 also takes the smallest of its ranks' failure keys: the unit's key
+// over all its pages, the same in every cluster of the last token, whose (KV head 0, head block 0) cluster reports
+// it (Note [Paged CUDA one-launch report]). Only the early instantiation is clustered: its griddepcontrol.wait
+// returns at once when the launch is not programmatic (ORTKV_CUDA_EARLY=0). Up to 8 splits for the every-format
+// kernel, up to 4 for the uniform one: H200, paged_sweep, one row in a table of 2K keys (8 splits), cluster vs
+// combine, us: uniform F16 16 keys 5.34 vs 4.95, 128 keys 5.65 vs 5.38 (the cluster slower); every-format F16 5.97
+// vs 5.88, INT8 6.39 vs 6.77, INT4 7.52 vs 8.46; at 1K keys in a 1K table (4 splits) uniform F16 5.86 vs 5.94, F16
+// 7.32 vs 7.56, INT4 7.36 vs 8.38 (benchmarks/results/paged_attention_cuda_h200.md, 2026-12-03 fifth session).
+__host__ __device__ __forceinline__ bool ClusterMerges(const PagedAttentionCudaView& v, int64_t blocks,
+                                                       int max_cluster) {
+  return v.B == 1 && v.splits >= 2 && v.splits <= max_cluster && blocks <= v.sm_count;
 }
 
 // The launch of a decode attention kernel of kThreads threads as its plain, early (Note [CUDA attention early start])
@@ -1692,10 +1697,11 @@ using AttnKernel = void (*)(const AttnArgs);
 struct AttnKernels {
   AttnKernel plain, early, cluster;
   size_t smem, cluster_smem;
-  int per_sm;
+  int max_cluster, per_sm;
 };
-AttnKernels MakeKernels(AttnKernel plain, AttnKernel early, AttnKernel cluster, size_t smem, size_t cluster_smem) {
-  AttnKernels k{plain, early, cluster, smem, cluster_smem, 2};
+AttnKernels MakeKernels(AttnKernel plain, AttnKernel early, AttnKernel cluster, size_t smem, size_t cluster_smem,
+                        int max_cluster) {
+  AttnKernels k{plain, early, cluster, smem, cluster_smem, max_cluster, 2};
   for (AttnKernel f : {plain, early, cluster}) {
     (void)cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                static_cast<int>(f == cluster ? cluster_smem : smem));
@@ -1717,7 +1723,7 @@ cudaError_t LaunchOneWave(const AttnKernels& k, AttnArgs a, cudaStream_t stream)
     a.v.splits = std::max<int64_t>(1, std::min<int64_t>(a.v.splits, static_cast<int64_t>(k.per_sm) * a.v.sm_count / base));
   const unsigned blocks = static_cast<unsigned>(base * a.v.splits);
   const bool sm90 = pv2::CurrentMajor() >= 9, early = sm90 && CudaEarlyLaunch();
-  if (sm90 && ClusterMerges(a.v, blocks) &&  // Note [Paged CUDA cluster merge]
+  if (sm90 && ClusterMerges(a.v, blocks, k.max_cluster) &&  // Note [Paged CUDA cluster merge]
       LaunchEx(k.cluster, blocks, kThreads, k.cluster_smem, stream, static_cast<unsigned>(a.v.splits), early, a))
     return cudaSuccess;
   if (!(early && LaunchProgrammatic(k.early, blocks, kThreads, k.smem, stream, a)))  // Note [CUDA attention early start]
@@ -2982,7 +2988,8 @@ __global__ void __launch_bounds__(kThreads, ORTKV_PAGED_V3_MIN_BLOCKS) PagedAtte
 template <typename T, int D>
 cudaError_t LaunchD(const AttnArgs& a, cudaStream_t stream) {
   static const AttnKernels k = MakeKernels(PagedAttentionV3<T, D>, PagedAttentionV3<T, D, true>,
-                                           PagedAttentionV3<T, D, true, true>, SmemBytes<D>(), SmemBytes<D>() + kFinBytes<D>);
+                                           PagedAttentionV3<T, D, true, true>, SmemBytes<D>(), SmemBytes<D>() + kFinBytes<D>,
+                                           8);  // Note [Paged CUDA cluster merge]
   return LaunchOneWave<T>(k, a, stream);
 }
 
@@ -3201,7 +3208,8 @@ __global__ void __launch_bounds__(kThreads) PagedAttentionU16(const AttnArgs arg
 template <typename T, int D>
 cudaError_t LaunchD(const AttnArgs& a, cudaStream_t stream) {
   static const AttnKernels k = MakeKernels(PagedAttentionU16<T, D>, PagedAttentionU16<T, D, true>,
-                                           PagedAttentionU16<T, D, true, true>, Cfg<D>::kSmem, Cfg<D>::kSmem + kFinBytes<D>);
+                                           PagedAttentionU16<T, D, true, true>, Cfg<D>::kSmem, Cfg<D>::kSmem + kFinBytes<D>,
+                                           4);  // Note [Paged CUDA cluster merge]
   return LaunchOneWave<T>(k, a, stream);
 }
 
