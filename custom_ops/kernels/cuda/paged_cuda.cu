@@ -1659,12 +1659,12 @@ cudaError_t Launch(const AttnArgs& a, int gm, cudaStream_t stream) {
 // block reports the smallest (Note [Paged CUDA v2]): the CPU plan's first failure. With one split that combine had
 // nothing else to do, yet it was a second launch in every short-row node (H200, paged_sweep, 16 keys x 1 row: F16
 // promised 4.10 -> 2.96 us, INT4 7.20 -> 5.14 us without it; benchmarks/results/paged_attention_cuda_h200.md). When
-// the node has one split and one batch row (a single sequence's decode or prefill up to ~kPagedMinChunk keys; the
-// launch decides after trimming the splits, so the graph shape is stable), every block of token t resolves the same
-// pages [0, start + t], so the block of the last token (KV head 0, head block 0) holds the smallest key of the
-// whole node and reports it itself; the v3 and uniform kernels then launch nothing after the attention, as dense
-// CacheAttention. Several rows keep the combine: a block cannot know that the rows before its own are fine. With
-// 2..8 splits the same holds of each cluster (Note [Paged CUDA cluster merge]).
+// the node has one split and one batch row (one sequence whose page table is narrower than 2 x kPagedMinChunk keys:
+// the splits come from the table's width; the launch decides after trimming them, so a graph's shape is stable),
+// every block of token t resolves the same pages [0, start + t], so the block of the last token (KV head 0, head
+// block 0) holds the smallest key of the whole node and reports it itself; the v3 and uniform kernels then launch
+// nothing after the attention, as dense CacheAttention. Several rows keep the combine: a block cannot know that the
+// rows before its own are fine. With 2..8 splits the same holds of each cluster (Note [Paged CUDA cluster merge]).
 __host__ __device__ __forceinline__ bool ReportsInBlock(const PagedAttentionCudaView& v) {
   return v.splits == 1 && v.B == 1;
 }
