@@ -19,6 +19,11 @@ round) of the median of --reps timed calls after a warm-up; the time per node is
           (past_seqlens = L - 1), which ortkv's figure leaves to PagedCacheUpdate. It runs in a CUDA graph when
           the op allows capture; otherwise without one (the table says which).
 
+A cell is LxB (L keys per row, B rows; the dense caches hold L positions and the page tables L / 16 entries) or
+LxB@C: the same rows in caches of C positions and page tables of C / 16 entries (the rest -1), as in a generation,
+whose caches and tables are as wide as its max length: the kernels take their split counts from that width (start
+is on the device), so a short row in a wide table pays for empty splits. ORT-PA's tables stay L / 16 wide.
+
     python benchmarks/bench_paged_attention_cuda.py [--rounds 3] [--reps 20] [--cells 8192x1,8192x8,32768x1,32768x8]
                                                     [--kinds dense,F16,...] [--heads 9/3/64]
                                                     [--out benchmarks/results/paged_attention_cuda.md]
@@ -79,26 +84,30 @@ def _reps(B, L):
     return max(8, min(64, TARGET_BYTES // per))
 
 
-def dense_case(rng, B, L, R):
+def dense_case(rng, B, L, R, C=None):
+    """R CacheAttention nodes over caches of C (default L) positions, start = L - 1."""
+    C = C or L
     vi = helper.make_tensor_value_info
     nodes, inputs = [], [vi("q", TP.FLOAT16, [B, 1, HQ * D]), vi("start", TP.INT64, [B])]
     outs, feeds = [], {}
     for r in range(R):
         nodes.append(make_cache_attention("q", f"k{r}", f"v{r}", "start", f"o{r}", name=f"a{r}", num_heads=HQ,
                                           kv_num_heads=HKV, seq_axis=1))
-        inputs += [vi(f"k{r}", TP.FLOAT16, [B, L, HKV, D]), vi(f"v{r}", TP.FLOAT16, [B, L, HKV, D])]
+        inputs += [vi(f"k{r}", TP.FLOAT16, [B, C, HKV, D]), vi(f"v{r}", TP.FLOAT16, [B, C, HKV, D])]
         outs.append(vi(f"o{r}", TP.FLOAT16, [B, 1, HQ * D]))
-        kv = rng.standard_normal((B, L, HKV, D)).astype(np.float16)
+        kv = rng.standard_normal((B, C, HKV, D)).astype(np.float16)
         feeds[f"k{r}"] = feeds[f"v{r}"] = kv
     feeds["q"] = rng.standard_normal((B, 1, HQ * D)).astype(np.float16)
     feeds["start"] = np.full(B, L - 1, np.int64)
     return _model(nodes, inputs, outs), feeds, [o.name for o in outs]
 
 
-def paged_case(rng, B, L, R, fmt, shuffled=True, promise=False):
+def paged_case(rng, B, L, R, fmt, shuffled=True, promise=False, C=None):
     """One pool per node; every row L tokens over shuffled pages of `fmt` (in pool order when not `shuffled`;
     the pages' bytes are one encoded random page repeated: the decode work is the same for any bytes); `promise`:
-    the nodes' page_format attribute names `fmt`."""
+    the nodes' page_format attribute names `fmt`; C: the page table's width in tokens (default L; entries past the
+    row's pages are -1)."""
+    W = (C or L) // PS
     extra = {"page_format": fmt.name} if promise else {}
     vi = helper.make_tensor_value_info
     n_pages = B * (L // PS)
@@ -106,9 +115,10 @@ def paged_case(rng, B, L, R, fmt, shuffled=True, promise=False):
     page = encode_page(fmt, rng.standard_normal((2, HKV, PS, D)).astype(np.float32))
     directory = np.stack([np.full(n_pages, int(fmt), np.int64), np.arange(n_pages, dtype=np.int64) * pb], axis=1)
     order = rng.permutation(n_pages) if shuffled else np.arange(n_pages)
-    table = order.astype(np.int32).reshape(B, L // PS)
+    table = np.full((B, W), -1, np.int32)
+    table[:, :L // PS] = order.astype(np.int32).reshape(B, L // PS)
     nodes, inputs, outs, feeds = [], [vi("q", TP.FLOAT16, [B, 1, HQ * D]), vi("start", TP.INT64, [B]),
-                                      vi("directory", TP.INT64, [n_pages, 2]), vi("table", TP.INT32, [B, L // PS])], [], {}
+                                      vi("directory", TP.INT64, [n_pages, 2]), vi("table", TP.INT32, [B, W])], [], {}
     for r in range(R):
         nodes.append(helper.make_node("PagedCacheAttention", ["q", f"pool{r}", "directory", "table", "start"], [f"o{r}"],
                                       name=f"a{r}", domain="ortkv", num_heads=HQ, kv_num_heads=HKV, layer=0,
@@ -197,7 +207,8 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--reps", type=int, default=20)
-    p.add_argument("--cells", default=CELLS, help="LxB,LxB,...: keys per row x rows")
+    p.add_argument("--cells", default=CELLS, help="LxB[@C],...: keys per row x rows [@ cache / page table width in "
+                   "tokens, default L]")
     p.add_argument("--kinds", default="", help="comma-separated subset of the kinds (default: all); ratios whose "
                    "kinds were not run print -")
     p.add_argument("--heads", default=f"{HQ}/{HKV}/{D}",
@@ -211,7 +222,17 @@ def main():
     if HKV < 1 or HQ < HKV or HQ % HKV or D not in (64, 128):
         p.error(f"--heads {a.heads}: the query heads must be a positive multiple of the KV heads (>= 1) and the head "
                 "size 64 or 128")
-    cells = [tuple(int(x) for x in c.split("x")) for c in a.cells.split(",")]
+    cells = []
+    for c in a.cells.split(","):
+        try:
+            lb, _, width = c.partition("@")
+            L, B = (int(x) for x in lb.split("x"))
+            C = int(width) if width else L
+        except ValueError:
+            p.error(f"--cells: {c!r} is not LxB or LxB@C (e.g. 8192x1 or 16x1@2048)")
+        if L < 1 or B < 1 or L % PS or C % PS or C < L:
+            p.error(f"--cells: {c!r} needs L, B >= 1, L and C multiples of the page size {PS}, and C >= L")
+        cells.append((L, B, C))
     rng = np.random.default_rng(0)
     kinds = (["dense"] + [f.name for f in FORMATS] + ["F16 promised", "F16 in order"] +
              [f"{f.name} v2" for f in V2_FORMATS] + ["dense plain", "F16 plain", "INT4 plain", "ORT-PA"])
@@ -236,34 +257,34 @@ def main():
              " | ".join(names.get(r, f"{r[0]} / {r[1]}") for r in ratios) + " | ORT-PA graph |",
              "|---|---|---|" + "---|" * (len(kinds) + len(ratios) + 1)]
     pa_note = None
-    for L, B in cells:
+    for L, B, C in cells:
         R = _reps(B, L)
         runners = {}
         want = set(kinds)
         if "dense" in want:
-            runners["dense"] = Runner(*dense_case(rng, B, L, R))
+            runners["dense"] = Runner(*dense_case(rng, B, L, R, C))
         for f in FORMATS:
             if f.name in want:
-                runners[f.name] = Runner(*paged_case(rng, B, L, R, f))
+                runners[f.name] = Runner(*paged_case(rng, B, L, R, f, C=C))
         if "F16 promised" in want:
-            runners["F16 promised"] = Runner(*paged_case(rng, B, L, R, PageFormat.F16, promise=True))
+            runners["F16 promised"] = Runner(*paged_case(rng, B, L, R, PageFormat.F16, promise=True, C=C))
         if "F16 in order" in want:
-            runners["F16 in order"] = Runner(*paged_case(rng, B, L, R, PageFormat.F16, shuffled=False))
+            runners["F16 in order"] = Runner(*paged_case(rng, B, L, R, PageFormat.F16, shuffled=False, C=C))
         os.environ["ORTKV_CUDA_ATTENTION"] = "v2"  # read when the graph is captured (in Runner())
         try:
             for f in V2_FORMATS:
                 if f"{f.name} v2" in want:
-                    runners[f"{f.name} v2"] = Runner(*paged_case(rng, B, L, R, f))
+                    runners[f"{f.name} v2"] = Runner(*paged_case(rng, B, L, R, f, C=C))
         finally:
             del os.environ["ORTKV_CUDA_ATTENTION"]
         os.environ["ORTKV_CUDA_EARLY"] = "0"  # plain launches (Note [CUDA attention early start]), read at capture
         try:
             if "dense plain" in want:
-                runners["dense plain"] = Runner(*dense_case(rng, B, L, R))
+                runners["dense plain"] = Runner(*dense_case(rng, B, L, R, C))
             if "F16 plain" in want:
-                runners["F16 plain"] = Runner(*paged_case(rng, B, L, R, PageFormat.F16))
+                runners["F16 plain"] = Runner(*paged_case(rng, B, L, R, PageFormat.F16, C=C))
             if "INT4 plain" in want:
-                runners["INT4 plain"] = Runner(*paged_case(rng, B, L, R, PageFormat.INT4))
+                runners["INT4 plain"] = Runner(*paged_case(rng, B, L, R, PageFormat.INT4, C=C))
         finally:
             del os.environ["ORTKV_CUDA_EARLY"]
         pa_graph = False
@@ -278,7 +299,7 @@ def main():
             for k in kinds_now:
                 per[k].append(runners[k].time(a.reps) / R * 1e6)
         med = {k: statistics.median(v) for k, v in per.items()}
-        row = f"| {L} | {B} | {R} | " + " | ".join(f"{med[k]:.1f}" if k in med else "-" for k in kinds)
+        row = f"| {L if C == L else f'{L} @ {C}'} | {B} | {R} | " + " | ".join(f"{med[k]:.1f}" if k in med else "-" for k in kinds)
         row += " | " + " | ".join(f"{med[x] / med[y]:.2f}" if x in med and y in med else "-" for x, y in ratios)
         row += f" | {('yes' if pa_graph else 'no') if 'ORT-PA' in med else '-'} |"
         lines.append(row)
