@@ -299,7 +299,8 @@ def main():
             for k in kinds_now:
                 per[k].append(runners[k].time(a.reps) / R * 1e6)
         med = {k: statistics.median(v) for k, v in per.items()}
-        row = f"| {L if C == L else f'{L} @ {C}'} | {B} | {R} | " + " | ".join(f"{med[k]:.1f}" if k in med else "-" for k in kinds)
+        row = f"| {L if C == L else f'{L} @ {C}'} | {B} | {R} | "
+        row += " | ".join(f"{med[k]:.1f}" if k in med else "-" for k in kinds)
         row += " | " + " | ".join(f"{med[x] / med[y]:.2f}" if x in med and y in med else "-" for x, y in ratios)
         row += f" | {('yes' if pa_graph else 'no') if 'ORT-PA' in med else '-'} |"
         lines.append(row)

@@ -248,10 +248,10 @@ def test_attention_uniform_pages_many_tiles_per_warp(rng, fmt, T):
                page_format=fmt.name)
 
 
-def _single_row_kind(kind, dtype):
-    """The page formats and the node's page_format of a single-row test's kind."""
+def _single_row_kind(kind, dtype, mixed):
+    """The page formats and the node's page_format of a single-row test's kind ("mixed": the formats `mixed`)."""
     if kind == "mixed":
-        return [PageFormat.F16, PageFormat.INT8, PageFormat.INT4], None
+        return mixed, None
     fmt = PageFormat[kind] if kind != "16bit" else PageFormat.F16 if dtype == "float16" else PageFormat.BF16
     return [fmt], fmt.name
 
@@ -265,14 +265,13 @@ def test_attention_single_row_one_launch_and_cluster_merge(rng, monkeypatch, kin
     """One batch row, its page table two pages wider than the row (the splits come from the table's width): L = 37,
     one split, the node is one launch (Note [Paged CUDA one-launch report]); L = 600 / 2000, 2 / 7 splits merged
     inside a thread-block cluster (Note [Paged CUDA cluster merge]; the uniform kernel clusters 2..4 splits only;
-    before sm_90, or where the cluster launch is refused, the partials and the combine). Against the reference: every format in the row ("mixed", the every-format
-    kernel), the queries' own 16-bit pages promised (the uniform kernel) or INT4 pages promised; launched early
+    before sm_90, or where the cluster launch is refused, the partials and the combine). Against the reference:
+    every format in the row ("mixed", the every-format kernel), the queries' own 16-bit pages promised (the uniform
+    kernel) or INT4 pages promised; launched early
     (Note [CUDA attention early start]) or plainly (ORTKV_CUDA_EARLY=0: the cluster launch without the programmatic
     attribute, whose griddepcontrol.wait then returns at once)."""
     monkeypatch.setenv("ORTKV_CUDA_EARLY", early)
-    fmts, page_format = _single_row_kind(kind, dtype)
-    if kind == "mixed":
-        fmts = ALL
+    fmts, page_format = _single_row_kind(kind, dtype, ALL)
     _attn_case(rng, fmts, B=1, T=T, lengths=[L], PS=16, D=D, NL=1, layer=0, dtype=dtype, page_format=page_format)
 
 
@@ -284,10 +283,11 @@ def test_attention_single_row_reports_the_first_failure(rng, kind, W, T):
     last page, the others stop before it. With one split (W = 3) the block of the last token reports (Note [Paged CUDA
     one-launch report]); with 2 / 8 splits (W = 40 / 128) the last page lies in the last split of a cluster and
     entry 5 in the first, and rank 0 of the last token's cluster reports the smallest of its ranks' keys (Note [Paged
-    CUDA cluster merge]; the uniform kernel's 8 splits: the combine). Each refusal is reported once, with the row and the page, the smallest first (the CPU
-    plan's order); the pool is untouched and the output finite; with nothing wrong the output is the reference's."""
+    CUDA cluster merge]; the uniform kernel's 8 splits: the combine). Each refusal is reported once, with the row and
+    the page, the smallest first (the CPU plan's order); the pool is untouched and the output finite; with nothing
+    wrong the output is the reference's."""
     NL, H, G, PS, D = 1, 3, 3, 16, 64
-    fmts, page_format = _single_row_kind(kind, "float16")
+    fmts, page_format = _single_row_kind(kind, "float16", [PageFormat.F16, PageFormat.INT8, PageFormat.INT4])
     pool, directory = build_pool(rng, [fmts[i % len(fmts)] for i in range(W)], num_layers=NL, kv_heads=H,
                                  page_size=PS, head_size=D)
     table = table_for([list(range(W))], W)

@@ -1683,8 +1683,7 @@ __host__ __device__ __forceinline__ bool ReportsInBlock(const PagedAttentionCuda
 // combine, us: uniform F16 16 keys 5.34 vs 4.95, 128 keys 5.65 vs 5.38 (the cluster slower); every-format F16 5.97
 // vs 5.88, INT8 6.39 vs 6.77, INT4 7.52 vs 8.46; at 1K keys in a 1K table (4 splits) uniform F16 5.86 vs 5.94, F16
 // 7.32 vs 7.56, INT4 7.36 vs 8.38 (benchmarks/results/paged_attention_cuda_h200.md, 2026-12-03 fifth session).
-__host__ __device__ __forceinline__ bool ClusterMerges(const PagedAttentionCudaView& v, int64_t blocks,
-                                                       int max_cluster) {
+inline bool ClusterMerges(const PagedAttentionCudaView& v, int64_t blocks, int max_cluster) {
   return v.B == 1 && v.splits >= 2 && v.splits <= max_cluster && blocks <= v.sm_count;
 }
 
@@ -1720,13 +1719,15 @@ template <typename T>
 cudaError_t LaunchOneWave(const AttnKernels& k, AttnArgs a, cudaStream_t stream) {
   const int64_t base = a.v.units() * a.head_blocks;
   if (a.v.splits > 1 && a.v.sm_count > 0)  // one wave (Note [CacheAttention CUDA v2 waves])
-    a.v.splits = std::max<int64_t>(1, std::min<int64_t>(a.v.splits, static_cast<int64_t>(k.per_sm) * a.v.sm_count / base));
+    a.v.splits =
+        std::max<int64_t>(1, std::min<int64_t>(a.v.splits, static_cast<int64_t>(k.per_sm) * a.v.sm_count / base));
   const unsigned blocks = static_cast<unsigned>(base * a.v.splits);
   const bool sm90 = pv2::CurrentMajor() >= 9, early = sm90 && CudaEarlyLaunch();
   if (sm90 && ClusterMerges(a.v, blocks, k.max_cluster) &&  // Note [Paged CUDA cluster merge]
       LaunchEx(k.cluster, blocks, kThreads, k.cluster_smem, stream, static_cast<unsigned>(a.v.splits), early, a))
     return cudaSuccess;
-  if (!(early && LaunchProgrammatic(k.early, blocks, kThreads, k.smem, stream, a)))  // Note [CUDA attention early start]
+  // Note [CUDA attention early start]
+  if (!(early && LaunchProgrammatic(k.early, blocks, kThreads, k.smem, stream, a)))
     k.plain<<<blocks, kThreads, k.smem, stream>>>(a);
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess || ReportsInBlock(a.v)) return e;  // Note [Paged CUDA one-launch report]
@@ -1788,7 +1789,8 @@ template <typename T>
 __device__ __forceinline__ T* OutRow(const PagedAttentionCudaView& a, const BlockUnit& bu, int gg) {
   return static_cast<T*>(a.out) + ((bu.b * a.T + bu.t) * a.Hq + bu.hk * bu.G + bu.g0 + gg) * a.D;
 }
-// A clustered launch's `fin` after the kernel's own shared memory: [8 query heads][D + 2] floats (Note [Cluster merge]).
+// A clustered launch's `fin` after the kernel's own shared memory: [8 query heads][D + 2] floats (Note [Cluster
+// merge]).
 template <int D>
 constexpr size_t kFinBytes = 8 * (D + 2) * sizeof(float);
 
@@ -1799,21 +1801,16 @@ template <typename T>
 __device__ __forceinline__ void EmitMerged(const PagedAttentionCudaView& a, const BlockUnit& bu, int gg, int d,
                                            float mb, float lb, float ab, float* fin = nullptr) {
   const int64_t S = a.splits;
-  if (fin != nullptr) {
-    fin[gg * (a.D + 2) + d] = ab;
-    if (d == 0) {
-      fin[gg * (a.D + 2) + a.D] = mb;
-      fin[gg * (a.D + 2) + a.D + 1] = lb;
-    }
-  } else if (S == 1) {
+  if (fin == nullptr && S == 1) {
     OutRow<T>(a, bu, gg)[d] = FromF<T>(lb > 0.0f ? ab / lb : 0.0f);
-  } else {
-    float* p = a.partial + ((bu.unit * bu.G + bu.g0 + gg) * S + bu.split) * (a.D + 2);
-    p[d] = ab;
-    if (d == 0) {
-      p[a.D] = mb;
-      p[a.D + 1] = lb;
-    }
+    return;
+  }
+  float* p = fin != nullptr ? fin + gg * (a.D + 2)
+                             : a.partial + ((bu.unit * bu.G + bu.g0 + gg) * S + bu.split) * (a.D + 2);
+  p[d] = ab;
+  if (d == 0) {
+    p[a.D] = mb;
+    p[a.D + 1] = lb;
   }
 }
 
@@ -2979,17 +2976,18 @@ __global__ void __launch_bounds__(kThreads, ORTKV_PAGED_V3_MIN_BLOCKS) PagedAtte
       [&](int gg, int d, float mb, float lb, float ab) { EmitMerged<T>(a, bu, gg, d, mb, lb, ab, fin); },
       [mode](int nt, int n) { return DimOf(mode, nt, n); });
   if constexpr (CLUSTER)  // Note [Paged CUDA cluster merge]
-    tile16::ClusterMerge<T, D>(fin, static_cast<int>(S), gn, tid, kThreads, [&](int gg) { return OutRow<T>(a, bu, gg); },
-                               [&](auto& cl) { ClusterReport(a, bu, &sh.key, cl); });
+    tile16::ClusterMerge<T, D>(
+        fin, static_cast<int>(S), gn, tid, kThreads, [&](int gg) { return OutRow<T>(a, bu, gg); },
+        [&](auto& cl) { ClusterReport(a, bu, &sh.key, cl); });
   else if (tid == 0)
     ReportBlockKey(a, bu, sh.key);  // Note [Paged CUDA one-launch report]
 }
 
 template <typename T, int D>
 cudaError_t LaunchD(const AttnArgs& a, cudaStream_t stream) {
-  static const AttnKernels k = MakeKernels(PagedAttentionV3<T, D>, PagedAttentionV3<T, D, true>,
-                                           PagedAttentionV3<T, D, true, true>, SmemBytes<D>(), SmemBytes<D>() + kFinBytes<D>,
-                                           8);  // Note [Paged CUDA cluster merge]
+  static const AttnKernels k =
+      MakeKernels(PagedAttentionV3<T, D>, PagedAttentionV3<T, D, true>, PagedAttentionV3<T, D, true, true>,
+                  SmemBytes<D>(), SmemBytes<D>() + kFinBytes<D>, 8);  // Note [Paged CUDA cluster merge]
   return LaunchOneWave<T>(k, a, stream);
 }
 
@@ -3197,19 +3195,22 @@ __global__ void __launch_bounds__(kThreads) PagedAttentionU16(const AttnArgs arg
   }
   float* fin = CLUSTER ? reinterpret_cast<float*>(dsm + C::kSmem) : nullptr;
   MergeWarpTiles<NW, D>(*reinterpret_cast<Merge*>(dsm), m, l, o, gn,
-                        [&](int gg, int d, float mb, float lb, float ab) { EmitMerged<T>(a, bu, gg, d, mb, lb, ab, fin); });
+                        [&](int gg, int d, float mb, float lb, float ab) {
+                          EmitMerged<T>(a, bu, gg, d, mb, lb, ab, fin);
+                        });
   if constexpr (CLUSTER)  // Note [Paged CUDA cluster merge]
-    tile16::ClusterMerge<T, D>(fin, static_cast<int>(S), gn, tid, kThreads, [&](int gg) { return OutRow<T>(a, bu, gg); },
-                               [&](auto& cl) { ClusterReport(a, bu, &s_key, cl); });
+    tile16::ClusterMerge<T, D>(
+        fin, static_cast<int>(S), gn, tid, kThreads, [&](int gg) { return OutRow<T>(a, bu, gg); },
+        [&](auto& cl) { ClusterReport(a, bu, &s_key, cl); });
   else if (tid == 0)
     ReportBlockKey(a, bu, s_key);  // Note [Paged CUDA one-launch report]
 }
 
 template <typename T, int D>
 cudaError_t LaunchD(const AttnArgs& a, cudaStream_t stream) {
-  static const AttnKernels k = MakeKernels(PagedAttentionU16<T, D>, PagedAttentionU16<T, D, true>,
-                                           PagedAttentionU16<T, D, true, true>, Cfg<D>::kSmem, Cfg<D>::kSmem + kFinBytes<D>,
-                                           4);  // Note [Paged CUDA cluster merge]
+  static const AttnKernels k =
+      MakeKernels(PagedAttentionU16<T, D>, PagedAttentionU16<T, D, true>, PagedAttentionU16<T, D, true, true>,
+                  Cfg<D>::kSmem, Cfg<D>::kSmem + kFinBytes<D>, 4);  // Note [Paged CUDA cluster merge]
   return LaunchOneWave<T>(k, a, stream);
 }
 
