@@ -116,7 +116,7 @@ def cuda_attention(q, pool, directory, table, start, *, num_heads, kv_heads, lay
     st = np.broadcast_to(np.asarray(start, np.int64), (q.shape[0],)).copy()
     out = _dev(np.zeros(q.shape, RAW[dtype]))
     keep = [(_dev(q), "query", ONNX[dtype], q.shape), (_dev(pool), "pool", TP.UINT8, pool.shape),
-            (_dev(directory), "directory", TP.INT64, directory.shape), (_dev(table), "page_table", TP.INT32, table.shape),
+            (_dev(directory), directory_name, TP.INT64, directory.shape), (_dev(table), "page_table", TP.INT32, table.shape),
             (_dev(st), "start", TP.INT64, st.shape)]
     if fill is not None:
         keep.append((_dev(fill), "page_fill", TP.INT32, fill.shape))
@@ -337,12 +337,13 @@ def test_attention_early_launch_equals_plain_launch(monkeypatch, D, T):
     assert outs["0"].tobytes() == outs["1"].tobytes()
 
 
-def _run_bound(sess, q, pool, directory, table, start, *, table_name="page_table", start_name="start"):
+def _run_bound(sess, q, pool, directory, table, start, *, table_name="page_table", start_name="start",
+               directory_name="directory"):
     """One run of a float16 attention_model session (its page table / start inputs possibly renamed, for a node
     before that computes them) with every tensor bound on the device; the output as float32, no deferred error."""
     io = sess.io_binding()
     keep = [(_dev(q), "query", TP.FLOAT16, q.shape), (_dev(pool), "pool", TP.UINT8, pool.shape),
-            (_dev(directory), "directory", TP.INT64, directory.shape),
+            (_dev(directory), directory_name, TP.INT64, directory.shape),
             (_dev(table), table_name, TP.INT32, table.shape), (_dev(start), start_name, TP.INT64, start.shape)]
     for v, name, t, shape in keep:
         _bind(io, name, v, t, shape)
@@ -415,6 +416,51 @@ def test_attention_early_launch_page_table_written_by_the_node_before(rng, unifo
         got = _run_bound(sess, q, pool, directory, table, start, table_name="page_table_in")
         assert np.isfinite(got).all(), f"run {r}: a NaN page (the last run's, or a row past a length) was read"
         want = paged_cache_attention_ref(q, pool0, directory, table, start, num_heads=H * G, kv_num_heads=H, layer=0,
+                                         num_layers=NL, page_size=PS)
+        np.testing.assert_allclose(got, want, rtol=2e-3, atol=2e-3, err_msg=f"run {r}")
+
+
+@pytest.mark.parametrize("uniform", [None, PageFormat.F16], ids=["mixed", "uniform_f16"])
+@pytest.mark.parametrize("lengths", [[8200, 300], [16, 33]], ids=["long", "short"])
+def test_attention_early_launch_directory_written_by_the_node_before(rng, uniform, lengths):
+    """The directory computed on the GPU by the node right before PagedCacheAttention (an Add), the page table and
+    `start` the same in every run. Each run moves the page that holds `start` to another slot (a copy of its
+    bytes) and fills the slot the run before used with NaN: what the attention resolved of that page before its
+    wait must be checked after it (Note [CUDA attention early start]), never kept from the last run's row."""
+    H, G, PS, NL, D, B = 3, 3, 16, 1, 64, 2
+    n = -(-max(lengths) // PS)
+    kinds = [uniform] if uniform else [PageFormat.F16, PageFormat.INT8, PageFormat.INT4]
+    fmts = [kinds[i % len(kinds)] for i in range(2 * n)]
+    pool0, directory0 = build_pool(rng, fmts, num_layers=NL, kv_heads=H, page_size=PS, head_size=D)
+    table = table_for([list(range(n)), list(range(n, 2 * n))], n + 1)
+    late = [int(table[b, (lengths[b] - 1) // PS]) for b in range(B)]
+    sizes = [slot_bytes(PageFormat(int(directory0[p, 0])), NL, H, PS, D) for p in late]
+    # each late page gets a second slot past the pool's end, holding the same bytes
+    second = []
+    end = -(-len(pool0) // 16) * 16
+    for p, size in zip(late, sizes):
+        second.append(end)
+        end += -(-size // 16) * 16
+    pool_base = np.zeros(end, np.uint8)
+    pool_base[:len(pool0)] = pool0
+    for p, size, off in zip(late, sizes, second):
+        pool_base[off:off + size] = pool0[directory0[p, 1]:directory0[p, 1] + size]
+    sess = _session(input_from_add(attention_model("float16", H * G, H, 0, NL, PS,
+                                                   page_format=uniform.name if uniform else None),
+                                   "directory", TP.INT64, 0))
+    start = np.array(lengths) - 1
+    for r in range(4):
+        directory = directory0.copy()
+        pool = pool_base.copy()
+        for p, size, off in zip(late, sizes, second):
+            old, new = (directory0[p, 1], off) if r % 2 else (off, directory0[p, 1])
+            directory[p, 1] = new
+            pool[old:old + size] = 0xFF  # the slot the other runs use
+        poison_rows(pool, directory, table, lengths, num_layers=NL, kv_heads=H, page_size=PS, head_size=D)
+        q = _rand(rng, (B, 1, H * G * D), "float16")
+        got = _run_bound(sess, q, pool, directory, table, start, directory_name="directory_in")
+        assert np.isfinite(got).all(), f"run {r}: a NaN slot (the last run's, or a row past a length) was read"
+        want = paged_cache_attention_ref(q, pool, directory, table, start, num_heads=H * G, kv_num_heads=H, layer=0,
                                          num_layers=NL, page_size=PS)
         np.testing.assert_allclose(got, want, rtol=2e-3, atol=2e-3, err_msg=f"run {r}")
 

@@ -386,6 +386,57 @@ def test_cuda_f16_pages_greedy_equal_the_dense_cuda_path(graph):
     assert stats["directory_bytes_uploaded"] >= 16 * stats["pages"]["F16"]
 
 
+def test_table_bucket_widths():
+    """Note [Page table buckets]: the smallest power-of-two key bucket (at least TABLE_BUCKET_MIN keys) that holds
+    the rows, in pages, never wider than the table."""
+    from ortkv.generate.paged import TABLE_BUCKET_MIN, table_bucket
+
+    assert TABLE_BUCKET_MIN == 256
+    cases = [(1, 16, 128, 16), (16, 16, 128, 16), (256, 16, 128, 16), (257, 16, 128, 32), (512, 16, 128, 32),
+             (513, 16, 128, 64), (1500, 16, 128, 128), (2048, 16, 128, 128), (5000, 16, 128, 128),
+             (300, 32, 100, 16), (1, 48, 10, 6), (700, 48, 10, 10), (0, 16, 128, 16)]
+    for need, ps, max_pages, want in cases:
+        assert table_bucket(need, ps, max_pages) == want, (need, ps, max_pages)
+        assert table_bucket(need, ps, max_pages) * ps >= min(need, max_pages * ps)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(_cuda_why_not() is not None, reason=f"paged CUDA generation skipped: {_cuda_why_not()}")
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "cuda_graph"])
+def test_cuda_table_buckets_give_the_full_tables_logits(graph, monkeypatch):
+    """Note [Page table buckets]: with buckets of 16, 32 and 64 keys (TABLE_BUCKET_MIN lowered to 16) two rows of
+    5 and 9 prompt tokens, fed the same 40 tokens, give the logits of the full 512-key table (other splits: a
+    different summation order, so within 0.1), and the runner bound tables of 1, 2 and 4 pages only."""
+    from ortkv.generate import paged as paged_module
+
+    prompts = [[504, 3575, 282, 4649, 314], [1, 504, 3575, 282, 4649, 314, 7042, 30, 198]]
+    feed = np.array([[(7 * i + 3 * b) % 4000 + 100 for b in range(2)] for i in range(40)], np.int64)
+    runs = {}
+    for bucket_min in (16, 1 << 30):
+        monkeypatch.setattr(paged_module, "TABLE_BUCKET_MIN", bucket_min)
+        cfg = _cuda_cfg(graph, kv_format="f16")
+        r = make_runner("ortkv", cfg)
+        try:
+            lengths = np.array([len(p) for p in prompts])
+            ids = np.full((2, lengths.max()), 2, np.int64)
+            for b, p in enumerate(prompts):
+                ids[b, : len(p)] = p
+            r.start(2, cfg.search.max_length)
+            out = [r.prefill(ids, lengths)]
+            for i in range(40):
+                out.append(r.step(feed[i]))
+            runs[bucket_min] = np.stack(out)
+            runs[bucket_min, "widths"] = sorted(r._tables)
+        finally:
+            r.close()
+    assert runs[16, "widths"] == [1, 2, 4], runs[16, "widths"]
+    assert runs[1 << 30, "widths"] == [32], runs[1 << 30, "widths"]
+    assert np.isfinite(runs[16]).all()
+    diff = float(np.abs(runs[16] - runs[1 << 30]).max())
+    assert diff <= 0.1, diff
+    assert (runs[16].argmax(-1) == runs[1 << 30].argmax(-1)).mean() >= 0.95
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(_cuda_why_not() is not None, reason=f"paged CUDA generation skipped: {_cuda_why_not()}")
 def test_cuda_graph_paged_decode_equals_uncaptured_paged_decode():

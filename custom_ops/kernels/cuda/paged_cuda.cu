@@ -1109,8 +1109,11 @@ __device__ __forceinline__ void LoadFormats(const PagedAttentionCudaView& a, int
 // *formats: the OR of 1 << format over the window's pages, the same in every thread (each warp's OR goes into
 // its own word, read after the closing barrier and rewritten only after the next window's opening one: no
 // reset, no atomics; it replaced a second pass over w.fmt and a third barrier, ~0.35 us of every block's start).
+// ids / bad_bits (EARLY's first window, Note [CUDA attention early start]): this thread's table entries (its k-th
+// page p0 + tid + k * kThreads) and which of them were bad.
 __device__ __forceinline__ bool ResolveWindow(const PagedAttentionCudaView& a, int64_t b, int64_t p0, int64_t p1,
-                                              int tid, PageWindow& w, uint32_t* formats) {
+                                              int tid, PageWindow& w, uint32_t* formats, int64_t* ids = nullptr,
+                                              uint32_t* bad_bits = nullptr) {
   __syncthreads();
   int bad = 0;
   uint32_t mine = 0;
@@ -1141,9 +1144,11 @@ __device__ __forceinline__ bool ResolveWindow(const PagedAttentionCudaView& a, i
   for (int k = 0; k < kPer; ++k) {
     const int64_t pi = p0 + tid + k * kThreads;
     if (pi > p1) break;
+    if (ids != nullptr) ids[k] = id[k];
     if (PageProblemAt(a.p, id[k], f[k], off[k], false) != kPageOk || (a.page_format >= 0 && f[k] != a.page_format)) {
       atomicMin(&w.key, Key(kClassRow, (static_cast<unsigned long long>(b) << 28) | static_cast<unsigned long long>(pi + 1)));
       bad = 1;
+      if (bad_bits != nullptr) *bad_bits |= 1u << k;
     } else {
       w.page[pi - p0] = LayerBaseAt(a.p, f[k], off[k]);
       w.fmt[pi - p0] = static_cast<uint8_t>(f[k]);
@@ -2865,17 +2870,18 @@ __global__ void __launch_bounds__(kThreads, ORTKV_PAGED_V3_MIN_BLOCKS) PagedAtte
   chunk_of();
 
   LoadFormats(a, tid, sh);
-  // EARLY: the first window's pages are resolved before the wait when they all end before row st0 (the pages
-  // this step's update writes or re-encodes are resolved after it; Note [CUDA attention early start])
+  // EARLY: the first window's pages are resolved before the wait, the page of row st0 included (the kernel before
+  // writes no table entry and no directory row; its rows are read after the wait: Note [CUDA attention early start])
   bool pre = false, pre_bad = false;
   uint32_t pre_formats = 0;
   if constexpr (EARLY) {
+    constexpr int kPer = kMaxPages / kThreads;
+    int64_t pre_ids[kPer];
+    uint32_t pre_bad_bits = 0;
     if (j0 < j1) {
       const auto [p0, s1, p1] = pv2::WindowAt(j0, j1, ps);
-      if ((p1 + 1) * ps <= st0) {
-        pre_bad = ResolveWindow(a, b, p0, p1, tid, sh, &pre_formats);
-        pre = true;
-      }
+      pre_bad = ResolveWindow(a, b, p0, p1, tid, sh, &pre_formats, pre_ids, &pre_bad_bits);
+      pre = true;
     }
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");  // the previous kernel's writes are visible from here
@@ -2887,6 +2893,27 @@ __global__ void __launch_bounds__(kThreads, ORTKV_PAGED_V3_MIN_BLOCKS) PagedAtte
       st0 = st2, bad_start = bad2, pre = false;
       if (tid == 0) sh.key = kNoError;  // a bad page seen above is not this row's (ResolveWindow syncs first)
       chunk_of();
+    } else if (pre && j1 > st0) {  // block-uniform: the window holds the pages of rows from st0 on, whose table
+      // entries and directory rows the kernel before may have written (the table computed on the device): read
+      // again, against what was resolved before the wait (the page's id, format and address); any change, or a
+      // bad page among them, and the window is resolved after the wait
+      const auto [p0, s1, p1] = pv2::WindowAt(j0, j1, ps);
+      bool stale = false;
+#pragma unroll
+      for (int k = 0; k < kPer; ++k) {
+        const int64_t pi = p0 + tid + k * kThreads;
+        if (pi <= p1 && (pi + 1) * ps > st0) {
+          const int64_t id2 = TableAt(a.p, b, pi), id = pre_ids[k];
+          const bool in = id >= 0 && id < a.p.num_pages;
+          const int64_t f2 = in ? a.p.directory[2 * id] : -1, off2 = in ? a.p.directory[2 * id + 1] : 0;
+          stale = stale || ((pre_bad_bits >> k) & 1u) != 0 || id2 != id || f2 != sh.fmt[pi - p0] ||
+                  LayerBaseAt(a.p, f2, off2) != sh.page[pi - p0];
+        }
+      }
+      if (__syncthreads_or(stale) != 0) {
+        pre = false;
+        if (tid == 0) sh.key = kNoError;  // every early atomicMin is done (the barrier); the window's checks rerun
+      }
     }
   }
 
@@ -3009,13 +3036,31 @@ cudaError_t Launch(const AttnArgs& a, cudaStream_t stream) {
 // 16 rows come from the page that holds them. Each lane resolves the page of one of its warp's next 32 tiles
 // (table entry, directory row, every check of PageProblem plus "the format is the attribute's"), the warp reads a
 // tile's pointer from the lane that resolved it (a shuffle), and the 33rd tile's batch is resolved when it is
-// reached. Before the wait only pages that end before `start` are resolved and copied (Note [CUDA attention early
-// start]); after it the rest. A bad page is recorded in the block's key (atomicMin, the order of v3's) and the
+// reached. Before the wait the first batch of pages is resolved and the prologue's rows before `start` are copied
+// (Note [CUDA attention early start]); after it this step's rows and the rest. A bad page is recorded in the block's key (atomicMin, the order of v3's) and the
 // block's output is empty, as v3; a page of another format is problem kPageFormatHint (the report says which
 // attribute and which page). Without the attribute, or for any other format, Note [Paged CUDA v3] runs.
 // H200, SmolLM2 heads, pages of 16 (benchmarks/results/paged_attention_cuda_h200.md, 2026-12-03): 124 registers at
 // head size 64, 3 blocks per SM; through ORT F16 pages promised at 0.98 / 1.05 / 1.00 / 1.00x dense v3's time at
 // 8K x 1 / 8K x 8 / 32K x 8 / 128K x 4 keys x rows (the every-format kernel 1.25 / 1.15 / 1.05 / 1.04x).
+// Note [Paged CUDA late pages]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Launched early (Note [CUDA attention early start]), both v3 kernels resolve the first window of pages before
+// griddepcontrol.wait, the page that holds row `start` included (the "late" pages: those of this step's rows),
+// and the uniform 16-bit kernel copies the prologue's rows before `start` from them too. Only the late pages'
+// table entries and directory rows may have been written by the kernel before (a page table computed on the
+// device; ortkv's own kernels write neither), so after the wait each late page is read again and compared with
+// what was resolved (id, format, offset):
+//   * the uniform 16-bit kernel issues this step's rows from the early pages at once, reads the entries again
+//     into registers and compares them only after the keys (the loads have long landed); a change anywhere in the
+//     block (__syncthreads_or on the barrier the merge needs anyway) and the block streams its keys again, every
+//     page resolved after the wait;
+//   * the every-format kernel (its window's tiles are issued after the window is resolved) compares them before
+//     its first window (__syncthreads_or) and resolves the window again on a change.
+// A bad page seen before the wait stays reported only if it is still bad after it.
+// For a row of 16 keys the page that holds `start` is the row's only page: resolved after the wait, its table
+// entry, directory row and tile were three dependent loads after the wait; now the tile's rows before `start`
+// are in shared memory when the wait returns.
 namespace pu {
 
 using tile16::kTile;
@@ -3085,19 +3130,22 @@ __global__ void __launch_bounds__(kThreads) PagedAttentionU16(const AttnArgs arg
     next = 0, stage_in = 0;
   };
   // This lane's tile of the batch (tiles 32 * batch + lane of the warp): `kp`, its first K row (nullptr: a bad
-  // page, recorded in s_key), resolved when `res`; before the wait (pre) only pages that end before st0.
+  // page, recorded in s_key), resolved when `res`; EARLY resolves the first batch before the wait, the page of row
+  // st0 included, and checks that page's table entry and directory row again after it (Note [CUDA attention early
+  // start]): what it read of them (rid, rf, roff).
   const uint8_t* kp = nullptr;
   bool res = false;
-  const auto resolve = [&](int batch, bool pre) {
+  int64_t rpi = -1, rid = -1, rf = -1, roff = 0;
+  const auto resolve = [&](int batch) {
     const int idx = batch * 32 + lane;
     if (res || idx >= mine) return;
     const int64_t k0 = j0 + static_cast<int64_t>(warp + idx * NW) * kTile;
     const int64_t pi = ps_shift >= 0 ? k0 >> ps_shift : k0 / ps;
-    if (pre && (pi + 1) * ps > st0) return;
     const int64_t id = TableAt(a.p, b, pi);
     const bool in = id >= 0 && id < a.p.num_pages;
     const int64_t f = in ? a.p.directory[2 * id] : -1, off = in ? a.p.directory[2 * id + 1] : 0;
     res = true;
+    if constexpr (EARLY) rpi = pi, rid = id, rf = f, roff = off;
     if (PageProblemAt(a.p, id, f, off, false) != kPageOk || f != UF) {
       atomicMin(&s_key, Key(kClassRow, (static_cast<unsigned long long>(b) << 28) | static_cast<unsigned long long>(pi + 1)));
       kp = nullptr;
@@ -3106,33 +3154,31 @@ __global__ void __launch_bounds__(kThreads) PagedAttentionU16(const AttnArgs arg
     kp = a.p.pool + off + layer_off + (static_cast<uint64_t>(hk) * ps + static_cast<uint64_t>(k0 - pi * ps)) * (D * 2);
   };
   uint8_t* wring = dsm + warp * C::kWarpBytes;
-  const auto copy_rows = [&](uint8_t* sg, const uint8_t* p, int64_t k0) {  // the tile's rows below j1
+  const auto copy_rows = [&](uint8_t* sg, const uint8_t* p, int64_t k0, int64_t lo, int64_t hi) {  // rows [lo, hi)
     if (p == nullptr) return;
 #pragma unroll
     for (int i = lane; i < kTile * C::kCh; i += 32) {
       const int r = i / C::kCh, ch = i % C::kCh;
-      if (k0 + r < j1) {
+      if (k0 + r >= lo && k0 + r < hi) {
         CpAsync<16>(sg + Sw<D>(r, ch), p + r * (D * 2) + ch * 16);
         CpAsync<16>(sg + C::kRegion + Sw<D>(r, ch), p + v_off + r * (D * 2) + ch * 16);
       }
     }
   };
-  // the tile `next` into the ring (an empty group past the warp's tiles or when its page is not resolved yet)
-  uint32_t pending = 0;  // EARLY: prologue tiles left for after the wait
+  // the tile `next` into the ring (an empty group past the warp's tiles), its rows below `lim`: EARLY's prologue
+  // (before the wait) stops at row st0, this step's rows (the kernel before writes them), copied after the wait
+  uint32_t pending = 0;  // EARLY: prologue tiles with rows left for after the wait
+  int64_t lim = j1;
   const auto issue = [&]() {
     if (next < mine) {
       if ((next & 31) == 0 && next > 0) {  // the next batch of 32 tiles (every lane's tile of the last one was issued)
         res = false;
-        resolve(next >> 5, false);
+        resolve(next >> 5);
       }
-      const int from = next & 31;
-      const unsigned long long pv = __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(kp), from);
-      const bool ok = __shfl_sync(0xffffffffu, res, from);
+      const unsigned long long pv = __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(kp), next & 31);
       const int64_t k0 = j0 + static_cast<int64_t>(warp + next * NW) * kTile;
-      if (ok)
-        copy_rows(wring + stage_in * C::kStageBytes, reinterpret_cast<const uint8_t*>(pv), k0);
-      else
-        pending |= 1u << next;
+      copy_rows(wring + stage_in * C::kStageBytes, reinterpret_cast<const uint8_t*>(pv), k0, k0, lim);
+      if (k0 + kTile > lim && lim < j1) pending |= 1u << next;
     }
     CpAsyncCommit();  // one group per tile, empty ones included: the waits count groups
     ++next;
@@ -3140,7 +3186,10 @@ __global__ void __launch_bounds__(kThreads) PagedAttentionU16(const AttnArgs arg
   };
   setup();
   __syncthreads();  // s_key is set before any atomicMin
-  resolve(0, EARLY);
+  resolve(0);
+  lim = EARLY && st0 < j1 ? st0 : j1;
+  bool recheck = EARLY && j1 > st0;  // block-uniform: only the block of the row's last keys holds this step's rows
+  int64_t cid = -1, cf = -1, coff = 0;
 #pragma unroll
   for (int s = 0; s < ST - 1; ++s) issue();
   if constexpr (EARLY) {
@@ -3150,6 +3199,20 @@ __global__ void __launch_bounds__(kThreads) PagedAttentionU16(const AttnArgs arg
     LoadQueryPairs<T, D>(qrow, g, gn, c, qr);
     bool bad2 = false;
     const int64_t st2 = ClampedStart(a, b, &bad2);
+    // this step's rows of the prologue's tiles, from the pages resolved before the wait
+    const int64_t from = lim;
+    lim = j1;
+    if (pending != 0) {  // warp-uniform
+#pragma unroll
+      for (int s = 0; s < ST - 1; ++s) {
+        if ((pending >> s) & 1u) {
+          const unsigned long long pv = __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(kp), s);
+          const int64_t k0 = j0 + static_cast<int64_t>(warp + s * NW) * kTile;
+          copy_rows(wring + s * C::kStageBytes, reinterpret_cast<const uint8_t*>(pv), k0, from, j1);
+        }
+      }
+      CpAsyncCommit();
+    }
     if (st2 != st0 || bad2 != bad_start) {  // `start` was written by the previous kernel: start over (block-uniform)
       CpAsyncWait<0>();
       __syncthreads();  // every early atomicMin is done
@@ -3157,30 +3220,47 @@ __global__ void __launch_bounds__(kThreads) PagedAttentionU16(const AttnArgs arg
       __syncthreads();
       st0 = st2, bad_start = bad2, res = false, kp = nullptr, pending = 0;
       setup();
-      resolve(0, false);
+      lim = j1;
+      resolve(0);
 #pragma unroll
       for (int s = 0; s < ST - 1; ++s) issue();
+      recheck = false;  // resolved after the wait
     } else {
-      resolve(0, false);  // the lanes whose pages end at or after st0
-      if (pending != 0) {  // warp-uniform: the prologue tiles whose pages were not resolved before the wait
-#pragma unroll
-        for (int s = 0; s < ST - 1; ++s) {
-          if ((pending >> s) & 1u) {
-            const unsigned long long pv = __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(kp), s);
-            const int64_t k0 = j0 + static_cast<int64_t>(warp + s * NW) * kTile;
-            copy_rows(wring + s * C::kStageBytes, reinterpret_cast<const uint8_t*>(pv), k0);
-          }
-        }
-        CpAsyncCommit();
-        CpAsyncWait<0>();
+      // Note [Paged CUDA late pages]: the table entry and directory row of this lane's page, read again; compared
+      // after the keys, where the loads have long landed
+      recheck = recheck && res && (rpi + 1) * ps > st0;
+      if (recheck) {
+        const bool in = rid >= 0 && rid < a.p.num_pages;
+        cid = TableAt(a.p, b, rpi);
+        cf = in ? a.p.directory[2 * rid] : -1;
+        coff = in ? a.p.directory[2 * rid + 1] : 0;
       }
+      if (pending != 0) CpAsyncWait<0>();  // the extra group: the ring's waits count ST - 1 groups ahead
     }
   }
 
   float m, l, o[D / 8][4];
-  StreamWarpTiles<BF, D, NW, ST, C::kStageBytes>(wring, qr, a.scale * 1.4426950408889634f, j0, j1, mine, warp, lane,
-                                                 issue, m, l, o);  // base-2 scores
-  __syncthreads();  // the ring becomes the merge arrays; s_key is final
+  for (;;) {
+    StreamWarpTiles<BF, D, NW, ST, C::kStageBytes>(wring, qr, a.scale * 1.4426950408889634f, j0, j1, mine, warp,
+                                                   lane, issue, m, l, o);  // base-2 scores
+    if constexpr (!EARLY) {
+      __syncthreads();  // the ring becomes the merge arrays; s_key is final
+      break;
+    } else {
+      const bool stale = recheck && (cid != rid || cf != rf || coff != roff);
+      if (__syncthreads_or(stale) == 0) break;  // the ring becomes the merge arrays; s_key is final
+      // Note [Paged CUDA late pages]: a page of this step's rows was remapped by the kernel before: the block's keys
+      // again, every page resolved after the wait (a bad page's key from before the wait may not hold)
+      if (tid == 0) s_key = kNoError;
+      __syncthreads();
+      recheck = false, res = false, kp = nullptr, pending = 0;
+      setup();
+      lim = j1;
+      resolve(0);
+#pragma unroll
+      for (int s = 0; s < ST - 1; ++s) issue();
+    }
+  }
   const unsigned long long key = s_key;
   if (key != kNoError) {  // a bad page: this block's output is empty (as Note [Paged CUDA v3])
     m = -INFINITY;

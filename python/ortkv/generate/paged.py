@@ -148,15 +148,36 @@ def paged_model_path(cfg: GenAIConfig, log=print, page_fill: bool = False):
 # directory as the pool's device OrtValue (rows copied up only when a page opens, changes format or is freed:
 # Note [Page pool on CUDA]), and input_ids [B, 1], positions [B], page_table [B, max_pages] and logits
 # [B, 1, V] as device OrtValues allocated at start() and written in place (OrtValue.update_inplace) before each
-# step. The page table's shape is fixed per generation ([batch, pages for max_length]), so every decode step
-# has one shape. With --cuda-graph the decode step is captured as in Note [CUDA graph decode]: the prefill runs
+# step. The page table bound to a run is only as wide as the run needs, in buckets (Note [Page table buckets]).
+# With --cuda-graph the decode step is captured as in Note [CUDA graph decode]: the prefill runs
 # with gpu_graph_id -1, decode under a graph id of its own, and a new id (a fresh capture) after every arena
-# commit (the captured PagedCacheUpdate keeps the uncommitted ranges of its capture) and every start(). A
+# commit (the captured PagedCacheUpdate keeps the uncommitted ranges of its capture), every new bucket and every
+# start(). A
 # requantize (the policy, or demotion) runs between steps on the device (Note [Requantize on a CUDA pool]).
 # Greedy picks run on the device (GreedyToken, Note [Greedy on the device]); sampling brings [B, V] logits back.
 # With one format, F16, for every page (and no demotion) the attention nodes promise it (page_format = "F16",
 # uniform_page_format; the model `paged-ps{N}-f16`), which runs the uniform 16-bit kernel (Note [Paged CUDA uniform
 # 16-bit] in custom_ops/kernels/cuda/paged_cuda.cu).
+#
+# Note [Page table buckets]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~
+# PagedCacheAttention on CUDA plans its key splits from the page table's width (the rows' starts are on the device,
+# Note [Paged CUDA]): a table of 2,048 keys gives 8 splits whatever the rows hold, and a 16-key row then pays for 7
+# empty splits and their merge (~1.9 us a node on the H200, benchmarks/results/paged_attention_cuda_h200.md). So
+# the CUDA runner binds the first `width` columns of the batch's table, `width` the pages of the smallest bucket of
+# max(TABLE_BUCKET_MIN, a power of two) keys that holds every row after the run (the whole table at most): a
+# generation to 2,048 keys runs under 256, 512, 1,024 and 2,048 keys, one device table each (kept, so a CUDA graph's
+# input address holds) and one decode capture each. Entries past the width are -1 (no page) for every row,
+# so nothing a run reads is dropped.
+TABLE_BUCKET_MIN = 256  # keys: one split below 512 (kPagedMinChunk in paged_cuda.cu is 256)
+
+
+def table_bucket(need: int, page_size: int, max_pages: int) -> int:
+    """The page table width (pages) of Note [Page table buckets] for rows of at most `need` tokens."""
+    keys = max(TABLE_BUCKET_MIN, 1 << max(int(need) - 1, 0).bit_length())
+    return min(max_pages, -(-keys // page_size))
+
+
 class PagedRunner:
     """The runner interface of runners.py (start / prefill / step / kv_bytes / close) on the paged
     decoder: a PagePool on one arena under the config's budget, one PagedKVCache for the batch, its policy
@@ -220,9 +241,9 @@ class PagedRunner:
             dev = self.pool.device_index
             new = lambda shape, t: ort.OrtValue.ortvalue_from_shape_and_type(shape, t, "cuda", dev)  # noqa: E731
             self._io = {"input_ids": new([batch, 1], np.int64), "positions": new([batch], np.int64),
-                        "page_table": new(list(self.cache.page_table.shape), np.int32),
                         "logits": new([batch, 1, self.cfg.model.vocab_size], np.float32)}
-            self._table_sent = None
+            self._tables = {}  # width -> [device table, the host columns it holds] (Note [Page table buckets])
+            self._decode_width = None
             self._prefill_ro = ort.RunOptions()
             self._new_decode_graph()
             if self.cuda_graph:
@@ -250,20 +271,31 @@ class PagedRunner:
         if self.cuda_graph and self.pool.committed_bytes != committed:
             self._new_decode_graph()
 
-    def _table(self):
-        """The page table on the device, copied up only when it changed (a page opened)."""
-        table = self.cache.page_table
-        if self._table_sent is None or not np.array_equal(self._table_sent, table):
-            self._io["page_table"].update_inplace(table)
-            self._table_sent = table.copy()
-        return self._io["page_table"]
+    def _table(self, need: int):
+        """The page table on the device for rows of at most `need` tokens: the columns of its bucket (Note [Page
+        table buckets]), copied up only when they changed (a page opened)."""
+        import onnxruntime as ort
+
+        full = self.cache.page_table
+        width = table_bucket(need, self.cfg.ortkv.page_size, full.shape[1])
+        if full[:, width:].max(initial=-1) >= 0:  # the bucket would drop a page (rows longer than `need`)
+            width = full.shape[1]
+        table = np.ascontiguousarray(full[:, :width])
+        entry = self._tables.get(width)
+        if entry is None:
+            dev = ort.OrtValue.ortvalue_from_shape_and_type(list(table.shape), np.int32, "cuda", self.pool.device_index)
+            entry = self._tables[width] = [dev, None]
+        if entry[1] is None or not np.array_equal(entry[1], table):
+            entry[0].update_inplace(table)
+            entry[1] = table
+        return entry[0]
 
     def _run(self, ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """Logits [B, T, V] on the host (CPU, or teacher forcing / logits_all on CUDA)."""
         self._reserve(positions + ids.shape[1])
         feeds = {"input_ids": np.ascontiguousarray(ids, np.int64), "positions": np.ascontiguousarray(positions),
                  "directory": self.pool.directory_input(),
-                 "page_table": self.cache.page_table if self.device == "cpu" else self._table()}
+                 "page_table": self.cache.page_table if self.device == "cpu" else self._table(positions.max() + ids.shape[1])}
         ro = self._prefill_ro if self.device != "cpu" else None
         (logits,) = self.sess.run(["logits"], feeds, run_options=ro)
         return logits
@@ -282,7 +314,7 @@ class PagedRunner:
                                                         self.pool.device_index)
         self.sess.run(["logits"], {"input_ids": np.ascontiguousarray(ids, np.int64),
                                    "positions": np.zeros(B, np.int64), "directory": self.pool.directory_input(),
-                                   "page_table": self._table()},
+                                   "page_table": self._table(T)},
                       run_options=self._prefill_ro, bound_outputs={"logits": out})
         self.lengths = lengths.astype(np.int64).copy()
         self._advance(self.lengths)
@@ -306,8 +338,12 @@ class PagedRunner:
         directory = self.pool.directory_input()
         io["input_ids"].update_inplace(np.ascontiguousarray(next_ids.reshape(-1, 1), np.int64))
         io["positions"].update_inplace(self.lengths)
+        table = self._table(self.lengths.max() + 1)
+        if self.cuda_graph and self._decode_width != table.shape()[1]:  # Note [Page table buckets]: a new shape
+            self._decode_width = table.shape()[1]
+            self._new_decode_graph()
         self.sess.run(["logits"], {"input_ids": io["input_ids"], "positions": io["positions"],
-                                   "directory": directory, "page_table": self._table()},
+                                   "directory": directory, "page_table": table},
                       run_options=self._decode_ro, bound_outputs={"logits": io["logits"]})
         self.lengths += 1
         self._advance(self.lengths)  # a requantize here runs between steps (Note [Requantize on a CUDA pool])

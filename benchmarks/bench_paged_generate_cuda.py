@@ -1,0 +1,96 @@
+"""Paged CUDA generation, decode speed: ortkv's dense (arena) runner, the paged runner with F16 pages as it ships
+(page table buckets, Note [Page table buckets] in python/ortkv/generate/paged.py) and the paged runner binding the
+whole max_length table (TABLE_BUCKET_MIN raised past it), SmolLM2-135M float16, CUDA graph, greedy. One process;
+per cell the variants alternate, --rounds times, and the table holds each one's median ms per decode step and its
+ratio to the dense runner's.
+
+    python benchmarks/bench_paged_generate_cuda.py [--batch 1 8] [--max-length 2048 8192] [--prompt-tokens 16]
+        [--new-tokens 128] [--rounds 3] [--out benchmarks/results/paged_generate_cuda.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def main(argv=None) -> int:
+    from ortkv.generate import paged as paged_module
+    from ortkv.generate.config import GenAIConfig, set_device
+    from ortkv.generate.loop import generate
+    from ortkv.generate.models import tokenizer_for
+    from ortkv.generate.runners import make_runner
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--max-length", type=int, nargs="+", default=[2048, 8192])
+    p.add_argument("--prompt-tokens", type=int, default=16)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--device", default="cuda:0")
+    p.add_argument("--out", help="append the table to this markdown file")
+    a = p.parse_args(argv)
+
+    variants = ["dense", "paged f16", "paged f16 full table"]
+    shipped_min = paged_module.TABLE_BUCKET_MIN
+
+    def config(variant: str, ml: int) -> GenAIConfig:
+        cfg = GenAIConfig()
+        set_device(cfg, a.device, True)
+        cfg.search.max_length = ml
+        if variant != "dense":
+            cfg.ortkv.cache = "paged"
+            cfg.ortkv.kv_format = "f16"
+        return cfg.validate()
+
+    tok = tokenizer_for(config("dense", 2048))
+    text = "The history of the printing press begins in the fifteenth century, when " * 8
+    prompt = tok.encode(text)[: a.prompt_tokens]
+    rows = []
+    for ml in a.max_length:
+        runners = {v: make_runner("ortkv", config(v, ml)) for v in variants}
+        try:
+            for batch in a.batch:
+                ids = [list(prompt) for _ in range(batch)]
+                runs = {v: [] for v in variants}
+                tokens = {}
+                for r in range(a.rounds + 1):  # round 0 warms up (captures, first loads): not counted
+                    for v in variants:
+                        paged_module.TABLE_BUCKET_MIN = 1 << 40 if v.endswith("full table") else shipped_min
+                        cfg = runners[v].cfg
+                        g = generate(runners[v], ids, cfg.search, a.new_tokens, -1, 2)
+                        if r > 0:
+                            runs[v].append(g.median_step_ms)
+                        tokens[v] = g.new_ids
+                paged_module.TABLE_BUCKET_MIN = shipped_min
+                dense = statistics.median(runs["dense"])
+                for v in variants:
+                    ms = statistics.median(runs[v])
+                    rows.append((a.prompt_tokens, a.new_tokens, ml, batch, v, ms, ms / dense,
+                                 " ".join(f"{x:.3f}" for x in runs[v]), tokens[v] == tokens["dense"]))
+                    print(f"max_length {ml} batch {batch} {v:22s} {ms:.3f} ms/step ({ms / dense:.3f}x dense)",
+                          flush=True)
+        finally:
+            for r in runners.values():
+                r.close()
+    head = (f"\n## {time.strftime('%Y-%m-%d %H:%M')} UTC, `python benchmarks/bench_paged_generate_cuda.py "
+            f"{' '.join(argv if argv is not None else sys.argv[1:])}`\n\n"
+            "| prompt | new | max_length | batch | variant | ms/step (median of rounds) | vs dense | rounds | same tokens "
+            "as dense |\n|---:|---:|---:|---:|---|---:|---:|---|---|\n")
+    table = head + "".join(f"| {r[0]} | {r[1]} | {r[2]} | {r[3]} | {r[4]} | {r[5]:.3f} | {r[6]:.3f} | {r[7]} | "
+                           f"{'yes' if r[8] else 'no'} |\n" for r in rows)
+    print(table)
+    if a.out:
+        with open(a.out, "a") as f:
+            f.write(table)
+    return 0
+
+
+if __name__ == "__main__":
+    np.seterr(all="ignore")
+    sys.exit(main())
