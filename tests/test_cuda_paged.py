@@ -116,7 +116,7 @@ def cuda_attention(q, pool, directory, table, start, *, num_heads, kv_heads, lay
     st = np.broadcast_to(np.asarray(start, np.int64), (q.shape[0],)).copy()
     out = _dev(np.zeros(q.shape, RAW[dtype]))
     keep = [(_dev(q), "query", ONNX[dtype], q.shape), (_dev(pool), "pool", TP.UINT8, pool.shape),
-            (_dev(directory), directory_name, TP.INT64, directory.shape), (_dev(table), "page_table", TP.INT32, table.shape),
+            (_dev(directory), "directory", TP.INT64, directory.shape), (_dev(table), "page_table", TP.INT32, table.shape),
             (_dev(st), "start", TP.INT64, st.shape)]
     if fill is not None:
         keep.append((_dev(fill), "page_fill", TP.INT32, fill.shape))

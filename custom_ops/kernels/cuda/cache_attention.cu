@@ -734,17 +734,16 @@ cudaError_t Launch(const CacheAttentionCudaView& v, const Args& a, int gm, cudaS
 // does only what that kernel cannot change:
 //   * dense: reads `start` and issues its ring's prologue (each warp's first ST - 1 tiles) for rows < start;
 //   * paged: reads `start` and resolves its first window (page table entries, directory rows, formats), the page
-//     that holds row `start` included; the uniform 16-bit kernel also issues its prologue's rows before `start`
-//     (as dense).
+//     that holds row `start` included (checked after the wait: Note [Paged CUDA late pages] in paged_cuda.cu); the
+//     uniform 16-bit kernel also issues its prologue's rows before `start` (as dense).
 // After the wait it loads q, reads `start` again (if the kernel before wrote it, the block starts over from the
 // new value: the dense prologue re-issued, the paged window resolved again), and copies the prologue's rows at
 // or past `start` (this step's rows: the update just before writes them). The assumption: the kernel launched
-// right before the attention writes no cache rows and no page rows before `start`, and no page table entry or
-// directory row at all. ortkv's writers keep to it (CacheUpdate, RotaryCacheUpdate and PagedCacheUpdate write
-// rows from their position on; a KC page is re-encoded by the step that writes its last row, read after the
-// wait; no ortkv kernel writes a page table or a directory: the page pool's host-side edits run between two
-// device synchronizes, Note [Page pool on CUDA]). A graph that rewrites older rows, or computes the page table,
-// in the kernel just before the attention runs with ORTKV_CUDA_EARLY=0.
+// right before the attention writes neither cache rows before `start` nor the pages, table entries or directory
+// rows of pages that end before it. ortkv's writers keep to it (CacheUpdate, RotaryCacheUpdate and
+// PagedCacheUpdate write rows from their position on; a KC page is re-encoded by the step that writes its last
+// row, read after the wait; the page pool's host-side edits run between two device synchronizes, Note [Page pool
+// on CUDA]). A graph that rewrites older rows in the kernel just before the attention runs with ORTKV_CUDA_EARLY=0.
 // H200, SmolLM2's heads (9 / 3 / 64), CUDA graphs of one attention node after another, early vs plain in one run:
 // through ORT (benchmarks/bench_cache_attention_cuda.py, v3 vs v3-plain) 8K keys x 8 rows 56 -> 64 % of the copy's
 // bandwidth, 8K x 1 16 -> 19 %, 32K x 1 38 -> 44 %, 32K x 8 77 -> 80 %; paged (bench_paged_attention_cuda.py)

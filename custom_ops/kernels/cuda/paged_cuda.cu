@@ -2870,8 +2870,8 @@ __global__ void __launch_bounds__(kThreads, ORTKV_PAGED_V3_MIN_BLOCKS) PagedAtte
   chunk_of();
 
   LoadFormats(a, tid, sh);
-  // EARLY: the first window's pages are resolved before the wait, the page of row st0 included (the kernel before
-  // writes no table entry and no directory row; its rows are read after the wait: Note [CUDA attention early start])
+  // EARLY: the first window's pages are resolved before the wait, the page of row st0 included (checked after it:
+  // Note [Paged CUDA late pages]; its rows are read after the wait: Note [CUDA attention early start])
   bool pre = false, pre_bad = false;
   uint32_t pre_formats = 0;
   if constexpr (EARLY) {
@@ -3037,7 +3037,7 @@ cudaError_t Launch(const AttnArgs& a, cudaStream_t stream) {
 // (table entry, directory row, every check of PageProblem plus "the format is the attribute's"), the warp reads a
 // tile's pointer from the lane that resolved it (a shuffle), and the 33rd tile's batch is resolved when it is
 // reached. Before the wait the first batch of pages is resolved and the prologue's rows before `start` are copied
-// (Note [CUDA attention early start]); after it this step's rows and the rest. A bad page is recorded in the block's key (atomicMin, the order of v3's) and the
+// (Note [CUDA attention early start]); after it this step's rows and the rest (Note [Paged CUDA late pages]). A bad page is recorded in the block's key (atomicMin, the order of v3's) and the
 // block's output is empty, as v3; a page of another format is problem kPageFormatHint (the report says which
 // attribute and which page). Without the attribute, or for any other format, Note [Paged CUDA v3] runs.
 // H200, SmolLM2 heads, pages of 16 (benchmarks/results/paged_attention_cuda_h200.md, 2026-12-03): 124 registers at
@@ -3046,21 +3046,23 @@ cudaError_t Launch(const AttnArgs& a, cudaStream_t stream) {
 // Note [Paged CUDA late pages]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // Launched early (Note [CUDA attention early start]), both v3 kernels resolve the first window of pages before
-// griddepcontrol.wait, the page that holds row `start` included (the "late" pages: those of this step's rows),
-// and the uniform 16-bit kernel copies the prologue's rows before `start` from them too. Only the late pages'
-// table entries and directory rows may have been written by the kernel before (a page table computed on the
-// device; ortkv's own kernels write neither), so after the wait each late page is read again and compared with
-// what was resolved (id, format, offset):
-//   * the uniform 16-bit kernel issues this step's rows from the early pages at once, reads the entries again
-//     into registers and compares them only after the keys (the loads have long landed); a change anywhere in the
-//     block (__syncthreads_or on the barrier the merge needs anyway) and the block streams its keys again, every
-//     page resolved after the wait;
-//   * the every-format kernel (its window's tiles are issued after the window is resolved) compares them before
-//     its first window (__syncthreads_or) and resolves the window again on a change.
-// A bad page seen before the wait stays reported only if it is still bad after it.
-// For a row of 16 keys the page that holds `start` is the row's only page: resolved after the wait, its table
-// entry, directory row and tile were three dependent loads after the wait; now the tile's rows before `start`
-// are in shared memory when the wait returns.
+// griddepcontrol.wait, the page that holds row `start` included (the "late" pages: those of this step's rows), and
+// the uniform 16-bit kernel also copies the prologue's rows before `start` from them. Only the late pages' table
+// entries and directory rows may have been written by the kernel before (a page table computed on the device;
+// ortkv's own kernels write neither), so after the wait the block of the row's last keys reads each late page's
+// entry and row again and compares them with what it resolved (id, format, offset / address); a change, in any
+// thread (__syncthreads_or), and the block resolves again after the wait (the uniform kernel starts over, as for a
+// changed `start`; the every-format kernel resolves its first window again). A bad page seen before the wait stays
+// reported only if it is still bad after it. The uniform kernel issues this step's rows from the early pages
+// before that barrier, so the check overlaps their copy.
+// H200, paged_sweep (head size 64, pages of 16, three alternated rounds, medians; benchmarks/results/
+// paged_attention_cuda_h200.md, "sixth session"), before -> after: 16 keys x 1 row uniform F16 3.04 -> 2.53 us,
+// every-format F16 3.91 -> 3.58, INT4 5.22 -> 4.79; 1K x 1 uniform 5.84 -> 5.68; 16 x 8 uniform 4.32 -> 3.83;
+// 8K x 1 6.92 -> 6.71; 8K x 8 16.94 -> 16.90. Without the check (every late page trusted) the short rows gained
+// more (16 x 1 uniform 2.25 us, every-format 3.10): the check's barrier and loads cost ~0.3-0.5 us there; that
+// variant would make a page table computed on the device by a kernel that lets its dependents start early unsafe,
+// so it is not kept. Nor is a check deferred to after the keys (the uniform kernel streaming again on a change):
+// the same 2.54 us at 16 x 1, but the loop lifted the kernel from 124 to 168 registers and 8K x 8 to 18.94 us.
 namespace pu {
 
 using tile16::kTile;
@@ -3131,8 +3133,8 @@ __global__ void __launch_bounds__(kThreads) PagedAttentionU16(const AttnArgs arg
   };
   // This lane's tile of the batch (tiles 32 * batch + lane of the warp): `kp`, its first K row (nullptr: a bad
   // page, recorded in s_key), resolved when `res`; EARLY resolves the first batch before the wait, the page of row
-  // st0 included, and checks that page's table entry and directory row again after it (Note [CUDA attention early
-  // start]): what it read of them (rid, rf, roff).
+  // st0 included, and checks that page's table entry and directory row again after it (Note [Paged CUDA late
+  // pages]): what it read of them (rpi, rid, rf, roff).
   const uint8_t* kp = nullptr;
   bool res = false;
   int64_t rpi = -1, rid = -1, rf = -1, roff = 0;
@@ -3188,8 +3190,7 @@ __global__ void __launch_bounds__(kThreads) PagedAttentionU16(const AttnArgs arg
   __syncthreads();  // s_key is set before any atomicMin
   resolve(0);
   lim = EARLY && st0 < j1 ? st0 : j1;
-  bool recheck = EARLY && j1 > st0;  // block-uniform: only the block of the row's last keys holds this step's rows
-  int64_t cid = -1, cf = -1, coff = 0;
+  const bool recheck = EARLY && j1 > st0;  // block-uniform: only the block of the row's last keys holds this step's rows
 #pragma unroll
   for (int s = 0; s < ST - 1; ++s) issue();
   if constexpr (EARLY) {
@@ -3199,7 +3200,15 @@ __global__ void __launch_bounds__(kThreads) PagedAttentionU16(const AttnArgs arg
     LoadQueryPairs<T, D>(qrow, g, gn, c, qr);
     bool bad2 = false;
     const int64_t st2 = ClampedStart(a, b, &bad2);
-    // this step's rows of the prologue's tiles, from the pages resolved before the wait
+    // Note [Paged CUDA late pages]: the pages that hold rows from st0 on, read again
+    bool stale = false;
+    if (recheck && res && (rpi + 1) * ps > st0) {
+      const int64_t id2 = TableAt(a.p, b, rpi);
+      const bool in = rid >= 0 && rid < a.p.num_pages;
+      const int64_t f2 = in ? a.p.directory[2 * rid] : -1, off2 = in ? a.p.directory[2 * rid + 1] : 0;
+      stale = id2 != rid || f2 != rf || off2 != roff;
+    }
+    // meanwhile this step's rows of the prologue's tiles, from the pages resolved before the wait
     const int64_t from = lim;
     lim = j1;
     if (pending != 0) {  // warp-uniform
@@ -3213,7 +3222,9 @@ __global__ void __launch_bounds__(kThreads) PagedAttentionU16(const AttnArgs arg
       }
       CpAsyncCommit();
     }
-    if (st2 != st0 || bad2 != bad_start) {  // `start` was written by the previous kernel: start over (block-uniform)
+    bool again = st2 != st0 || bad2 != bad_start;  // block-uniform
+    if (recheck) again = __syncthreads_or(again || stale) != 0;
+    if (again) {  // `start`, a table entry or a directory row was written by the previous kernel: start over
       CpAsyncWait<0>();
       __syncthreads();  // every early atomicMin is done
       if (tid == 0) s_key = kNoError;
@@ -3224,43 +3235,15 @@ __global__ void __launch_bounds__(kThreads) PagedAttentionU16(const AttnArgs arg
       resolve(0);
 #pragma unroll
       for (int s = 0; s < ST - 1; ++s) issue();
-      recheck = false;  // resolved after the wait
-    } else {
-      // Note [Paged CUDA late pages]: the table entry and directory row of this lane's page, read again; compared
-      // after the keys, where the loads have long landed
-      recheck = recheck && res && (rpi + 1) * ps > st0;
-      if (recheck) {
-        const bool in = rid >= 0 && rid < a.p.num_pages;
-        cid = TableAt(a.p, b, rpi);
-        cf = in ? a.p.directory[2 * rid] : -1;
-        coff = in ? a.p.directory[2 * rid + 1] : 0;
-      }
-      if (pending != 0) CpAsyncWait<0>();  // the extra group: the ring's waits count ST - 1 groups ahead
+    } else if (pending != 0) {
+      CpAsyncWait<0>();  // the extra group: the ring's waits count ST - 1 groups ahead
     }
   }
 
   float m, l, o[D / 8][4];
-  for (;;) {
-    StreamWarpTiles<BF, D, NW, ST, C::kStageBytes>(wring, qr, a.scale * 1.4426950408889634f, j0, j1, mine, warp,
-                                                   lane, issue, m, l, o);  // base-2 scores
-    if constexpr (!EARLY) {
-      __syncthreads();  // the ring becomes the merge arrays; s_key is final
-      break;
-    } else {
-      const bool stale = recheck && (cid != rid || cf != rf || coff != roff);
-      if (__syncthreads_or(stale) == 0) break;  // the ring becomes the merge arrays; s_key is final
-      // Note [Paged CUDA late pages]: a page of this step's rows was remapped by the kernel before: the block's keys
-      // again, every page resolved after the wait (a bad page's key from before the wait may not hold)
-      if (tid == 0) s_key = kNoError;
-      __syncthreads();
-      recheck = false, res = false, kp = nullptr, pending = 0;
-      setup();
-      lim = j1;
-      resolve(0);
-#pragma unroll
-      for (int s = 0; s < ST - 1; ++s) issue();
-    }
-  }
+  StreamWarpTiles<BF, D, NW, ST, C::kStageBytes>(wring, qr, a.scale * 1.4426950408889634f, j0, j1, mine, warp, lane,
+                                                 issue, m, l, o);  // base-2 scores
+  __syncthreads();  // the ring becomes the merge arrays; s_key is final
   const unsigned long long key = s_key;
   if (key != kNoError) {  // a bad page: this block's output is empty (as Note [Paged CUDA v3])
     m = -INFINITY;

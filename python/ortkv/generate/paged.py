@@ -287,7 +287,7 @@ class PagedRunner:
             entry = self._tables[width] = [dev, None]
         if entry[1] is None or not np.array_equal(entry[1], table):
             entry[0].update_inplace(table)
-            entry[1] = table
+            entry[1] = table.copy()  # `table` may be a view of the cache's own (B = 1, or the whole width)
         return entry[0]
 
     def _run(self, ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
