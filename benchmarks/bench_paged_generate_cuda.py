@@ -80,8 +80,8 @@ def main(argv=None) -> int:
                 r.close()
     head = (f"\n## {time.strftime('%Y-%m-%d %H:%M')} UTC, `python benchmarks/bench_paged_generate_cuda.py "
             f"{' '.join(argv if argv is not None else sys.argv[1:])}`\n\n"
-            "| prompt | new | max_length | batch | variant | ms/step (median of rounds) | vs dense | rounds | same tokens "
-            "as dense |\n|---:|---:|---:|---:|---|---:|---:|---|---|\n")
+            "| prompt | new | max_length | batch | variant | ms/step (median of rounds) | vs dense | rounds "
+            "| same tokens as dense |\n|---:|---:|---:|---:|---|---:|---:|---|---|\n")
     table = head + "".join(f"| {r[0]} | {r[1]} | {r[2]} | {r[3]} | {r[4]} | {r[5]:.3f} | {r[6]:.3f} | {r[7]} | "
                            f"{'yes' if r[8] else 'no'} |\n" for r in rows)
     print(table)

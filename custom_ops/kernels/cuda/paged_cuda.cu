@@ -3037,8 +3037,8 @@ cudaError_t Launch(const AttnArgs& a, cudaStream_t stream) {
 // (table entry, directory row, every check of PageProblem plus "the format is the attribute's"), the warp reads a
 // tile's pointer from the lane that resolved it (a shuffle), and the 33rd tile's batch is resolved when it is
 // reached. Before the wait the first batch of pages is resolved and the prologue's rows before `start` are copied
-// (Note [CUDA attention early start]); after it this step's rows and the rest (Note [Paged CUDA late pages]). A bad page is recorded in the block's key (atomicMin, the order of v3's) and the
-// block's output is empty, as v3; a page of another format is problem kPageFormatHint (the report says which
+// (Note [CUDA attention early start]); after it this step's rows and the rest (Note [Paged CUDA late pages]). A bad
+// page is recorded in the block's key (atomicMin, the order of v3's) and the block's output is empty, as v3; a page of another format is problem kPageFormatHint (the report says which
 // attribute and which page). Without the attribute, or for any other format, Note [Paged CUDA v3] runs.
 // H200, SmolLM2 heads, pages of 16 (benchmarks/results/paged_attention_cuda_h200.md, 2026-12-03): 124 registers at
 // head size 64, 3 blocks per SM; through ORT F16 pages promised at 0.98 / 1.05 / 1.00 / 1.00x dense v3's time at
@@ -3190,7 +3190,7 @@ __global__ void __launch_bounds__(kThreads) PagedAttentionU16(const AttnArgs arg
   __syncthreads();  // s_key is set before any atomicMin
   resolve(0);
   lim = EARLY && st0 < j1 ? st0 : j1;
-  const bool recheck = EARLY && j1 > st0;  // block-uniform: only the block of the row's last keys holds this step's rows
+  const bool recheck = EARLY && j1 > st0;  // block-uniform: only the block of a row's last keys has this step's rows
 #pragma unroll
   for (int s = 0; s < ST - 1; ++s) issue();
   if constexpr (EARLY) {

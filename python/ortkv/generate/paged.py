@@ -149,11 +149,10 @@ def paged_model_path(cfg: GenAIConfig, log=print, page_fill: bool = False):
 # Note [Page pool on CUDA]), and input_ids [B, 1], positions [B], page_table [B, max_pages] and logits
 # [B, 1, V] as device OrtValues allocated at start() and written in place (OrtValue.update_inplace) before each
 # step. The page table bound to a run is only as wide as the run needs, in buckets (Note [Page table buckets]).
-# With --cuda-graph the decode step is captured as in Note [CUDA graph decode]: the prefill runs
-# with gpu_graph_id -1, decode under a graph id of its own, and a new id (a fresh capture) after every arena
-# commit (the captured PagedCacheUpdate keeps the uncommitted ranges of its capture), every new bucket and every
-# start(). A
-# requantize (the policy, or demotion) runs between steps on the device (Note [Requantize on a CUDA pool]).
+# With --cuda-graph the decode step is captured as in Note [CUDA graph decode]: the prefill runs with gpu_graph_id
+# -1, decode under a graph id of its own, and a new id (a fresh capture) after every arena commit (the captured
+# PagedCacheUpdate keeps the uncommitted ranges of its capture), every new bucket and every start(). A requantize
+# (the policy, or demotion) runs between steps on the device (Note [Requantize on a CUDA pool]).
 # Greedy picks run on the device (GreedyToken, Note [Greedy on the device]); sampling brings [B, V] logits back.
 # With one format, F16, for every page (and no demotion) the attention nodes promise it (page_format = "F16",
 # uniform_page_format; the model `paged-ps{N}-f16`), which runs the uniform 16-bit kernel (Note [Paged CUDA uniform
@@ -293,9 +292,9 @@ class PagedRunner:
     def _run(self, ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """Logits [B, T, V] on the host (CPU, or teacher forcing / logits_all on CUDA)."""
         self._reserve(positions + ids.shape[1])
+        table = self.cache.page_table if self.device == "cpu" else self._table(positions.max() + ids.shape[1])
         feeds = {"input_ids": np.ascontiguousarray(ids, np.int64), "positions": np.ascontiguousarray(positions),
-                 "directory": self.pool.directory_input(),
-                 "page_table": self.cache.page_table if self.device == "cpu" else self._table(positions.max() + ids.shape[1])}
+                 "directory": self.pool.directory_input(), "page_table": table}
         ro = self._prefill_ro if self.device != "cpu" else None
         (logits,) = self.sess.run(["logits"], feeds, run_options=ro)
         return logits
