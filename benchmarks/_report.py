@@ -4,10 +4,10 @@ greedy decode loop of the CPU decode benchmarks (profile_decode.py, bench_weight
 from __future__ import annotations
 
 
-def emit(text: str, out: str | None) -> int:
+def emit(text: str, out: str | None, append: bool = False) -> int:
     print(text)
     if out:
-        with open(out, "w") as f:
+        with open(out, "a" if append else "w") as f:
             f.write(text + "\n")
     return 0
 

@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
+from _report import emit  # benchmarks/ is on sys.path when a script runs
 
 
 def main(argv=None) -> int:
@@ -84,13 +84,8 @@ def main(argv=None) -> int:
             "| same tokens as dense |\n|---:|---:|---:|---:|---|---:|---:|---|---|\n")
     table = head + "".join(f"| {r[0]} | {r[1]} | {r[2]} | {r[3]} | {r[4]} | {r[5]:.3f} | {r[6]:.3f} | {r[7]} | "
                            f"{'yes' if r[8] else 'no'} |\n" for r in rows)
-    print(table)
-    if a.out:
-        with open(a.out, "a") as f:
-            f.write(table)
-    return 0
+    return emit(table, a.out, append=True)
 
 
 if __name__ == "__main__":
-    np.seterr(all="ignore")
     sys.exit(main())
