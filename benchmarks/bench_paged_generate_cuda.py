@@ -14,7 +14,6 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 
 from _report import emit  # benchmarks/ is on sys.path when a script runs
 
