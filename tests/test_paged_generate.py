@@ -30,12 +30,13 @@ kernels = pytest.mark.skipif(not HAVE_KERNELS, reason="this build has no paged k
 
 @pytest.fixture(scope="module")
 def slice_paths(tmp_path_factory):
-    """A 2-layer slice of SmolLM2 as the dense ortkv decoder (BSNH) and as the paged one (pages of 4)."""
+    """A 2-layer slice of SmolLM2 as the dense ortkv decoder (BSNH) and as the paged one (pages of 4), both with the
+    paged decoder's MLP (one SwiGLU: build(fused_mlp=True), as paged_model_path builds it)."""
     w, _ = weights.load(smollm2_gguf(), layers=2)
     root = tmp_path_factory.mktemp("paged_slice")
     paths = {}
     for name in ("dense", "paged"):
-        model = builder.build(w, "ortkv", max_positions=256, cache_layout="BSNH")
+        model = builder.build(w, "ortkv", max_positions=256, cache_layout="BSNH", fused_mlp=True)
         if name == "paged":
             model = to_paged(model, w.config.heads, w.config.kv_heads, 4)
         (root / name).mkdir()
@@ -61,6 +62,8 @@ def test_paged_graph_replaces_every_cache_op(slice_paths):
     ops = [n.op_type for n in model.graph.node]
     assert ops.count("PagedCacheUpdate") == 2 and ops.count("PagedCacheAttention") == 2
     assert "CacheUpdate" not in ops and "CacheAttention" not in ops
+    # the MLP as one SwiGLU per layer; the rotary unfused (Note [Paged decoder])
+    assert ops.count("SwiGLU") == 2 and "Sigmoid" not in ops and ops.count("RotaryEmbedding") == 4
     names = [i.name for i in model.graph.input]
     assert names[-3:] == [POOL, "directory", "page_table"] and not any(n.startswith("past_") for n in names)
     assert input_access(model, POOL) is Access.READ_WRITE
@@ -526,11 +529,13 @@ def test_float16_decoder_rewrites_onto_the_paged_ops():
     """The CUDA paged decoder is the float16 ortkv decoder rewritten (paged_model_path passes cfg.dtype):
     same nodes, float16 values into the paged ops, float32 logits."""
     w, _ = weights.load(smollm2_gguf(), layers=2)
-    model = to_paged(builder.build(w, "ortkv", max_positions=256, cache_layout="BSNH", dtype="float16"),
-                     w.config.heads, w.config.kv_heads, 16)
+    model = to_paged(builder.build(w, "ortkv", max_positions=256, cache_layout="BSNH", dtype="float16",
+                                   fused_mlp=True), w.config.heads, w.config.kv_heads, 16)
     ops = [n.op_type for n in model.graph.node]
     assert ops.count("PagedCacheUpdate") == 2 and ops.count("PagedCacheAttention") == 2
     assert "CacheUpdate" not in ops and "CacheAttention" not in ops
+    # the MLP as one SwiGLU per layer; the rotary unfused (Note [Paged decoder])
+    assert ops.count("SwiGLU") == 2 and "Sigmoid" not in ops and ops.count("RotaryEmbedding") == 4
     producer = {o: n for n in model.graph.node for o in n.output}
     inits = {t.name: t.data_type for t in model.graph.initializer}
     for n in model.graph.node:

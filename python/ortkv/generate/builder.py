@@ -161,7 +161,7 @@ def rope_tables(cfg, rows: int) -> tuple[np.ndarray, np.ndarray]:
 
 def build(weights: LlamaWeights, variant: str, max_positions: int | None = None,
           cache_layout: str = "BNSH", accuracy_level: int | None = None, dtype: str = "float32",
-          fused_norm: bool | None = None, fused: bool | None = None,
+          fused_norm: bool | None = None, fused: bool | None = None, fused_mlp: bool | None = None,
           matmul_q4: bool | None = None, linear: bool | None = None) -> onnx.ModelProto:
     """cache_layout (ortkv variant): BNSH [B, kv_heads, capacity, D] (each head's keys contiguous: the
     fastest for CacheAttention on CPU), BSNH [B, capacity, kv_heads, D] (token-major per row) or SBNH
@@ -172,6 +172,8 @@ def build(weights: LlamaWeights, variant: str, max_positions: int | None = None,
     fused_norm: None for the measured choice (SkipSimplifiedLayerNormalization with float weights only, Note
     [Fused decoder layer]), or True / False for every residual add + norm. fused (ortkv variant): RotaryCacheUpdate
     and SwiGLU (Note [Fused ortkv layer]); None: with BNSH and SBNH caches, not BSNH (the paged decoder's base).
+    fused_mlp (ortkv variant, float weights): the MLP's SwiGLU alone, whatever the rotary; None: as fused (the paged
+    decoder asks for it: its rotary stays unfused, Note [Paged decoder]).
     matmul_q4 (q4 weights): None for the ortkv and copy variants' ortkv.MatMulQ4 projections and the genai
     variant's MatMulNBits + minimum term (onnxruntime-genai does not load ortkv's op library), or True / False for
     either form (Note [Fast 4-bit path] in weights.py). linear (float weights): None for ortkv.Linear (Note [Linear] in
@@ -196,6 +198,7 @@ def build(weights: LlamaWeights, variant: str, max_positions: int | None = None,
                          "float16 model (Note [Float16 models])")
     bnsh = cache_layout == "BNSH"
     fused = variant == "ortkv" and (cache_layout != "BSNH" if fused is None else fused)  # Note [Fused ortkv layer]
+    fused_mlp = fused if fused_mlp is None else variant == "ortkv" and fused_mlp
     cfg = weights.config
     H, Hkv, D, E = cfg.heads, cfg.kv_heads, cfg.head_size, cfg.hidden
     g = _Graph(np_float)
@@ -434,11 +437,11 @@ def build(weights: LlamaWeights, variant: str, max_positions: int | None = None,
         h2, x = add_norm(x, matmul(attn, p + "wo", lw["wo"]), p + "ffn_norm", p + "ffn_in")
         wgu = (concat_n([lw["wg"], lw["wu"]]) if isinstance(lw["wg"], Q4Weight)
                else np.concatenate([lw["wg"], lw["wu"]], axis=1))
-        if fused and not quantized and use_linear and dtype == "float32":
+        if fused_mlp and not quantized and use_linear and dtype == "float32":
             # Note [Linear SwiGLU epilogue] in custom_ops/kernels/cpu/linear.cc: the gate / up Linear applies the
             # SwiGLU itself (CPU float32 only), W [wg; wu] stored [2 ffn, E]
             act = linear(h2, g.init(p + "wgu", np.ascontiguousarray(wgu.T)), [p + "act"], activation="swiglu")
-        elif fused and not quantized:  # Note [SwiGLU]; the q4 / q8 graphs keep Split + SiLU + Mul (Note [Fused ortkv layer])
+        elif fused_mlp and not quantized:  # Note [SwiGLU]; the q4 / q8 graphs keep Split + SiLU + Mul (Note [Fused ortkv layer])
             act = p + "act"
             g.nodes.append(make_swiglu(matmul(h2, p + "wgu", wgu), act, name=f"swiglu_{i}"))
         else:

@@ -16,8 +16,11 @@ Layer l's attention is ordered before layer l+1's update by data (the update's k
 attention's output), as the checker's alias-hazard rule requires. Inputs: input_ids [B, T], positions [B], pool uint8 [pool_bytes] (READ_WRITE), directory int64
 [num_pages, 2], page_table int32 [B, max_pages], and with ``page_fill=True`` page_fill int32 [B, max_pages]
 (the ops' optional last input, Note [Page fill]: what the many-sequence path binds so that forks and beam
-reorders copy nothing; that model is saved apart, ``paged-fill-ps{N}``). Rewriting the built graph (instead of a second builder)
-keeps the weights, rotary and MLP code in one place.
+reorders copy nothing; that model is saved apart, ``paged2-fill-ps{N}``). Rewriting the built graph (instead of a
+second builder) keeps the weights, rotary and MLP code in one place. The base is built with its MLP as one
+ortkv.SwiGLU (build(fused_mlp=True), as the dense ortkv decoder's) and its rotary unfused (Split + RotaryEmbedding:
+no paged form of RotaryCacheUpdate yet); "paged2" names the models since that change (a "paged-" model of an
+older build is not reused).
 """
 
 from __future__ import annotations
@@ -130,14 +133,15 @@ def paged_model_path(cfg: GenAIConfig, log=print, page_fill: bool = False):
 
     root = model_dir(cfg)
     page_format = uniform_page_format(cfg, page_fill)
-    name = f"paged-{'fill-' if page_fill else ''}ps{cfg.ortkv.page_size}{'-' + page_format.lower() if page_format else ''}"
+    name = f"paged2-{'fill-' if page_fill else ''}ps{cfg.ortkv.page_size}{'-' + page_format.lower() if page_format else ''}"
     target = root / name / "model.onnx"
     if target.exists():
         return target
     weights, _ = load(gguf_path(cfg, log), log=log, fmt=cfg.ortkv.weights)
     log(f"ortkv: building the paged decoder ({cfg.ortkv.weights} weights, pages of {cfg.ortkv.page_size}) ...")
     c = weights.config
-    model = to_paged(build(weights, "ortkv", max_positions=MAX_POSITIONS, cache_layout="BSNH", dtype=cfg.dtype),
+    model = to_paged(build(weights, "ortkv", max_positions=MAX_POSITIONS, cache_layout="BSNH", dtype=cfg.dtype,
+                           fused_mlp=True),
                      c.heads, c.kv_heads, cfg.ortkv.page_size, page_fill=page_fill, page_format=page_format)
     return save_decoder(model, root, name)
 
@@ -155,7 +159,7 @@ def paged_model_path(cfg: GenAIConfig, log=print, page_fill: bool = False):
 # (the policy, or demotion) runs between steps on the device (Note [Requantize on a CUDA pool]).
 # Greedy picks run on the device (GreedyToken, Note [Greedy on the device]); sampling brings [B, V] logits back.
 # With one format, F16, for every page (and no demotion) the attention nodes promise it (page_format = "F16",
-# uniform_page_format; the model `paged-ps{N}-f16`), which runs the uniform 16-bit kernel (Note [Paged CUDA uniform
+# uniform_page_format; the model `paged2-ps{N}-f16`), which runs the uniform 16-bit kernel (Note [Paged CUDA uniform
 # 16-bit] in custom_ops/kernels/cuda/paged_cuda.cu).
 #
 # Note [Page table buckets]
