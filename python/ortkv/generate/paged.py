@@ -17,10 +17,11 @@ attention's output), as the checker's alias-hazard rule requires. Inputs: input_
 [num_pages, 2], page_table int32 [B, max_pages], and with ``page_fill=True`` page_fill int32 [B, max_pages]
 (the ops' optional last input, Note [Page fill]: what the many-sequence path binds so that forks and beam
 reorders copy nothing; that model is saved apart, ``paged2-fill-ps{N}``). Rewriting the built graph (instead of a
-second builder) keeps the weights, rotary and MLP code in one place. The base is built with its MLP as one
-ortkv.SwiGLU (build(fused_mlp=True), as the dense ortkv decoder's) and its rotary unfused (Split + RotaryEmbedding:
-no paged form of RotaryCacheUpdate yet); "paged2" names the models since that change (a "paged-" model of an
-older build is not reused).
+second builder) keeps the weights, rotary and MLP code in one place. The base is built as the dense ortkv
+decoder's projections and MLP are (its Linear choice, models.linear_projections: ortkv.Linear for float32 on the
+CPU; the MLP as one SwiGLU, build(fused_mlp=True), on the CPU the Linear's SwiGLU epilogue) with its rotary unfused
+(Split + RotaryEmbedding: no paged form of RotaryCacheUpdate yet); "paged2" names the models since that change (a
+"paged-" model of an older build is not reused).
 """
 
 from __future__ import annotations
@@ -128,7 +129,7 @@ def paged_model_path(cfg: GenAIConfig, log=print, page_fill: bool = False):
     with the page_fill input for the many-sequence path), built on first use next to the other variants."""
     from .builder import build
     from .config import MAX_POSITIONS
-    from .models import gguf_path, model_dir, save_decoder
+    from .models import gguf_path, linear_projections, model_dir, save_decoder
     from .weights import load
 
     root = model_dir(cfg)
@@ -141,7 +142,7 @@ def paged_model_path(cfg: GenAIConfig, log=print, page_fill: bool = False):
     log(f"ortkv: building the paged decoder ({cfg.ortkv.weights} weights, pages of {cfg.ortkv.page_size}) ...")
     c = weights.config
     model = to_paged(build(weights, "ortkv", max_positions=MAX_POSITIONS, cache_layout="BSNH", dtype=cfg.dtype,
-                           fused_mlp=True),
+                           fused_mlp=True, linear=linear_projections(cfg, "ortkv")),
                      c.heads, c.kv_heads, cfg.ortkv.page_size, page_fill=page_fill, page_format=page_format)
     return save_decoder(model, root, name)
 

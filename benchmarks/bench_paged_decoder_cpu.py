@@ -1,0 +1,60 @@
+"""The paged decoder's step on the CPU against the dense (arena) ortkv decoder: float32 SmolLM2-135M, F16 pages of 16,
+greedy, 48 new tokens after the README prompt, one process, the variants alternating for --rounds rounds (round 0
+not counted); median ms per decode step. --old names an older paged model directory (e.g. paged-ps16, a build
+before Note [Paged decoder]'s Linear / SwiGLU base) to time beside the current one.
+
+    python benchmarks/bench_paged_decoder_cpu.py [--rounds 5] [--old paged-ps16] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+
+from _report import emit  # benchmarks/ is on sys.path when a script runs
+
+
+def main(argv=None) -> int:
+    from ortkv.generate.config import GenAIConfig
+    from ortkv.generate.loop import generate
+    from ortkv.generate.models import model_dir, model_path, tokenizer_for
+    from ortkv.generate.paged import PagedRunner, paged_model_path
+    from ortkv.generate.runners import OrtkvRunner
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--new-tokens", type=int, default=48)
+    p.add_argument("--old", help="an older paged model's directory name under the model cache")
+    p.add_argument("--out")
+    a = p.parse_args(argv)
+    cfg = GenAIConfig()
+    cfg.ortkv.cache = "paged"
+    cfg = cfg.validate()
+    dense_cfg = GenAIConfig().validate()
+    runners = {"dense": OrtkvRunner(model_path(dense_cfg, "ortkv"), dense_cfg),
+               "paged": PagedRunner(paged_model_path(cfg), cfg)}
+    if a.old:
+        runners[a.old] = PagedRunner(model_dir(cfg) / a.old / "model.onnx", cfg)
+    ids = [tokenizer_for(cfg).encode("The capital of France is")]
+    runs = {v: [] for v in runners}
+    tokens = {}
+    for r in range(a.rounds + 1):
+        for v, run in runners.items():
+            g = generate(run, ids, run.cfg.search, a.new_tokens, -1, 2)
+            if r:
+                runs[v].append(g.median_step_ms)
+            tokens[v] = g.new_ids
+    dense = statistics.median(runs["dense"])
+    lines = ["| variant | ms/step (median) | vs dense | rounds | same tokens as dense |", "|---|---:|---:|---|---|"]
+    for v, xs in runs.items():
+        m = statistics.median(xs)
+        lines.append(f"| {v} | {m:.2f} | {m / dense:.2f} | {' '.join(f'{x:.2f}' for x in xs)} | "
+                     f"{'yes' if tokens[v] == tokens['dense'] else 'no'} |")
+    for r in runners.values():
+        r.close()
+    return emit("\n".join(lines), a.out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
