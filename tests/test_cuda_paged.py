@@ -438,7 +438,7 @@ def test_attention_early_launch_directory_written_by_the_node_before(rng, unifor
     # each late page gets a second slot past the pool's end, holding the same bytes
     second = []
     end = -(-len(pool0) // 16) * 16
-    for p, size in zip(late, sizes):
+    for size in sizes:
         second.append(end)
         end += -(-size // 16) * 16
     pool_base = np.zeros(end, np.uint8)

@@ -176,9 +176,17 @@ __device__ __forceinline__ int PageProblemAt(const PagedPool& p, int64_t id, int
   if (write && codecs::KeysPerChannel(fmt)) return kPageKeysPerChannel;
   return kPageOk;
 }
-__device__ __forceinline__ int PageProblem(const PagedPool& p, int64_t id, bool write) {
+// Page id's directory row (f, off), read only where 0 <= id < num_pages; (-1, 0) elsewhere (PageProblemAt's form).
+struct DirRow {
+  int64_t f, off;
+};
+__device__ __forceinline__ DirRow DirectoryRow(const PagedPool& p, int64_t id) {
   const bool in = id >= 0 && id < p.num_pages;
-  return PageProblemAt(p, id, in ? p.directory[2 * id] : -1, in ? p.directory[2 * id + 1] : 0, write);
+  return {in ? p.directory[2 * id] : -1, in ? p.directory[2 * id + 1] : 0};
+}
+__device__ __forceinline__ int PageProblem(const PagedPool& p, int64_t id, bool write) {
+  const DirRow r = DirectoryRow(p, id);
+  return PageProblemAt(p, id, r.f, r.off, write);
 }
 
 __device__ __forceinline__ int64_t TableAt(const PagedPool& p, int64_t b, int64_t pi) {
@@ -1136,9 +1144,9 @@ __device__ __forceinline__ bool ResolveWindow(const PagedAttentionCudaView& a, i
   }
 #pragma unroll
   for (int k = 0; k < kPer; ++k) {
-    const bool in = id[k] >= 0 && id[k] < a.p.num_pages;
-    f[k] = in ? a.p.directory[2 * id[k]] : -1;
-    off[k] = in ? a.p.directory[2 * id[k] + 1] : 0;
+    const DirRow r = DirectoryRow(a.p, id[k]);
+    f[k] = r.f;
+    off[k] = r.off;
   }
 #pragma unroll
   for (int k = 0; k < kPer; ++k) {
@@ -2903,11 +2911,10 @@ __global__ void __launch_bounds__(kThreads, ORTKV_PAGED_V3_MIN_BLOCKS) PagedAtte
       for (int k = 0; k < kPer; ++k) {
         const int64_t pi = p0 + tid + k * kThreads;
         if (pi <= p1 && (pi + 1) * ps > st0) {
-          const int64_t id2 = TableAt(a.p, b, pi), id = pre_ids[k];
-          const bool in = id >= 0 && id < a.p.num_pages;
-          const int64_t f2 = in ? a.p.directory[2 * id] : -1, off2 = in ? a.p.directory[2 * id + 1] : 0;
-          stale = stale || ((pre_bad_bits >> k) & 1u) != 0 || id2 != id || f2 != sh.fmt[pi - p0] ||
-                  LayerBaseAt(a.p, f2, off2) != sh.page[pi - p0];
+          const int64_t id = pre_ids[k], id2 = TableAt(a.p, b, pi);
+          const DirRow r = DirectoryRow(a.p, id);
+          stale = stale || ((pre_bad_bits >> k) & 1u) != 0 || id2 != id || r.f != sh.fmt[pi - p0] ||
+                  LayerBaseAt(a.p, r.f, r.off) != sh.page[pi - p0];
         }
       }
       if (__syncthreads_or(stale) != 0) {
@@ -3038,8 +3045,8 @@ cudaError_t Launch(const AttnArgs& a, cudaStream_t stream) {
 // tile's pointer from the lane that resolved it (a shuffle), and the 33rd tile's batch is resolved when it is
 // reached. Before the wait the first batch of pages is resolved and the prologue's rows before `start` are copied
 // (Note [CUDA attention early start]); after it this step's rows and the rest (Note [Paged CUDA late pages]). A bad
-// page is recorded in the block's key (atomicMin, the order of v3's) and the block's output is empty, as v3; a page of another format is problem kPageFormatHint (the report says which
-// attribute and which page). Without the attribute, or for any other format, Note [Paged CUDA v3] runs.
+// page is recorded in the block's key (atomicMin, the order of v3's) and the block's output is empty, as v3; a page
+// of another format is problem kPageFormatHint (the report says which attribute and which page). Without the attribute, or for any other format, Note [Paged CUDA v3] runs.
 // H200, SmolLM2 heads, pages of 16 (benchmarks/results/paged_attention_cuda_h200.md, 2026-12-03): 124 registers at
 // head size 64, 3 blocks per SM; through ORT F16 pages promised at 0.98 / 1.05 / 1.00 / 1.00x dense v3's time at
 // 8K x 1 / 8K x 8 / 32K x 8 / 128K x 4 keys x rows (the every-format kernel 1.25 / 1.15 / 1.05 / 1.04x).
@@ -3144,8 +3151,8 @@ __global__ void __launch_bounds__(kThreads) PagedAttentionU16(const AttnArgs arg
     const int64_t k0 = j0 + static_cast<int64_t>(warp + idx * NW) * kTile;
     const int64_t pi = ps_shift >= 0 ? k0 >> ps_shift : k0 / ps;
     const int64_t id = TableAt(a.p, b, pi);
-    const bool in = id >= 0 && id < a.p.num_pages;
-    const int64_t f = in ? a.p.directory[2 * id] : -1, off = in ? a.p.directory[2 * id + 1] : 0;
+    const DirRow r = DirectoryRow(a.p, id);
+    const int64_t f = r.f, off = r.off;
     res = true;
     if constexpr (EARLY) rpi = pi, rid = id, rf = f, roff = off;
     if (PageProblemAt(a.p, id, f, off, false) != kPageOk || f != UF) {
@@ -3204,9 +3211,8 @@ __global__ void __launch_bounds__(kThreads) PagedAttentionU16(const AttnArgs arg
     bool stale = false;
     if (recheck && res && (rpi + 1) * ps > st0) {
       const int64_t id2 = TableAt(a.p, b, rpi);
-      const bool in = rid >= 0 && rid < a.p.num_pages;
-      const int64_t f2 = in ? a.p.directory[2 * rid] : -1, off2 = in ? a.p.directory[2 * rid + 1] : 0;
-      stale = id2 != rid || f2 != rf || off2 != roff;
+      const DirRow r = DirectoryRow(a.p, rid);
+      stale = id2 != rid || r.f != rf || r.off != roff;
     }
     // meanwhile this step's rows of the prologue's tiles, from the pages resolved before the wait
     const int64_t from = lim;

@@ -278,20 +278,20 @@ class PagedRunner:
     def _table(self, need: int):
         """The page table on the device for rows of at most `need` tokens: the columns of its bucket (Note [Page
         table buckets]), copied up only when they changed (a page opened)."""
-        import onnxruntime as ort
-
         full = self.cache.page_table
         width = table_bucket(need, self.cfg.ortkv.page_size, full.shape[1])
         if full[:, width:].max(initial=-1) >= 0:  # the bucket would drop a page (rows longer than `need`)
             width = full.shape[1]
-        table = np.ascontiguousarray(full[:, :width])
+        table = full[:, :width].copy()  # contiguous, and not a view of the cache's own (kept below)
         entry = self._tables.get(width)
-        if entry is None:
+        if entry is None:  # the bucket's first run: its device table, kept for every later one
+            import onnxruntime as ort
+
             dev = ort.OrtValue.ortvalue_from_shape_and_type(list(table.shape), np.int32, "cuda", self.pool.device_index)
             entry = self._tables[width] = [dev, None]
         if entry[1] is None or not np.array_equal(entry[1], table):
             entry[0].update_inplace(table)
-            entry[1] = table.copy()  # `table` may be a view of the cache's own (B = 1, or the whole width)
+            entry[1] = table
         return entry[0]
 
     def _run(self, ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
