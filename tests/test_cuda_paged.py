@@ -8,7 +8,9 @@ where there is no CUDA provider or device."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import os
 
 import numpy as np
 import pytest
@@ -600,6 +602,27 @@ def test_attention_page_format_attribute_refuses_another_format(rng, kernel):
 
 
 # ---- PagedCacheUpdate ----------------------------------------------------------------------------------------
+# Note [Paged CUDA one-block update]: up to 192 row jobs run as one block (check, then store); the memset + check +
+# store kernels take larger updates, or any under ORTKV_CUDA_PAGED_UPDATE=two. Tests of small updates run both.
+UPDATE_PATHS = ("one_block", "two")
+
+
+@contextlib.contextmanager
+def update_path(path):
+    old = os.environ.get("ORTKV_CUDA_PAGED_UPDATE")
+    if path == "two":
+        os.environ["ORTKV_CUDA_PAGED_UPDATE"] = "two"
+    else:
+        os.environ.pop("ORTKV_CUDA_PAGED_UPDATE", None)
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("ORTKV_CUDA_PAGED_UPDATE", None)
+        else:
+            os.environ["ORTKV_CUDA_PAGED_UPDATE"] = old
+
+
 def _update_case(rng, formats, *, B, T, positions, NL=2, H=3, PS=16, D=64, layer=1, dtype="float16"):
     n_pages = [-(-(p + T) // PS) for p in positions]
     fmts = [formats[i % len(formats)] for i in range(sum(n_pages))]
@@ -619,6 +642,10 @@ def test_update_bytes_equal_cpu_and_reference(rng, fmt, dtype):
                                                                dtype=dtype)
     got, err = cuda_update(pool, directory, table, key, value, pos, dtype=dtype, **kw)
     assert err is None, err
+    with update_path("two"):  # 90 row jobs: the one-block kernel above, the two kernels here
+        got2, err = cuda_update(pool, directory, table, key, value, pos, dtype=dtype, **kw)
+    assert err is None, err
+    assert got2.tobytes() == got.tobytes()
     cpu = pool.copy()
     run_update(cpu, directory, table, key, value, pos, dtype=dtype, **kw)
     assert got.tobytes() == cpu.tobytes()
@@ -657,17 +684,37 @@ def test_update_zero_rows_and_signed_zero_minimum_match_cpu(rng):
 
 def _update_refusal(rng, mutate, fragment, code="E_INPUT", formats=(PageFormat.INT8, PageFormat.F16, PageFormat.INT4)):
     """Rows 0..2 at positions 0, 15 (crossing a page), 4, two tokens each; `mutate` breaks one thing (and may
-    return new positions). The pool bytes must come back unchanged and the report name the problem."""
+    return new positions). The pool bytes must come back unchanged and the report name the problem, on both
+    update paths (Note [Paged CUDA one-block update]: 36 row jobs)."""
     pool, directory, table, key, value, pos, kw = _update_case(rng, list(formats), B=3, T=2, positions=[0, 15, 4],
                                                                NL=1, layer=0)
     pos = mutate(pool, directory, table, key, value, pos)
     pos = pos if pos is not None else np.array([0, 15, 4])
     before = pool.copy()
-    after, err = cuda_update(pool, directory, table, key, value, pos, dtype="float16", **kw)
-    assert err is not None and "PagedCacheUpdate node 'upd'" in err, err
-    assert f"[ortkv:{code}]" in err and fragment in err and "Nothing was written" in err, err
-    assert after.tobytes() == before.tobytes(), "a refused update changed the pool"
-    assert _ortkv.cuda_take_error() is None
+    for path in UPDATE_PATHS:
+        with update_path(path):
+            after, err = cuda_update(pool, directory, table, key, value, pos, dtype="float16", **kw)
+        assert err is not None and "PagedCacheUpdate node 'upd'" in err, (path, err)
+        assert f"[ortkv:{code}]" in err and fragment in err and "Nothing was written" in err, (path, err)
+        assert after.tobytes() == before.tobytes(), f"a refused update changed the pool ({path})"
+        assert _ortkv.cuda_take_error() is None
+
+
+def test_update_large_refusal_and_bytes_on_the_two_kernel_path(rng):
+    """240 row jobs (past the one-block size): the check and store kernels; a non-finite value in the last row
+    job (INT8 and INT4 pages: scaled, so it cannot be encoded) is refused with nothing written, and without it the bytes equal the CPU op's."""
+    pool, directory, table, key, value, pos, kw = _update_case(rng, [PageFormat.INT8, PageFormat.INT4],
+                                                               B=4, T=10, positions=[0, 15, 4, 30], NL=1, layer=0)
+    bad = value.copy()
+    bad[3, 9, 190] = np.nan  # row 3, token 9 (position 39), head 2
+    after, err = cuda_update(pool, directory, table, key, bad, pos, dtype="float16", **kw)
+    assert err is not None and "'value' [row 3, position 39, head 2]" in err and "Nothing was written" in err, err
+    assert after.tobytes() == pool.tobytes()
+    got, err = cuda_update(pool, directory, table, key, value, pos, dtype="float16", **kw)
+    assert err is None, err
+    cpu = pool.copy()
+    run_update(cpu, directory, table, key, value, pos, dtype="float16", **kw)
+    assert got.tobytes() == cpu.tobytes() and got.tobytes() != pool.tobytes()
 
 
 def test_update_refuses_missing_page(rng):

@@ -7,6 +7,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <sstream>
 #include <string>
 #include <type_traits>
@@ -330,6 +332,7 @@ struct UpdateArgs {
   PagedUpdateCudaView v;
 };
 
+__device__ __forceinline__ int64_t UpdateRows(const PagedUpdateCudaView& v) { return v.B * v.T * 2 * v.p.shape.kv_heads; }
 __device__ __forceinline__ int64_t Pos(const PagedUpdateCudaView& v, int64_t b) {
   return v.positions[b * v.position_stride];
 }
@@ -378,13 +381,10 @@ __device__ __forceinline__ int RangeHit(const PagedRangeCheck& r, uint64_t first
   return 0;
 }
 
-// One thread per row job i = ((b * T + t) * 2 + kv) * Hkv + h: every check of Note [PagedCacheUpdate validation].
-__global__ void PagedUpdateCheckKernel(const UpdateArgs args) {
-  const PagedUpdateCudaView& v = args.v;
-  unsigned long long* flag = static_cast<unsigned long long*>(v.flag);
+// Row job i = ((b * T + t) * 2 + kv) * Hkv + h: every check of Note [PagedCacheUpdate validation], the first
+// failure kept in *flag (global or shared memory) with atomicMin.
+__device__ void CheckUpdateJob(const PagedUpdateCudaView& v, int64_t i, unsigned long long* flag) {
   const int64_t Hkv = v.p.shape.kv_heads, D = v.p.shape.head_size;
-  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  if (i >= v.B * v.T * 2 * Hkv) return;
   const int64_t h = i % Hkv, kv = (i / Hkv) % 2, u = i / (2 * Hkv);
   const int64_t b = u / v.T, t = u % v.T;
   if (t == 0 && kv == 0 && h == 0) {  // the row: position, then every page its T tokens touch
@@ -429,6 +429,13 @@ __global__ void PagedUpdateCheckKernel(const UpdateArgs args) {
   const codecs::RowResult r = SourceRowScales(v, codecs::RowFormat(f), kv ? v.value : v.key, ((b * v.T + t) * Hkv + h) * D,
                                               static_cast<int32_t>(D));
   if (r != codecs::RowResult::kOk) atomicMin(flag, Key(kClassEncode, static_cast<unsigned long long>(i)));
+}
+
+// One thread per row job.
+__global__ void PagedUpdateCheckKernel(const UpdateArgs args) {
+  const PagedUpdateCudaView& v = args.v;
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i < UpdateRows(v)) CheckUpdateJob(v, i, static_cast<unsigned long long*>(v.flag));
 }
 
 // Block 0's thread 0 of the store kernel, when the flag holds a failure: the report.
@@ -515,18 +522,9 @@ __device__ __forceinline__ void ReduceMax(float* v, int* idx) {
 
 constexpr int kStoreWarps = 4;
 
-// One warp per row job (same index as the check kernel): codecs::EncodeRow's arithmetic, lanes over
-// the payload bytes.
-__global__ void __launch_bounds__(kStoreWarps * 32) PagedUpdateStoreKernel(const UpdateArgs args) {
-  const PagedUpdateCudaView& v = args.v;
-  const unsigned long long key = *static_cast<const volatile unsigned long long*>(v.flag);
-  if (key != kNoError) {
-    if (blockIdx.x == 0 && threadIdx.x == 0) ReportUpdate(v, key);
-    return;
-  }
-  const int lane = threadIdx.x & 31;
-  const int64_t i = blockIdx.x * static_cast<int64_t>(kStoreWarps) + (threadIdx.x >> 5);
-  if (i >= v.B * v.T * 2 * static_cast<int64_t>(v.p.shape.kv_heads)) return;  // whole warps leave together
+// One warp, row job i (the check's index), every check passed: codecs::EncodeRow's arithmetic, lanes over the
+// payload bytes.
+__device__ void StoreUpdateJob(const PagedUpdateCudaView& v, int64_t i, int lane) {
   const int64_t Hkv = v.p.shape.kv_heads, ps = v.p.shape.page_size;
   const int32_t D = v.p.shape.head_size;
   const int64_t h = i % Hkv, kv = (i / Hkv) % 2, u = i / (2 * Hkv);
@@ -607,6 +605,52 @@ __global__ void __launch_bounds__(kStoreWarps * 32) PagedUpdateStoreKernel(const
     }
   }
   if (lane < ns) scales[lane] = sc[lane];
+}
+
+// One warp per row job; reads the check kernel's flag first.
+__global__ void __launch_bounds__(kStoreWarps * 32) PagedUpdateStoreKernel(const UpdateArgs args) {
+  const PagedUpdateCudaView& v = args.v;
+  const unsigned long long key = *static_cast<const volatile unsigned long long*>(v.flag);
+  if (key != kNoError) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) ReportUpdate(v, key);
+    return;
+  }
+  const int64_t i = blockIdx.x * static_cast<int64_t>(kStoreWarps) + (threadIdx.x >> 5);
+  if (i < UpdateRows(v)) StoreUpdateJob(v, i, threadIdx.x & 31);  // whole warps leave together
+}
+
+// Note [Paged CUDA one-block update]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A decode step writes a few rows (B x 1 token x 2 x kv_heads: 6 for SmolLM2 at batch 1, 48 at 8), and the
+// memset + check + store of Note [Paged CUDA] cost three graph nodes for them, each a chain of dependent loads
+// (position, table entry, directory row) that the store walked again. Up to kOneBlockRows rows (and no
+// page_fill, whose prefix kernel needs the flag in global memory) one block of kOneBlockThreads does both
+// phases: a thread per row job checks into a shared-memory key (the same atomicMin order), __syncthreads, then
+// either thread 0 reports the first failure (nothing stored) or a warp per row job stores, its loads of the
+// table and directory hitting what the check phase brought into L1. One launch, no memset, the same bytes and
+// reports as the two kernels.
+// ORTKV_CUDA_PAGED_UPDATE=two takes the memset + check + store path at any size (A/B runs, tests); read at every
+// launch (a captured CUDA graph keeps the launches of its capture).
+bool OneBlockUpdateOff() {
+  const char* e = std::getenv("ORTKV_CUDA_PAGED_UPDATE");
+  return e != nullptr && std::strcmp(e, "two") == 0;
+}
+constexpr int kOneBlockThreads = 512;
+constexpr int64_t kOneBlockRows = 192;  // at most 12 row jobs per warp in the store phase
+__global__ void __launch_bounds__(kOneBlockThreads) PagedUpdateOneBlockKernel(const UpdateArgs args) {
+  const PagedUpdateCudaView& v = args.v;
+  __shared__ unsigned long long s_key;
+  if (threadIdx.x == 0) s_key = kNoError;
+  __syncthreads();
+  const int64_t rows = UpdateRows(v);
+  for (int64_t i = threadIdx.x; i < rows; i += kOneBlockThreads) CheckUpdateJob(v, i, &s_key);
+  __syncthreads();
+  const unsigned long long key = s_key;
+  if (key != kNoError) {
+    if (threadIdx.x == 0) ReportUpdate(v, key);
+    return;
+  }
+  for (int64_t i = threadIdx.x >> 5; i < rows; i += kOneBlockThreads / 32) StoreUpdateJob(v, i, threadIdx.x & 31);
 }
 
 // ---- PagedCacheAttention -----------------------------------------------------------------------------
@@ -3302,6 +3346,11 @@ Status PagedCacheUpdateCuda(const PagedUpdateCudaView& v, void* stream_ptr) {
   if (v.flag == nullptr) return Status(Code::kRuntime, "PagedCacheUpdate CUDA: no flag workspace");
   cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
   UpdateArgs a{v};
+  if (v.p.page_fill == nullptr && v.rows() <= kOneBlockRows && !OneBlockUpdateOff()) {  // Note [Paged CUDA one-block update]
+    PagedUpdateOneBlockKernel<<<1, kOneBlockThreads, 0, stream>>>(a);
+    const cudaError_t e1 = cudaGetLastError();
+    return e1 == cudaSuccess ? Status::Ok() : LaunchError("PagedCacheUpdate", e1);
+  }
   cudaError_t e = cudaMemsetAsync(v.flag, 0xFF, sizeof(unsigned long long), stream);
   if (e != cudaSuccess) return LaunchError("PagedCacheUpdate", e);
   if (v.p.page_fill != nullptr) {  // Note [Page fill] on CUDA: the prefix sums first
