@@ -80,20 +80,21 @@ void ClearWords(ortkv_device_error* words) {
 }
 
 // The paged ops' reports (fields: Note [Paged CUDA] in ortkv/paged_cuda.h); label.tensor holds the
-// pool, directory, page table (and page_fill, when the node has it) names separated by newlines.
+// pool, directory, page table (and page_fill, when the node has it) names separated by newlines; a
+// PagedRotaryCacheUpdate's also page_fill's (empty when absent) and then qkv's (Note [PagedRotaryCacheUpdate]).
 int FinishPaged(ortkv_device_error* words, const ortkv_device_error& e, int code, const Label& label, char* msg,
                 size_t cap) {
-  std::string names[4] = {"pool", "directory", "page_table", "page_fill"};
+  std::string names[5] = {"pool", "directory", "page_table", "page_fill", ""};
   {
     size_t at = 0;
-    for (int i = 0; i < 4; ++i) {
+    for (int i = 0; i < 5; ++i) {
       const size_t nl = label.tensor.find('\n', at);
       names[i] = label.tensor.substr(at, nl == std::string::npos ? std::string::npos : nl - at);
       if (nl == std::string::npos) break;
       at = nl + 1;
     }
   }
-  const bool update = label.op == "PagedCacheUpdate";
+  const bool update = label.op == "PagedCacheUpdate" || label.op == "PagedRotaryCacheUpdate";
   const char* what = update ? "position" : "start";
   const char* tail = update ? " Nothing was written." : " The output of that run is not valid (refused pages were not read).";
   static const char* kFormats[8] = {"F16", "BF16", "INT8", "FP8_E4M3", "INT4", "INT2", "INT4_KC", "INT2_KC"};
@@ -149,7 +150,12 @@ int FinishPaged(ortkv_device_error* words, const ortkv_device_error& e, int code
     case ORTKV_DERR_ENCODE: {
       const int r = static_cast<int>(e.last & 0xFF), kv = static_cast<int>((e.last >> 8) & 0xFF);
       const int fmt = static_cast<int>((e.last >> 16) & 0xFF);
-      m << "'" << (kv ? "value" : "key") << "' [row " << e.row << ", position " << e.position << ", head " << e.hit_addr
+      if (names[4].empty()) {
+        m << "'" << (kv ? "value" : "key") << "'";
+      } else {
+        m << "'" << names[4] << "' (" << (kv ? "v" : "rotated k") << " columns)";
+      }
+      m << " [row " << e.row << ", position " << e.position << ", head " << e.hit_addr
         << "] into page " << e.first << " (" << (fmt < 8 ? kFormats[fmt] : "?") << "): "
         << (r == 1 ? "holds inf or NaN; the scaled formats refuse non-finite values (store the page as F16/BF16, or fix the values)."
                    : "needs a scale or minimum beyond float16 (|x| too large); store the page as BF16.")

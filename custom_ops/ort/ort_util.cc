@@ -117,4 +117,21 @@ OrtStatus* OptionalAttribute(const OrtApi* api, const OrtKernelInfo* info, const
   return nullptr;
 }
 
+int64_t InferAttr(OrtShapeInferContext* ctx, const char* name, int64_t fallback) {
+  const OrtOpAttr* attr = nullptr;
+  OrtStatus* s = g_api->ShapeInferContext_GetAttribute(ctx, name, &attr);
+  if (s != nullptr || attr == nullptr) {
+    if (s != nullptr) g_api->ReleaseStatus(s);
+    return fallback;
+  }
+  int64_t v = fallback;
+  size_t got = 0;
+  s = g_api->ReadOpAttr(attr, ORT_OP_ATTR_INT, &v, sizeof(v), &got);
+  if (s != nullptr) {
+    g_api->ReleaseStatus(s);
+    return fallback;
+  }
+  return v;
+}
+
 }  // namespace ortkv_ort

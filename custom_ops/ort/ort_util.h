@@ -113,4 +113,35 @@ OrtStatus* RunAttentionTasks(OrtKernelContext* ctx, View& view) {
   return nullptr;
 }
 
+// An int attribute in shape inference, or `fallback` when absent or unreadable.
+int64_t InferAttr(OrtShapeInferContext* ctx, const char* name, int64_t fallback);
+
+// Output `out` = input `in` with its last dim replaced by f(last) (-1: unknown); symbolic dims kept.
+template <typename F>
+OrtStatus* SetLastDimFrom(OrtShapeInferContext* ctx, size_t in, size_t out, F&& f) {
+  OrtTensorTypeAndShapeInfo* src = nullptr;  // owned by the context
+  ORTKV_RETURN_IF_ORT_ERROR(g_api->ShapeInferContext_GetInputTypeShape(ctx, in, &src));
+  size_t rank = 0;
+  ORTKV_RETURN_IF_ORT_ERROR(g_api->GetDimensionsCount(src, &rank));
+  if (rank == 0) return g_api->ShapeInferContext_SetOutputTypeShape(ctx, out, src);  // unknown: as the input
+  std::vector<int64_t> dims(rank);
+  std::vector<const char*> names(rank, nullptr);
+  ORTKV_RETURN_IF_ORT_ERROR(g_api->GetDimensions(src, dims.data(), rank));
+  ORTKV_RETURN_IF_ORT_ERROR(g_api->GetSymbolicDimensions(src, names.data(), rank));
+  ONNXTensorElementDataType type;
+  ORTKV_RETURN_IF_ORT_ERROR(g_api->GetTensorElementType(src, &type));
+  dims[rank - 1] = dims[rank - 1] < 0 ? -1 : f(dims[rank - 1]);
+  names[rank - 1] = "";
+  for (auto& n : names)
+    if (n == nullptr) n = "";
+  OrtTensorTypeAndShapeInfo* info = nullptr;
+  ORTKV_RETURN_IF_ORT_ERROR(g_api->CreateTensorTypeAndShapeInfo(&info));
+  OrtStatus* s = g_api->SetTensorElementType(info, type);
+  if (s == nullptr) s = g_api->SetDimensions(info, dims.data(), rank);
+  if (s == nullptr) s = g_api->SetSymbolicDimensions(info, names.data(), rank);
+  if (s == nullptr) s = g_api->ShapeInferContext_SetOutputTypeShape(ctx, out, info);
+  g_api->ReleaseTensorTypeAndShapeInfo(info);
+  return s;
+}
+
 }  // namespace ortkv_ort

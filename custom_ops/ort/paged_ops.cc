@@ -1,4 +1,4 @@
-// PagedCacheUpdate and PagedCacheAttention, domain "ortkv", opset 1 (CPU; and CUDA in CUDA builds: Note
+// PagedCacheUpdate, PagedRotaryCacheUpdate and PagedCacheAttention, domain "ortkv", opset 1 (CPU; and CUDA in CUDA builds: Note
 // [Paged CUDA] in ortkv/paged_cuda.h, every input in device memory, positions / starts included). The physical form (pool,
 // directory, page table) is Note [Paged cache physical form] in ortkv/paged.h.
 //
@@ -36,10 +36,11 @@ using ortkv::Status;
 using ortkv::TensorArg;
 
 struct PagedKernel {
+  const char* op = "PagedCacheUpdate";  // the updates' messages: PagedCacheUpdate or PagedRotaryCacheUpdate
   NodeNames names;
   int32_t label = -1;  // CUDA: Note [CUDA deferred errors]
   ortkv::PagedAttrs attrs;
-  int64_t num_heads = 0;  // attention only
+  int64_t num_heads = 0;  // attention and PagedRotaryCacheUpdate
   float scale = 0.0f;     // attention only
 };
 
@@ -64,10 +65,11 @@ OrtStatus* ReadInputs(OrtKernelContext* ctx, const PagedKernel& k, size_t n, Ten
 
 // Note [Page fill]: the optional last input. The node's own input count (a node may omit the port),
 // capped at `all`; names are read for the present ports only.
-OrtStatus* ReadNames(const OrtApi* api, const OrtKernelInfo* info, size_t required, size_t all, NodeNames* names) {
+OrtStatus* ReadNames(const OrtApi* api, const OrtKernelInfo* info, size_t required, size_t all, NodeNames* names,
+                     size_t outputs = 1) {
   size_t n = 0;
   ORTKV_RETURN_IF_ORT_ERROR(api->KernelInfo_GetInputCount(info, &n));
-  ORTKV_RETURN_IF_ORT_ERROR(ReadNodeNames(api, info, std::min(std::max(n, required), all), 1, names));
+  ORTKV_RETURN_IF_ORT_ERROR(ReadNodeNames(api, info, std::min(std::max(n, required), all), outputs, names));
   return nullptr;
 }
 
@@ -104,7 +106,7 @@ Status CheckWriteProtection(const PagedKernel& k, const ortkv::PagedUpdateView& 
       [&](int64_t u, uintptr_t* first, uintptr_t* last) { ortkv::PagedUpdateUnitSpan(v, u, first, last); },
       [&](int64_t u) {
         std::ostringstream m;
-        m << "PagedCacheUpdate node '" << k.names.node << "': row " << u / v.T << " token " << u % v.T
+        m << k.op << " node '" << k.names.node << "': row " << u / v.T << " token " << u % v.T
           << " would write into the page layer";
         return std::make_pair(m.str(), " of '" + k.names.inputs[0] + "',");
       },
@@ -119,7 +121,7 @@ OrtStatus* CheckPoolAliased(OrtKernelContext* ctx, const PagedKernel& k, const T
   ORTKV_RETURN_IF_ORT_ERROR(g_api->GetTensorMutableData(out, &out_data));
   if (out_data == pool.data) return nullptr;
   ortkv::Message m;  // Note [Messages on the error path only]
-  m << "PagedCacheUpdate node '" << k.names.node << "': output '" << k.names.outputs[0] << "' at " << Hex(out_data)
+  m << k.op << " node '" << k.names.node << "': output '" << k.names.outputs[0] << "' at " << Hex(out_data)
     << " is not the storage of the pool '" << k.names.inputs[0] << "' at " << Hex(pool.data)
     << "; the updated pool MUST alias the pool and ortkv never copies a cache, so nothing was written. "
     << "Remedy: bind ONE buffer to both names through IOBinding (bind_ortvalue_input('" << k.names.inputs[0]
@@ -127,6 +129,9 @@ OrtStatus* CheckPoolAliased(OrtKernelContext* ctx, const PagedKernel& k, const T
     << "model through ortkv.MutableCacheSession.";
   return ToOrtStatus(Status(Code::kAlias, m.str()));
 }
+
+OrtStatus* StoreUpdate(OrtKernelContext* ctx, const PagedKernel& k, const ortkv::PagedUpdateView& view, int device_type,
+                       int device_id);
 
 OrtStatus* UpdateCompute(void* op_kernel, OrtKernelContext* ctx) {
   const auto& k = *static_cast<const PagedKernel*>(op_kernel);
@@ -140,6 +145,12 @@ OrtStatus* UpdateCompute(void* op_kernel, OrtKernelContext* ctx) {
   ORTKV_RETURN_IF_ORT_ERROR(ToOrtStatus(ortkv::PlanPagedCacheUpdate(k.names.node, in[0], in[1], in[2], in[3], in[4], in[5],
                                                                     k.attrs, &view, fill ? &in[6] : nullptr)));
   ORTKV_RETURN_IF_ORT_ERROR(CheckPoolAliased(ctx, k, in[0]));
+  return StoreUpdate(ctx, k, view, device_type, device_id);
+}
+
+// The write-protection check and the encode of a planned update (the pool's alias checked).
+OrtStatus* StoreUpdate(OrtKernelContext* ctx, const PagedKernel& k, const ortkv::PagedUpdateView& view, int device_type,
+                       int device_id) {
   ortkv::CoreLease lease;  // check and write as one (Note [Arena lease])
   ORTKV_RETURN_IF_ORT_ERROR(ToOrtStatus(CheckWriteProtection(k, view, device_type, device_id)));
   const int64_t units = view.units();
@@ -206,6 +217,105 @@ OrtCustomOp MakeUpdate() {
   op.KernelComputeV2 = UpdateCompute;
   op.KernelDestroy = [](void* k) { delete static_cast<PagedKernel*>(k); };
   op.InferOutputShapeFn = [](const OrtCustomOp*, OrtShapeInferContext* ctx) { return SameAsInput(ctx, 0); };
+  op.GetAliasMap = AliasMap;
+  op.ReleaseAliasMap = ReleaseAliasMap;
+  return op;
+}
+
+// ---- PagedRotaryCacheUpdate (Note [PagedRotaryCacheUpdate] in ortkv/paged.h) --------------------------------
+//   updated_pool, q_rot = PagedRotaryCacheUpdate(pool, directory, page_table, qkv, position, cos_cache, sin_cache
+//                                                [, page_fill])
+//       attributes layer, num_layers, kv_num_heads, page_size, num_heads (all required)
+// Output 0 MUST alias input 0 (as PagedCacheUpdate's); q_rot is a new tensor.
+const std::string kRotaryOp = "PagedRotaryCacheUpdate";
+
+OrtStatus* QOutput(OrtKernelContext* ctx, const ortkv::PagedRotary& r, void** data) {
+  const int64_t dims[3] = {r.B, r.T, r.heads * r.head_size};
+  OrtValue* out = nullptr;
+  ORTKV_RETURN_IF_ORT_ERROR(g_api->KernelContext_GetOutput(ctx, 1, dims, 3, &out));
+  return g_api->GetTensorMutableData(out, data);
+}
+
+OrtStatus* RotaryUpdateCompute(void* op_kernel, OrtKernelContext* ctx) {
+  const auto& k = *static_cast<const PagedKernel*>(op_kernel);
+  thread_local TensorArg in[8];  // Note [Input slots]
+  ClearArgs(in);
+  int device_type = ORTKV_DEVICE_CPU, device_id = 0;
+  ORTKV_RETURN_IF_ORT_ERROR(ReadInputs(ctx, k, 7, in, &device_type, &device_id));
+  bool fill = false;
+  ORTKV_RETURN_IF_ORT_ERROR(ReadOptionalInput(ctx, k, 7, &in[7], &fill));
+  ortkv::PagedRotary r;
+  thread_local TensorArg cols[2];  // the rotated k and the v columns, contiguous (a step's rows)
+  ClearArgs(cols);
+  ORTKV_RETURN_IF_ORT_ERROR(ToOrtStatus(ortkv::PlanPagedRotary(k.names.node, in[3], in[4], in[5], in[6], in[2],
+                                                               k.num_heads, k.attrs, true, &r, &cols[0], &cols[1])));
+  thread_local std::vector<uint8_t> kbuf, vbuf;
+  const size_t bytes = static_cast<size_t>(r.B * r.T * r.kv_heads * r.head_size) * (r.elem_type == ortkv::kFloat32 ? 4 : 2);
+  kbuf.resize(bytes);
+  vbuf.resize(bytes);
+  const int64_t cap = in[2].dims.size() == 2 ? in[2].dims[1] * k.attrs.page_size : 0;
+  ortkv::PagedRotaryKeysCpu(r, cap, kbuf.data(), vbuf.data());
+  cols[0].data = kbuf.data();
+  cols[1].data = vbuf.data();
+  ortkv::PagedUpdateView view;
+  ORTKV_RETURN_IF_ORT_ERROR(ToOrtStatus(ortkv::PlanPagedCacheUpdate(k.names.node, in[0], in[1], in[2], cols[0], cols[1],
+                                                                    in[4], k.attrs, &view, fill ? &in[7] : nullptr,
+                                                                    &kRotaryOp)));
+  ORTKV_RETURN_IF_ORT_ERROR(CheckPoolAliased(ctx, k, in[0]));
+  void* q_out = nullptr;
+  ORTKV_RETURN_IF_ORT_ERROR(QOutput(ctx, r, &q_out));
+  ORTKV_RETURN_IF_ORT_ERROR(StoreUpdate(ctx, k, view, device_type, device_id));
+  if (r.B * r.T > 0) ortkv::PagedRotaryQueriesCpu(r, q_out);  // the plan proved every position
+  return nullptr;
+}
+
+OrtStatus* RotaryUpdateCreate(const OrtCustomOp*, const OrtApi* api, const OrtKernelInfo* info, void** kernel) {
+  auto k = std::make_unique<PagedKernel>();
+  k->op = "PagedRotaryCacheUpdate";
+  ORTKV_RETURN_IF_ORT_ERROR(ReadNames(api, info, 7, 8, &k->names, 2));
+  ORTKV_RETURN_IF_ORT_ERROR(ReadAttrs(api, info, k.get()));
+  ORTKV_RETURN_IF_ORT_ERROR(api->KernelInfoGetAttribute_int64(info, "num_heads", &k->num_heads));
+  *kernel = k.release();
+  return nullptr;
+}
+
+OrtStatus* InferRotaryUpdate(const OrtCustomOp*, OrtShapeInferContext* ctx) {
+  ORTKV_RETURN_IF_ORT_ERROR(SameAsInput(ctx, 0));
+  const int64_t h = InferAttr(ctx, "num_heads", -1), hkv = InferAttr(ctx, "kv_num_heads", -1);
+  return SetLastDimFrom(ctx, 3, 1, [&](int64_t w) -> int64_t {
+    if (h < 1 || hkv < 1 || w % (h + 2 * hkv) != 0) return -1;
+    return w / (h + 2 * hkv) * h;
+  });
+}
+
+OrtCustomOp MakeRotaryUpdate() {
+  OrtCustomOp op;
+  InitCustomOp(&op);
+  op.GetName = [](const OrtCustomOp*) { return "PagedRotaryCacheUpdate"; };
+  op.GetInputTypeCount = [](const OrtCustomOp*) -> size_t { return 8; };
+  // pool uint8, directory int64, page_table int32, qkv / cos / sin float32/float16/bfloat16 (checked by the kernel
+  // with a named error), position int64, page_fill int32 (optional, Note [Page fill])
+  op.GetInputType = [](const OrtCustomOp*, size_t i) {
+    switch (i) {
+      case 0: return ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8;
+      case 1: return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
+      case 2: return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32;
+      case 4: return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
+      case 7: return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32;
+      default: return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+    }
+  };
+  op.GetInputCharacteristic = [](const OrtCustomOp*, size_t i) {
+    return i == 7 ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
+  };
+  op.GetOutputTypeCount = [](const OrtCustomOp*) -> size_t { return 2; };
+  op.GetOutputType = [](const OrtCustomOp*, size_t i) {
+    return i == 0 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8 : ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+  };
+  op.CreateKernelV2 = RotaryUpdateCreate;
+  op.KernelComputeV2 = RotaryUpdateCompute;
+  op.KernelDestroy = [](void* k) { delete static_cast<PagedKernel*>(k); };
+  op.InferOutputShapeFn = InferRotaryUpdate;
   op.GetAliasMap = AliasMap;
   op.ReleaseAliasMap = ReleaseAliasMap;
   return op;
@@ -296,6 +406,7 @@ OrtCustomOp MakeAttention() {
 }
 
 const OrtCustomOp kPagedCacheUpdateCpu = MakeUpdate();
+const OrtCustomOp kPagedRotaryCacheUpdateCpu = MakeRotaryUpdate();
 const OrtCustomOp kPagedCacheAttentionCpu = MakeAttention();
 
 // ---- CUDA (Note [Paged CUDA] in ortkv/paged_cuda.h) ------------------------------------------------------
@@ -324,7 +435,7 @@ Status CollectPoolRanges(const PagedKernel& k, const ortkv::PagedPool& p, int de
     if (kind == 0) continue;
     if (out->count == ortkv::kPagedMaxRanges) {
       std::ostringstream m;
-      m << "PagedCacheUpdate node '" << k.names.node << "': more than " << ortkv::kPagedMaxRanges
+      m << k.op << " node '" << k.names.node << "': more than " << ortkv::kPagedMaxRanges
         << " write-protected or uncommitted ranges overlap the pool '" << k.names.inputs[0] << "' on cuda:" << device_id
         << "; the CUDA kernel checks at most " << ortkv::kPagedMaxRanges << ". Nothing was written. Remedy: commit "
         << "the slabs further, or bind a pool with fewer protected ranges";
@@ -339,6 +450,9 @@ Status CollectPoolRanges(const PagedKernel& k, const ortkv::PagedPool& p, int de
   }
   return Status::Ok();
 }
+
+OrtStatus* LaunchUpdateCuda(OrtKernelContext* ctx, const PagedKernel& k, ortkv::PagedUpdateCudaView& view, int device_id,
+                            bool fill);
 
 OrtStatus* UpdateComputeCuda(void* op_kernel, OrtKernelContext* ctx) {
   const auto& k = *static_cast<const PagedKernel*>(op_kernel);
@@ -357,6 +471,12 @@ OrtStatus* UpdateComputeCuda(void* op_kernel, OrtKernelContext* ctx) {
                                                                         in[5], k.attrs, &view,
                                                                         fill ? &fill_arg : nullptr)));
   ORTKV_RETURN_IF_ORT_ERROR(CheckPoolAliased(ctx, k, in[0]));
+  return LaunchUpdateCuda(ctx, k, view, device_id, fill);
+}
+
+// Workspace, protected ranges and the launch of a planned update (the pool's alias checked).
+OrtStatus* LaunchUpdateCuda(OrtKernelContext* ctx, const PagedKernel& k, ortkv::PagedUpdateCudaView& view, int device_id,
+                            bool fill) {
   if (view.rows() == 0) return nullptr;
   view.label = k.label;
   void* stream = nullptr;
@@ -369,6 +489,36 @@ OrtStatus* UpdateComputeCuda(void* op_kernel, OrtKernelContext* ctx) {
   ortkv::CoreLease lease;  // ranges collected and the launch as one (Note [Arena lease])
   ORTKV_RETURN_IF_ORT_ERROR(ToOrtStatus(CollectPoolRanges(k, view.p, device_id, &view.ranges)));
   return ToOrtStatus(ortkv::PagedCacheUpdateCuda(view, stream));
+}
+
+OrtStatus* RotaryUpdateComputeCuda(void* op_kernel, OrtKernelContext* ctx) {
+  const auto& k = *static_cast<const PagedKernel*>(op_kernel);
+  ORTKV_RETURN_IF_ORT_ERROR(TakeDeviceError());  // a previous launch's report (Note [CUDA deferred errors])
+  thread_local TensorArg in[8];  // Note [Input slots]
+  ClearArgs(in);
+  int device_type = ORTKV_DEVICE_CUDA, device_id = 0;
+  ORTKV_RETURN_IF_ORT_ERROR(ReadInputs(ctx, k, 7, in, &device_type, &device_id));
+  bool fill = false;
+  ORTKV_RETURN_IF_ORT_ERROR(ReadOptionalInput(ctx, k, 7, &in[7], &fill));
+  ortkv::PagedRotary r;
+  thread_local TensorArg cols[2];  // qkv's k and v columns, read in place by the kernels
+  ClearArgs(cols);
+  ORTKV_RETURN_IF_ORT_ERROR(ToOrtStatus(ortkv::PlanPagedRotary(k.names.node, in[3], in[4], in[5], in[6], in[2],
+                                                               k.num_heads, k.attrs, false, &r, &cols[0], &cols[1])));
+  ortkv::PagedUpdateCudaView view;
+  ORTKV_RETURN_IF_ORT_ERROR(ToOrtStatus(ortkv::PlanPagedCacheUpdateCuda(k.names.node, in[0], in[1], in[2], cols[0],
+                                                                        cols[1], in[4], k.attrs, &view,
+                                                                        fill ? &in[7] : nullptr, &kRotaryOp)));
+  ORTKV_RETURN_IF_ORT_ERROR(CheckPoolAliased(ctx, k, in[0]));
+  void* q_out = nullptr;
+  ORTKV_RETURN_IF_ORT_ERROR(QOutput(ctx, r, &q_out));
+  view.src_stride = r.width();
+  view.cos = r.cos;
+  view.sin = r.sin;
+  view.q = r.qkv;
+  view.q_out = q_out;
+  view.heads = r.heads;
+  return LaunchUpdateCuda(ctx, k, view, device_id, fill);
 }
 
 OrtStatus* AttnComputeCuda(void* op_kernel, OrtKernelContext* ctx) {
@@ -426,6 +576,17 @@ OrtStatus* UpdateCreateCuda(const OrtCustomOp* op, const OrtApi* api, const OrtK
   return nullptr;
 }
 
+OrtStatus* RotaryUpdateCreateCuda(const OrtCustomOp* op, const OrtApi* api, const OrtKernelInfo* info, void** kernel) {
+  ORTKV_RETURN_IF_ORT_ERROR(RotaryUpdateCreate(op, api, info, kernel));
+  auto* k = static_cast<PagedKernel*>(*kernel);
+  // pool, directory, page_table, page_fill ("" when absent), qkv: device_errors.cc's FinishPaged reads them so
+  const NodeNames& n = k->names;
+  const std::string names = n.inputs[0] + "\n" + n.inputs[1] + "\n" + n.inputs[2] + "\n" +
+                            (n.inputs.size() > 7 ? n.inputs[7] : std::string()) + "\n" + n.inputs[3];
+  k->label = ortkv_core_register_label("PagedRotaryCacheUpdate", n.node.c_str(), names.c_str());
+  return nullptr;
+}
+
 OrtStatus* AttnCreateCuda(const OrtCustomOp* op, const OrtApi* api, const OrtKernelInfo* info, void** kernel) {
   ORTKV_RETURN_IF_ORT_ERROR(AttnCreate(op, api, info, kernel));
   auto* k = static_cast<PagedKernel*>(*kernel);
@@ -441,6 +602,14 @@ OrtCustomOp MakeUpdateCuda() {
   return op;
 }
 
+OrtCustomOp MakeRotaryUpdateCuda() {
+  OrtCustomOp op = MakeRotaryUpdate();
+  op.GetExecutionProviderType = [](const OrtCustomOp*) -> const char* { return "CUDAExecutionProvider"; };
+  op.CreateKernelV2 = RotaryUpdateCreateCuda;
+  op.KernelComputeV2 = RotaryUpdateComputeCuda;
+  return op;
+}
+
 OrtCustomOp MakeAttentionCuda() {
   OrtCustomOp op = MakeAttention();
   op.GetExecutionProviderType = [](const OrtCustomOp*) -> const char* { return "CUDAExecutionProvider"; };
@@ -450,6 +619,7 @@ OrtCustomOp MakeAttentionCuda() {
 }
 
 const OrtCustomOp kPagedCacheUpdateCuda = MakeUpdateCuda();
+const OrtCustomOp kPagedRotaryCacheUpdateCuda = MakeRotaryUpdateCuda();
 const OrtCustomOp kPagedCacheAttentionCuda = MakeAttentionCuda();
 #endif
 
@@ -457,9 +627,11 @@ const OrtCustomOp kPagedCacheAttentionCuda = MakeAttentionCuda();
 
 void AppendPagedOps(std::vector<const OrtCustomOp*>* ops) {
   ops->push_back(&kPagedCacheUpdateCpu);
+  ops->push_back(&kPagedRotaryCacheUpdateCpu);
   ops->push_back(&kPagedCacheAttentionCpu);
 #if defined(ORTKV_WITH_CUDA)
   ops->push_back(&kPagedCacheUpdateCuda);
+  ops->push_back(&kPagedRotaryCacheUpdateCuda);
   ops->push_back(&kPagedCacheAttentionCuda);
 #endif
 }

@@ -190,13 +190,61 @@ struct PagedUpdateView {
 Status PlanPagedCacheUpdate(const std::string& node, const TensorArg& pool, const TensorArg& directory,
                             const TensorArg& page_table, const TensorArg& key, const TensorArg& value,
                             const TensorArg& position, const PagedAttrs& attrs, PagedUpdateView* view,
-                            const TensorArg* page_fill = nullptr);
+                            const TensorArg* page_fill = nullptr,
+                            const std::string* op_name = nullptr);  // nullptr: "PagedCacheUpdate"
 
 // [first, last) bytes of the page layer written for unit u's token (for the write-protection check).
 void PagedUpdateUnitSpan(const PagedUpdateView& view, int64_t unit, uintptr_t* first, uintptr_t* last);
 
 // CPU: encodes units [begin, end) (after a successful plan it cannot fail).
 void PagedCacheUpdateCpu(const PagedUpdateView& view, int64_t begin, int64_t end);
+
+// Note [PagedRotaryCacheUpdate]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+//   updated_pool, q_rot = PagedRotaryCacheUpdate(pool, directory, page_table, qkv, position, cos_cache, sin_cache
+//                                                [, page_fill])
+//   attributes layer, num_layers, kv_num_heads, page_size (PagedCacheUpdate's), num_heads
+// RotaryCacheUpdate (Note [RotaryCacheUpdate] in ortkv/rotary_cache_update.h) onto a paged cache: the decoder
+// layer's Split of the fused QKV projection, its two com.microsoft.RotaryEmbedding and the PagedCacheUpdate as
+// ONE node (on CUDA one kernel launch for a decode step: Note [Paged CUDA one-block update]).
+//   * qkv [B, T, (H + 2 Hkv) D]: q columns [0, H D), k the next Hkv D, v the last Hkv D; D even.
+//   * Token t of row b is at position p = position[b] + t. q and k are rotated as RotaryCacheUpdate rotates them
+//     (interleaved pairs, the whole head, c = cos_cache[p, i], s = sin_cache[p, i]) in float32 in ONE form on
+//     the CPU and on CUDA, y[2i] = fma(x[2i], c, -(x[2i+1] s)), y[2i+1] = fma(x[2i], s, x[2i+1] c) (MLAS's
+//     AVX2 form, Note [Rotary bit for bit]), and each rotated value is rounded to qkv's type: what a
+//     RotaryEmbedding node of that type would hand PagedCacheUpdate.
+//   * The pool is then written EXACTLY as PagedCacheUpdate(pool, directory, page_table, k_rot, v, position
+//     [, page_fill]) writes it (every check, report and byte; the key and value are named "'<qkv>' (k columns)"
+//     and "(v columns)"); output 0 MUST alias input 0. q_rot [B, T, H D] is a new output, written only when the
+//     update is (a refused node writes neither).
+//   * cos_cache / sin_cache [rows, D / 2] of qkv's type with rows >= max_pages * page_size (the page table's
+//     capacity): every position a row can reach has its row, so the tables need no device check.
+// CPU: float32, float16, bfloat16 (k rotated into a step-sized buffer, then PagedCacheUpdate's plan and encode).
+// CUDA: the update kernels read k and v in place from qkv (a row stride) and rotate k as they load it; q_rot is
+// written by the store phase.
+struct PagedRotary {
+  const void* qkv = nullptr;
+  const void* cos = nullptr;
+  const void* sin = nullptr;
+  const int64_t* positions = nullptr;  // CPU (host) positions when their shape is valid, else nullptr
+  int64_t position_stride = 0;
+  int32_t elem_type = 0;
+  int64_t B = 0, T = 0, heads = 0, kv_heads = 0, head_size = 0, table_rows = 0;
+  int64_t width() const { return (heads + 2 * kv_heads) * head_size; }
+};
+
+// Validates qkv, the rotary tables and their tie to the page table (not the pool: PagedCacheUpdate's plan), and
+// fills `r` and the two column arguments for that plan: [B, T, Hkv D] of qkv's type, named after qkv, whose data
+// point at qkv's k / v columns (rows r.width() elements apart: the CUDA kernels read them so; the CPU op points
+// them at contiguous copies first). read_positions: the CPU op (host positions).
+Status PlanPagedRotary(const std::string& node, const TensorArg& qkv, const TensorArg& position, const TensorArg& cos,
+                       const TensorArg& sin, const TensorArg& page_table, int64_t heads, const PagedAttrs& attrs,
+                       bool read_positions, PagedRotary* r, TensorArg* key, TensorArg* value);
+// CPU: rotated k and v of every token into k_out / v_out ([B, T, Hkv D] of qkv's type, contiguous); rows whose
+// position PagedCacheUpdate's plan refuses are zeros.
+void PagedRotaryKeysCpu(const PagedRotary& r, int64_t capacity, void* k_out, void* v_out);
+// CPU: q_rot [B, T, H D] (positions valid: after the update's plan).
+void PagedRotaryQueriesCpu(const PagedRotary& r, void* q_out);
 
 struct PagedAttentionView {
   PagedPool p;

@@ -87,10 +87,18 @@ struct PagedUpdateCudaView {
   void* error_word = nullptr;      // device pointer of the word pair (may be null)
   void* flag = nullptr;            // 8 bytes of device scratch
   int64_t* fill_prefix = nullptr;  // page_fill bound: device scratch, int64 [B, max_pages + 1] (fill_prefix_bytes())
+  // Note [PagedRotaryCacheUpdate]: key / value are qkv's k / v columns, keys rotated as they are loaded
+  int64_t src_stride = 0;          // elements from one token's key row to the next's (0: kv_heads * head_size)
+  const void* cos = nullptr;       // [rows, head_size / 2] of elem_type; nullptr: no rotary
+  const void* sin = nullptr;
+  const void* q = nullptr;         // qkv (its q columns), rows src_stride apart
+  void* q_out = nullptr;           // [B, T, heads * head_size], written by the store phase
+  int64_t heads = 0;
   size_t fill_prefix_bytes() const {
     return p.page_fill ? static_cast<size_t>(B * (p.max_pages + 1)) * sizeof(int64_t) : 0;
   }
   int64_t rows() const { return B * T * 2 * p.shape.kv_heads; }
+  int64_t q_jobs() const { return q_out != nullptr ? B * T * heads : 0; }
 };
 
 struct PagedAttentionCudaView {
@@ -134,7 +142,8 @@ struct PagedAttentionCudaView {
 Status PlanPagedCacheUpdateCuda(const std::string& node, const TensorArg& pool, const TensorArg& directory,
                                 const TensorArg& page_table, const TensorArg& key, const TensorArg& value,
                                 const TensorArg& position, const PagedAttrs& attrs, PagedUpdateCudaView* view,
-                                const TensorArg* page_fill = nullptr);
+                                const TensorArg* page_fill = nullptr,
+                                const std::string* op_name = nullptr);  // nullptr: "PagedCacheUpdate"
 Status PlanPagedCacheAttentionCuda(const std::string& node, const TensorArg& q, const TensorArg& pool,
                                    const TensorArg& directory, const TensorArg& page_table, const TensorArg& start,
                                    int64_t num_heads, const PagedAttrs& attrs, float scale, void* out, int sm_count,

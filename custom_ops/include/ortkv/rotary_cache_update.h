@@ -75,6 +75,10 @@ Status PlanRotaryCacheUpdate(const std::string& node, const TensorArg& qkv, cons
                              const TensorArg& sin_cache, int64_t heads, int64_t kv_heads, int64_t seq_axis,
                              bool read_positions, RotaryCacheUpdateView* view);
 
+// One head's interleaved rotary in float32 (half = head_size / 2 pairs), ORT's CPU form (Note [Rotary bit for bit]):
+// fma(x0, c, -(x1 s)), fma(x0, s, x1 c) where the CPU has AVX2 and FMA, else the products and a sum.
+void RotateInterleaved(const float* x, const float* c, const float* s, int64_t half, float* y);
+
 // CPU (float32): tokens [begin, end) of the rows * n tokens (token = b * n + t).
 void RotaryCacheUpdateCpu(const RotaryCacheUpdateView& view, int64_t begin_token, int64_t end_token);
 

@@ -207,8 +207,9 @@ Status ResolvePageFill(const std::string& op, const std::string& node, const Ten
 Status PlanPagedCacheUpdate(const std::string& node, const TensorArg& pool, const TensorArg& directory,
                             const TensorArg& page_table, const TensorArg& key, const TensorArg& value,
                             const TensorArg& position, const PagedAttrs& attrs, PagedUpdateView* view,
-                            const TensorArg* page_fill) {
-  static const std::string op = "PagedCacheUpdate";  // once: no allocation per run
+                            const TensorArg* page_fill, const std::string* op_name) {
+  static const std::string kOp = "PagedCacheUpdate";  // once: no allocation per run
+  const std::string& op = op_name != nullptr ? *op_name : kOp;
   Message m;  // Note [Messages on the error path only]
   if (!paged::IsLogical(key.elem_type) || key.elem_type != value.elem_type) {
     m << "key '" << key.name << "' and value '" << value.name << "' must both be float32, float16 or bfloat16 (got "

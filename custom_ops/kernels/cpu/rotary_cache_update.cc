@@ -39,15 +39,15 @@ void RotatePlain(const float* x, const float* c, const float* s, int64_t half, f
   }
 }
 
-inline void Rotate(const float* x, const float* c, const float* s, int64_t half, float* y) {
+}  // namespace
+
+void RotateInterleaved(const float* x, const float* c, const float* s, int64_t half, float* y) {
   if (HasFma()) {
     RotateFma(x, c, s, half, y);
   } else {
     RotatePlain(x, c, s, half, y);
   }
 }
-
-}  // namespace
 
 void RotaryCacheUpdateCpu(const RotaryCacheUpdateView& v, int64_t begin_token, int64_t end_token) {
   const int64_t D = v.head_size, half = D / 2, W = v.width();
@@ -63,10 +63,10 @@ void RotaryCacheUpdateCpu(const RotaryCacheUpdateView& v, int64_t begin_token, i
     const float* x = qkv + token * W;
     const float* c = cos + p * half;
     const float* s = sin + p * half;
-    for (int64_t h = 0; h < v.heads; ++h) Rotate(x + h * D, c, s, half, q_out + (token * v.heads + h) * D);
+    for (int64_t h = 0; h < v.heads; ++h) RotateInterleaved(x + h * D, c, s, half, q_out + (token * v.heads + h) * D);
     for (int64_t h = 0; h < v.kv_heads; ++h) {
       const int64_t at = v.cache_offset(b, h, p);
-      Rotate(x + (v.heads + h) * D, c, s, half, kc + at);
+      RotateInterleaved(x + (v.heads + h) * D, c, s, half, kc + at);
       std::memcpy(vc + at, x + (v.heads + v.kv_heads + h) * D, static_cast<size_t>(D) * sizeof(float));
     }
   }

@@ -43,8 +43,9 @@ Status FillShape(const std::string& op, const std::string& node, const TensorArg
 Status PlanPagedCacheUpdateCuda(const std::string& node, const TensorArg& pool, const TensorArg& directory,
                                 const TensorArg& page_table, const TensorArg& key, const TensorArg& value,
                                 const TensorArg& position, const PagedAttrs& attrs, PagedUpdateCudaView* view,
-                                const TensorArg* page_fill) {
-  static const std::string op = "PagedCacheUpdate";  // once: no allocation per run
+                                const TensorArg* page_fill, const std::string* op_name) {
+  static const std::string kOp = "PagedCacheUpdate";  // once: no allocation per run
+  const std::string& op = op_name != nullptr ? *op_name : kOp;
   std::ostringstream m;
   const auto logical = [](int32_t t) { return t == kFloat32 || t == kFloat16 || t == kBFloat16; };
   if (!logical(key.elem_type) || key.elem_type != value.elem_type) {
@@ -351,12 +352,42 @@ __device__ __forceinline__ int64_t UnitPage(const PagedUpdateCudaView& v, int64_
   return TableAt(v.p, b, e);
 }
 
+// One source row of the update: the key or value of (token u, head h); a key of PagedRotaryCacheUpdate is rotated
+// as it is loaded, in the form of Note [PagedRotaryCacheUpdate], and rounded to the source's type.
+struct RowSrc {
+  const void* p;     // the row's element 0
+  int32_t et;
+  const void* cos;   // nullptr: no rotary
+  const void* sin;
+  int64_t crow;      // the position's first element in the tables
+  __device__ __forceinline__ float operator()(int64_t c) const {
+    if (cos == nullptr) return LoadLogical(et, p, c);
+    const int64_t i = c >> 1;
+    const float x0 = LoadLogical(et, p, 2 * i), x1 = LoadLogical(et, p, 2 * i + 1);
+    const float cs = LoadLogical(et, cos, crow + i), sn = LoadLogical(et, sin, crow + i);
+    const float y = (c & 1) ? __fmaf_rn(x0, sn, __fmul_rn(x1, cs)) : __fmaf_rn(x0, cs, -__fmul_rn(x1, sn));
+    if (et == kFloat16) return __half2float(__float2half_rn(y));
+    if (et == kBFloat16) return __bfloat162float(__float2bfloat16_rn(y));
+    return y;
+  }
+};
+__device__ __forceinline__ int64_t SrcStride(const PagedUpdateCudaView& v) {
+  return v.src_stride != 0 ? v.src_stride : v.p.shape.kv_heads * v.p.shape.head_size;
+}
+// kv 0: the key (rotated when the node has tables), 1: the value; tok: the token's position.
+__device__ __forceinline__ RowSrc SourceRow(const PagedUpdateCudaView& v, int64_t kv, int64_t u, int64_t h, int64_t tok) {
+  const int64_t first = u * SrcStride(v) + h * v.p.shape.head_size;
+  const size_t es = v.elem_type == kFloat32 ? 4 : 2;
+  const bool rot = kv == 0 && v.cos != nullptr;
+  return RowSrc{static_cast<const uint8_t*>(kv ? v.value : v.key) + first * es, v.elem_type, rot ? v.cos : nullptr,
+                v.sin, tok * (v.p.shape.head_size / 2)};
+}
+
 // RowScales (codecs.h) over a row of the source, loaded element by element.
-__device__ codecs::RowResult SourceRowScales(const PagedUpdateCudaView& v, PageFormat f, const void* src, int64_t first,
-                                             int32_t n) {
+__device__ codecs::RowResult SourceRowScales(PageFormat f, const RowSrc& src, int32_t n) {
   float lo = 0.0f, hi = 0.0f, amax = 0.0f;
   for (int32_t c = 0; c < n; ++c) {
-    const float x = LoadLogical(v.elem_type, src, first + c);
+    const float x = src(c);
     if (!(x - x == 0.0f)) return codecs::RowResult::kNonFinite;
     if (c == 0) lo = hi = x;
     lo = x < lo ? x : lo;
@@ -426,8 +457,7 @@ __device__ void CheckUpdateJob(const PagedUpdateCudaView& v, int64_t i, unsigned
   }
   const PageFormat f = static_cast<PageFormat>(v.p.directory[2 * id]);
   if (codecs::ScalesPerRow(f) == 0) return;
-  const codecs::RowResult r = SourceRowScales(v, codecs::RowFormat(f), kv ? v.value : v.key, ((b * v.T + t) * Hkv + h) * D,
-                                              static_cast<int32_t>(D));
+  const codecs::RowResult r = SourceRowScales(codecs::RowFormat(f), SourceRow(v, kv, u, h, tok), static_cast<int32_t>(D));
   if (r != codecs::RowResult::kOk) atomicMin(flag, Key(kClassEncode, static_cast<unsigned long long>(i)));
 }
 
@@ -480,8 +510,8 @@ __device__ void ReportUpdate(const PagedUpdateCudaView& v, unsigned long long ke
     int64_t tok = 0, prow = 0;
     const int64_t id = UnitPage(v, u, &tok, &prow);
     const PageFormat f = static_cast<PageFormat>(v.p.directory[2 * id]);
-    const codecs::RowResult r = SourceRowScales(v, codecs::RowFormat(f), kv ? v.value : v.key,
-                                                (u * Hkv + h) * v.p.shape.head_size, v.p.shape.head_size);
+    const codecs::RowResult r = SourceRowScales(codecs::RowFormat(f), SourceRow(v, kv, u, h, tok),
+                                                static_cast<int32_t>(v.p.shape.head_size));
     WriteReport(err, v.label, ORTKV_DERR_ENCODE, u / v.T, tok, v.T, cap, static_cast<uint64_t>(h),
                 static_cast<uint64_t>(id),
                 static_cast<uint64_t>(r) | (static_cast<uint64_t>(kv) << 8) | (static_cast<uint64_t>(f) << 16));
@@ -537,13 +567,12 @@ __device__ void StoreUpdateJob(const PagedUpdateCudaView& v, int64_t i, int lane
   const uint64_t row = static_cast<uint64_t>(h) * ps + static_cast<uint64_t>(prow);
   uint8_t* payload = base + (kv ? lay.v_payload : lay.k_payload) + row * lay.row_bytes;
   uint16_t* scales = reinterpret_cast<uint16_t*>(base + (kv ? lay.v_scales : lay.k_scales) + row * lay.scale_row_bytes);
-  const void* src = kv ? v.value : v.key;
-  const int64_t first = (u * Hkv + h) * D;
+  const RowSrc src = SourceRow(v, kv, u, h, tok);
   // scales (the check kernel proved them finite)
   float lo = INFINITY, hi = -INFINITY, amax = 0.0f;
   int ilo = 0x7fffffff, ihi = 0x7fffffff;
   for (int c = lane; c < D; c += 32) {
-    const float x = LoadLogical(v.elem_type, src, first + c);
+    const float x = src(c);
     if (x < lo || ilo == 0x7fffffff) {
       lo = x;
       ilo = c;
@@ -572,21 +601,21 @@ __device__ void StoreUpdateJob(const PagedUpdateCudaView& v, int64_t i, int lane
     case PageFormat::kBF16: {
       uint16_t* out = reinterpret_cast<uint16_t*>(payload);
       for (int c = lane; c < D; c += 32) {
-        const float x = LoadLogical(v.elem_type, src, first + c);
+        const float x = src(c);
         out[c] = f == PageFormat::kF16 ? codecs::F32ToF16Bits(x) : codecs::F32ToBF16Bits(x);
       }
       break;
     }
     case PageFormat::kInt8:
       for (int c = lane; c < D; c += 32) {
-        float q = s > 0.0f ? rintf(__fdiv_rn(LoadLogical(v.elem_type, src, first + c), s)) : 0.0f;
+        float q = s > 0.0f ? rintf(__fdiv_rn(src(c), s)) : 0.0f;
         q = q > 127.0f ? 127.0f : (q < -127.0f ? -127.0f : q);
         payload[c] = static_cast<uint8_t>(static_cast<int8_t>(q));
       }
       break;
     case PageFormat::kFp8E4M3:
       for (int c = lane; c < D; c += 32)
-        payload[c] = s > 0.0f ? codecs::F32ToE4M3(__fdiv_rn(LoadLogical(v.elem_type, src, first + c), s)) : 0u;
+        payload[c] = s > 0.0f ? codecs::F32ToE4M3(__fdiv_rn(src(c), s)) : 0u;
       break;
     default: {  // INT4, INT2 (and the V rows of the *_KC formats, RowFormat above)
       const int bits = codecs::PayloadBits(f), per_byte = 8 / bits;
@@ -594,7 +623,7 @@ __device__ void StoreUpdateJob(const PagedUpdateCudaView& v, int64_t i, int lane
       for (int bb = lane; bb < D / per_byte; bb += 32) {
         uint32_t byte = 0;
         for (int j = 0; j < per_byte; ++j) {
-          float q = s > 0.0f ? rintf(__fdiv_rn(__fsub_rn(LoadLogical(v.elem_type, src, first + bb * per_byte + j), mn), s))
+          float q = s > 0.0f ? rintf(__fdiv_rn(__fsub_rn(src(bb * per_byte + j), mn), s))
                              : 0.0f;
           q = q > qmax ? qmax : (q < 0.0f ? 0.0f : q);
           byte |= static_cast<uint32_t>(q) << (bits * j);
@@ -607,7 +636,35 @@ __device__ void StoreUpdateJob(const PagedUpdateCudaView& v, int64_t i, int lane
   if (lane < ns) scales[lane] = sc[lane];
 }
 
-// One warp per row job; reads the check kernel's flag first.
+// Note [PagedRotaryCacheUpdate]: one warp, q job j = (b * T + t) * heads + h, every check passed: row (b, t)'s
+// query head h rotated into q_out.
+__device__ void StoreQueryJob(const PagedUpdateCudaView& v, int64_t j, int lane) {
+  const int64_t h = j % v.heads, u = j / v.heads, b = u / v.T, t = u % v.T;
+  const int64_t D = v.p.shape.head_size, tok = Pos(v, b) + t;
+  const RowSrc src{static_cast<const uint8_t*>(v.q) + (u * SrcStride(v) + h * D) * (v.elem_type == kFloat32 ? 4 : 2),
+                   v.elem_type, v.cos, v.sin, tok * (D / 2)};
+  const int64_t at = j * D;
+  for (int64_t c = lane; c < D; c += 32) {
+    const float y = src(c);  // already rounded to the type
+    if (v.elem_type == kFloat32) {
+      static_cast<float*>(v.q_out)[at + c] = y;
+    } else {
+      static_cast<uint16_t*>(v.q_out)[at + c] =
+          v.elem_type == kFloat16 ? codecs::F32ToF16Bits(y) : codecs::F32ToBF16Bits(y);
+    }
+  }
+}
+
+// Job i of the store phase: a row job, then (PagedRotaryCacheUpdate) the q jobs.
+__device__ __forceinline__ void StoreJob(const PagedUpdateCudaView& v, int64_t rows, int64_t i, int lane) {
+  if (i < rows) {
+    StoreUpdateJob(v, i, lane);
+  } else if (i - rows < (v.q_out != nullptr ? v.B * v.T * v.heads : 0)) {
+    StoreQueryJob(v, i - rows, lane);
+  }
+}
+
+// One warp per store job; reads the check kernel's flag first.
 __global__ void __launch_bounds__(kStoreWarps * 32) PagedUpdateStoreKernel(const UpdateArgs args) {
   const PagedUpdateCudaView& v = args.v;
   const unsigned long long key = *static_cast<const volatile unsigned long long*>(v.flag);
@@ -616,19 +673,19 @@ __global__ void __launch_bounds__(kStoreWarps * 32) PagedUpdateStoreKernel(const
     return;
   }
   const int64_t i = blockIdx.x * static_cast<int64_t>(kStoreWarps) + (threadIdx.x >> 5);
-  if (i < UpdateRows(v)) StoreUpdateJob(v, i, threadIdx.x & 31);  // whole warps leave together
+  StoreJob(v, UpdateRows(v), i, threadIdx.x & 31);  // whole warps leave together
 }
 
 // Note [Paged CUDA one-block update]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // A decode step writes a few rows (B x 1 token x 2 x kv_heads: 6 for SmolLM2 at batch 1, 48 at 8), and the
 // memset + check + store of Note [Paged CUDA] cost three graph nodes for them, each a chain of dependent loads
-// (position, table entry, directory row) that the store walked again. Up to kOneBlockRows rows (and no
-// page_fill, whose prefix kernel needs the flag in global memory) one block of kOneBlockThreads does both
-// phases: a thread per row job checks into a shared-memory key (the same atomicMin order), __syncthreads, then
-// either thread 0 reports the first failure (nothing stored) or a warp per row job stores, its loads of the
-// table and directory hitting what the check phase brought into L1. One launch, no memset, the same bytes and
-// reports as the two kernels.
+// (position, table entry, directory row) that the store walked again. Up to kOneBlockRows store jobs (the row
+// jobs, plus PagedRotaryCacheUpdate's q jobs) and no page_fill (whose prefix kernel needs the flag in global
+// memory) one block of kOneBlockThreads does both phases: a thread per row job checks into a shared-memory key
+// (the same atomicMin order), __syncthreads, then either thread 0 reports the first failure (nothing stored) or
+// a warp per store job stores, its loads of the table and directory hitting what the check phase brought into
+// L1. One launch, no memset, the same bytes and reports as the two kernels.
 // ORTKV_CUDA_PAGED_UPDATE=two takes the memset + check + store path at any size (A/B runs, tests); read at every
 // launch (a captured CUDA graph keeps the launches of its capture).
 bool OneBlockUpdateOff() {
@@ -636,7 +693,7 @@ bool OneBlockUpdateOff() {
   return e != nullptr && std::strcmp(e, "two") == 0;
 }
 constexpr int kOneBlockThreads = 512;
-constexpr int64_t kOneBlockRows = 192;  // at most 12 row jobs per warp in the store phase
+constexpr int64_t kOneBlockRows = 192;  // store jobs (rows + q jobs): at most 12 per warp in the store phase
 __global__ void __launch_bounds__(kOneBlockThreads) PagedUpdateOneBlockKernel(const UpdateArgs args) {
   const PagedUpdateCudaView& v = args.v;
   __shared__ unsigned long long s_key;
@@ -650,7 +707,8 @@ __global__ void __launch_bounds__(kOneBlockThreads) PagedUpdateOneBlockKernel(co
     if (threadIdx.x == 0) ReportUpdate(v, key);
     return;
   }
-  for (int64_t i = threadIdx.x >> 5; i < rows; i += kOneBlockThreads / 32) StoreUpdateJob(v, i, threadIdx.x & 31);
+  const int64_t jobs = rows + (v.q_out != nullptr ? v.B * v.T * v.heads : 0);
+  for (int64_t i = threadIdx.x >> 5; i < jobs; i += kOneBlockThreads / 32) StoreJob(v, rows, i, threadIdx.x & 31);
 }
 
 // ---- PagedCacheAttention -----------------------------------------------------------------------------
@@ -3346,7 +3404,7 @@ Status PagedCacheUpdateCuda(const PagedUpdateCudaView& v, void* stream_ptr) {
   if (v.flag == nullptr) return Status(Code::kRuntime, "PagedCacheUpdate CUDA: no flag workspace");
   cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
   UpdateArgs a{v};
-  if (v.p.page_fill == nullptr && v.rows() <= kOneBlockRows && !OneBlockUpdateOff()) {  // Note [Paged CUDA one-block update]
+  if (v.p.page_fill == nullptr && v.rows() + v.q_jobs() <= kOneBlockRows && !OneBlockUpdateOff()) {  // Note [Paged CUDA one-block update]
     PagedUpdateOneBlockKernel<<<1, kOneBlockThreads, 0, stream>>>(a);
     const cudaError_t e1 = cudaGetLastError();
     return e1 == cudaSuccess ? Status::Ok() : LaunchError("PagedCacheUpdate", e1);
@@ -3362,7 +3420,7 @@ Status PagedCacheUpdateCuda(const PagedUpdateCudaView& v, void* stream_ptr) {
     if (e != cudaSuccess) return LaunchError("PagedCacheUpdate", e);
   }
   const int64_t rows = v.rows();
-  const int64_t check_blocks = (rows + 127) / 128, store_blocks = (rows + kStoreWarps - 1) / kStoreWarps;
+  const int64_t check_blocks = (rows + 127) / 128, store_blocks = (rows + v.q_jobs() + kStoreWarps - 1) / kStoreWarps;
   if (store_blocks > 0x7fffffff) return Status(Code::kInvalidArgument, "PagedCacheUpdate CUDA: too many rows for one launch; split the batch");
   PagedUpdateCheckKernel<<<static_cast<unsigned>(check_blocks), 128, 0, stream>>>(a);
   e = cudaGetLastError();

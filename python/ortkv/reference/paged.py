@@ -177,3 +177,54 @@ def paged_requantize_ref(pool, src_offset: int, src_format, dst_offset: int, dst
         encoded.append(encode_page(dst_format, values))
     out[dst_offset:dst_offset + num_layers * db] = np.concatenate(encoded)
     return out
+
+
+def _round_to(x: np.ndarray, logical: str) -> np.ndarray:
+    """float32 values rounded to float16 / bfloat16 (nearest even) and back; float32 unchanged."""
+    x = np.asarray(x, np.float32)
+    if logical == "float16":
+        return x.astype(np.float16).astype(np.float32)
+    if logical == "bfloat16":
+        u = x.view(np.uint32).astype(np.uint64)
+        r = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint32) << 16
+        return r.astype(np.uint32).view(np.float32)
+    return x
+
+
+def rotary_fma_ref(x: np.ndarray, pos: np.ndarray, cos: np.ndarray, sin: np.ndarray, heads: int) -> np.ndarray:
+    """The interleaved rotary of Note [PagedRotaryCacheUpdate] (custom_ops/include/ortkv/paged.h), float32 in its
+    one form: y[2i] = fma(x[2i], c, -(x[2i+1] s)), y[2i+1] = fma(x[2i], s, x[2i+1] c) (one float32 product
+    rounded, the fma's sum exact before its rounding: float64 holds x c exactly). x [B, T, heads * D] float32, pos
+    [B, T]; float32 out, not yet rounded to the logical type."""
+    B, T, W = x.shape
+    D = W // heads
+    h = x.reshape(B, T, heads, D // 2, 2).astype(np.float32)
+    c = cos[pos].astype(np.float32)[:, :, None, :]
+    s = sin[pos].astype(np.float32)[:, :, None, :]
+    x0, x1 = h[..., 0], h[..., 1]
+    y = np.empty_like(h)
+    y[..., 0] = (x0.astype(np.float64) * c - (x1 * s).astype(np.float64)).astype(np.float32)
+    y[..., 1] = (x0.astype(np.float64) * s + (x1 * c).astype(np.float64)).astype(np.float32)
+    return y.reshape(B, T, W)
+
+
+def paged_rotary_cache_update_ref(pool, directory, page_table, qkv, position, cos, sin, *, num_heads: int,
+                                  kv_num_heads: int, layer: int, num_layers: int, page_size: int,
+                                  logical: str = "float32", page_fill=None) -> tuple[np.ndarray, np.ndarray]:
+    """(the pool after PagedRotaryCacheUpdate, q_rot as float32 values of the logical type): Note
+    [PagedRotaryCacheUpdate]'s definition, q and k rotated and rounded to ``logical`` ("float32", "float16",
+    "bfloat16"; bfloat16 inputs as uint16 bits), then PagedCacheUpdate of the rotated k and the v columns."""
+    lg = None if logical != "bfloat16" else "bfloat16"
+    x = to_f32(qkv, lg)
+    c, s = to_f32(cos, lg), to_f32(sin, lg)
+    B, T, W = x.shape
+    H, Hkv = num_heads, kv_num_heads
+    D = W // (H + 2 * Hkv)
+    pos = np.broadcast_to(np.asarray(position, np.int64), (B,))
+    pid = pos[:, None] + np.arange(T)[None, :]
+    q = _round_to(rotary_fma_ref(x[..., :H * D], pid, c, s, H), logical)
+    k = _round_to(rotary_fma_ref(x[..., H * D:(H + Hkv) * D], pid, c, s, Hkv), logical)
+    v = x[..., (H + Hkv) * D:]
+    out = paged_cache_update_ref(pool, directory, page_table, k, v, pos, layer=layer, num_layers=num_layers,
+                                 kv_num_heads=Hkv, page_size=page_size, page_fill=page_fill)
+    return out, q
