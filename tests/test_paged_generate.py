@@ -30,14 +30,17 @@ kernels = pytest.mark.skipif(not HAVE_KERNELS, reason="this build has no paged k
 
 @pytest.fixture(scope="module")
 def slice_paths(tmp_path_factory):
-    """A 2-layer slice of SmolLM2 as the dense ortkv decoder (BSNH) and as the paged one (pages of 4), both with the
-    paged decoder's MLP (one SwiGLU: build(fused_mlp=True), as paged_model_path builds it)."""
+    """A 2-layer slice of SmolLM2 as the dense ortkv decoder (BSNH) and as the paged one (pages of 4), all with the
+    paged decoder's MLP (one SwiGLU: build(fused_mlp=True), as paged_model_path builds it): "paged" on the fused
+    base (PagedRotaryCacheUpdate, as paged_model_path builds it), "paged_unfused" on the unfused one (Split +
+    RotaryEmbedding + PagedCacheUpdate: the many-sequence model's base)."""
     w, _ = weights.load(smollm2_gguf(), layers=2)
     root = tmp_path_factory.mktemp("paged_slice")
     paths = {}
-    for name in ("dense", "paged"):
-        model = builder.build(w, "ortkv", max_positions=256, cache_layout="BSNH", fused_mlp=True)
-        if name == "paged":
+    for name in ("dense", "paged", "paged_unfused"):
+        model = builder.build(w, "ortkv", max_positions=256, cache_layout="BSNH", fused_mlp=True,
+                              fused=name == "paged")
+        if name != "dense":
             model = to_paged(model, w.config.heads, w.config.kv_heads, 4)
         (root / name).mkdir()
         onnx.save_model(model, str(root / name / "model.onnx"), save_as_external_data=True,
@@ -57,26 +60,35 @@ def _slice_cfg(**ortkv):
     return cfg.validate()
 
 
-def test_paged_graph_replaces_every_cache_op(slice_paths):
-    model = onnx.load(str(slice_paths["paged"]), load_external_data=False)
+@pytest.mark.parametrize("base", ["paged", "paged_unfused"])
+def test_paged_graph_replaces_every_cache_op(slice_paths, base):
+    model = onnx.load(str(slice_paths[base]), load_external_data=False)
     ops = [n.op_type for n in model.graph.node]
-    assert ops.count("PagedCacheUpdate") == 2 and ops.count("PagedCacheAttention") == 2
-    assert "CacheUpdate" not in ops and "CacheAttention" not in ops
-    # the MLP as one SwiGLU per layer; the rotary unfused (Note [Paged decoder])
-    assert ops.count("SwiGLU") == 2 and "Sigmoid" not in ops and ops.count("RotaryEmbedding") == 4
+    update = "PagedRotaryCacheUpdate" if base == "paged" else "PagedCacheUpdate"
+    assert ops.count(update) == 2 and ops.count("PagedCacheAttention") == 2
+    assert not {"CacheUpdate", "CacheAttention", "RotaryCacheUpdate"} & set(ops)
+    # the MLP as one SwiGLU per layer; the rotary in the update, or unfused (Note [Paged decoder])
+    assert ops.count("SwiGLU") == 2 and "Sigmoid" not in ops
+    if base == "paged":
+        assert "RotaryEmbedding" not in ops and "Split" not in ops and "PagedCacheUpdate" not in ops
+    else:
+        assert ops.count("RotaryEmbedding") == 4
     names = [i.name for i in model.graph.input]
     assert names[-3:] == [POOL, "directory", "page_table"] and not any(n.startswith("past_") for n in names)
     assert input_access(model, POOL) is Access.READ_WRITE
     outs = [o.name for o in model.graph.output]
     assert outs == ["logits", pool_output(1)]  # in-graph pools alias the input through the kernel's alias map
     assert alias_of(model, pool_output(1)) == POOL
-    upd = [n for n in model.graph.node if n.op_type == "PagedCacheUpdate"]
+    upd = [n for n in model.graph.node if n.op_type == update]
     assert [list(n.input[:3]) for n in upd] == [[POOL, "directory", "page_table"],
                                                 [pool_output(0), "directory", "page_table"]]
     assert all([(e.output_index, e.input_index) for e in output_aliases(n)] == [(0, 0)] for n in upd)
     attrs = {a.name: a.i for a in upd[1].attribute}
-    assert attrs == {"layer": 1, "num_layers": 2, "kv_num_heads": 3, "page_size": 4}
+    assert attrs == {"layer": 1, "num_layers": 2, "kv_num_heads": 3, "page_size": 4,
+                     **({"num_heads": 9} if base == "paged" else {})}
     att = [n for n in model.graph.node if n.op_type == "PagedCacheAttention"]
+    if base == "paged":  # the attention reads the update's q_rot
+        assert [n.input[0] for n in att] == [n.output[1] for n in upd]
     assert att[0].input[1] == pool_output(0) and {a.name: a.i for a in att[0].attribute}["num_heads"] == 9
     known = {i.name for i in model.graph.input} | {t.name for t in model.graph.initializer} | {""}
     for n in model.graph.node:  # topological order, every input defined, nothing dangling from the dense ops
@@ -86,10 +98,23 @@ def test_paged_graph_replaces_every_cache_op(slice_paths):
     assert all(set(n.output) & consumed for n in model.graph.node)  # no dead node left
 
 
-def test_to_paged_refuses_a_bnsh_decoder(slice_paths):
+def test_to_paged_refuses_an_unfused_bnsh_decoder(slice_paths):
     w, _ = weights.load(smollm2_gguf(), layers=1)
     with pytest.raises(OrtkvError, match="BSNH"):
-        to_paged(builder.build(w, "ortkv", max_positions=64, cache_layout="BNSH"), 9, 3, 4)
+        to_paged(builder.build(w, "ortkv", max_positions=64, cache_layout="BNSH", fused=False), 9, 3, 4)
+
+
+def test_slice_fused_and_unfused_paged_decoders_agree_bit_for_bit(slice_paths):
+    """PagedRotaryCacheUpdate rotates in the form of ORT's CPU RotaryEmbedding (Note [Rotary bit for bit]), so the
+    fused paged decoder's logits equal the unfused one's exactly on the CPU."""
+    ids = np.array([[504, 3575, 282, 4649, 314]])
+    steps = [7042, 30, 198, 1117, 28, 253]
+    got = {}
+    for base in ("paged", "paged_unfused"):
+        r = PagedRunner(slice_paths[base], _slice_cfg(kv_format="int8"))
+        got[base] = _run(r, ids, steps)
+        r.close()
+    np.testing.assert_array_equal(got["paged"], got["paged_unfused"])
 
 
 @pytest.mark.parametrize("ortkv, message", [
@@ -530,19 +555,19 @@ def test_float16_decoder_rewrites_onto_the_paged_ops():
     same nodes, float16 values into the paged ops, float32 logits."""
     w, _ = weights.load(smollm2_gguf(), layers=2)
     model = to_paged(builder.build(w, "ortkv", max_positions=256, cache_layout="BSNH", dtype="float16",
-                                   fused_mlp=True), w.config.heads, w.config.kv_heads, 16)
+                                   fused_mlp=True, fused=True), w.config.heads, w.config.kv_heads, 16)
     ops = [n.op_type for n in model.graph.node]
-    assert ops.count("PagedCacheUpdate") == 2 and ops.count("PagedCacheAttention") == 2
-    assert "CacheUpdate" not in ops and "CacheAttention" not in ops
-    # the MLP as one SwiGLU per layer; the rotary unfused (Note [Paged decoder])
-    assert ops.count("SwiGLU") == 2 and "Sigmoid" not in ops and ops.count("RotaryEmbedding") == 4
+    assert ops.count("PagedRotaryCacheUpdate") == 2 and ops.count("PagedCacheAttention") == 2
+    assert not {"CacheUpdate", "CacheAttention", "RotaryCacheUpdate", "RotaryEmbedding"} & set(ops)
+    # the MLP as one SwiGLU per layer (Note [Paged decoder])
+    assert ops.count("SwiGLU") == 2 and "Sigmoid" not in ops
     producer = {o: n for n in model.graph.node for o in n.output}
     inits = {t.name: t.data_type for t in model.graph.initializer}
     for n in model.graph.node:
-        if n.op_type == "PagedCacheUpdate":  # v = Split(Linear(x, the fused float16 projection)) (Note [Linear projections])
-            split = producer[n.input[4]]
-            matmul = producer[split.input[0]]
-            assert (split.op_type, matmul.op_type) == ("Split", "Linear")
+        if n.op_type == "PagedRotaryCacheUpdate":  # qkv = Linear(x, the fused float16 projection)
+            matmul = producer[n.input[3]]
+            assert matmul.op_type == "Linear"
             assert inits[matmul.input[1]] == onnx.TensorProto.FLOAT16
+            assert inits[n.input[5]] == onnx.TensorProto.FLOAT16  # the rotary tables
     assert [o.type.tensor_type.elem_type for o in model.graph.output if o.name == "logits"] == [onnx.TensorProto.FLOAT]
     assert alias_of(model, pool_output(1)) == POOL

@@ -19,9 +19,15 @@ attention's output), as the checker's alias-hazard rule requires. Inputs: input_
 reorders copy nothing; that model is saved apart, ``paged2-fill-ps{N}``). Rewriting the built graph (instead of a
 second builder) keeps the weights, rotary and MLP code in one place. The base is built as the dense ortkv
 decoder's projections and MLP are (its Linear choice, models.linear_projections: ortkv.Linear for float32 on the
-CPU; the MLP as one SwiGLU, build(fused_mlp=True), on the CPU the Linear's SwiGLU epilogue) with its rotary unfused
-(Split + RotaryEmbedding: no paged form of RotaryCacheUpdate yet); "paged2" names the models since that change (a
-"paged-" model of an older build is not reused).
+CPU; the MLP as one SwiGLU, build(fused_mlp=True), on the CPU the Linear's SwiGLU epilogue) and, since "paged3",
+with its RotaryCacheUpdate (build(fused=True)): each layer's RotaryCacheUpdate + CacheAttention becomes ONE
+PagedRotaryCacheUpdate(pool, directory, page_table, qkv, positions, cos, sin) -> (present_pool.l, q_rot) and the
+PagedCacheAttention (Note [PagedRotaryCacheUpdate] in custom_ops/include/ortkv/paged.h), where the unfused base took
+Split + 2 RotaryEmbedding + PagedCacheUpdate (on CUDA three ORT kernels and the update's memset + check + store per
+layer). The rotary tables are built with whole pages of rows (the op needs a row for every position its page table
+reaches). The many-sequence model (page_fill) keeps the unfused base ("paged2-fill-"): its page tables may be wider
+than max_length (forks, partial pages), which that check would refuse. "paged3" / "paged2" name the models since
+those changes (an older build is not reused).
 """
 
 from __future__ import annotations
@@ -61,10 +67,29 @@ def to_paged(model: onnx.ModelProto, num_heads: int, kv_heads: int, page_size: i
         raise OrtkvError("to_paged: the model has no CacheAttention node; pass the ortkv decoder")
     removed, new_nodes = set(), {}
     for i in range(layers):
-        if f"update_k_{i}" not in by_name:  # RotaryCacheUpdate (Note [Fused ortkv layer] in builder.py)
-            raise OrtkvError("to_paged: the ortkv decoder must have BSNH caches written by CacheUpdate "
-                             "(builder.build(..., cache_layout='BSNH'), not fused)")
-        uk, uv, att = by_name[f"update_k_{i}"], by_name[f"update_v_{i}"], by_name[f"attention_{i}"]
+        att = by_name[f"attention_{i}"]
+        prev = POOL if i == 0 else pool_output(i - 1)
+        common = dict(layer=i, num_layers=layers, kv_num_heads=kv_heads, page_size=page_size)
+        fill = ["page_fill"] if page_fill else []
+        promise = {"page_format": page_format} if page_format else {}
+        rot = by_name.get(f"rotary_update_{i}")
+        if rot is not None and rot.op_type == "RotaryCacheUpdate":  # Note [Fused ortkv layer]: one node in, one out
+            qkv, positions, cos, sin = rot.input[0], rot.input[3], rot.input[4], rot.input[5]
+            q = rot.output[0]
+            upd = helper.make_node("PagedRotaryCacheUpdate", [prev, "directory", "page_table", qkv, positions, cos, sin]
+                                   + fill, [pool_output(i), q], domain="ortkv", name=f"paged_rotary_update_{i}",
+                                   num_heads=num_heads, **common)
+            declare_output_alias(upd, 0, 0)
+            attn = helper.make_node("PagedCacheAttention", [q, pool_output(i), "directory", "page_table", att.input[3]]
+                                    + fill, list(att.output), domain="ortkv", name=f"paged_attention_{i}",
+                                    num_heads=num_heads, **common, **promise)
+            removed |= {id(rot), id(att)}
+            new_nodes[id(att)] = [upd, attn]
+            continue
+        if f"update_k_{i}" not in by_name:
+            raise OrtkvError("to_paged: the ortkv decoder must write its caches with RotaryCacheUpdate or with "
+                             "CacheUpdate into BSNH caches (builder.build(..., cache_layout='BSNH'))")
+        uk, uv = by_name[f"update_k_{i}"], by_name[f"update_v_{i}"]
         if uk.op_type != "CacheUpdate" or dict((a.name, a.i) for a in uk.attribute).get("seq_axis") != 1:
             raise OrtkvError("to_paged: the ortkv decoder must have BSNH caches (cache_layout 'BSNH')")
         # the new K / V flat [B, T, Hkv*D]: CacheUpdate's own input, or a Reshape's input (older builds)
@@ -72,13 +97,9 @@ def to_paged(model: onnx.ModelProto, num_heads: int, kv_heads: int, page_size: i
         rk, rv = [r if r is not None and r.op_type == "Reshape" else None for r in (rk, rv)]
         k, v = [r.input[0] if r is not None else u.input[1] for r, u in ((rk, uk), (rv, uv))]
         q, positions = att.input[0], att.input[3]
-        prev = POOL if i == 0 else pool_output(i - 1)
-        common = dict(layer=i, num_layers=layers, kv_num_heads=kv_heads, page_size=page_size)
-        fill = ["page_fill"] if page_fill else []
         upd = helper.make_node("PagedCacheUpdate", [prev, "directory", "page_table", k, v, positions] + fill,
                                [pool_output(i)], domain="ortkv", name=f"paged_update_{i}", **common)
         declare_output_alias(upd, 0, 0)
-        promise = {"page_format": page_format} if page_format else {}
         attn = helper.make_node("PagedCacheAttention", [q, pool_output(i), "directory", "page_table", positions] + fill,
                                 list(att.output), domain="ortkv", name=f"paged_attention_{i}", num_heads=num_heads,
                                 **common, **promise)
@@ -134,15 +155,20 @@ def paged_model_path(cfg: GenAIConfig, log=print, page_fill: bool = False):
 
     root = model_dir(cfg)
     page_format = uniform_page_format(cfg, page_fill)
-    name = f"paged2-{'fill-' if page_fill else ''}ps{cfg.ortkv.page_size}{'-' + page_format.lower() if page_format else ''}"
+    ps = cfg.ortkv.page_size
+    # Note [Paged decoder]: "paged3" (PagedRotaryCacheUpdate) unless page_fill: the many-sequence path keeps "paged2"
+    base = "paged2-fill-" if page_fill else "paged3-"
+    name = f"{base}ps{ps}{'-' + page_format.lower() if page_format else ''}"
     target = root / name / "model.onnx"
     if target.exists():
         return target
     weights, _ = load(gguf_path(cfg, log), log=log, fmt=cfg.ortkv.weights)
     log(f"ortkv: building the paged decoder ({cfg.ortkv.weights} weights, pages of {cfg.ortkv.page_size}) ...")
     c = weights.config
-    model = to_paged(build(weights, "ortkv", max_positions=MAX_POSITIONS, cache_layout="BSNH", dtype=cfg.dtype,
-                           fused_mlp=True, linear=linear_projections(cfg, "ortkv")),
+    # the rotary tables cover every position a page table of max_length can reach (whole pages)
+    rows = -(-MAX_POSITIONS // ps) * ps
+    model = to_paged(build(weights, "ortkv", max_positions=rows, cache_layout="BSNH", dtype=cfg.dtype,
+                           fused=not page_fill, fused_mlp=True, linear=linear_projections(cfg, "ortkv")),
                      c.heads, c.kv_heads, cfg.ortkv.page_size, page_fill=page_fill, page_format=page_format)
     return save_decoder(model, root, name)
 

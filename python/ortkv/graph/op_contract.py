@@ -163,6 +163,21 @@ _add(OpContract(
     attrs=_PAGED_ATTRS,
     kernel="CPU",
 ))
+# Note [PagedRotaryCacheUpdate] in custom_ops/include/ortkv/paged.h: RotaryCacheUpdate's rotary, then PagedCacheUpdate
+_add(OpContract(
+    DOMAIN, "PagedRotaryCacheUpdate",
+    inputs=_PAGED_PORTS + (Port("qkv", FLOATS, "[batch, tokens, (num_heads + 2 kv_num_heads) * head_size]: the fused "
+                                "QKV projection's output (q, then k, then v columns)"),
+                           Port("position", (TensorProto.INT64,), "scalar or [batch]"),
+                           Port("cos_cache", FLOATS, "[rows, head_size / 2] of qkv's type, rows >= max_pages * "
+                                "page_size"),
+                           Port("sin_cache", FLOATS, "the cos table's shape"), _PAGE_FILL),
+    outputs=(Port("updated_pool", (TensorProto.UINT8,), "the pool"),
+             Port("q_rot", FLOATS, "[batch, tokens, num_heads * head_size]")),
+    must_alias=((0, 0),),
+    attrs=_PAGED_ATTRS + (Attr("num_heads", INT, required=True, minimum=1, doc="query heads"),),
+    kernel="CPU, CUDA",
+))
 _add(OpContract(
     DOMAIN, "PagedCacheAttention",
     inputs=(Port("query", FLOATS, "[batch, tokens, num_heads * head_size]"),) + _PAGED_PORTS +

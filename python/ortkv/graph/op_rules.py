@@ -11,6 +11,8 @@ PagedCacheUpdate / PagedCacheAttention (Note [Paged cache physical form] in cust
       the pool); pool uint8 [pool_bytes]; directory int64 [num_pages, 2]; page_table int32 [batch, max_pages];
       key/value [batch, T, kv_heads * head_size]; a row holds at most max_pages * page_size tokens;
       page_fill (optional, Note [Page fill]) int32 [batch, max_pages], the page table's shape.
+  PagedRotaryCacheUpdate(pool, directory, page_table, qkv, position, cos_cache, sin_cache[, page_fill]) ->
+      (updated_pool, q_rot): the same alias, RotaryCacheUpdate's rotary first (Note [PagedRotaryCacheUpdate]).
   PagedCacheAttention(query, pool, directory, page_table, start[, page_fill]) -> output shaped and typed like
       query.
   What only the run-time values decide (page ids present, each page's format and slot) the kernels check.
@@ -358,6 +360,63 @@ def paged_cache_update(ctx, node, label, ins):
     return [ctx.type_of(pn)]
 
 
+def paged_rotary_cache_update(ctx, node, label, ins):
+    """PagedRotaryCacheUpdate (Note [PagedRotaryCacheUpdate] in custom_ops/include/ortkv/paged.h): the updated pool
+    (aliases the pool) and q_rot [batch, tokens, num_heads * head_size]."""
+    op = "PagedRotaryCacheUpdate"
+    pool, directory, table, qkv, pos, cos, sin, fill = _pad(ins, 8)[:8]
+    pn, dn, tn, qn, sn, cn, snn, fn = (list(node.input) + [""] * 8)[:8]
+    unknown = [pool, ValueType(qkv.elem)]
+    if not _contract(ctx, node, label):
+        return unknown
+    if not _paged_common(ctx, label=label, node=node, op=op, pool=pool, directory=directory, table=table, pn=pn,
+                         dn=dn, tn=tn):
+        return unknown
+    hq, hkv = attribute(node, "num_heads"), attribute(node, "kv_num_heads")
+    for name, t in ((qn, qkv), (cn, cos), (snn, sin)):
+        if t.elem is not None and t.elem not in FLOATS:
+            ctx.error("op-input", label, f"{op} node '{label}': '{name}' is {elem_name(t.elem)}; qkv and the rotary "
+                      f"tables are float32, float16 or bfloat16")
+            return unknown
+        if t.elem is not None and qkv.elem is not None and t.elem != qkv.elem:
+            ctx.error("op-input", label, f"{op} node '{label}': '{name}' is {elem_name(t.elem)} but '{qn}' is "
+                      f"{elem_name(qkv.elem)}; qkv and the rotary tables must have one element type")
+            return unknown
+    for name, t, rank, what in ((qn, qkv, 3, "[batch, tokens, (num_heads + 2 kv_num_heads) * head_size]"),
+                                (cn, cos, 2, "[rows, head_size / 2]"), (snn, sin, 2, "[rows, head_size / 2]")):
+        if t.rank is not None and t.rank != rank:
+            ctx.error("op-input", label, f"{op} node '{label}': '{name}' {list_dims(t.shape)} must be {what}")
+            return unknown
+    for i in range(2):
+        _meet_dim(ctx, label, op, snn, sin, i, cn, cos, i, "the sin and cos tables share one shape")
+    _meet_dim(ctx, label, op, qn, qkv, 0, tn, table, 0, "one page-table row per batch row")
+    qkv = ctx.type_of(qn)
+    width = qkv.shape[2] if qkv.shape is not None else None
+    d = None
+    if isinstance(width, int):
+        if width % (hq + 2 * hkv) or (width // (hq + 2 * hkv)) % 2:
+            ctx.error("op-input", label, f"{op} node '{label}': '{qn}' width {width} must be (num_heads + 2 "
+                      f"kv_num_heads) * head_size = {hq + 2 * hkv} * head_size with an even head_size")
+            return unknown
+        d = width // (hq + 2 * hkv)
+        _meet_value(ctx, label, op, cn, cos, 1, d // 2, f"head_size / 2 = {d // 2}")
+    _position(ctx, label, op, sn, pos, qkv, qn)
+    _page_fill(ctx, node, label, op, fill, fn, table, tn)
+    table, cos = ctx.type_of(tn), ctx.type_of(cn)
+    page_size = attribute(node, "page_size")
+    max_pages = table.shape[1] if table.shape is not None else None
+    cap = max_pages * page_size if isinstance(max_pages, int) and page_size else None
+    rows = cos.shape[0] if cos.shape is not None else None
+    if isinstance(cap, int) and isinstance(rows, int) and rows < cap:
+        ctx.error("op-input", label, f"{op} node '{label}': rotary table '{cn}' has {rows} rows but the page table "
+                  f"'{tn}' reaches {cap} positions; it needs a row for every position a row can reach")
+    if qkv.shape is not None:
+        ctx.check_capacity(label, op, sn, qkv.shape[1], cap, f"page table '{tn}' ({max_pages} pages x {page_size} "
+                           f"tokens)", "position")
+    q = ValueType(qkv.elem, None if qkv.shape is None else (qkv.shape[0], qkv.shape[1], None if d is None else hq * d))
+    return [ctx.type_of(pn), q]
+
+
 def paged_cache_attention(ctx, node, label, ins):
     op = "PagedCacheAttention"
     q, pool, directory, table, start, fill = _pad(ins, 6)[:6]
@@ -553,6 +612,7 @@ OP_RULES = {
     ("ortkv", "CacheUpdate"): cache_update,
     ("ortkv", "CacheAttention"): cache_attention,
     ("ortkv", "PagedCacheUpdate"): paged_cache_update,
+    ("ortkv", "PagedRotaryCacheUpdate"): paged_rotary_cache_update,
     ("ortkv", "PagedCacheAttention"): paged_cache_attention,
     ("ortkv", "RotaryCacheUpdate"): rotary_cache_update,
     ("ortkv", "SwiGLU"): swiglu,
