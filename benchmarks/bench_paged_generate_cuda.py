@@ -1,16 +1,20 @@
-"""Paged CUDA generation, decode speed: ortkv's dense (arena) runner, the paged runner with F16 pages as it ships
-(page table buckets, Note [Page table buckets] in python/ortkv/generate/paged.py) and the paged runner binding the
-whole max_length table (TABLE_BUCKET_MIN raised past it), SmolLM2-135M float16, CUDA graph, greedy. One process;
-per cell the variants alternate, --rounds times, and the table holds each one's median ms per decode step and its
-ratio to the dense runner's.
+"""Paged CUDA generation, decode speed: ortkv's dense (arena) runner and the paged runner with F16 pages as it ships
+(PagedRotaryCacheUpdate, Note [PagedRotaryCacheUpdate]; the one-block update, Note [Paged CUDA one-block update];
+page table buckets, Note [Page table buckets]), against the paged runner with the update's memset + check + store
+kernels (ORTKV_CUDA_PAGED_UPDATE=two while it captures), the paged runner on the unfused base (Split + 2
+RotaryEmbedding + PagedCacheUpdate: paged_model_path(fused_rotary=False)) and, with --full-table, the paged runner
+binding the whole max_length table (TABLE_BUCKET_MIN raised past it). SmolLM2-135M float16, CUDA graph, greedy.
+One process; per cell the variants alternate, --rounds times, and the table holds each one's median ms per decode
+step and its ratio to the dense runner's.
 
     python benchmarks/bench_paged_generate_cuda.py [--batch 1 8] [--max-length 2048 8192] [--prompt-tokens 16]
-        [--new-tokens 128] [--rounds 3] [--out benchmarks/results/paged_generate_cuda.md]
+        [--new-tokens 128] [--rounds 3] [--full-table] [--out benchmarks/results/paged_generate_cuda.md]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -23,6 +27,7 @@ def main(argv=None) -> int:
     from ortkv.generate.config import GenAIConfig, set_device
     from ortkv.generate.loop import generate
     from ortkv.generate.models import tokenizer_for
+    from ortkv.generate.paged import PagedRunner, paged_model_path
     from ortkv.generate.runners import make_runner
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -32,10 +37,12 @@ def main(argv=None) -> int:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--device", default="cuda:0")
+    p.add_argument("--full-table", action="store_true", help="also the paged runner binding the whole table")
     p.add_argument("--out", help="append the table to this markdown file")
     a = p.parse_args(argv)
 
-    variants = ["dense", "paged f16", "paged f16 full table"]
+    variants = ["dense", "paged f16", "paged f16 two-kernel update", "paged f16 unfused rotary"]
+    variants += ["paged f16 full table"] if a.full_table else []
     shipped_min = paged_module.TABLE_BUCKET_MIN
 
     def config(variant: str, ml: int) -> GenAIConfig:
@@ -52,7 +59,8 @@ def main(argv=None) -> int:
     prompt = tok.encode(text)[: a.prompt_tokens]
     rows = []
     for ml in a.max_length:
-        runners = {v: make_runner("ortkv", config(v, ml)) for v in variants}
+        runners = {v: (PagedRunner(paged_model_path(config(v, ml), fused_rotary=False), config(v, ml))
+                       if v.endswith("unfused rotary") else make_runner("ortkv", config(v, ml))) for v in variants}
         try:
             for batch in a.batch:
                 ids = [list(prompt) for _ in range(batch)]
@@ -61,8 +69,11 @@ def main(argv=None) -> int:
                 for r in range(a.rounds + 1):  # round 0 warms up (captures, first loads): not counted
                     for v in variants:
                         paged_module.TABLE_BUCKET_MIN = 1 << 40 if v.endswith("full table") else shipped_min
+                        if v.endswith("two-kernel update"):  # read at each launch: the capture keeps it
+                            os.environ["ORTKV_CUDA_PAGED_UPDATE"] = "two"
                         cfg = runners[v].cfg
                         g = generate(runners[v], ids, cfg.search, a.new_tokens, -1, 2)
+                        os.environ.pop("ORTKV_CUDA_PAGED_UPDATE", None)
                         if r > 0:
                             runs[v].append(g.median_step_ms)
                         tokens[v] = g.new_ids

@@ -145,9 +145,10 @@ def uniform_page_format(cfg: GenAIConfig, page_fill: bool = False) -> str | None
     return "F16" if isinstance(policy, UniformPolicy) and policy.fmt == PageFormat.F16 else None
 
 
-def paged_model_path(cfg: GenAIConfig, log=print, page_fill: bool = False):
+def paged_model_path(cfg: GenAIConfig, log=print, page_fill: bool = False, fused_rotary: bool | None = None):
     """The paged decoder's model.onnx (one per page size, one promising F16 pages (uniform_page_format), and one
-    with the page_fill input for the many-sequence path), built on first use next to the other variants."""
+    with the page_fill input for the many-sequence path), built on first use next to the other variants.
+    fused_rotary: PagedRotaryCacheUpdate (None: unless page_fill); False builds the unfused base (A/B runs)."""
     from .builder import build
     from .config import MAX_POSITIONS
     from .models import gguf_path, linear_projections, model_dir, save_decoder
@@ -157,7 +158,8 @@ def paged_model_path(cfg: GenAIConfig, log=print, page_fill: bool = False):
     page_format = uniform_page_format(cfg, page_fill)
     ps = cfg.ortkv.page_size
     # Note [Paged decoder]: "paged3" (PagedRotaryCacheUpdate) unless page_fill: the many-sequence path keeps "paged2"
-    base = "paged2-fill-" if page_fill else "paged3-"
+    fused = not page_fill if fused_rotary is None else fused_rotary
+    base = ("paged3-" if fused else "paged2-") + ("fill-" if page_fill else "")
     name = f"{base}ps{ps}{'-' + page_format.lower() if page_format else ''}"
     target = root / name / "model.onnx"
     if target.exists():
@@ -168,7 +170,7 @@ def paged_model_path(cfg: GenAIConfig, log=print, page_fill: bool = False):
     # the rotary tables cover every position a page table of max_length can reach (whole pages)
     rows = -(-MAX_POSITIONS // ps) * ps
     model = to_paged(build(weights, "ortkv", max_positions=rows, cache_layout="BSNH", dtype=cfg.dtype,
-                           fused=not page_fill, fused_mlp=True, linear=linear_projections(cfg, "ortkv")),
+                           fused=fused, fused_mlp=True, linear=linear_projections(cfg, "ortkv")),
                      c.heads, c.kv_heads, cfg.ortkv.page_size, page_fill=page_fill, page_format=page_format)
     return save_decoder(model, root, name)
 
