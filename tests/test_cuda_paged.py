@@ -602,18 +602,16 @@ def test_attention_page_format_attribute_refuses_another_format(rng, kernel):
 
 
 # ---- PagedCacheUpdate ----------------------------------------------------------------------------------------
-# Note [Paged CUDA one-block update]: up to 192 row jobs run as one block (check, then store); the memset + check +
-# store kernels take larger updates, or any under ORTKV_CUDA_PAGED_UPDATE=two. Tests of small updates run both.
+# Note [Paged CUDA one-block update]: up to 16 store jobs run as one block (check, then store), up to 192 under
+# ORTKV_CUDA_PAGED_UPDATE=one; the memset + check + store kernels take larger updates, or any under =two. Tests
+# of small updates run both.
 UPDATE_PATHS = ("one_block", "two")
 
 
 @contextlib.contextmanager
 def update_path(path):
     old = os.environ.get("ORTKV_CUDA_PAGED_UPDATE")
-    if path == "two":
-        os.environ["ORTKV_CUDA_PAGED_UPDATE"] = "two"
-    else:
-        os.environ.pop("ORTKV_CUDA_PAGED_UPDATE", None)
+    os.environ["ORTKV_CUDA_PAGED_UPDATE"] = "two" if path == "two" else "one"
     try:
         yield
     finally:
@@ -640,9 +638,10 @@ def test_update_bytes_equal_cpu_and_reference(rng, fmt, dtype):
     """Ragged rows crossing page boundaries: the CUDA bytes equal the CPU op's and the oracle's exactly."""
     pool, directory, table, key, value, pos, kw = _update_case(rng, [fmt], B=3, T=5, positions=[0, 14, 33],
                                                                dtype=dtype)
-    got, err = cuda_update(pool, directory, table, key, value, pos, dtype=dtype, **kw)
+    with update_path("one_block"):  # 90 row jobs: one block under ORTKV_CUDA_PAGED_UPDATE=one
+        got, err = cuda_update(pool, directory, table, key, value, pos, dtype=dtype, **kw)
     assert err is None, err
-    with update_path("two"):  # 90 row jobs: the one-block kernel above, the two kernels here
+    with update_path("two"):  # the two kernels (also what 90 jobs take by default)
         got2, err = cuda_update(pool, directory, table, key, value, pos, dtype=dtype, **kw)
     assert err is None, err
     assert got2.tobytes() == got.tobytes()
@@ -800,6 +799,90 @@ def test_update_refuses_write_into_protected_range(rng):
         _ortkv.unprotect_range(rid)
     assert err is not None and "[ortkv:E_READONLY]" in err and "'shared prefix'" in err, err
     assert pv.numpy().tobytes() == pool.tobytes()
+
+
+# ---- PagedRotaryCacheUpdate (Note [PagedRotaryCacheUpdate]) --------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def rotary_update_session(dtype, layer, num_layers, heads, kv_heads, page_size):
+    from test_paged_rotary import rotary_update_model
+    return _session(rotary_update_model(dtype, layer, num_layers, heads, kv_heads, page_size))
+
+
+def cuda_rotary_update(pool, directory, table, qkv, position, cos, sin, *, layer, num_layers, heads, kv_heads,
+                       page_size, dtype):
+    """One run on the device; (pool bytes after, q_rot as float32 (NaN where not written), the deferred error)."""
+    assert qkv.dtype == cos.dtype == sin.dtype and qkv.dtype in (np.dtype(NP[dtype]), np.dtype(RAW[dtype]))
+    sess = rotary_update_session(dtype, layer, num_layers, heads, kv_heads, page_size)
+    io = sess.io_binding()
+    pos = np.broadcast_to(np.asarray(position, np.int64), (table.shape[0],)).copy()
+    B, T, W = qkv.shape
+    D = W // (heads + 2 * kv_heads)
+    nan = {"float32": np.float32(np.nan), "float16": np.float16(np.nan), "bfloat16": np.uint16(0x7FC0)}[dtype]
+    q = _dev(np.full((B, T, heads * D), nan, RAW[dtype]))
+    pv = _dev(pool)
+    keep = [(pv, "pool", TP.UINT8, pool.shape), (_dev(directory), "directory", TP.INT64, directory.shape),
+            (_dev(table), "page_table", TP.INT32, table.shape), (_dev(qkv), "qkv", ONNX[dtype], qkv.shape),
+            (_dev(pos), "position", TP.INT64, pos.shape), (_dev(cos), "cos", ONNX[dtype], cos.shape),
+            (_dev(sin), "sin", ONNX[dtype], sin.shape)]
+    for v, name, t, shape in keep:
+        _bind(io, name, v, t, shape)
+    _bind(io, "pool_out", pv, TP.UINT8, pool.shape, output=True)
+    _bind(io, "q_rot", q, ONNX[dtype], (B, T, heads * D), output=True)
+    sess.run_with_iobinding(io)
+    got = q.numpy()
+    if dtype == "bfloat16":
+        got = (got.astype(np.uint32) << 16).view(np.float32)
+    return pv.numpy(), got.astype(np.float32), _ortkv.cuda_take_error()
+
+
+@pytest.mark.parametrize("fmt", [PageFormat.F16, PageFormat.INT8, PageFormat.INT4, PageFormat.FP8_E4M3],
+                         ids=lambda f: f.name)
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("path", UPDATE_PATHS)
+def test_rotary_update_bytes_and_q_equal_cpu_and_reference(rng, fmt, dtype, path):
+    """The CPU op's pool bytes and q_rot exactly (one rotary form on both), and the oracle's; on both update paths
+    (two rows x 5 tokens: 10 + 15 store jobs in one block, or the check and store kernels)."""
+    from test_paged_rotary import case, run_rotary_update
+    from ortkv.reference.paged import paged_rotary_cache_update_ref
+    pool, directory, table, qkv, pos, cos, sin = case(rng, [fmt], dtype=dtype, D=64, PS=16, positions=(3, 14),
+                                                      max_pages=3)
+    kw = dict(layer=1, num_layers=2, heads=3, kv_heads=1, page_size=16)
+    with update_path(path):
+        got, q, err = cuda_rotary_update(pool, directory, table, qkv, pos, cos, sin, dtype=dtype, **kw)
+    assert err is None, err
+    cpu = pool.copy()
+    q_cpu = np.zeros((2, 5, 3 * 64), NP[dtype])
+    run_rotary_update(cpu, directory, table, qkv, pos, cos, sin, q_cpu, dtype=dtype, **kw)
+    assert got.tobytes() == cpu.tobytes() and got.tobytes() != pool.tobytes()
+    np.testing.assert_array_equal(q, q_cpu.astype(np.float32))
+    raw = (lambda x: x.view(np.uint16)) if dtype == "bfloat16" else (lambda x: x)
+    want, want_q = paged_rotary_cache_update_ref(pool, directory, table, raw(qkv), pos, raw(cos), raw(sin),
+                                                 num_heads=3, kv_num_heads=1, layer=1, num_layers=2, page_size=16,
+                                                 logical=dtype)
+    assert got.tobytes() == want.tobytes()
+    np.testing.assert_array_equal(q, want_q)
+
+
+@pytest.mark.parametrize("path", UPDATE_PATHS)
+def test_rotary_update_refusals_on_the_device(rng, path):
+    """A position past the table and a non-finite rotated key into an INT8 page: reported after the run under
+    PagedRotaryCacheUpdate's name, with the qkv tensor's name for the key; the pool untouched, q_rot not written."""
+    from test_paged_rotary import case
+    pool, directory, table, qkv, pos, cos, sin = case(rng, [PageFormat.INT8], dtype="float16", D=64, PS=16,
+                                                      positions=(3, 14), max_pages=3)
+    kw = dict(layer=1, num_layers=2, heads=3, kv_heads=1, page_size=16, dtype="float16")
+    with update_path(path):
+        after, q, err = cuda_rotary_update(pool, directory, table, qkv, np.array([3, 44]), cos, sin, **kw)
+    assert err is not None and "PagedRotaryCacheUpdate node 'rupd'" in err and "[ortkv:E_CAPACITY]" in err, err
+    assert "position 44 + tokens 5 = 49 exceeds the page table's capacity of 48 tokens" in err, err
+    assert after.tobytes() == pool.tobytes() and np.isnan(q).all()
+    bad = qkv.copy()
+    bad[1, 4, 3 * 64 + 6] = np.inf
+    with update_path(path):
+        after, q, err = cuda_rotary_update(pool, directory, table, bad, pos, cos, sin, **kw)
+    assert err is not None and "'qkv' (rotated k columns) [row 1, position 18, head 0]" in err, err
+    assert "Nothing was written" in err, err
+    assert after.tobytes() == pool.tobytes() and np.isnan(q).all()
 
 
 # ---- update then attention, and a CUDA graph ----------------------------------------------------------------

@@ -680,20 +680,27 @@ __global__ void __launch_bounds__(kStoreWarps * 32) PagedUpdateStoreKernel(const
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // A decode step writes a few rows (B x 1 token x 2 x kv_heads: 6 for SmolLM2 at batch 1, 48 at 8), and the
 // memset + check + store of Note [Paged CUDA] cost three graph nodes for them, each a chain of dependent loads
-// (position, table entry, directory row) that the store walked again. Up to kOneBlockRows store jobs (the row
-// jobs, plus PagedRotaryCacheUpdate's q jobs) and no page_fill (whose prefix kernel needs the flag in global
+// (position, table entry, directory row) that the store walked again. For a few store jobs (the row jobs, plus
+// PagedRotaryCacheUpdate's q jobs; below) and no page_fill (whose prefix kernel needs the flag in global
 // memory) one block of kOneBlockThreads does both phases: a thread per row job checks into a shared-memory key
 // (the same atomicMin order), __syncthreads, then either thread 0 reports the first failure (nothing stored) or
 // a warp per store job stores, its loads of the table and directory hitting what the check phase brought into
-// L1. One launch, no memset, the same bytes and reports as the two kernels.
-// ORTKV_CUDA_PAGED_UPDATE=two takes the memset + check + store path at any size (A/B runs, tests); read at every
-// launch (a captured CUDA graph keeps the launches of its capture).
-bool OneBlockUpdateOff() {
-  const char* e = std::getenv("ORTKV_CUDA_PAGED_UPDATE");
-  return e != nullptr && std::strcmp(e, "two") == 0;
-}
+// L1. One launch, no memset, the same bytes and reports as the two kernels. It takes at most one store job per
+// warp by default (kOneBlockJobs): its warps run their jobs one after another, and on the H200 (SmolLM2 float16,
+// CUDA graph, bench_paged_generate_cuda.py, ms per decode step) batch 1 (15 store jobs) took 1.459 one block
+// against 1.624 with the two kernels, but batch 8 (120 jobs, 8 a warp) 2.380 against 2.005.
+// ORTKV_CUDA_PAGED_UPDATE=two takes the memset + check + store path at any size, =one the block up to
+// kOneBlockMaxJobs (A/B runs, tests); read at every launch (a captured CUDA graph keeps the launches of its
+// capture).
 constexpr int kOneBlockThreads = 512;
-constexpr int64_t kOneBlockRows = 192;  // store jobs (rows + q jobs): at most 12 per warp in the store phase
+constexpr int64_t kOneBlockJobs = kOneBlockThreads / 32;
+constexpr int64_t kOneBlockMaxJobs = 192;  // at most 12 per warp
+int64_t OneBlockLimit() {
+  const char* e = std::getenv("ORTKV_CUDA_PAGED_UPDATE");
+  if (e != nullptr && std::strcmp(e, "two") == 0) return 0;
+  if (e != nullptr && std::strcmp(e, "one") == 0) return kOneBlockMaxJobs;
+  return kOneBlockJobs;
+}
 __global__ void __launch_bounds__(kOneBlockThreads) PagedUpdateOneBlockKernel(const UpdateArgs args) {
   const PagedUpdateCudaView& v = args.v;
   __shared__ unsigned long long s_key;
@@ -3404,7 +3411,7 @@ Status PagedCacheUpdateCuda(const PagedUpdateCudaView& v, void* stream_ptr) {
   if (v.flag == nullptr) return Status(Code::kRuntime, "PagedCacheUpdate CUDA: no flag workspace");
   cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
   UpdateArgs a{v};
-  if (v.p.page_fill == nullptr && v.rows() + v.q_jobs() <= kOneBlockRows && !OneBlockUpdateOff()) {  // Note [Paged CUDA one-block update]
+  if (v.p.page_fill == nullptr && v.rows() + v.q_jobs() <= OneBlockLimit()) {  // Note [Paged CUDA one-block update]
     PagedUpdateOneBlockKernel<<<1, kOneBlockThreads, 0, stream>>>(a);
     const cudaError_t e1 = cudaGetLastError();
     return e1 == cudaSuccess ? Status::Ok() : LaunchError("PagedCacheUpdate", e1);
