@@ -304,6 +304,40 @@ def m_paged_table_type():
     return _paged(table_t=F), {}
 
 
+def _paged_rotary(rows=64, width=48, pos=None):
+    """PagedRotaryCacheUpdate (Note [PagedRotaryCacheUpdate]): 2 query heads over 1 KV head of 12 (qkv width 48),
+    a [1, 4] table of pages of 16."""
+    node = helper.make_node("PagedRotaryCacheUpdate", ["pool", "directory", "table", "qkv", "pos", "cos", "sin"],
+                            ["pool_out", "q_rot"], domain="ortkv", name="paged_rot", layer=0, num_layers=2,
+                            num_heads=2, kv_num_heads=1, page_size=16)
+    declare_output_alias(node, 0, 0)
+    inputs = [vi("pool", [65536], U8), vi("directory", [8, 2], I64), vi("table", [1, 4], I32), vi("qkv", [1, 1, width])]
+    inits = [init("cos", np.zeros((rows, 6), np.float32), np.float32), init("sin", np.zeros((rows, 6), np.float32),
+                                                                             np.float32)]
+    if pos is None:
+        inputs.append(vi("pos", [1], I64))
+    else:
+        inits.append(init("pos", pos))
+    return model([node], inputs, [vi("pool_out", [65536], U8), vi("q_rot", [1, 1, 24])], inits=inits,
+                 mutable=("pool",), alias={"pool_out": "pool"})
+
+
+def m_paged_rotary_accept():
+    return _paged_rotary(), {}
+
+
+def m_paged_rotary_short_tables():
+    return _paged_rotary(rows=63), {}
+
+
+def m_paged_rotary_width():
+    return _paged_rotary(width=50), {}
+
+
+def m_paged_rotary_capacity():
+    return _paged_rotary(pos=[64]), {}
+
+
 def m_unknown_op():
     node = helper.make_node("Mystery", ["past"], ["odd"], domain="elsewhere", name="mystery")
     return model([node], [vi("past")], [helper.make_tensor_value_info("odd", F, None)], mutable=(), alias={}), {}
@@ -381,6 +415,12 @@ CORPUS = {
                                                                                 "storage of input 0 (pool)")),
     "paged-capacity": (m_paged_capacity, "capacity", ("position 64 + n 1 = 65", "4 pages x 16 tokens")),
     "paged-table-type": (m_paged_table_type, "op-input", ("'table' is float32 [1, 4]; it must be [batch, max_pages] int32",)),
+    "paged-rotary-accept": (m_paged_rotary_accept, None, ()),
+    "paged-rotary-short-tables": (m_paged_rotary_short_tables, "op-input", ("rotary table 'cos' has 63 rows",
+                                                                            "reaches 64 positions")),
+    "paged-rotary-width": (m_paged_rotary_width, "op-input", ("'qkv' width 50 must be (num_heads + 2 kv_num_heads) "
+                                                              "* head_size = 4 * head_size",)),
+    "paged-rotary-capacity": (m_paged_rotary_capacity, "capacity", ("position 64 + n 1 = 65", "4 pages x 16 tokens")),
     "symbolic-reshape": (m_symbolic_reshape, None, ()),
     "declared-type-conflict": (m_declared_type_conflict, "shape-type", ("int64", "float32")),
     "onnx-rejects": (m_onnx_rejects, "shape", ("MatMul",)),

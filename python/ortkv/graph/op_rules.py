@@ -197,6 +197,21 @@ def cache_attention(ctx, node, label, ins):
     return [q]
 
 
+def _qkv_head_size(ctx, label, op, qn, qkv, hq, hkv, cn, cos):
+    """(ok, head_size or None) of a fused qkv [batch, tokens, (num_heads + 2 kv_num_heads) * head_size] with an even
+    head_size (the rotary turns pairs); the rotary table's width meets head_size / 2."""
+    width = qkv.shape[2] if qkv.shape is not None else None
+    if not isinstance(width, int):
+        return True, None
+    if width % (hq + 2 * hkv) or (width // (hq + 2 * hkv)) % 2:
+        ctx.error("op-input", label, f"{op} node '{label}': '{qn}' width {width} must be (num_heads + 2 "
+                  f"kv_num_heads) * head_size = {hq + 2 * hkv} * head_size with an even head_size")
+        return False, None
+    d = width // (hq + 2 * hkv)
+    _meet_value(ctx, label, op, cn, cos, 1, d // 2, f"head_size / 2 = {d // 2}")
+    return True, d
+
+
 def rotary_cache_update(ctx, node, label, ins):
     """RotaryCacheUpdate (Note [RotaryCacheUpdate] in custom_ops/include/ortkv/rotary_cache_update.h): q_rot
     [batch, tokens, num_heads * head_size], and the two caches (outputs 1, 2 alias inputs 1, 2)."""
@@ -229,16 +244,11 @@ def rotary_cache_update(ctx, node, label, ins):
     _meet_value(ctx, label, op, kn, kc, head_axis, hkv, f"kv_num_heads={hkv}")
     _meet_dim(ctx, label, op, qn, qkv, 0, kn, kc, batch_axis, "batch")
     qkv, kc = ctx.type_of(qn), ctx.type_of(kn)
-    width = qkv.shape[2] if qkv.shape is not None else None
-    d = None
-    if isinstance(width, int):
-        if width % (hq + 2 * hkv) or (width // (hq + 2 * hkv)) % 2:
-            ctx.error("op-input", label, f"{op} node '{label}': '{qn}' width {width} must be (num_heads + 2 "
-                      f"kv_num_heads) * head_size = {hq + 2 * hkv} * head_size with an even head_size")
-            return unknown
-        d = width // (hq + 2 * hkv)
+    ok, d = _qkv_head_size(ctx, label, op, qn, qkv, hq, hkv, cn, cos)
+    if not ok:
+        return unknown
+    if d is not None:
         _meet_value(ctx, label, op, kn, kc, 3, d, f"head_size {d} from '{qn}'")
-        _meet_value(ctx, label, op, cn, cos, 1, d // 2, f"head_size / 2 = {d // 2}")
     kc, cos = ctx.type_of(kn), ctx.type_of(cn)
     cap = kc.shape[cache_axis] if kc.shape is not None else None
     rows = cos.shape[0] if cos.shape is not None else None
@@ -391,15 +401,9 @@ def paged_rotary_cache_update(ctx, node, label, ins):
         _meet_dim(ctx, label, op, snn, sin, i, cn, cos, i, "the sin and cos tables share one shape")
     _meet_dim(ctx, label, op, qn, qkv, 0, tn, table, 0, "one page-table row per batch row")
     qkv = ctx.type_of(qn)
-    width = qkv.shape[2] if qkv.shape is not None else None
-    d = None
-    if isinstance(width, int):
-        if width % (hq + 2 * hkv) or (width // (hq + 2 * hkv)) % 2:
-            ctx.error("op-input", label, f"{op} node '{label}': '{qn}' width {width} must be (num_heads + 2 "
-                      f"kv_num_heads) * head_size = {hq + 2 * hkv} * head_size with an even head_size")
-            return unknown
-        d = width // (hq + 2 * hkv)
-        _meet_value(ctx, label, op, cn, cos, 1, d // 2, f"head_size / 2 = {d // 2}")
+    ok, d = _qkv_head_size(ctx, label, op, qn, qkv, hq, hkv, cn, cos)
+    if not ok:
+        return unknown
     _position(ctx, label, op, sn, pos, qkv, qn)
     _page_fill(ctx, node, label, op, fill, fn, table, tn)
     table, cos = ctx.type_of(tn), ctx.type_of(cn)
