@@ -206,7 +206,7 @@ void PagedCacheUpdateCpu(const PagedUpdateView& view, int64_t begin, int64_t end
 //   attributes layer, num_layers, kv_num_heads, page_size (PagedCacheUpdate's), num_heads
 // RotaryCacheUpdate (Note [RotaryCacheUpdate] in ortkv/rotary_cache_update.h) onto a paged cache: the decoder
 // layer's Split of the fused QKV projection, its two com.microsoft.RotaryEmbedding and the PagedCacheUpdate as
-// ONE node (on CUDA one kernel launch for a decode step: Note [Paged CUDA one-block update]).
+// ONE node (on CUDA the update's kernels, one launch for a small decode step: Note [Paged CUDA one-block update]).
 //   * qkv [B, T, (H + 2 Hkv) D]: q columns [0, H D), k the next Hkv D, v the last Hkv D; D even.
 //   * Token t of row b is at position p = position[b] + t. q and k are rotated as RotaryCacheUpdate rotates them
 //     (interleaved pairs, the whole head, c = cos_cache[p, i], s = sin_cache[p, i]) in float32 in ONE form on
@@ -214,8 +214,8 @@ void PagedCacheUpdateCpu(const PagedUpdateView& view, int64_t begin, int64_t end
 //     AVX2 form, Note [Rotary bit for bit]), and each rotated value is rounded to qkv's type: what a
 //     RotaryEmbedding node of that type would hand PagedCacheUpdate.
 //   * The pool is then written EXACTLY as PagedCacheUpdate(pool, directory, page_table, k_rot, v, position
-//     [, page_fill]) writes it (every check, report and byte; the key and value are named "'<qkv>' (k columns)"
-//     and "(v columns)"); output 0 MUST alias input 0. q_rot [B, T, H D] is a new output, written only when the
+//     [, page_fill]) writes it (every check, report and byte; the key and value are named after qkv, "(rotated k
+//     columns)" and "(v columns)"); output 0 MUST alias input 0. q_rot [B, T, H D] is a new output, written only when the
 //     update is (a refused node writes neither).
 //   * cos_cache / sin_cache [rows, D / 2] of qkv's type with rows >= max_pages * page_size (the page table's
 //     capacity): every position a row can reach has its row, so the tables need no device check.
