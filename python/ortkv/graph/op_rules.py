@@ -197,6 +197,19 @@ def cache_attention(ctx, node, label, ins):
     return [q]
 
 
+_QKV_DOC = "[batch, tokens, (num_heads + 2 kv_num_heads) * head_size]"
+_TABLE_DOC = "[rows, head_size / 2]"
+
+
+def _ranks_ok(ctx, label, op, entries) -> bool:
+    """(name, type, rank, shape doc) entries: False (reported) at the first known rank that differs."""
+    for name, t, rank, what in entries:
+        if t.rank is not None and t.rank != rank:
+            ctx.error("op-input", label, f"{op} node '{label}': '{name}' {list_dims(t.shape)} must be {what}")
+            return False
+    return True
+
+
 def _qkv_head_size(ctx, label, op, qn, qkv, hq, hkv, cn, cos):
     """(ok, head_size or None) of a fused qkv [batch, tokens, (num_heads + 2 kv_num_heads) * head_size] with an even
     head_size (the rotary turns pairs); the rotary table's width meets head_size / 2."""
@@ -231,12 +244,10 @@ def rotary_cache_update(ctx, node, label, ins):
             ctx.error("op-input", label, f"{op} node '{label}': '{name}' is {elem_name(t.elem)} but '{qn}' is "
                       f"{elem_name(qkv.elem)}; qkv, both caches and the rotary tables must have one element type")
             return unknown
-    for name, t, rank, what in ((qn, qkv, 3, "[batch, tokens, (num_heads + 2 kv_num_heads) * head_size]"),
-                                (kn, kc, 4, LAYOUT_DOC[cache_axis]), (vn, vc, 4, LAYOUT_DOC[cache_axis]),
-                                (cn, cos, 2, "[rows, head_size / 2]"), (sn, sin, 2, "[rows, head_size / 2]")):
-        if t.rank is not None and t.rank != rank:
-            ctx.error("op-input", label, f"{op} node '{label}': '{name}' {list_dims(t.shape)} must be {what}")
-            return unknown
+    if not _ranks_ok(ctx, label, op, ((qn, qkv, 3, _QKV_DOC), (kn, kc, 4, LAYOUT_DOC[cache_axis]),
+                                      (vn, vc, 4, LAYOUT_DOC[cache_axis]), (cn, cos, 2, _TABLE_DOC),
+                                      (sn, sin, 2, _TABLE_DOC))):
+        return unknown
     for i in range(4):
         _meet_dim(ctx, label, op, vn, vc, i, kn, kc, i, "the key and value caches share one shape")
     for i in range(2):
@@ -392,11 +403,8 @@ def paged_rotary_cache_update(ctx, node, label, ins):
             ctx.error("op-input", label, f"{op} node '{label}': '{name}' is {elem_name(t.elem)} but '{qn}' is "
                       f"{elem_name(qkv.elem)}; qkv and the rotary tables must have one element type")
             return unknown
-    for name, t, rank, what in ((qn, qkv, 3, "[batch, tokens, (num_heads + 2 kv_num_heads) * head_size]"),
-                                (cn, cos, 2, "[rows, head_size / 2]"), (snn, sin, 2, "[rows, head_size / 2]")):
-        if t.rank is not None and t.rank != rank:
-            ctx.error("op-input", label, f"{op} node '{label}': '{name}' {list_dims(t.shape)} must be {what}")
-            return unknown
+    if not _ranks_ok(ctx, label, op, ((qn, qkv, 3, _QKV_DOC), (cn, cos, 2, _TABLE_DOC), (snn, sin, 2, _TABLE_DOC))):
+        return unknown
     for i in range(2):
         _meet_dim(ctx, label, op, snn, sin, i, cn, cos, i, "the sin and cos tables share one shape")
     _meet_dim(ctx, label, op, qn, qkv, 0, tn, table, 0, "one page-table row per batch row")
