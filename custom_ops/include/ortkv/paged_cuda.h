@@ -97,8 +97,8 @@ struct PagedUpdateCudaView {
   size_t fill_prefix_bytes() const {
     return p.page_fill ? static_cast<size_t>(B * (p.max_pages + 1)) * sizeof(int64_t) : 0;
   }
-  int64_t rows() const { return B * T * 2 * p.shape.kv_heads; }
-  int64_t q_jobs() const { return q_out != nullptr ? B * T * heads : 0; }
+  ORTKV_HD int64_t rows() const { return B * T * 2 * p.shape.kv_heads; }  // host and device (the kernels' jobs)
+  ORTKV_HD int64_t q_jobs() const { return q_out != nullptr ? B * T * heads : 0; }
 };
 
 struct PagedAttentionCudaView {

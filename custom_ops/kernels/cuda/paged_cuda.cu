@@ -333,7 +333,6 @@ struct UpdateArgs {
   PagedUpdateCudaView v;
 };
 
-__device__ __forceinline__ int64_t UpdateRows(const PagedUpdateCudaView& v) { return v.B * v.T * 2 * v.p.shape.kv_heads; }
 __device__ __forceinline__ int64_t Pos(const PagedUpdateCudaView& v, int64_t b) {
   return v.positions[b * v.position_stride];
 }
@@ -374,13 +373,17 @@ struct RowSrc {
 __device__ __forceinline__ int64_t SrcStride(const PagedUpdateCudaView& v) {
   return v.src_stride != 0 ? v.src_stride : v.p.shape.kv_heads * v.p.shape.head_size;
 }
-// kv 0: the key (rotated when the node has tables), 1: the value; tok: the token's position.
-__device__ __forceinline__ RowSrc SourceRow(const PagedUpdateCudaView& v, int64_t kv, int64_t u, int64_t h, int64_t tok) {
+// Head h of token u from `base` (qkv's q, k or v columns, or the key / value), rotated at position tok when `rot`.
+__device__ __forceinline__ RowSrc RowAt(const PagedUpdateCudaView& v, const void* base, int64_t u, int64_t h, bool rot,
+                                        int64_t tok) {
   const int64_t first = u * SrcStride(v) + h * v.p.shape.head_size;
   const size_t es = v.elem_type == kFloat32 ? 4 : 2;
-  const bool rot = kv == 0 && v.cos != nullptr;
-  return RowSrc{static_cast<const uint8_t*>(kv ? v.value : v.key) + first * es, v.elem_type, rot ? v.cos : nullptr,
-                v.sin, tok * (v.p.shape.head_size / 2)};
+  return RowSrc{static_cast<const uint8_t*>(base) + first * es, v.elem_type, rot ? v.cos : nullptr, v.sin,
+                tok * (v.p.shape.head_size / 2)};
+}
+// kv 0: the key (rotated when the node has tables), 1: the value; tok: the token's position.
+__device__ __forceinline__ RowSrc SourceRow(const PagedUpdateCudaView& v, int64_t kv, int64_t u, int64_t h, int64_t tok) {
+  return RowAt(v, kv ? v.value : v.key, u, h, kv == 0 && v.cos != nullptr, tok);
 }
 
 // RowScales (codecs.h) over a row of the source, loaded element by element.
@@ -465,7 +468,7 @@ __device__ void CheckUpdateJob(const PagedUpdateCudaView& v, int64_t i, unsigned
 __global__ void PagedUpdateCheckKernel(const UpdateArgs args) {
   const PagedUpdateCudaView& v = args.v;
   const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  if (i < UpdateRows(v)) CheckUpdateJob(v, i, static_cast<unsigned long long*>(v.flag));
+  if (i < v.rows()) CheckUpdateJob(v, i, static_cast<unsigned long long*>(v.flag));
 }
 
 // Block 0's thread 0 of the store kernel, when the flag holds a failure: the report.
@@ -640,9 +643,8 @@ __device__ void StoreUpdateJob(const PagedUpdateCudaView& v, int64_t i, int lane
 // query head h rotated into q_out.
 __device__ void StoreQueryJob(const PagedUpdateCudaView& v, int64_t j, int lane) {
   const int64_t h = j % v.heads, u = j / v.heads, b = u / v.T, t = u % v.T;
-  const int64_t D = v.p.shape.head_size, tok = Pos(v, b) + t;
-  const RowSrc src{static_cast<const uint8_t*>(v.q) + (u * SrcStride(v) + h * D) * (v.elem_type == kFloat32 ? 4 : 2),
-                   v.elem_type, v.cos, v.sin, tok * (D / 2)};
+  const int64_t D = v.p.shape.head_size;
+  const RowSrc src = RowAt(v, v.q, u, h, true, Pos(v, b) + t);
   const int64_t at = j * D;
   for (int64_t c = lane; c < D; c += 32) {
     const float y = src(c);  // already rounded to the type
@@ -659,7 +661,7 @@ __device__ void StoreQueryJob(const PagedUpdateCudaView& v, int64_t j, int lane)
 __device__ __forceinline__ void StoreJob(const PagedUpdateCudaView& v, int64_t rows, int64_t i, int lane) {
   if (i < rows) {
     StoreUpdateJob(v, i, lane);
-  } else if (i - rows < (v.q_out != nullptr ? v.B * v.T * v.heads : 0)) {
+  } else if (i - rows < v.q_jobs()) {
     StoreQueryJob(v, i - rows, lane);
   }
 }
@@ -673,7 +675,7 @@ __global__ void __launch_bounds__(kStoreWarps * 32) PagedUpdateStoreKernel(const
     return;
   }
   const int64_t i = blockIdx.x * static_cast<int64_t>(kStoreWarps) + (threadIdx.x >> 5);
-  StoreJob(v, UpdateRows(v), i, threadIdx.x & 31);  // whole warps leave together
+  StoreJob(v, v.rows(), i, threadIdx.x & 31);  // whole warps leave together
 }
 
 // Note [Paged CUDA one-block update]
@@ -706,7 +708,7 @@ __global__ void __launch_bounds__(kOneBlockThreads) PagedUpdateOneBlockKernel(co
   __shared__ unsigned long long s_key;
   if (threadIdx.x == 0) s_key = kNoError;
   __syncthreads();
-  const int64_t rows = UpdateRows(v);
+  const int64_t rows = v.rows();
   for (int64_t i = threadIdx.x; i < rows; i += kOneBlockThreads) CheckUpdateJob(v, i, &s_key);
   __syncthreads();
   const unsigned long long key = s_key;
@@ -714,7 +716,7 @@ __global__ void __launch_bounds__(kOneBlockThreads) PagedUpdateOneBlockKernel(co
     if (threadIdx.x == 0) ReportUpdate(v, key);
     return;
   }
-  const int64_t jobs = rows + (v.q_out != nullptr ? v.B * v.T * v.heads : 0);
+  const int64_t jobs = rows + v.q_jobs();
   for (int64_t i = threadIdx.x >> 5; i < jobs; i += kOneBlockThreads / 32) StoreJob(v, rows, i, threadIdx.x & 31);
 }
 
