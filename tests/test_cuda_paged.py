@@ -356,6 +356,21 @@ def _run_bound(sess, q, pool, directory, table, start, *, table_name="page_table
     return out.numpy().astype(np.float32)
 
 
+def _early_run_matches(sess, rng, pool, ref_pool, directory, table, lengths, what, *, H, G, PS, NL, D, bound_start=None,
+                       **names):
+    """One run of the early-launch tests: rows past each length poisoned, the output finite (`what` names the NaN
+    that would have been read) and the oracle's over `ref_pool` (start = lengths - 1; `bound_start`: the start
+    bound instead, for a node before that computes it)."""
+    start = np.array(lengths) - 1
+    poison_rows(pool, directory, table, lengths, num_layers=NL, kv_heads=H, page_size=PS, head_size=D)
+    q = _rand(rng, (len(lengths), 1, H * G * D), "float16")
+    got = _run_bound(sess, q, pool, directory, table, start if bound_start is None else bound_start, **names)
+    assert np.isfinite(got).all(), what
+    want = paged_cache_attention_ref(q, ref_pool, directory, table, start, num_heads=H * G, kv_num_heads=H, layer=0,
+                                     num_layers=NL, page_size=PS)
+    np.testing.assert_allclose(got, want, rtol=2e-3, atol=2e-3, err_msg=what)
+
+
 @pytest.mark.parametrize("uniform", [None, PageFormat.F16, PageFormat.INT4], ids=["mixed", "uniform_f16", "uniform_int4"])
 def test_attention_early_launch_rereads_start_written_by_the_node_before(rng, uniform):
     """`start` computed on the GPU by the node right before PagedCacheAttention (an Add: the kernel an early
@@ -364,7 +379,7 @@ def test_attention_early_launch_rereads_start_written_by_the_node_before(rng, un
     start over from the new one: every run reads exactly its own keys (the rest poisoned) and matches the oracle.
     uniform: pages of that one format and page_format naming it (Note [Paged CUDA uniform 16-bit]: the dense-shaped
     kernel's prologue)."""
-    H, G, PS, NL, D, B = 3, 3, 16, 1, 64, 2
+    H, G, PS, NL, D = 3, 3, 16, 1, 64
     lengths_max = 8200
     kinds = [uniform] if uniform else [PageFormat.F16, PageFormat.INT8, PageFormat.INT4]
     fmts = [kinds[i % len(kinds)] for i in range(2 * (-(-lengths_max // PS)))]
@@ -374,15 +389,9 @@ def test_attention_early_launch_rereads_start_written_by_the_node_before(rng, un
     sess = _session(start_from_add(attention_model("float16", H * G, H, 0, NL, PS,
                                                    page_format=uniform.name if uniform else None)))
     for lengths in ([8200, 300], [17, 8000], [4097, 4096], [8200, 8200]):
-        start = np.array(lengths) - 1
-        pool = pool0.copy()
-        poison_rows(pool, directory, table, lengths, num_layers=NL, kv_heads=H, page_size=PS, head_size=D)
-        q = _rand(rng, (B, 1, H * G * D), "float16")
-        got = _run_bound(sess, q, pool, directory, table, start - 1, start_name="start_in")
-        assert np.isfinite(got).all(), f"lengths {lengths}: a poisoned row past a sequence's length was read"
-        want = paged_cache_attention_ref(q, pool0, directory, table, start, num_heads=H * G, kv_num_heads=H, layer=0,
-                                         num_layers=NL, page_size=PS)
-        np.testing.assert_allclose(got, want, rtol=2e-3, atol=2e-3, err_msg=f"lengths {lengths}")
+        _early_run_matches(sess, rng, pool0.copy(), pool0, directory, table, lengths,
+                           f"lengths {lengths}: a poisoned row past a sequence's length was read", H=H, G=G, PS=PS,
+                           NL=NL, D=D, bound_start=np.array(lengths) - 2, start_name="start_in")
 
 
 @pytest.mark.parametrize("uniform", [None, PageFormat.F16], ids=["mixed", "uniform_f16"])
@@ -401,7 +410,6 @@ def test_attention_early_launch_page_table_written_by_the_node_before(rng, unifo
     sess = _session(input_from_add(attention_model("float16", H * G, H, 0, NL, PS,
                                                    page_format=uniform.name if uniform else None),
                                    "page_table", TP.INT32, 0))
-    start = np.array(lengths) - 1
     for r in range(4):
         rows = [list(range(n)), list(range(n, 2 * n))]
         used = [spares[r % 2], spares[2 + r % 2]]
@@ -413,13 +421,9 @@ def test_attention_early_launch_page_table_written_by_the_node_before(rng, unifo
             fmt = PageFormat(int(directory[pid, 0]))
             off = int(directory[pid, 1])
             pool[off:off + slot_bytes(fmt, NL, H, PS, D)] = 0xFF
-        poison_rows(pool, directory, table, lengths, num_layers=NL, kv_heads=H, page_size=PS, head_size=D)
-        q = _rand(rng, (B, 1, H * G * D), "float16")
-        got = _run_bound(sess, q, pool, directory, table, start, table_name="page_table_in")
-        assert np.isfinite(got).all(), f"run {r}: a NaN page (the last run's, or a row past a length) was read"
-        want = paged_cache_attention_ref(q, pool0, directory, table, start, num_heads=H * G, kv_num_heads=H, layer=0,
-                                         num_layers=NL, page_size=PS)
-        np.testing.assert_allclose(got, want, rtol=2e-3, atol=2e-3, err_msg=f"run {r}")
+        _early_run_matches(sess, rng, pool, pool0, directory, table, lengths,
+                           f"run {r}: a NaN page (the last run's, or a row past a length) was read", H=H, G=G, PS=PS,
+                           NL=NL, D=D, table_name="page_table_in")
 
 
 @pytest.mark.parametrize("uniform", [None, PageFormat.F16], ids=["mixed", "uniform_f16"])
@@ -450,7 +454,6 @@ def test_attention_early_launch_directory_written_by_the_node_before(rng, unifor
     sess = _session(input_from_add(attention_model("float16", H * G, H, 0, NL, PS,
                                                    page_format=uniform.name if uniform else None),
                                    "directory", TP.INT64, 0))
-    start = np.array(lengths) - 1
     for r in range(4):
         directory = directory0.copy()
         pool = pool_base.copy()
@@ -458,13 +461,9 @@ def test_attention_early_launch_directory_written_by_the_node_before(rng, unifor
             old, new = (directory0[p, 1], off) if r % 2 else (off, directory0[p, 1])
             directory[p, 1] = new
             pool[old:old + size] = 0xFF  # the slot the other runs use
-        poison_rows(pool, directory, table, lengths, num_layers=NL, kv_heads=H, page_size=PS, head_size=D)
-        q = _rand(rng, (B, 1, H * G * D), "float16")
-        got = _run_bound(sess, q, pool, directory, table, start, directory_name="directory_in")
-        assert np.isfinite(got).all(), f"run {r}: a NaN slot (the last run's, or a row past a length) was read"
-        want = paged_cache_attention_ref(q, pool, directory, table, start, num_heads=H * G, kv_num_heads=H, layer=0,
-                                         num_layers=NL, page_size=PS)
-        np.testing.assert_allclose(got, want, rtol=2e-3, atol=2e-3, err_msg=f"run {r}")
+        _early_run_matches(sess, rng, pool, pool, directory, table, lengths,
+                           f"run {r}: a NaN slot (the last run's, or a row past a length) was read", H=H, G=G, PS=PS,
+                           NL=NL, D=D, directory_name="directory_in")
 
 
 def test_attention_chunks_longer_than_one_page_window(rng):

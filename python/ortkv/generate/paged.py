@@ -66,44 +66,39 @@ def to_paged(model: onnx.ModelProto, num_heads: int, kv_heads: int, page_size: i
     if layers == 0:
         raise OrtkvError("to_paged: the model has no CacheAttention node; pass the ortkv decoder")
     removed, new_nodes = set(), {}
+    fill = ["page_fill"] if page_fill else []
+    promise = {"page_format": page_format} if page_format else {}
     for i in range(layers):
         att = by_name[f"attention_{i}"]
+        q, positions = att.input[0], att.input[3]  # (the fused base: q is the RotaryCacheUpdate's q_rot)
         prev = POOL if i == 0 else pool_output(i - 1)
         common = dict(layer=i, num_layers=layers, kv_num_heads=kv_heads, page_size=page_size)
-        fill = ["page_fill"] if page_fill else []
-        promise = {"page_format": page_format} if page_format else {}
         rot = by_name.get(f"rotary_update_{i}")
         if rot is not None and rot.op_type == "RotaryCacheUpdate":  # Note [Fused ortkv layer]: one node in, one out
-            qkv, positions, cos, sin = rot.input[0], rot.input[3], rot.input[4], rot.input[5]
-            q = rot.output[0]
+            qkv, cos, sin = rot.input[0], rot.input[4], rot.input[5]
             upd = helper.make_node("PagedRotaryCacheUpdate", [prev, "directory", "page_table", qkv, positions, cos, sin]
                                    + fill, [pool_output(i), q], domain="ortkv", name=f"paged_rotary_update_{i}",
                                    num_heads=num_heads, **common)
-            declare_output_alias(upd, 0, 0)
-            attn = helper.make_node("PagedCacheAttention", [q, pool_output(i), "directory", "page_table", att.input[3]]
-                                    + fill, list(att.output), domain="ortkv", name=f"paged_attention_{i}",
-                                    num_heads=num_heads, **common, **promise)
-            removed |= {id(rot), id(att)}
-            new_nodes[id(att)] = [upd, attn]
-            continue
-        if f"update_k_{i}" not in by_name:
-            raise OrtkvError("to_paged: the ortkv decoder must write its caches with RotaryCacheUpdate or with "
-                             "CacheUpdate into BSNH caches (builder.build(..., cache_layout='BSNH'))")
-        uk, uv = by_name[f"update_k_{i}"], by_name[f"update_v_{i}"]
-        if uk.op_type != "CacheUpdate" or dict((a.name, a.i) for a in uk.attribute).get("seq_axis") != 1:
-            raise OrtkvError("to_paged: the ortkv decoder must have BSNH caches (cache_layout 'BSNH')")
-        # the new K / V flat [B, T, Hkv*D]: CacheUpdate's own input, or a Reshape's input (older builds)
-        rk, rv = producer.get(uk.input[1]), producer.get(uv.input[1])
-        rk, rv = [r if r is not None and r.op_type == "Reshape" else None for r in (rk, rv)]
-        k, v = [r.input[0] if r is not None else u.input[1] for r, u in ((rk, uk), (rv, uv))]
-        q, positions = att.input[0], att.input[3]
-        upd = helper.make_node("PagedCacheUpdate", [prev, "directory", "page_table", k, v, positions] + fill,
-                               [pool_output(i)], domain="ortkv", name=f"paged_update_{i}", **common)
+            removed.add(id(rot))
+        else:
+            if f"update_k_{i}" not in by_name:
+                raise OrtkvError("to_paged: the ortkv decoder must write its caches with RotaryCacheUpdate or with "
+                                 "CacheUpdate into BSNH caches (builder.build(..., cache_layout='BSNH'))")
+            uk, uv = by_name[f"update_k_{i}"], by_name[f"update_v_{i}"]
+            if uk.op_type != "CacheUpdate" or dict((a.name, a.i) for a in uk.attribute).get("seq_axis") != 1:
+                raise OrtkvError("to_paged: the ortkv decoder must have BSNH caches (cache_layout 'BSNH')")
+            # the new K / V flat [B, T, Hkv*D]: CacheUpdate's own input, or a Reshape's input (older builds)
+            rk, rv = producer.get(uk.input[1]), producer.get(uv.input[1])
+            rk, rv = [r if r is not None and r.op_type == "Reshape" else None for r in (rk, rv)]
+            k, v = [r.input[0] if r is not None else u.input[1] for r, u in ((rk, uk), (rv, uv))]
+            upd = helper.make_node("PagedCacheUpdate", [prev, "directory", "page_table", k, v, positions] + fill,
+                                   [pool_output(i)], domain="ortkv", name=f"paged_update_{i}", **common)
+            removed |= {id(uk), id(uv)} | {id(r) for r in (rk, rv) if r is not None}
         declare_output_alias(upd, 0, 0)
         attn = helper.make_node("PagedCacheAttention", [q, pool_output(i), "directory", "page_table", positions] + fill,
                                 list(att.output), domain="ortkv", name=f"paged_attention_{i}", num_heads=num_heads,
                                 **common, **promise)
-        removed |= {id(uk), id(uv), id(att)} | {id(r) for r in (rk, rv) if r is not None}
+        removed.add(id(att))
         new_nodes[id(att)] = [upd, attn]
     nodes = []
     for n in g.node:
@@ -165,13 +160,13 @@ def paged_model_path(cfg: GenAIConfig, log=print, page_fill: bool = False, fused
     if target.exists():
         return target
     weights, _ = load(gguf_path(cfg, log), log=log, fmt=cfg.ortkv.weights)
-    log(f"ortkv: building the paged decoder ({cfg.ortkv.weights} weights, pages of {cfg.ortkv.page_size}) ...")
+    log(f"ortkv: building the paged decoder ({cfg.ortkv.weights} weights, pages of {ps}) ...")
     c = weights.config
     # the rotary tables cover every position a page table of max_length can reach (whole pages)
     rows = -(-MAX_POSITIONS // ps) * ps
     model = to_paged(build(weights, "ortkv", max_positions=rows, cache_layout="BSNH", dtype=cfg.dtype,
                            fused=fused, fused_mlp=True, linear=linear_projections(cfg, "ortkv")),
-                     c.heads, c.kv_heads, cfg.ortkv.page_size, page_fill=page_fill, page_format=page_format)
+                     c.heads, c.kv_heads, ps, page_fill=page_fill, page_format=page_format)
     return save_decoder(model, root, name)
 
 
@@ -188,7 +183,7 @@ def paged_model_path(cfg: GenAIConfig, log=print, page_fill: bool = False, fused
 # (the policy, or demotion) runs between steps on the device (Note [Requantize on a CUDA pool]).
 # Greedy picks run on the device (GreedyToken, Note [Greedy on the device]); sampling brings [B, V] logits back.
 # With one format, F16, for every page (and no demotion) the attention nodes promise it (page_format = "F16",
-# uniform_page_format; the model `paged2-ps{N}-f16`), which runs the uniform 16-bit kernel (Note [Paged CUDA uniform
+# uniform_page_format; the model `paged3-ps{N}-f16`), which runs the uniform 16-bit kernel (Note [Paged CUDA uniform
 # 16-bit] in custom_ops/kernels/cuda/paged_cuda.cu).
 #
 # Note [Page table buckets]
