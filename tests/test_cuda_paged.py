@@ -601,16 +601,17 @@ def test_attention_page_format_attribute_refuses_another_format(rng, kernel):
 
 
 # ---- PagedCacheUpdate ----------------------------------------------------------------------------------------
-# Note [Paged CUDA one-block update]: up to 16 store jobs run as one block (check, then store), up to 192 under
-# ORTKV_CUDA_PAGED_UPDATE=one; the memset + check + store kernels take larger updates, or any under =two. Tests
-# of small updates run both.
-UPDATE_PATHS = ("one_block", "two")
+# Note [Paged CUDA resolved update]: up to 256 tokens and 2,048 row jobs, one launch whose every block checks the
+# whole update and stores its share ("blocks", the default: a block per 16 store jobs), or all of it in one block
+# under ORTKV_CUDA_PAGED_UPDATE=one ("one_block"); the memset + check + store kernels take larger updates, or any
+# under =two. Tests of updates run all three.
+UPDATE_PATHS = ("one_block", "blocks", "two")
 
 
 @contextlib.contextmanager
 def update_path(path):
     old = os.environ.get("ORTKV_CUDA_PAGED_UPDATE")
-    os.environ["ORTKV_CUDA_PAGED_UPDATE"] = "two" if path == "two" else "one"
+    os.environ["ORTKV_CUDA_PAGED_UPDATE"] = {"two": "two", "one_block": "one", "blocks": ""}[path]
     try:
         yield
     finally:
@@ -637,13 +638,14 @@ def test_update_bytes_equal_cpu_and_reference(rng, fmt, dtype):
     """Ragged rows crossing page boundaries: the CUDA bytes equal the CPU op's and the oracle's exactly."""
     pool, directory, table, key, value, pos, kw = _update_case(rng, [fmt], B=3, T=5, positions=[0, 14, 33],
                                                                dtype=dtype)
-    with update_path("one_block"):  # 90 row jobs: one block under ORTKV_CUDA_PAGED_UPDATE=one
+    with update_path("one_block"):  # 90 row jobs in one block under ORTKV_CUDA_PAGED_UPDATE=one
         got, err = cuda_update(pool, directory, table, key, value, pos, dtype=dtype, **kw)
     assert err is None, err
-    with update_path("two"):  # the two kernels (also what 90 jobs take by default)
-        got2, err = cuda_update(pool, directory, table, key, value, pos, dtype=dtype, **kw)
-    assert err is None, err
-    assert got2.tobytes() == got.tobytes()
+    for path in ("blocks", "two"):  # 6 blocks by default; the two kernels
+        with update_path(path):
+            got2, err = cuda_update(pool, directory, table, key, value, pos, dtype=dtype, **kw)
+        assert err is None, (path, err)
+        assert got2.tobytes() == got.tobytes(), path
     cpu = pool.copy()
     run_update(cpu, directory, table, key, value, pos, dtype=dtype, **kw)
     assert got.tobytes() == cpu.tobytes()
@@ -683,7 +685,7 @@ def test_update_zero_rows_and_signed_zero_minimum_match_cpu(rng):
 def _update_refusal(rng, mutate, fragment, code="E_INPUT", formats=(PageFormat.INT8, PageFormat.F16, PageFormat.INT4)):
     """Rows 0..2 at positions 0, 15 (crossing a page), 4, two tokens each; `mutate` breaks one thing (and may
     return new positions). The pool bytes must come back unchanged and the report name the problem, on both
-    update paths (Note [Paged CUDA one-block update]: 36 row jobs)."""
+    update paths (Note [Paged CUDA resolved update]: 36 row jobs, 3 blocks by default)."""
     pool, directory, table, key, value, pos, kw = _update_case(rng, list(formats), B=3, T=2, positions=[0, 15, 4],
                                                                NL=1, layer=0)
     pos = mutate(pool, directory, table, key, value, pos)
@@ -698,21 +700,48 @@ def _update_refusal(rng, mutate, fragment, code="E_INPUT", formats=(PageFormat.I
         assert _ortkv.cuda_take_error() is None
 
 
-def test_update_large_refusal_and_bytes_on_the_two_kernel_path(rng):
-    """240 row jobs (past the one-block size): the check and store kernels; a non-finite value in the last row
-    job (INT8 and INT4 pages: scaled, so it cannot be encoded) is refused with nothing written, and without it the bytes equal the CPU op's."""
+@pytest.mark.parametrize("path", UPDATE_PATHS)
+def test_update_large_refusal_and_bytes(rng, path):
+    """240 row jobs (15 blocks of the resolved kernel, 16 warps of one block 15 jobs each, or the check and store
+    kernels): a non-finite value in the last row job (INT8 and INT4 pages: scaled, so it cannot be encoded) is
+    refused with nothing written, and without it the bytes equal the CPU op's."""
     pool, directory, table, key, value, pos, kw = _update_case(rng, [PageFormat.INT8, PageFormat.INT4],
                                                                B=4, T=10, positions=[0, 15, 4, 30], NL=1, layer=0)
     bad = value.copy()
     bad[3, 9, 190] = np.nan  # row 3, token 9 (position 39), head 2
-    after, err = cuda_update(pool, directory, table, key, bad, pos, dtype="float16", **kw)
+    with update_path(path):
+        after, err = cuda_update(pool, directory, table, key, bad, pos, dtype="float16", **kw)
     assert err is not None and "'value' [row 3, position 39, head 2]" in err and "Nothing was written" in err, err
     assert after.tobytes() == pool.tobytes()
-    got, err = cuda_update(pool, directory, table, key, value, pos, dtype="float16", **kw)
+    with update_path(path):
+        got, err = cuda_update(pool, directory, table, key, value, pos, dtype="float16", **kw)
     assert err is None, err
     cpu = pool.copy()
     run_update(cpu, directory, table, key, value, pos, dtype="float16", **kw)
     assert got.tobytes() == cpu.tobytes() and got.tobytes() != pool.tobytes()
+
+
+@pytest.mark.parametrize("T,B", [(257, 1), (129, 2)])
+def test_update_past_the_resolved_limits_takes_the_two_kernels(rng, T, B):
+    """More than 256 tokens (257 x 1: 1,542 row jobs; 129 x 2: 258 tokens) is past the resolved kernel's slots:
+    the default takes the check and store kernels, the bytes equal the CPU op's, and a page row written twice by
+    the last token is refused with nothing written."""
+    PS = 16
+    positions = [0] if B == 1 else [0, 200]
+    pool, directory, table, key, value, pos, kw = _update_case(rng, [PageFormat.F16, PageFormat.INT8], B=B, T=T,
+                                                               positions=positions, NL=1, layer=0, PS=PS)
+    with update_path("blocks"):
+        got, err = cuda_update(pool, directory, table, key, value, pos, dtype="float16", **kw)
+    assert err is None, err
+    cpu = pool.copy()
+    run_update(cpu, directory, table, key, value, pos, dtype="float16", **kw)
+    assert got.tobytes() == cpu.tobytes() and got.tobytes() != pool.tobytes()
+    last = (positions[-1] + T - 1) // PS
+    table[B - 1, last] = table[0, 0]  # the last token's page is row 0's first page: its row written twice or more
+    with update_path("blocks"):
+        after, err = cuda_update(pool, directory, table, key, value, pos, dtype="float16", **kw)
+    assert err is not None and "both write row 0 of page" in err and "Nothing was written" in err, err
+    assert after.tobytes() == pool.tobytes()
 
 
 def test_update_refuses_missing_page(rng):

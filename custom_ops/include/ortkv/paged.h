@@ -206,7 +206,7 @@ void PagedCacheUpdateCpu(const PagedUpdateView& view, int64_t begin, int64_t end
 //   attributes layer, num_layers, kv_num_heads, page_size (PagedCacheUpdate's), num_heads
 // RotaryCacheUpdate (Note [RotaryCacheUpdate] in ortkv/rotary_cache_update.h) onto a paged cache: the decoder
 // layer's Split of the fused QKV projection, its two com.microsoft.RotaryEmbedding and the PagedCacheUpdate as
-// ONE node (on CUDA the update's kernels, one launch for a small decode step: Note [Paged CUDA one-block update]).
+// ONE node (on CUDA the update's kernels, one launch for a decode step: Note [Paged CUDA resolved update]).
 //   * qkv [B, T, (H + 2 Hkv) D]: q columns [0, H D), k the next Hkv D, v the last Hkv D; D even.
 //   * Token t of row b is at position p = position[b] + t. q and k are rotated as RotaryCacheUpdate rotates them
 //     (interleaved pairs, the whole head, c = cos_cache[p, i], s = sin_cache[p, i]) in float32 in ONE form on

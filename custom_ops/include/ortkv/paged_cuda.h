@@ -16,9 +16,11 @@
 // block 0's thread 0 reports the first failure into the CacheUpdate error word (Note [CUDA deferred
 // errors]). Otherwise each warp encodes its row with the codec arithmetic of codecs.h (min / max /
 // absmax reduced across the warp with the CPU's tie order, so even the sign of a zero minimum matches):
-// the bytes equal the CPU op's bytes exactly. An update of at most 16 store jobs without page_fill (a small decode
-// step) runs both phases in ONE block instead, the key in shared memory (Note [Paged CUDA one-block update] in
-// kernels/cuda/paged_cuda.cu; ORTKV_CUDA_PAGED_UPDATE=two keeps the three steps, =one the block up to 192 jobs).
+// the bytes equal the CPU op's bytes exactly. An update of at most 256 tokens and 2,048 row jobs without page_fill
+// (every decode step, a short prefill) is ONE launch instead: every block resolves each token's page once into
+// shared memory and checks the whole update there, then stores its share of the jobs (Note [Paged CUDA resolved
+// update] in kernels/cuda/paged_cuda.cu; ORTKV_CUDA_PAGED_UPDATE=two keeps the three steps, =one runs that kernel
+// in one block).
 //
 // PagedCacheAttention is Note [CacheAttention CUDA]'s kernel over pages: a block serves one (row, KV
 // head, query token), up to kAttnCudaHeads query heads and one key chunk (split-K from the page

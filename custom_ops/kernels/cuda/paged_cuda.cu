@@ -415,53 +415,68 @@ __device__ __forceinline__ int RangeHit(const PagedRangeCheck& r, uint64_t first
   return 0;
 }
 
-// Row job i = ((b * T + t) * 2 + kv) * Hkv + h: every check of Note [PagedCacheUpdate validation], the first
-// failure kept in *flag (global or shared memory) with atomicMin.
-__device__ void CheckUpdateJob(const PagedUpdateCudaView& v, int64_t i, unsigned long long* flag) {
-  const int64_t Hkv = v.p.shape.kv_heads, D = v.p.shape.head_size;
-  const int64_t h = i % Hkv, kv = (i / Hkv) % 2, u = i / (2 * Hkv);
-  const int64_t b = u / v.T, t = u % v.T;
-  if (t == 0 && kv == 0 && h == 0) {  // the row: position, then every page its T tokens touch
-    const int64_t pos = Pos(v, b);
-    if (!PosOk(v, b, pos)) {
-      atomicMin(flag, Key(kClassRow, static_cast<unsigned long long>(b) << 28));
-    } else {
-      int64_t r0 = 0, r1 = 0;
-      const int64_t e_first = EntryOf(v.p, b, pos, &r0), e_last = EntryOf(v.p, b, pos + v.T - 1, &r1);
-      for (int64_t pi = e_first; pi <= e_last; ++pi) {
-        if (EntryFill(v.p, b, pi) == 0) continue;  // skipped by the mapping (Note [Page fill])
-        if (EntryProblem(v.p, b, pi, true) != kPageOk) {
-          atomicMin(flag, Key(kClassRow, (static_cast<unsigned long long>(b) << 28) | static_cast<unsigned long long>(pi + 1)));
-          break;
-        }
-      }
+// Row b's checks: its position, then every page its T tokens touch (the first failure kept in *flag, global or
+// shared memory, with atomicMin).
+__device__ void CheckUpdateRow(const PagedUpdateCudaView& v, int64_t b, unsigned long long* flag) {
+  const int64_t pos = Pos(v, b);
+  if (!PosOk(v, b, pos)) {
+    atomicMin(flag, Key(kClassRow, static_cast<unsigned long long>(b) << 28));
+    return;
+  }
+  int64_t r0 = 0, r1 = 0;
+  const int64_t e_first = EntryOf(v.p, b, pos, &r0), e_last = EntryOf(v.p, b, pos + v.T - 1, &r1);
+  for (int64_t pi = e_first; pi <= e_last; ++pi) {
+    if (EntryFill(v.p, b, pi) == 0) continue;  // skipped by the mapping (Note [Page fill])
+    if (EntryProblem(v.p, b, pi, true) != kPageOk) {
+      atomicMin(flag, Key(kClassRow, (static_cast<unsigned long long>(b) << 28) | static_cast<unsigned long long>(pi + 1)));
+      return;
     }
   }
-  int64_t tok = 0, prow = 0;
-  const int64_t id = UnitPage(v, u, &tok, &prow);
-  if (id < 0) return;
+}
+
+// Row job i's checks once its token u has a valid page `id` (row prow, layer bytes `base`, directory format fmt,
+// position tok): a (page, row) written twice (earlier(w): unit w < u writes the same page row), a write-protected
+// or uncommitted page, a row its page's format cannot encode.
+template <typename Earlier>
+__device__ void CheckJobAt(const PagedUpdateCudaView& v, int64_t i, int64_t u, const uint8_t* base, int fmt,
+                           int64_t tok, unsigned long long* flag, const Earlier& earlier) {
+  const int64_t Hkv = v.p.shape.kv_heads;
+  const int64_t h = i % Hkv, kv = (i / Hkv) % 2;
   if (kv == 0 && h == 0) {
-    // a (page, row) written twice: the first later unit that repeats an earlier one
-    for (int64_t w = 0; w < u; ++w) {
-      int64_t tw = 0, rw = 0;
-      const int64_t idw = UnitPage(v, w, &tw, &rw);
-      if (idw == id && rw == prow) {
+    for (int64_t w = 0; w < u; ++w) {  // the first later unit that repeats an earlier one
+      if (earlier(w)) {
         atomicMin(flag, Key(kClassShared, static_cast<unsigned long long>(u)));
         break;
       }
     }
     if (v.ranges.count > 0) {
-      int f = 0;
-      const uint8_t* base = LayerBase(v.p, id, &f);
       const uint64_t first = reinterpret_cast<uint64_t>(base);
-      if (RangeHit(v.ranges, first, first + v.p.layouts[f].page_bytes))
+      if (RangeHit(v.ranges, first, first + v.p.layouts[fmt].page_bytes))
         atomicMin(flag, Key(kClassRange, static_cast<unsigned long long>(u)));
     }
   }
-  const PageFormat f = static_cast<PageFormat>(v.p.directory[2 * id]);
+  const PageFormat f = static_cast<PageFormat>(fmt);
   if (codecs::ScalesPerRow(f) == 0) return;
-  const codecs::RowResult r = SourceRowScales(codecs::RowFormat(f), SourceRow(v, kv, u, h, tok), static_cast<int32_t>(D));
+  const codecs::RowResult r =
+      SourceRowScales(codecs::RowFormat(f), SourceRow(v, kv, u, h, tok), static_cast<int32_t>(v.p.shape.head_size));
   if (r != codecs::RowResult::kOk) atomicMin(flag, Key(kClassEncode, static_cast<unsigned long long>(i)));
+}
+
+// Row job i = ((b * T + t) * 2 + kv) * Hkv + h: every check of Note [PagedCacheUpdate validation], the first
+// failure kept in *flag with atomicMin; the chain position -> table entry -> directory row walked per job.
+__device__ void CheckUpdateJob(const PagedUpdateCudaView& v, int64_t i, unsigned long long* flag) {
+  const int64_t Hkv = v.p.shape.kv_heads;
+  const int64_t h = i % Hkv, kv = (i / Hkv) % 2, u = i / (2 * Hkv);
+  if (u % v.T == 0 && kv == 0 && h == 0) CheckUpdateRow(v, u / v.T, flag);
+  int64_t tok = 0, prow = 0;
+  const int64_t id = UnitPage(v, u, &tok, &prow);
+  if (id < 0) return;
+  int fmt = 0;
+  const uint8_t* base = LayerBase(v.p, id, &fmt);
+  CheckJobAt(v, i, u, base, fmt, tok, flag, [&](int64_t w) {
+    int64_t tw = 0, rw = 0;
+    return UnitPage(v, w, &tw, &rw) == id && rw == prow;
+  });
 }
 
 // One thread per row job.
@@ -557,24 +572,23 @@ constexpr int kStoreWarps = 4;
 
 // One warp, row job i (the check's index), every check passed: codecs::EncodeRow's arithmetic, lanes over the
 // payload bytes.
-__device__ void StoreUpdateJob(const PagedUpdateCudaView& v, int64_t i, int lane) {
+// (base: the page's layer bytes, fi its directory format, prow / tok the token's page row and position).
+__device__ void StoreUpdateJobAt(const PagedUpdateCudaView& v, int64_t i, int lane, uint8_t* base, int fi,
+                                 int64_t prow, int64_t tok) {
   const int64_t Hkv = v.p.shape.kv_heads, ps = v.p.shape.page_size;
   const int32_t D = v.p.shape.head_size;
   const int64_t h = i % Hkv, kv = (i / Hkv) % 2, u = i / (2 * Hkv);
-  int64_t tok = 0, prow = 0;
-  const int64_t id = UnitPage(v, u, &tok, &prow);  // valid: the check passed
-  int fi = 0;
-  uint8_t* base = LayerBase(v.p, id, &fi);
   const PageFormat f = codecs::RowFormat(static_cast<PageFormat>(fi));
   const codecs::PageLayout& lay = v.p.layouts[fi];
   const uint64_t row = static_cast<uint64_t>(h) * ps + static_cast<uint64_t>(prow);
   uint8_t* payload = base + (kv ? lay.v_payload : lay.k_payload) + row * lay.row_bytes;
   uint16_t* scales = reinterpret_cast<uint16_t*>(base + (kv ? lay.v_scales : lay.k_scales) + row * lay.scale_row_bytes);
   const RowSrc src = SourceRow(v, kv, u, h, tok);
-  // scales (the check kernel proved them finite)
+  // scales (the check proved them finite); none for the 16-bit formats (warp-uniform)
+  const int ns = codecs::ScalesPerRow(f);
   float lo = INFINITY, hi = -INFINITY, amax = 0.0f;
   int ilo = 0x7fffffff, ihi = 0x7fffffff;
-  for (int c = lane; c < D; c += 32) {
+  for (int c = ns > 0 ? lane : D; c < D; c += 32) {
     const float x = src(c);
     if (x < lo || ilo == 0x7fffffff) {
       lo = x;
@@ -587,11 +601,12 @@ __device__ void StoreUpdateJob(const PagedUpdateCudaView& v, int64_t i, int lane
     const float a = x < 0.0f ? -x : x;
     amax = a > amax ? a : amax;
   }
-  ReduceMin(&lo, &ilo);
-  ReduceMax(&hi, &ihi);
-  for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+  if (ns > 0) {
+    ReduceMin(&lo, &ilo);
+    ReduceMax(&hi, &ihi);
+    for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+  }
   uint16_t sc[2] = {0, 0};
-  const int ns = codecs::ScalesPerRow(f);
   if (ns == 1) {
     sc[0] = codecs::F16Ceil(amax / codecs::QMax(f));
   } else if (ns == 2) {
@@ -638,13 +653,23 @@ __device__ void StoreUpdateJob(const PagedUpdateCudaView& v, int64_t i, int lane
   }
   if (lane < ns) scales[lane] = sc[lane];
 }
+// The store job of the check kernel's path: the chain walked again.
+__device__ void StoreUpdateJob(const PagedUpdateCudaView& v, int64_t i, int lane) {
+  const int64_t u = i / (2 * v.p.shape.kv_heads);
+  int64_t tok = 0, prow = 0;
+  const int64_t id = UnitPage(v, u, &tok, &prow);  // valid: the check passed
+  int fi = 0;
+  uint8_t* base = LayerBase(v.p, id, &fi);
+  StoreUpdateJobAt(v, i, lane, base, fi, prow, tok);
+}
 
 // Note [PagedRotaryCacheUpdate]: one warp, q job j = (b * T + t) * heads + h, every check passed: row (b, t)'s
 // query head h rotated into q_out.
-__device__ void StoreQueryJob(const PagedUpdateCudaView& v, int64_t j, int lane) {
-  const int64_t h = j % v.heads, u = j / v.heads, b = u / v.T, t = u % v.T;
+// (tok: the token's position).
+__device__ void StoreQueryJob(const PagedUpdateCudaView& v, int64_t j, int lane, int64_t tok) {
+  const int64_t h = j % v.heads, u = j / v.heads;
   const int64_t D = v.p.shape.head_size;
-  const RowSrc src = RowAt(v, v.q, u, h, true, Pos(v, b) + t);
+  const RowSrc src = RowAt(v, v.q, u, h, true, tok);
   const int64_t at = j * D;
   for (int64_t c = lane; c < D; c += 32) {
     const float y = src(c);  // already rounded to the type
@@ -662,12 +687,16 @@ __device__ __forceinline__ void StoreJob(const PagedUpdateCudaView& v, int64_t r
   if (i < rows) {
     StoreUpdateJob(v, i, lane);
   } else if (i - rows < v.q_jobs()) {
-    StoreQueryJob(v, i - rows, lane);
+    const int64_t u = (i - rows) / v.heads;
+    StoreQueryJob(v, i - rows, lane, Pos(v, u / v.T) + u % v.T);
   }
 }
 
 // One warp per store job; reads the check kernel's flag first.
 __global__ void __launch_bounds__(kStoreWarps * 32) PagedUpdateStoreKernel(const UpdateArgs args) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" :::);  // Note [Paged CUDA resolved update]
+#endif
   const PagedUpdateCudaView& v = args.v;
   const unsigned long long key = *static_cast<const volatile unsigned long long*>(v.flag);
   if (key != kNoError) {
@@ -678,46 +707,108 @@ __global__ void __launch_bounds__(kStoreWarps * 32) PagedUpdateStoreKernel(const
   StoreJob(v, v.rows(), i, threadIdx.x & 31);  // whole warps leave together
 }
 
-// Note [Paged CUDA one-block update]
+// Note [Paged CUDA resolved update]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-// A decode step writes a few rows (B x 1 token x 2 x kv_heads: 6 for SmolLM2 at batch 1, 48 at 8), and the
-// memset + check + store of Note [Paged CUDA] cost three graph nodes for them, each a chain of dependent loads
-// (position, table entry, directory row) that the store walked again. For a few store jobs (the row jobs, plus
-// PagedRotaryCacheUpdate's q jobs; below) and no page_fill (whose prefix kernel needs the flag in global
-// memory) one block of kOneBlockThreads does both phases: a thread per row job checks into a shared-memory key
-// (the same atomicMin order), __syncthreads, then either thread 0 reports the first failure (nothing stored) or
-// a warp per store job stores, its loads of the table and directory hitting what the check phase brought into
-// L1. One launch, no memset, the same bytes and reports as the two kernels. It takes at most one store job per
-// warp by default (kOneBlockJobs): its warps run their jobs one after another, and on the H200 (SmolLM2 float16,
-// CUDA graph, bench_paged_generate_cuda.py, ms per decode step) batch 1 (15 store jobs) took 1.459 one block
-// against 1.624 with the two kernels, but batch 8 (120 jobs, 8 a warp) 2.380 against 2.005.
-// ORTKV_CUDA_PAGED_UPDATE=two takes the memset + check + store path at any size, =one the block up to
-// kOneBlockMaxJobs (A/B runs, tests); read at every launch (a captured CUDA graph keeps the launches of its
-// capture).
-constexpr int kOneBlockThreads = 512;
-constexpr int64_t kOneBlockJobs = kOneBlockThreads / 32;
-constexpr int64_t kOneBlockMaxJobs = 192;  // at most 12 per warp
-int64_t OneBlockLimit() {
+// A decode step writes a few rows (B x 1 token x 2 x kv_heads: 6 for SmolLM2 at batch 1, 48 at 8, plus
+// PagedRotaryCacheUpdate's B x heads q jobs), and the memset + check + store of Note [Paged CUDA] cost three graph
+// nodes for them, each a chain of dependent loads (position, table entry, directory row) that the store walked
+// again. Without page_fill (whose prefix kernel needs the flag in global memory), up to kResolvedMaxUnits tokens
+// and kResolvedMaxRows row jobs, the update is ONE launch of blocks of kResolvedThreads, and EVERY block checks the
+// whole update, so no block waits for another:
+//   1. a thread per token resolves its page once (position -> table entry -> directory row) into shared memory
+//      (page id, layer bytes, format, row in the page, position; id -1 for a bad row or page) and, for a row's
+//      first token, runs the row's checks of Note [PagedCacheUpdate validation] into a shared-memory key;
+//   2. __syncthreads; a thread per row job runs the rest of the checks from those slots (a page row written twice
+//      compared in shared memory, the protected ranges, the encode check of scaled formats), atomicMin into the key
+//      in the CPU plan's order, as the check kernel;
+//   3. __syncthreads; the key is the same in every block: a failure and block 0's thread 0 reports it, no block
+//      stores a byte; otherwise warp w of block k takes store jobs k * 16 + w, + 16 * gridDim.x, ..., their page
+//      bytes, row and position from the slots (the 16-bit formats skip the scale reductions).
+// The grid has a block per 16 store jobs (at most kResolvedMaxBlocks): one job a warp at SmolLM2's batch 8, where
+// the first form of this kernel (one block, the chain walked by the check and again by the store) ran 8 jobs a
+// warp in series and lost to the two kernels (2.380 vs 2.005 ms a decode step). The replicated checks are a few
+// dozen rows per block at decode; past the limits (a long prefill) the two kernels take the update.
+// The kernel (and the store kernel) lets its programmatic dependents start at its start: the attention after it
+// resolves its pages and copies rows before `start` while the update runs, and waits for it before this step's
+// rows (Note [CUDA attention early start] in cache_attention.cu).
+// ORTKV_CUDA_PAGED_UPDATE=two takes the memset + check + store path at any size, =one this kernel in ONE block
+// (its warps looping over the jobs) within its limits (A/B runs, tests); read at every launch (a captured CUDA
+// graph keeps the launches of its capture).
+constexpr int kResolvedThreads = 512, kResolvedWarps = kResolvedThreads / 32;
+constexpr int64_t kResolvedMaxUnits = 256, kResolvedMaxRows = 2048, kResolvedMaxBlocks = 128;
+struct UnitSlots {  // per token u < B * T
+  uint8_t* base[kResolvedMaxUnits];  // its page's layer bytes
+  int64_t id[kResolvedMaxUnits];     // the page id; -1: the row or the page is bad (the row check reports it)
+  int64_t tok[kResolvedMaxUnits];    // its position
+  int32_t prow[kResolvedMaxUnits];   // its row in the page
+  int32_t fmt[kResolvedMaxUnits];    // the page's directory format
+};
+// The grid of the resolved kernel for this update, 0: the two kernels.
+int64_t ResolvedBlocks(const PagedUpdateCudaView& v) {
   const char* e = std::getenv("ORTKV_CUDA_PAGED_UPDATE");
   if (e != nullptr && std::strcmp(e, "two") == 0) return 0;
-  if (e != nullptr && std::strcmp(e, "one") == 0) return kOneBlockMaxJobs;
-  return kOneBlockJobs;
+  if (v.p.page_fill != nullptr || v.B * v.T > kResolvedMaxUnits || v.rows() > kResolvedMaxRows) return 0;
+  if (e != nullptr && std::strcmp(e, "one") == 0) return 1;
+  return std::min<int64_t>((v.rows() + v.q_jobs() + kResolvedWarps - 1) / kResolvedWarps, kResolvedMaxBlocks);
 }
-__global__ void __launch_bounds__(kOneBlockThreads) PagedUpdateOneBlockKernel(const UpdateArgs args) {
+__device__ void ResolveUnit(const PagedUpdateCudaView& v, int64_t u, UnitSlots& s, unsigned long long* key) {
+  const int64_t b = u / v.T, t = u % v.T, pos = Pos(v, b);
+  int64_t id = -1;
+  if (PosOk(v, b, pos)) {
+    int64_t prow = 0;
+    const int64_t tok = pos + t, e = EntryOf(v.p, b, tok, &prow);  // no page_fill here: a division
+    id = TableAt(v.p, b, e);
+    const DirRow r = DirectoryRow(v.p, id);
+    if (PageProblemAt(v.p, id, r.f, r.off, true) == kPageOk) {
+      s.base[u] = LayerBaseAt(v.p, r.f, r.off);
+      s.tok[u] = tok;
+      s.prow[u] = static_cast<int32_t>(prow);
+      s.fmt[u] = static_cast<int32_t>(r.f);
+    } else {
+      id = -1;
+    }
+  }
+  s.id[u] = id;
+  if (t == 0) CheckUpdateRow(v, b, key);  // its loads hit what the lines above brought in
+}
+__global__ void __launch_bounds__(kResolvedThreads) PagedUpdateResolvedKernel(const UpdateArgs args) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" :::);  // the attention may start (it waits for this grid)
+#endif
   const PagedUpdateCudaView& v = args.v;
+  __shared__ UnitSlots s;
   __shared__ unsigned long long s_key;
-  if (threadIdx.x == 0) s_key = kNoError;
+  const int tid = threadIdx.x;
+  if (tid == 0) s_key = kNoError;
   __syncthreads();
-  const int64_t rows = v.rows();
-  for (int64_t i = threadIdx.x; i < rows; i += kOneBlockThreads) CheckUpdateJob(v, i, &s_key);
+  const int64_t units = v.B * v.T, rows = v.rows(), Hkv = v.p.shape.kv_heads;
+  for (int64_t u = tid; u < units; u += kResolvedThreads) ResolveUnit(v, u, s, &s_key);
+  __syncthreads();
+  for (int64_t i = tid; i < rows; i += kResolvedThreads) {
+    const int64_t u = i / (2 * Hkv), id = s.id[u];
+    if (id < 0) continue;
+    const int32_t prow = s.prow[u];
+    CheckJobAt(v, i, u, s.base[u], s.fmt[u], s.tok[u], &s_key,
+               [&](int64_t w) { return s.id[w] == id && s.prow[w] == prow; });
+  }
   __syncthreads();
   const unsigned long long key = s_key;
   if (key != kNoError) {
-    if (threadIdx.x == 0) ReportUpdate(v, key);
+    if (blockIdx.x == 0 && tid == 0) ReportUpdate(v, key);
     return;
   }
   const int64_t jobs = rows + v.q_jobs();
-  for (int64_t i = threadIdx.x >> 5; i < jobs; i += kOneBlockThreads / 32) StoreJob(v, rows, i, threadIdx.x & 31);
+  const int lane = tid & 31;
+  for (int64_t j = blockIdx.x * static_cast<int64_t>(kResolvedWarps) + (tid >> 5); j < jobs;
+       j += static_cast<int64_t>(gridDim.x) * kResolvedWarps) {  // whole warps
+    if (j < rows) {
+      const int64_t u = j / (2 * Hkv);
+      StoreUpdateJobAt(v, j, lane, s.base[u], s.fmt[u], s.prow[u], s.tok[u]);
+    } else {
+      const int64_t q = j - rows;
+      StoreQueryJob(v, q, lane, s.tok[q / v.heads]);
+    }
+  }
 }
 
 // ---- PagedCacheAttention -----------------------------------------------------------------------------
@@ -3413,8 +3504,8 @@ Status PagedCacheUpdateCuda(const PagedUpdateCudaView& v, void* stream_ptr) {
   if (v.flag == nullptr) return Status(Code::kRuntime, "PagedCacheUpdate CUDA: no flag workspace");
   cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
   UpdateArgs a{v};
-  if (v.p.page_fill == nullptr && v.rows() + v.q_jobs() <= OneBlockLimit()) {  // Note [Paged CUDA one-block update]
-    PagedUpdateOneBlockKernel<<<1, kOneBlockThreads, 0, stream>>>(a);
+  if (const int64_t blocks = ResolvedBlocks(v)) {  // Note [Paged CUDA resolved update]
+    PagedUpdateResolvedKernel<<<static_cast<unsigned>(blocks), kResolvedThreads, 0, stream>>>(a);
     const cudaError_t e1 = cudaGetLastError();
     return e1 == cudaSuccess ? Status::Ok() : LaunchError("PagedCacheUpdate", e1);
   }
