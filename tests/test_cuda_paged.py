@@ -913,6 +913,32 @@ def test_rotary_update_refusals_on_the_device(rng, path):
     assert after.tobytes() == pool.tobytes() and np.isnan(q).all()
 
 
+@pytest.mark.parametrize("path", UPDATE_PATHS)
+def test_rotary_update_rotary_table_bound_per_row_on_the_device(rng, path):
+    """Tables of 19 rows (the page table reaches 48 positions) serve rows at 3 and 14 with 5 tokens each: the bytes
+    and q_rot equal the CPU op's. Tables of 18 refuse row 1 (14 + 5 = 19) with the table's name, rows and remedy,
+    before its pages (a missing page of row 1 is not what is reported); the pool untouched, q_rot not written."""
+    from test_paged_rotary import case, run_rotary_update
+    pool, directory, table, qkv, pos, cos, sin = case(rng, [PageFormat.INT8, PageFormat.F16], dtype="float16", D=64,
+                                                      PS=16, positions=(3, 14), max_pages=3)
+    kw = dict(layer=1, num_layers=2, heads=3, kv_heads=1, page_size=16)
+    with update_path(path):
+        got, q, err = cuda_rotary_update(pool, directory, table, qkv, pos, cos[:19], sin[:19], dtype="float16", **kw)
+    assert err is None, err
+    cpu = pool.copy()
+    q_cpu = np.zeros((2, 5, 3 * 64), np.float16)
+    run_rotary_update(cpu, directory, table, qkv, pos, cos[:19], sin[:19], q_cpu, dtype="float16", **kw)
+    assert got.tobytes() == cpu.tobytes() and got.tobytes() != pool.tobytes()
+    np.testing.assert_array_equal(q, q_cpu.astype(np.float32))
+    table[1, 1] = -1
+    with update_path(path):
+        after, q, err = cuda_rotary_update(pool, directory, table, qkv, pos, cos[:18], sin[:18], dtype="float16", **kw)
+    assert err is not None and "PagedRotaryCacheUpdate node 'rupd'" in err and "[ortkv:E_CAPACITY]" in err, err
+    assert "row 1: position 14 + tokens 5 = 19 exceeds the rotary table 'cos' of 18 rows" in err, err
+    assert "Remedy: build the rotary tables with >= 19 rows" in err and "Nothing was written" in err, err
+    assert after.tobytes() == pool.tobytes() and np.isnan(q).all()
+
+
 # ---- update then attention, and a CUDA graph ----------------------------------------------------------------
 def _decode_model(H, G, PS, NL):
     vi = helper.make_tensor_value_info

@@ -148,8 +148,10 @@ def _slice_model(tmp_path_factory, page_fill):
         pytest.skip("this build has no paged kernels")
     w, _ = weights.load(smollm2_gguf(), layers=2)
     root = tmp_path_factory.mktemp("multi_slice")
-    model = to_paged(builder.build(w, "ortkv", max_positions=256, cache_layout="BSNH"), w.config.heads,
-                     w.config.kv_heads, PS, page_fill=page_fill)
+    # as paged_model_path builds it: the rotary in PagedRotaryCacheUpdate, the MLP as one SwiGLU (Note [Paged
+    # decoder]); 256 rotary rows, fewer than the many-sequence page tables reach (each row's positions are checked)
+    model = to_paged(builder.build(w, "ortkv", max_positions=256, cache_layout="BSNH", fused=True, fused_mlp=True),
+                     w.config.heads, w.config.kv_heads, PS, page_fill=page_fill)
     onnx.save_model(model, str(root / "model.onnx"), save_as_external_data=True, all_tensors_to_one_file=True,
                     location="model.onnx.data")
     return root / "model.onnx"

@@ -126,11 +126,27 @@ def _refused(exc_type, fragments, rng, mutate, *, formats=(PageFormat.INT8, Page
     assert (q == 7.0).all(), "a refused update wrote q_rot"
 
 
-def test_rotary_update_refuses_short_rotary_tables(rng):
+def test_rotary_update_refuses_a_row_past_the_rotary_tables(rng):
+    """Rows at 3 and 6, 5 tokens: tables of 10 rows refuse row 1 (6 + 5 = 11), naming the table, its rows and the
+    remedy, after row 0's checks and before any page of row 1 (its missing page is not what is reported)."""
     def m(a):
-        a["cos"], a["sin"] = a["cos"][:15], a["sin"][:15]
-    _refused(CacheInputError, ["rotary table 'cos' has 15 rows", "4 pages x 4 tokens = 16 positions",
-                               "Remedy: build the tables with >= 16 rows"], rng, m)
+        a["cos"], a["sin"] = a["cos"][:10], a["sin"][:10]
+        a["table"][1, 2] = -1
+    _refused(CapacityError, ["row 1: position 6 + tokens 5 = 11 exceeds the rotary table 'cos' of 10 rows",
+                             "Remedy: build the rotary tables with >= 11 rows"], rng, m)
+
+
+def test_rotary_update_tables_need_only_the_positions_written(rng):
+    """Tables of 11 rows, shorter than the page table's reach (4 pages x 4 = 16 positions), serve rows at 3 and 6
+    with 5 tokens each: the same bytes and q_rot as the oracle (a many-sequence table is wider than any row reaches)."""
+    pool, directory, table, qkv, pos, cos, sin = case(rng, [PageFormat.INT8, PageFormat.F16], rows=11)
+    want, want_q = paged_rotary_cache_update_ref(pool, directory, table, qkv, pos, cos, sin, num_heads=3,
+                                                 kv_num_heads=1, layer=1, num_layers=2, page_size=4)
+    q = np.zeros((2, 5, 3 * 16), np.float32)
+    run_rotary_update(pool, directory, table, qkv, pos, cos, sin, q, layer=1, num_layers=2, heads=3, kv_heads=1,
+                      page_size=4)
+    assert pool.tobytes() == want.tobytes()
+    np.testing.assert_array_equal(q, want_q)
 
 
 def test_rotary_update_refuses_bad_qkv_width_and_tables(rng):

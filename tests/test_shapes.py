@@ -326,8 +326,12 @@ def m_paged_rotary_accept():
     return _paged_rotary(), {}
 
 
-def m_paged_rotary_short_tables():
-    return _paged_rotary(rows=63), {}
+def m_paged_rotary_short_tables():  # a table shorter than the page table's reach: fine unless a position passes it
+    return _paged_rotary(rows=40, pos=[40]), {}
+
+
+def m_paged_rotary_short_tables_accept():
+    return _paged_rotary(rows=40, pos=[39]), {}
 
 
 def m_paged_rotary_width():
@@ -416,8 +420,9 @@ CORPUS = {
     "paged-capacity": (m_paged_capacity, "capacity", ("position 64 + n 1 = 65", "4 pages x 16 tokens")),
     "paged-table-type": (m_paged_table_type, "op-input", ("'table' is float32 [1, 4]; it must be [batch, max_pages] int32",)),
     "paged-rotary-accept": (m_paged_rotary_accept, None, ()),
-    "paged-rotary-short-tables": (m_paged_rotary_short_tables, "op-input", ("rotary table 'cos' has 63 rows",
-                                                                            "reaches 64 positions")),
+    "paged-rotary-short-tables": (m_paged_rotary_short_tables, "capacity", ("position 40 + n 1 = 41",
+                                                                            "rotary table 'cos' (40 rows")),
+    "paged-rotary-short-tables-accept": (m_paged_rotary_short_tables_accept, None, ()),
     "paged-rotary-width": (m_paged_rotary_width, "op-input", ("'qkv' width 50 must be (num_heads + 2 kv_num_heads) "
                                                               "* head_size = 4 * head_size",)),
     "paged-rotary-capacity": (m_paged_rotary_capacity, "capacity", ("position 64 + n 1 = 65", "4 pages x 16 tokens")),

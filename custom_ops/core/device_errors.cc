@@ -84,10 +84,10 @@ void ClearWords(ortkv_device_error* words) {
 // PagedRotaryCacheUpdate's also page_fill's (empty when absent) and then qkv's (Note [PagedRotaryCacheUpdate]).
 int FinishPaged(ortkv_device_error* words, const ortkv_device_error& e, int code, const Label& label, char* msg,
                 size_t cap) {
-  std::string names[5] = {"pool", "directory", "page_table", "page_fill", ""};
+  std::string names[6] = {"pool", "directory", "page_table", "page_fill", "", ""};
   {
     size_t at = 0;
-    for (int i = 0; i < 5; ++i) {
+    for (int i = 0; i < 6; ++i) {
       const size_t nl = label.tensor.find('\n', at);
       names[i] = label.tensor.substr(at, nl == std::string::npos ? std::string::npos : nl - at);
       if (nl == std::string::npos) break;
@@ -107,7 +107,11 @@ int FinishPaged(ortkv_device_error* words, const ortkv_device_error& e, int code
       break;
     case ORTKV_DERR_CAPACITY:
       c = ortkv::Code::kCapacity;
-      if (e.first == 1) {  // page_fill bound (Note [Page fill]): the row's capacity is its total fill
+      if (e.first == 2) {  // PagedRotaryCacheUpdate: the rotary tables' rows (Note [PagedRotaryCacheUpdate])
+        m << "row " << e.row << ": " << what << " " << e.position << " + tokens " << e.n << " = " << e.position + e.n
+          << " exceeds the rotary table '" << names[5] << "' of " << e.capacity << " rows (a row per position)."
+          << tail << " Remedy: build the rotary tables with >= " << e.position + e.n << " rows.";
+      } else if (e.first == 1) {  // page_fill bound (Note [Page fill]): the row's capacity is its total fill
         m << "row " << e.row << ": " << what << " " << e.position << " + tokens " << e.n << " = " << e.position + e.n
           << " exceeds the row's total fill of " << e.capacity << " tokens (the sum of page_fill '" << names[3]
           << "' over its entries)." << tail << " Remedy: give the row entries (and fill) for its new tokens.";

@@ -247,8 +247,8 @@ OrtStatus* RotaryUpdateCompute(void* op_kernel, OrtKernelContext* ctx) {
   ortkv::PagedRotary r;
   thread_local TensorArg cols[2];  // the rotated k and the v columns, contiguous (a step's rows)
   ClearArgs(cols);
-  ORTKV_RETURN_IF_ORT_ERROR(ToOrtStatus(ortkv::PlanPagedRotary(k.names.node, in[3], in[4], in[5], in[6], in[2],
-                                                               k.num_heads, k.attrs, true, &r, &cols[0], &cols[1])));
+  ORTKV_RETURN_IF_ORT_ERROR(ToOrtStatus(ortkv::PlanPagedRotary(k.names.node, in[3], in[4], in[5], in[6], k.num_heads,
+                                                               k.attrs, true, &r, &cols[0], &cols[1])));
   thread_local std::vector<uint8_t> kbuf, vbuf;
   const size_t bytes = static_cast<size_t>(r.B * r.T * r.kv_heads * r.head_size) * (r.elem_type == ortkv::kFloat32 ? 4 : 2);
   kbuf.resize(bytes);
@@ -260,7 +260,7 @@ OrtStatus* RotaryUpdateCompute(void* op_kernel, OrtKernelContext* ctx) {
   ortkv::PagedUpdateView view;
   ORTKV_RETURN_IF_ORT_ERROR(ToOrtStatus(ortkv::PlanPagedCacheUpdate(k.names.node, in[0], in[1], in[2], cols[0], cols[1],
                                                                     in[4], k.attrs, &view, fill ? &in[7] : nullptr,
-                                                                    &kRotaryOp)));
+                                                                    &kRotaryOp, &in[5])));
   ORTKV_RETURN_IF_ORT_ERROR(CheckPoolAliased(ctx, k, in[0]));
   void* q_out = nullptr;
   ORTKV_RETURN_IF_ORT_ERROR(QOutput(ctx, r, &q_out));
@@ -503,8 +503,8 @@ OrtStatus* RotaryUpdateComputeCuda(void* op_kernel, OrtKernelContext* ctx) {
   ortkv::PagedRotary r;
   thread_local TensorArg cols[2];  // qkv's k and v columns, read in place by the kernels
   ClearArgs(cols);
-  ORTKV_RETURN_IF_ORT_ERROR(ToOrtStatus(ortkv::PlanPagedRotary(k.names.node, in[3], in[4], in[5], in[6], in[2],
-                                                               k.num_heads, k.attrs, false, &r, &cols[0], &cols[1])));
+  ORTKV_RETURN_IF_ORT_ERROR(ToOrtStatus(ortkv::PlanPagedRotary(k.names.node, in[3], in[4], in[5], in[6], k.num_heads,
+                                                               k.attrs, false, &r, &cols[0], &cols[1])));
   ortkv::PagedUpdateCudaView view;
   ORTKV_RETURN_IF_ORT_ERROR(ToOrtStatus(ortkv::PlanPagedCacheUpdateCuda(k.names.node, in[0], in[1], in[2], cols[0],
                                                                         cols[1], in[4], k.attrs, &view,
@@ -515,6 +515,7 @@ OrtStatus* RotaryUpdateComputeCuda(void* op_kernel, OrtKernelContext* ctx) {
   view.src_stride = r.width();
   view.cos = r.cos;
   view.sin = r.sin;
+  view.rotary_rows = r.table_rows;  // checked per row on the device (Note [PagedRotaryCacheUpdate])
   view.q = r.qkv;
   view.q_out = q_out;
   view.heads = r.heads;
@@ -579,10 +580,12 @@ OrtStatus* UpdateCreateCuda(const OrtCustomOp* op, const OrtApi* api, const OrtK
 OrtStatus* RotaryUpdateCreateCuda(const OrtCustomOp* op, const OrtApi* api, const OrtKernelInfo* info, void** kernel) {
   ORTKV_RETURN_IF_ORT_ERROR(RotaryUpdateCreate(op, api, info, kernel));
   auto* k = static_cast<PagedKernel*>(*kernel);
-  // pool, directory, page_table, page_fill ("" when absent), qkv: device_errors.cc's FinishPaged reads them so
+  // pool, directory, page_table, page_fill ("" when absent), qkv, cos_cache: device_errors.cc's FinishPaged reads
+  // them so
   const NodeNames& n = k->names;
   const std::string names = n.inputs[0] + "\n" + n.inputs[1] + "\n" + n.inputs[2] + "\n" +
-                            (n.inputs.size() > 7 ? n.inputs[7] : std::string()) + "\n" + n.inputs[3];
+                            (n.inputs.size() > 7 ? n.inputs[7] : std::string()) + "\n" + n.inputs[3] + "\n" +
+                            n.inputs[5];
   k->label = ortkv_core_register_label("PagedRotaryCacheUpdate", n.node.c_str(), names.c_str());
   return nullptr;
 }

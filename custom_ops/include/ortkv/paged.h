@@ -191,7 +191,8 @@ Status PlanPagedCacheUpdate(const std::string& node, const TensorArg& pool, cons
                             const TensorArg& page_table, const TensorArg& key, const TensorArg& value,
                             const TensorArg& position, const PagedAttrs& attrs, PagedUpdateView* view,
                             const TensorArg* page_fill = nullptr,
-                            const std::string* op_name = nullptr);  // nullptr: "PagedCacheUpdate"
+                            const std::string* op_name = nullptr,  // nullptr: "PagedCacheUpdate"
+                            const TensorArg* rotary_table = nullptr);  // Note [PagedRotaryCacheUpdate]: its row bound
 
 // [first, last) bytes of the page layer written for unit u's token (for the write-protection check).
 void PagedUpdateUnitSpan(const PagedUpdateView& view, int64_t unit, uintptr_t* first, uintptr_t* last);
@@ -217,8 +218,11 @@ void PagedCacheUpdateCpu(const PagedUpdateView& view, int64_t begin, int64_t end
 //     [, page_fill]) writes it (every check, report and byte; the key and value are named after qkv, "(rotated k
 //     columns)" and "(v columns)"); output 0 MUST alias input 0. q_rot [B, T, H D] is a new output, written only when the
 //     update is (a refused node writes neither).
-//   * cos_cache / sin_cache [rows, D / 2] of qkv's type with rows >= max_pages * page_size (the page table's
-//     capacity): every position a row can reach has its row, so the tables need no device check.
+//   * cos_cache / sin_cache [rows, D / 2] of qkv's type: a row per position. Every position a row writes needs its
+//     table row, checked per row right after its position (position + T <= rows, else E_CAPACITY naming the table,
+//     nothing written): in the CPU plan, and on CUDA in the device's row check (reported after the run). The tables
+//     need not cover the page table's whole capacity: a many-sequence table (page_fill) is wider than any row's
+//     positions reach.
 // CPU: float32, float16, bfloat16 (k rotated into a step-sized buffer, then PagedCacheUpdate's plan and encode).
 // CUDA: the update kernels read k and v in place from qkv (a row stride) and rotate k as they load it; q_rot is
 // written by the store phase.
@@ -233,13 +237,13 @@ struct PagedRotary {
   int64_t width() const { return (heads + 2 * kv_heads) * head_size; }
 };
 
-// Validates qkv, the rotary tables and their tie to the page table (not the pool: PagedCacheUpdate's plan), and
+// Validates qkv and the rotary tables (not the pool, nor a row's table bound: PagedCacheUpdate's plan), and
 // fills `r` and the two column arguments for that plan: [B, T, Hkv D] of qkv's type, named after qkv, whose data
 // point at qkv's k / v columns (rows r.width() elements apart: the CUDA kernels read them so; the CPU op points
 // them at contiguous copies first). read_positions: the CPU op (host positions).
 Status PlanPagedRotary(const std::string& node, const TensorArg& qkv, const TensorArg& position, const TensorArg& cos,
-                       const TensorArg& sin, const TensorArg& page_table, int64_t heads, const PagedAttrs& attrs,
-                       bool read_positions, PagedRotary* r, TensorArg* key, TensorArg* value);
+                       const TensorArg& sin, int64_t heads, const PagedAttrs& attrs, bool read_positions,
+                       PagedRotary* r, TensorArg* key, TensorArg* value);
 // CPU: rotated k and v of every token into k_out / v_out ([B, T, Hkv D] of qkv's type, contiguous); rows whose
 // position PagedCacheUpdate's plan refuses are zeros.
 void PagedRotaryKeysCpu(const PagedRotary& r, int64_t capacity, void* k_out, void* v_out);

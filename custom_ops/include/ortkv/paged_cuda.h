@@ -45,6 +45,8 @@
 // (position / start), n (tokens), hit_addr = page index in the row's table, first = page id, last =
 // problem | format << 8 | offset << 16 (problem: kPageNone...kPageFormatHint below; kPageFormatHint's byte also holds
 // the page_format attribute's format << 4).
+// ORTKV_DERR_CAPACITY: first = 1 the row's total fill (page_fill), 2 PagedRotaryCacheUpdate's rotary table
+// (capacity = its rows), else the page table's capacity.
 // ORTKV_DERR_SHARED_ROW: row (the later row), position (its token), hit_addr = the earlier row, first =
 // page id, last = row inside the page. ORTKV_DERR_ENCODE: row, position (the token), hit_addr = head,
 // first = page id, last = RowResult | kv << 8 | format << 16. ORTKV_DERR_READONLY / _UNCOMMITTED as for
@@ -93,6 +95,7 @@ struct PagedUpdateCudaView {
   int64_t src_stride = 0;          // elements from one token's key row to the next's (0: kv_heads * head_size)
   const void* cos = nullptr;       // [rows, head_size / 2] of elem_type; nullptr: no rotary
   const void* sin = nullptr;
+  int64_t rotary_rows = 0;         // the tables' rows: a row's position + T must not pass them (its row check)
   const void* q = nullptr;         // qkv (its q columns), rows src_stride apart
   void* q_out = nullptr;           // [B, T, heads * head_size], written by the store phase
   int64_t heads = 0;

@@ -9,8 +9,8 @@
 namespace ortkv {
 
 Status PlanPagedRotary(const std::string& node, const TensorArg& qkv, const TensorArg& position, const TensorArg& cos,
-                       const TensorArg& sin, const TensorArg& page_table, int64_t heads, const PagedAttrs& attrs,
-                       bool read_positions, PagedRotary* r, TensorArg* key, TensorArg* value) {
+                       const TensorArg& sin, int64_t heads, const PagedAttrs& attrs, bool read_positions,
+                       PagedRotary* r, TensorArg* key, TensorArg* value) {
   static const std::string op = "PagedRotaryCacheUpdate";
   Message m;  // Note [Messages on the error path only]
   if (qkv.elem_type != kFloat32 && qkv.elem_type != kFloat16 && qkv.elem_type != kBFloat16) {
@@ -43,14 +43,6 @@ Status PlanPagedRotary(const std::string& node, const TensorArg& qkv, const Tens
     m << "rotary tables '" << cos.name << "' and '" << sin.name << "' must both be [rows, head_size / 2 = " << D / 2
       << "]; got ranks " << cos.dims.size() << " and " << sin.dims.size();
     if (cos.dims.size() == 2) m << ", '" << cos.name << "' [" << cos.dims[0] << ", " << cos.dims[1] << "]";
-    return paged::Bad(op, node, m.str());
-  }
-  if (page_table.dims.size() == 2 && attrs.page_size > 0 && cos.dims[0] < page_table.dims[1] * attrs.page_size) {
-    const int64_t need = page_table.dims[1] * attrs.page_size;
-    m << "rotary table '" << cos.name << "' has " << cos.dims[0] << " rows but the page table '" << page_table.name
-      << "' reaches " << page_table.dims[1] << " pages x " << attrs.page_size << " tokens = " << need
-      << " positions; every position a row can reach needs its row. Remedy: build the tables with >= " << need
-      << " rows (or bind a narrower page table)";
     return paged::Bad(op, node, m.str());
   }
   r->qkv = qkv.data;

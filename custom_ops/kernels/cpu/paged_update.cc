@@ -207,7 +207,8 @@ Status ResolvePageFill(const std::string& op, const std::string& node, const Ten
 Status PlanPagedCacheUpdate(const std::string& node, const TensorArg& pool, const TensorArg& directory,
                             const TensorArg& page_table, const TensorArg& key, const TensorArg& value,
                             const TensorArg& position, const PagedAttrs& attrs, PagedUpdateView* view,
-                            const TensorArg* page_fill, const std::string* op_name) {
+                            const TensorArg* page_fill, const std::string* op_name,
+                            const TensorArg* rotary_table) {
   static const std::string kOp = "PagedCacheUpdate";  // once: no allocation per run
   const std::string& op = op_name != nullptr ? *op_name : kOp;
   Message m;  // Note [Messages on the error path only]
@@ -264,6 +265,13 @@ Status PlanPagedCacheUpdate(const std::string& node, const TensorArg& pool, cons
           << page_table.name << "'). Remedy: give the row entries (pages and fills) for every position it writes. "
           << "Nothing was written.";
       }
+      return Status(Code::kCapacity, m.str());
+    }
+    if (rotary_table != nullptr && pos + T > rotary_table->dims[0]) {  // Note [PagedRotaryCacheUpdate]
+      m << where << ": row " << b << ": position " << pos << " + tokens " << T << " = " << pos + T
+        << " exceeds the rotary table '" << rotary_table->name << "' of " << rotary_table->dims[0]
+        << " rows (a row per position). Remedy: build the rotary tables with >= " << pos + T
+        << " rows. Nothing was written.";
       return Status(Code::kCapacity, m.str());
     }
     const int64_t first = p.Locate(b, pos).entry, last = p.Locate(b, pos + T - 1).entry;

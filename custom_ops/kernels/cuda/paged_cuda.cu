@@ -336,8 +336,10 @@ struct UpdateArgs {
 __device__ __forceinline__ int64_t Pos(const PagedUpdateCudaView& v, int64_t b) {
   return v.positions[b * v.position_stride];
 }
+// The row's position: not negative, its T tokens within the row's capacity and (PagedRotaryCacheUpdate) within the
+// rotary tables' rows (Note [PagedRotaryCacheUpdate]); a failure is the row's sub-key 0, ReportUpdate says which.
 __device__ __forceinline__ bool PosOk(const PagedUpdateCudaView& v, int64_t b, int64_t pos) {
-  return pos >= 0 && pos <= RowTotal(v.p, b) - v.T;
+  return pos >= 0 && pos <= RowTotal(v.p, b) - v.T && (v.cos == nullptr || pos + v.T <= v.rotary_rows);
 }
 
 // The (valid) page id of unit u's token, or -1 when its row or page is bad (reported by the row check).
@@ -496,8 +498,9 @@ __device__ void ReportUpdate(const PagedUpdateCudaView& v, unsigned long long ke
     const int64_t b = static_cast<int64_t>(detail >> 28), sub = static_cast<int64_t>(detail & ((1ull << 28) - 1));
     const int64_t pos = Pos(v, b), cap = RowTotal(v.p, b);
     if (sub == 0) {
-      WriteReport(err, v.label, pos < 0 ? ORTKV_DERR_NEGATIVE : ORTKV_DERR_CAPACITY, b, pos, v.T, cap, 0,
-                  fill ? 1 : 0, 0);
+      const bool rotary = pos >= 0 && pos <= cap - v.T;  // the position fits the row: the rotary tables' bound failed
+      WriteReport(err, v.label, pos < 0 ? ORTKV_DERR_NEGATIVE : ORTKV_DERR_CAPACITY, b, pos, v.T,
+                  rotary ? v.rotary_rows : cap, 0, rotary ? 2 : fill ? 1 : 0, 0);
       return;
     }
     const int64_t pi = sub - 1, id = TableAt(v.p, b, pi);

@@ -16,7 +16,7 @@ Layer l's attention is ordered before layer l+1's update by data (the update's k
 attention's output), as the checker's alias-hazard rule requires. Inputs: input_ids [B, T], positions [B], pool uint8 [pool_bytes] (READ_WRITE), directory int64
 [num_pages, 2], page_table int32 [B, max_pages], and with ``page_fill=True`` page_fill int32 [B, max_pages]
 (the ops' optional last input, Note [Page fill]: what the many-sequence path binds so that forks and beam
-reorders copy nothing; that model is saved apart, ``paged2-fill-ps{N}``). Rewriting the built graph (instead of a
+reorders copy nothing; that model is saved apart, ``paged3-fill-ps{N}``). Rewriting the built graph (instead of a
 second builder) keeps the weights, rotary and MLP code in one place. The base is built as the dense ortkv
 decoder's projections and MLP are (its Linear choice, models.linear_projections: ortkv.Linear for float32 on the
 CPU; the MLP as one SwiGLU, build(fused_mlp=True), on the CPU the Linear's SwiGLU epilogue) and, since "paged3",
@@ -24,10 +24,10 @@ with its RotaryCacheUpdate (build(fused=True)): each layer's RotaryCacheUpdate +
 PagedRotaryCacheUpdate(pool, directory, page_table, qkv, positions, cos, sin) -> (present_pool.l, q_rot) and the
 PagedCacheAttention (Note [PagedRotaryCacheUpdate] in custom_ops/include/ortkv/paged.h), where the unfused base took
 Split + 2 RotaryEmbedding + PagedCacheUpdate (on CUDA three ORT kernels and the update's memset + check + store per
-layer). The rotary tables are built with whole pages of rows (the op needs a row for every position its page table
-reaches). The many-sequence model (page_fill) keeps the unfused base ("paged2-fill-"): its page tables may be wider
-than max_length (forks, partial pages), which that check would refuse. "paged3" / "paged2" name the models since
-those changes (an older build is not reused).
+layer). The rotary tables hold MAX_POSITIONS rows (whole pages); the op checks each row's positions against them
+(a row per position written), so the many-sequence model (page_fill, "paged3-fill-"), whose page tables are wider
+than max_length (forks, partial pages), takes the same fused layer. "paged3" / "paged2" name the models since those
+changes (an older build is not reused).
 """
 
 from __future__ import annotations
@@ -143,7 +143,7 @@ def uniform_page_format(cfg: GenAIConfig, page_fill: bool = False) -> str | None
 def paged_model_path(cfg: GenAIConfig, log=print, page_fill: bool = False, fused_rotary: bool | None = None):
     """The paged decoder's model.onnx (one per page size, one promising F16 pages (uniform_page_format), and one
     with the page_fill input for the many-sequence path), built on first use next to the other variants.
-    fused_rotary: PagedRotaryCacheUpdate (None: unless page_fill); False builds the unfused base (A/B runs)."""
+    fused_rotary: PagedRotaryCacheUpdate (None: yes); False builds the unfused base (A/B runs)."""
     from .builder import build
     from .config import MAX_POSITIONS
     from .models import gguf_path, linear_projections, model_dir, save_decoder
@@ -152,8 +152,8 @@ def paged_model_path(cfg: GenAIConfig, log=print, page_fill: bool = False, fused
     root = model_dir(cfg)
     page_format = uniform_page_format(cfg, page_fill)
     ps = cfg.ortkv.page_size
-    # Note [Paged decoder]: "paged3" (PagedRotaryCacheUpdate) unless page_fill: the many-sequence path keeps "paged2"
-    fused = not page_fill if fused_rotary is None else fused_rotary
+    # Note [Paged decoder]: "paged3" (PagedRotaryCacheUpdate), the many-sequence model (page_fill) included
+    fused = True if fused_rotary is None else fused_rotary
     base = ("paged3-" if fused else "paged2-") + ("fill-" if page_fill else "")
     name = f"{base}ps{ps}{'-' + page_format.lower() if page_format else ''}"
     target = root / name / "model.onnx"
@@ -162,7 +162,7 @@ def paged_model_path(cfg: GenAIConfig, log=print, page_fill: bool = False, fused
     weights, _ = load(gguf_path(cfg, log), log=log, fmt=cfg.ortkv.weights)
     log(f"ortkv: building the paged decoder ({cfg.ortkv.weights} weights, pages of {ps}) ...")
     c = weights.config
-    # the rotary tables cover every position a page table of max_length can reach (whole pages)
+    # the rotary tables: MAX_POSITIONS rows in whole pages (each row's positions are checked against them)
     rows = -(-MAX_POSITIONS // ps) * ps
     model = to_paged(build(weights, "ortkv", max_positions=rows, cache_layout="BSNH", dtype=cfg.dtype,
                            fused=fused, fused_mlp=True, linear=linear_projections(cfg, "ortkv")),

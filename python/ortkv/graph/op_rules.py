@@ -419,12 +419,12 @@ def paged_rotary_cache_update(ctx, node, label, ins):
     max_pages = table.shape[1] if table.shape is not None else None
     cap = max_pages * page_size if isinstance(max_pages, int) and page_size else None
     rows = cos.shape[0] if cos.shape is not None else None
-    if isinstance(cap, int) and isinstance(rows, int) and rows < cap:
-        ctx.error("op-input", label, f"{op} node '{label}': rotary table '{cn}' has {rows} rows but the page table "
-                  f"'{tn}' reaches {cap} positions; it needs a row for every position a row can reach")
     if qkv.shape is not None:
         ctx.check_capacity(label, op, sn, qkv.shape[1], cap, f"page table '{tn}' ({max_pages} pages x {page_size} "
                            f"tokens)", "position")
+        # a row per position written (the kernels check each row's position against the tables' rows)
+        ctx.check_capacity(label, op, sn, qkv.shape[1], rows, f"rotary table '{cn}' ({rows} rows, one per position)",
+                           "position")
     q = ValueType(qkv.elem, None if qkv.shape is None else (qkv.shape[0], qkv.shape[1], None if d is None else hq * d))
     return [ctx.type_of(pn), q]
 
