@@ -1,15 +1,16 @@
 """Paged CUDA generation, decode speed: ortkv's dense (arena) runner and the paged runner with F16 pages as it ships
 (PagedRotaryCacheUpdate, Note [PagedRotaryCacheUpdate]; the resolved update, one launch of a block per 16 store
-jobs, Note [Paged CUDA resolved update]; page table buckets, Note [Page table buckets]), against the paged runner
-with that update in ONE block (ORTKV_CUDA_PAGED_UPDATE=one while it captures) and with the memset + check + store
-kernels (=two), and, with --unfused, the paged runner on the unfused base (Split + 2 RotaryEmbedding +
-PagedCacheUpdate: paged_model_path(fused_rotary=False)), with --full-table the paged runner binding the whole
+jobs, launched as a programmatic dependent of the QKV projection; page table buckets, Note [Page table buckets]),
+against the paged runner with that update launched plainly (ORTKV_CUDA_PAGED_UPDATE=plain while it captures) and
+with the memset + check + store kernels (=two), with --one-block the update in ONE block (=one), with --unfused the
+paged runner on the unfused base (Split + 2 RotaryEmbedding +
+PagedCacheUpdate: paged_model_path(fused_rotary=False)), and with --full-table the paged runner binding the whole
 max_length table (TABLE_BUCKET_MIN raised past it). SmolLM2-135M float16, CUDA graph, greedy.
 One process; per cell the variants alternate, --rounds times, and the table holds each one's median ms per decode
 step and its ratio to the dense runner's.
 
     python benchmarks/bench_paged_generate_cuda.py [--batch 1 8] [--max-length 2048 8192] [--prompt-tokens 16]
-        [--new-tokens 128] [--rounds 3] [--unfused] [--full-table] [--out benchmarks/results/paged_generate_cuda.md]
+        [--new-tokens 128] [--rounds 3] [--one-block] [--unfused] [--full-table] [--out benchmarks/results/paged_generate_cuda.md]
 """
 
 from __future__ import annotations
@@ -40,13 +41,15 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cuda:0")
     p.add_argument("--full-table", action="store_true", help="also the paged runner binding the whole table")
     p.add_argument("--unfused", action="store_true", help="also the paged runner on the unfused base")
+    p.add_argument("--one-block", action="store_true", help="also the paged runner with the update in one block")
     p.add_argument("--out", help="append the table to this markdown file")
     a = p.parse_args(argv)
 
-    variants = ["dense", "paged f16", "paged f16 one-block update", "paged f16 two-kernel update"]
+    variants = ["dense", "paged f16", "paged f16 plain update", "paged f16 two-kernel update"]
+    variants += ["paged f16 one-block update"] if a.one_block else []
     variants += ["paged f16 unfused rotary"] if a.unfused else []
     variants += ["paged f16 full table"] if a.full_table else []
-    update_env = {"one-block update": "one", "two-kernel update": "two"}
+    update_env = {"plain update": "plain", "one-block update": "one", "two-kernel update": "two"}
     shipped_min = paged_module.TABLE_BUCKET_MIN
 
     def config(variant: str, ml: int) -> GenAIConfig:

@@ -602,16 +602,17 @@ def test_attention_page_format_attribute_refuses_another_format(rng, kernel):
 
 # ---- PagedCacheUpdate ----------------------------------------------------------------------------------------
 # Note [Paged CUDA resolved update]: up to 256 tokens and 2,048 row jobs, one launch whose every block checks the
-# whole update and stores its share ("blocks", the default: a block per 16 store jobs), or all of it in one block
-# under ORTKV_CUDA_PAGED_UPDATE=one ("one_block"); the memset + check + store kernels take larger updates, or any
-# under =two. Tests of updates run all three.
-UPDATE_PATHS = ("one_block", "blocks", "two")
+# whole update and stores its share ("blocks", the default: a block per 16 store jobs, launched as a programmatic
+# dependent of the kernel before on sm_90+, its pages resolved before griddepcontrol.wait), the same launched plainly
+# under ORTKV_CUDA_PAGED_UPDATE=plain ("plain"), or all of it in one block under =one ("one_block"); the memset +
+# check + store kernels take larger updates, or any under =two. Tests of updates run all four.
+UPDATE_PATHS = ("one_block", "blocks", "plain", "two")
 
 
 @contextlib.contextmanager
 def update_path(path):
     old = os.environ.get("ORTKV_CUDA_PAGED_UPDATE")
-    os.environ["ORTKV_CUDA_PAGED_UPDATE"] = {"two": "two", "one_block": "one", "blocks": ""}[path]
+    os.environ["ORTKV_CUDA_PAGED_UPDATE"] = {"two": "two", "one_block": "one", "blocks": "", "plain": "plain"}[path]
     try:
         yield
     finally:
@@ -719,6 +720,50 @@ def test_update_large_refusal_and_bytes(rng, path):
     cpu = pool.copy()
     run_update(cpu, directory, table, key, value, pos, dtype="float16", **kw)
     assert got.tobytes() == cpu.tobytes() and got.tobytes() != pool.tobytes()
+
+
+@pytest.mark.parametrize("path", UPDATE_PATHS)
+@pytest.mark.parametrize("name", ["position", "page_table", "directory"])
+def test_update_reads_inputs_written_by_the_node_before(rng, name, path):
+    """The position, the page table or the directory computed on the GPU by the node right before PagedCacheUpdate
+    (an Add into the same ORT buffer every run; Note [Paged CUDA resolved update]: the resolution before the wait is
+    read again after it). Each run writes other rows (positions), other pages (a table permuted) or moves pages
+    (directory rows swapped); its bytes equal the CPU op's on the values the Add computed, never the last run's."""
+    B, T, H, PS, NL = 3, 1, 3, 16, 1
+    fmts = [PageFormat.F16, PageFormat.INT8] * 6
+    pool0, directory0 = build_pool(rng, fmts, num_layers=NL, kv_heads=H, page_size=PS, head_size=64)
+    addend = {"position": 1, "page_table": 0, "directory": 0}[name]
+    kind = {"position": TP.INT64, "page_table": TP.INT32, "directory": TP.INT64}[name]
+    sess = _session(input_from_add(update_model("float16", 0, NL, H, PS), name, kind, addend))
+    for r in range(4):
+        pos = np.array([3 + 5 * r, 17 + r, 31 - r], np.int64)
+        ids = rng.permutation(len(fmts))[:3 * B]
+        table = table_for([[int(i) for i in ids[3 * b:3 * b + 3]] for b in range(B)], 3)
+        directory = directory0.copy()
+        if name == "directory" and r % 2:  # row 0's page swaps slots with another page of its format
+            a = int(table[0, pos[0] // PS])
+            c = next(i for i in range(len(fmts)) if i != a and directory0[i, 0] == directory0[a, 0])
+            directory[[a, c]] = directory[[c, a]]
+        key, value = _rand(rng, (B, T, H * 64), "float16"), _rand(rng, (B, T, H * 64), "float16")
+        bound = {"position": pos - addend, "page_table": table, "directory": directory}[name]
+        io = sess.io_binding()
+        pv = _dev(pool0)
+        vals = {"directory": directory, "page_table": table, "key": key, "value": value, "position": pos}
+        vals[name] = bound
+        kinds = {"directory": TP.INT64, "page_table": TP.INT32, "key": TP.FLOAT16, "value": TP.FLOAT16,
+                 "position": TP.INT64}
+        keep = [(_dev(v), f"{k}_in" if k == name else k, kinds[k], np.asarray(v).shape) for k, v in vals.items()]
+        _bind(io, "pool", pv, TP.UINT8, pool0.shape)
+        for v, n, t, shape in keep:
+            _bind(io, n, v, t, shape)
+        _bind(io, "pool_out", pv, TP.UINT8, pool0.shape, output=True)
+        with update_path(path):
+            sess.run_with_iobinding(io)
+        assert _ortkv.cuda_take_error() is None
+        cpu = pool0.copy()
+        run_update(cpu, directory, table, key, value, pos, dtype="float16", layer=0, num_layers=NL, kv_heads=H,
+                   page_size=PS)
+        assert pv.numpy().tobytes() == cpu.tobytes(), f"run {r}: the update did not write what the Add computed"
 
 
 @pytest.mark.parametrize("T,B", [(257, 1), (129, 2)])

@@ -28,7 +28,8 @@
 //   * Each lane keeps RPW x M fp32 sums; one butterfly of warp shuffles (xor 16 .. 1) per sum, then lane
 //     r M + m stores Y[m, n0 + r], rounded once to the output type.
 // Nothing is allocated, nothing synchronizes with the host: one launch on the node's stream, capturable in
-// a CUDA graph. The host checks (in the op) K % 8, the path (LinearUsesGemv: M <= 8 at most, X within
+// a CUDA graph. On sm_90+ the kernel lets programmatic dependents start at its start (they wait for it before
+// reading y; only ortkv's paged update launches so after it). The host checks (in the op) K % 8, the path (LinearUsesGemv: M <= 8 at most, X within
 // kLinearGemvMaxXBytes; Note [Linear path choice]) and 16-byte
 // aligned X and W, and refuses anything else by name.
 
@@ -73,6 +74,11 @@ __device__ __forceinline__ float Dot8(const uint4& w, const uint4& x, float acc)
 template <typename T, int M, int RPW>
 __global__ void __launch_bounds__(kWarps * 32) LinearGemvKernel(const T* __restrict__ x, const T* __restrict__ w,
                                                                  T* __restrict__ y, int K, int N) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // a programmatic dependent (PagedRotaryCacheUpdate's kernel after a QKV projection) may start its page
+  // resolution now; it waits for this grid before reading y (Note [Paged CUDA resolved update])
+  asm volatile("griddepcontrol.launch_dependents;" :::);
+#endif
   extern __shared__ uint4 xs[];  // [M, K / 8]
   const int nvec = K / 8;
   const int lane = threadIdx.x & 31;

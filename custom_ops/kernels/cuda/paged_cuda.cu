@@ -734,9 +734,16 @@ __global__ void __launch_bounds__(kStoreWarps * 32) PagedUpdateStoreKernel(const
 // The kernel (and the store kernel) lets its programmatic dependents start at its start: the attention after it
 // resolves its pages and copies rows before `start` while the update runs, and waits for it before this step's
 // rows (Note [CUDA attention early start] in cache_attention.cu).
+// On sm_90+ (ORTKV_CUDA_EARLY not "0") the kernel is itself launched as a programmatic dependent of the kernel
+// before it (a decode layer's QKV projection, whose GEMV lets its dependents start at its start: Note [Linear
+// GEMV]). Step 1 runs before griddepcontrol.wait, while the projection still runs: positions, table entries and
+// directory rows are not what a projection writes. After the wait every thread reads its token's position, table
+// entry and directory row again, in parallel (their addresses are known), and if any word changed (a position or a
+// page table computed on the device by the kernel before) the block clears its key and resolves again; steps 2-3
+// (which read qkv) follow the wait.
 // ORTKV_CUDA_PAGED_UPDATE=two takes the memset + check + store path at any size, =one this kernel in ONE block
-// (its warps looping over the jobs) within its limits (A/B runs, tests); read at every launch (a captured CUDA
-// graph keeps the launches of its capture).
+// (its warps looping over the jobs) within its limits, =plain this kernel launched plainly (A/B runs, tests); read
+// at every launch (a captured CUDA graph keeps the launches of its capture).
 constexpr int kResolvedThreads = 512, kResolvedWarps = kResolvedThreads / 32;
 constexpr int64_t kResolvedMaxUnits = 256, kResolvedMaxRows = 2048, kResolvedMaxBlocks = 128;
 struct UnitSlots {  // per token u < B * T
@@ -754,14 +761,21 @@ int64_t ResolvedBlocks(const PagedUpdateCudaView& v) {
   if (e != nullptr && std::strcmp(e, "one") == 0) return 1;
   return std::min<int64_t>((v.rows() + v.q_jobs() + kResolvedWarps - 1) / kResolvedWarps, kResolvedMaxBlocks);
 }
-__device__ void ResolveUnit(const PagedUpdateCudaView& v, int64_t u, UnitSlots& s, unsigned long long* key) {
+// What a token's resolution read (EARLY: compared with the same words after griddepcontrol.wait).
+struct UnitRead {
+  int64_t pos = -1, e = -1, id = -1, f = -1, off = 0;  // e = -1: the position failed, nothing more read
+};
+__device__ void ResolveUnit(const PagedUpdateCudaView& v, int64_t u, UnitSlots& s, unsigned long long* key,
+                            UnitRead* read) {
   const int64_t b = u / v.T, t = u % v.T, pos = Pos(v, b);
   int64_t id = -1;
+  read->pos = pos;
   if (PosOk(v, b, pos)) {
     int64_t prow = 0;
     const int64_t tok = pos + t, e = EntryOf(v.p, b, tok, &prow);  // no page_fill here: a division
     id = TableAt(v.p, b, e);
     const DirRow r = DirectoryRow(v.p, id);
+    *read = UnitRead{pos, e, id, r.f, r.off};
     if (PageProblemAt(v.p, id, r.f, r.off, true) == kPageOk) {
       s.base[u] = LayerBaseAt(v.p, r.f, r.off);
       s.tok[u] = tok;
@@ -774,6 +788,19 @@ __device__ void ResolveUnit(const PagedUpdateCudaView& v, int64_t u, UnitSlots& 
   s.id[u] = id;
   if (t == 0) CheckUpdateRow(v, b, key);  // its loads hit what the lines above brought in
 }
+// EARLY, after the wait: the words ResolveUnit read, read again (in parallel: their addresses are known); true when
+// the kernel before changed one (a position, table entry or directory row computed on the device).
+__device__ bool UnitChanged(const PagedUpdateCudaView& v, int64_t u, const UnitRead& r) {
+  const int64_t b = u / v.T;
+  const int64_t pos = Pos(v, b);
+  if (r.e < 0) return pos != r.pos;
+  const int64_t id = TableAt(v.p, b, r.e);
+  const DirRow d = DirectoryRow(v.p, r.id);
+  return pos != r.pos || id != r.id || d.f != r.f || d.off != r.off;
+}
+static_assert(kResolvedMaxUnits <= kResolvedThreads, "one token per thread");
+// EARLY: launched as a programmatic dependent of the kernel before it (Note [Paged CUDA resolved update]).
+template <bool EARLY>
 __global__ void __launch_bounds__(kResolvedThreads) PagedUpdateResolvedKernel(const UpdateArgs args) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" :::);  // the attention may start (it waits for this grid)
@@ -785,7 +812,18 @@ __global__ void __launch_bounds__(kResolvedThreads) PagedUpdateResolvedKernel(co
   if (tid == 0) s_key = kNoError;
   __syncthreads();
   const int64_t units = v.B * v.T, rows = v.rows(), Hkv = v.p.shape.kv_heads;
-  for (int64_t u = tid; u < units; u += kResolvedThreads) ResolveUnit(v, u, s, &s_key);
+  UnitRead read;
+  if (tid < units) ResolveUnit(v, tid, s, &s_key, &read);
+  if constexpr (EARLY) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");  // the kernel before is done, its writes visible
+#endif
+    if (__syncthreads_or(tid < units && UnitChanged(v, tid, read))) {  // resolve again from what it wrote
+      if (tid == 0) s_key = kNoError;
+      __syncthreads();
+      if (tid < units) ResolveUnit(v, tid, s, &s_key, &read);
+    }
+  }
   __syncthreads();
   for (int64_t i = tid; i < rows; i += kResolvedThreads) {
     const int64_t u = i / (2 * Hkv), id = s.id[u];
@@ -3508,7 +3546,13 @@ Status PagedCacheUpdateCuda(const PagedUpdateCudaView& v, void* stream_ptr) {
   cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
   UpdateArgs a{v};
   if (const int64_t blocks = ResolvedBlocks(v)) {  // Note [Paged CUDA resolved update]
-    PagedUpdateResolvedKernel<<<static_cast<unsigned>(blocks), kResolvedThreads, 0, stream>>>(a);
+    const char* e = std::getenv("ORTKV_CUDA_PAGED_UPDATE");
+    const bool plain = e != nullptr && std::strcmp(e, "plain") == 0;
+    if (!plain && pv2::CurrentMajor() >= 9 && CudaEarlyLaunch() &&
+        LaunchProgrammatic(PagedUpdateResolvedKernel<true>, static_cast<unsigned>(blocks), kResolvedThreads, 0, stream,
+                           a))
+      return Status::Ok();
+    PagedUpdateResolvedKernel<false><<<static_cast<unsigned>(blocks), kResolvedThreads, 0, stream>>>(a);
     const cudaError_t e1 = cudaGetLastError();
     return e1 == cudaSuccess ? Status::Ok() : LaunchError("PagedCacheUpdate", e1);
   }
