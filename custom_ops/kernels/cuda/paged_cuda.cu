@@ -741,6 +741,11 @@ __global__ void __launch_bounds__(kStoreWarps * 32) PagedUpdateStoreKernel(const
 // entry and directory row again, in parallel (their addresses are known), and if any word changed (a position or a
 // page table computed on the device by the kernel before) the block clears its key and resolves again; steps 2-3
 // (which read qkv) follow the wait.
+// H200 (SmolLM2 float16, CUDA graph, bench_paged_generate_cuda.py --rounds 7, ms per decode step and x the dense
+// step; benchmarks/results/paged_generate_cuda_h200.md, eighth session): 2048 x 1 1.257 (1.31x), 2048 x 8 1.423
+// (1.27x), 8192 x 1 1.103 (1.18x), 8192 x 8 1.478 (1.31x), where the one-block form took 1.41-1.49x at batch 1 and
+// the two kernels 1.66-1.67x at batch 8; launched plainly 1.144 / 1.455 / 1.129 / 1.499 (batch 8 0.01-0.03 ms
+// slower, batch 1 within that lease's noise); the two kernels 1.453 / 1.722 / 1.283 / 1.821.
 // ORTKV_CUDA_PAGED_UPDATE=two takes the memset + check + store path at any size, =one this kernel in ONE block
 // (its warps looping over the jobs) within its limits, =plain this kernel launched plainly (A/B runs, tests); read
 // at every launch (a captured CUDA graph keeps the launches of its capture).
