@@ -20,7 +20,8 @@ tokens, the paged decoder on the CPU) through ortkv.generate.multi:
 
 The CPU is shared with other jobs and noisy: every timing is the median of --reps alternated runs.
 
-    python benchmarks/bench_many_sequences.py [--reps 3] [--out benchmarks/results/many_sequences_cpu.md]
+    python benchmarks/bench_many_sequences.py [--reps 3] [--only beams] [--unfused]
+        [--out benchmarks/results/many_sequences_cpu.md]
 """
 
 from __future__ import annotations
@@ -121,11 +122,14 @@ def _genai_beams(genai_path, prompt, nb, new, reps_out):
     return run
 
 
-def bench_beams(path, genai_path, cfg, prompt_len: int, new: int, nb: int, reps: int):
+def bench_beams(path, genai_path, cfg, prompt_len: int, new: int, nb: int, reps: int, unfused_path=None):
+    """unfused_path: also the many-sequence decoder on the unfused base (Split + 2 RotaryEmbedding +
+    PagedCacheUpdate), alternated with the shipped one (fused: PagedRotaryCacheUpdate)."""
     prompt = _tokens(prompt_len, 2)
     runner = MultiRunner(path, cfg, max_sequences=nb, prefix_caching=False)
+    unfused = MultiRunner(unfused_path, cfg, max_sequences=nb, prefix_caching=False) if unfused_path else None
     genai = _genai_beams(genai_path, prompt, nb, new, None)
-    ours_t, theirs_t, last = [], [], {}
+    ours_t, unfused_t, theirs_t, last = [], [], [], {}
     try:
         for _ in range(reps):
             stats = BeamStats()
@@ -134,11 +138,19 @@ def bench_beams(path, genai_path, cfg, prompt_len: int, new: int, nb: int, reps:
                               stats=stats)
             ours_t.append(time.perf_counter() - t0)
             last["ours"] = (res[0].tokens, stats)
+            if unfused is not None:
+                t0 = time.perf_counter()
+                res_u = beam_search(unfused, prompt, nb, new, num_return_sequences=1,
+                                    eos_token_id=cfg.model.eos_token_id, stats=BeamStats())
+                unfused_t.append(time.perf_counter() - t0)
+                last["unfused"] = res_u[0].tokens
             dt, steps, seq = genai()
             theirs_t.append(dt)
             last["theirs"] = (seq, steps)
     finally:
         runner.close()
+        if unfused is not None:
+            unfused.close()
     (tokens, stats), (seq, gsteps) = last["ours"], last["theirs"]
     ours, theirs = float(np.median(ours_t)), float(np.median(theirs_t))
     steps = stats.steps
@@ -150,12 +162,19 @@ def bench_beams(path, genai_path, cfg, prompt_len: int, new: int, nb: int, reps:
             f"{nb * steps / ours:.1f} |",
             f"| onnxruntime-genai beam search (float32 caches, copied per beam) | {theirs:.3f} | {gsteps} | "
             f"{gsteps / theirs:.1f} | {nb * gsteps / theirs:.1f} |"]
+    if unfused_t:
+        un = float(np.median(unfused_t))
+        rows.insert(3, f"| ortkv, the unfused base (Split + 2 RotaryEmbedding + PagedCacheUpdate) | {un:.3f} | {steps} | "
+                       f"{steps / un:.1f} | {nb * steps / un:.1f} |")
     notes = [f"- KV bytes copied by ortkv (the pool's bytes_copied counter, per decode step): total {sum(copied)} over "
              f"{len(copied)} steps (max per step {max(copied, default=0)}; {sum(boundary)} on the {len(boundary)} steps "
              "that start on a page boundary). Reorders are page-table changes and a beam that continues another "
              "beam's partly filled page writes into a page of its own (page_fill, Note [Page fill]).",
              f"- same best sequence as onnxruntime-genai: {tokens == [t for t in seq if t != eos]} "
              f"(ortkv {len(tokens)} tokens, GenAI {len(seq)})."]
+    if unfused_t:
+        notes.append(f"- the unfused base's best sequence equals the shipped (fused) decoder's: "
+                     f"{last['unfused'] == tokens}; fused / unfused time {ours / float(np.median(unfused_t)):.3f}.")
     held = stats.pages_held_per_step
     if held:
         ps = cfg.ortkv.page_size
@@ -165,7 +184,8 @@ def bench_beams(path, genai_path, cfg, prompt_len: int, new: int, nb: int, reps:
                      f"{nb} separate caches of {prompt_len + steps} tokens: {100 * (1 - held[-1] / full):.0f} % saved "
                      f"({100 * (1 - peak / full):.0f} % at the peak). vLLM reports 38-55 % saved by sharing in beam "
                      "search (Kwon et al., SOSP 2023, section 6.3); GenAI's beam search holds the separate caches.")
-    return rows, notes, {"ours_s": ours_t, "genai_s": theirs_t, "copied": copied, "pages_held": held}
+    return rows, notes, {"ours_s": ours_t, "unfused_s": unfused_t, "genai_s": theirs_t, "copied": copied,
+                         "pages_held": held}
 
 
 def _genai_requests(genai_path, prompts, new):
@@ -257,6 +277,8 @@ def main() -> int:
     ap.add_argument("--own-tokens", type=int, default=16)
     ap.add_argument("--request-new", type=int, default=16)
     ap.add_argument("--only", choices=["samples", "beams", "prefix"], action="append")
+    ap.add_argument("--unfused", action="store_true",
+                    help="(b) also the many-sequence decoder on the unfused base, alternated with the fused one")
     ap.add_argument("--out")
     a = ap.parse_args()
     cfg = _cfg(1024)
@@ -277,7 +299,9 @@ def main() -> int:
                   "compares bytes in the same 2-byte format (GenAI's N float32 copies / 2).", ""] + rows + [""]
     if "beams" in only:
         genai_path = model_path(cfg, "genai")
-        rows, notes, raw["beams"] = bench_beams(path, genai_path, cfg, a.beam_prompt, a.beam_new, 4, a.reps)
+        unfused_path = paged_model_path(cfg, page_fill=True, fused_rotary=False) if a.unfused else None
+        rows, notes, raw["beams"] = bench_beams(path, genai_path, cfg, a.beam_prompt, a.beam_new, 4, a.reps,
+                                                unfused_path)
         lines += [f"## (b) 4-beam search, {a.beam_prompt}-token prompt, {a.beam_new} new tokens", ""] + rows + [""] \
             + notes + [""]
     if "prefix" in only:
