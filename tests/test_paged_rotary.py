@@ -97,16 +97,19 @@ def test_rotary_update_bytes_and_q_equal_reference(rng, fmt, dtype):
     assert not np.array_equal(q.astype(np.float32), qkv[..., :48].astype(np.float32))
 
 
-def test_rotary_update_every_format_in_one_pool(rng):
-    pool, directory, table, qkv, pos, cos, sin = case(rng, DIRECT, B=3, T=7, positions=(0, 5, 9), Hkv=2, H=4,
-                                                      max_pages=5)
-    want, want_q = paged_rotary_cache_update_ref(pool, directory, table, qkv, pos, cos, sin, num_heads=4,
-                                                 kv_num_heads=2, layer=1, num_layers=2, page_size=4)
-    q = np.zeros((3, 7, 4 * 16), np.float32)
-    run_rotary_update(pool, directory, table, qkv, pos, cos, sin, q, layer=1, num_layers=2, heads=4, kv_heads=2,
+def _matches_oracle(pool, directory, table, qkv, pos, cos, sin, *, H, Hkv):
+    """A float32 run (layer 1 of 2, pages of 4, head size 16): the pool's bytes and q_rot equal the oracle's."""
+    want, want_q = paged_rotary_cache_update_ref(pool, directory, table, qkv, pos, cos, sin, num_heads=H,
+                                                 kv_num_heads=Hkv, layer=1, num_layers=2, page_size=4)
+    q = np.zeros(qkv.shape[:2] + (H * 16,), np.float32)
+    run_rotary_update(pool, directory, table, qkv, pos, cos, sin, q, layer=1, num_layers=2, heads=H, kv_heads=Hkv,
                       page_size=4)
     assert pool.tobytes() == want.tobytes()
     np.testing.assert_array_equal(q, want_q)
+
+
+def test_rotary_update_every_format_in_one_pool(rng):
+    _matches_oracle(*case(rng, DIRECT, B=3, T=7, positions=(0, 5, 9), Hkv=2, H=4, max_pages=5), H=4, Hkv=2)
 
 
 def _refused(exc_type, fragments, rng, mutate, *, formats=(PageFormat.INT8, PageFormat.F16)):
@@ -139,14 +142,7 @@ def test_rotary_update_refuses_a_row_past_the_rotary_tables(rng):
 def test_rotary_update_tables_need_only_the_positions_written(rng):
     """Tables of 11 rows, shorter than the page table's reach (4 pages x 4 = 16 positions), serve rows at 3 and 6
     with 5 tokens each: the same bytes and q_rot as the oracle (a many-sequence table is wider than any row reaches)."""
-    pool, directory, table, qkv, pos, cos, sin = case(rng, [PageFormat.INT8, PageFormat.F16], rows=11)
-    want, want_q = paged_rotary_cache_update_ref(pool, directory, table, qkv, pos, cos, sin, num_heads=3,
-                                                 kv_num_heads=1, layer=1, num_layers=2, page_size=4)
-    q = np.zeros((2, 5, 3 * 16), np.float32)
-    run_rotary_update(pool, directory, table, qkv, pos, cos, sin, q, layer=1, num_layers=2, heads=3, kv_heads=1,
-                      page_size=4)
-    assert pool.tobytes() == want.tobytes()
-    np.testing.assert_array_equal(q, want_q)
+    _matches_oracle(*case(rng, [PageFormat.INT8, PageFormat.F16], rows=11), H=3, Hkv=1)
 
 
 def test_rotary_update_refuses_bad_qkv_width_and_tables(rng):
