@@ -89,12 +89,14 @@ def _bind(io, name, value, onnx_type, shape, output=False):
 
 
 def cuda_update(pool, directory, table, key, value, position, *, layer, num_layers, kv_heads, page_size,
-                dtype="float32", fill=None):
-    """One run on the device (`fill`: page_fill bound too); returns (pool bytes after, the deferred error or None)."""
+                dtype="float32", fill=None, sess=None, computed=None):
+    """One run on the device (`fill`: page_fill bound too); returns (pool bytes after, the deferred error or None).
+    `sess`: another session of the update (default update_session's); `computed`: the input that session's node
+    before computes (conftest.input_from_add), bound as `<name>_in`."""
     # the inputs are bound by raw device pointer with a declared type: ORT cannot see a mismatch (float16 data
     # declared float32 once read past the arrays and garbled every value), so check it here
     assert key.dtype == value.dtype and key.dtype in (np.dtype(NP[dtype]), np.dtype(RAW[dtype])), (key.dtype, dtype)
-    sess = update_session(dtype, layer, num_layers, kv_heads, page_size, fill is not None)
+    sess = sess or update_session(dtype, layer, num_layers, kv_heads, page_size, fill is not None)
     io = sess.io_binding()
     pos = np.broadcast_to(np.asarray(position, np.int64), (table.shape[0],)).copy()
     pv = _dev(pool)
@@ -105,7 +107,7 @@ def cuda_update(pool, directory, table, key, value, position, *, layer, num_laye
         vals["page_fill"] = (_dev(fill), TP.INT32, fill.shape)
     _bind(io, "pool", pv, TP.UINT8, pool.shape)
     for name, (v, t, shape) in vals.items():
-        _bind(io, name, v, t, shape)
+        _bind(io, f"{name}_in" if name == computed else name, v, t, shape)
     _bind(io, "pool_out", pv, TP.UINT8, pool.shape, output=True)
     sess.run_with_iobinding(io)
     return pv.numpy(), _ortkv.cuda_take_error()
@@ -745,25 +747,14 @@ def test_update_reads_inputs_written_by_the_node_before(rng, name, path):
             c = next(i for i in range(len(fmts)) if i != a and directory0[i, 0] == directory0[a, 0])
             directory[[a, c]] = directory[[c, a]]
         key, value = _rand(rng, (B, T, H * 64), "float16"), _rand(rng, (B, T, H * 64), "float16")
-        bound = {"position": pos - addend, "page_table": table, "directory": directory}[name]
-        io = sess.io_binding()
-        pv = _dev(pool0)
-        vals = {"directory": directory, "page_table": table, "key": key, "value": value, "position": pos}
-        vals[name] = bound
-        kinds = {"directory": TP.INT64, "page_table": TP.INT32, "key": TP.FLOAT16, "value": TP.FLOAT16,
-                 "position": TP.INT64}
-        keep = [(_dev(v), f"{k}_in" if k == name else k, kinds[k], np.asarray(v).shape) for k, v in vals.items()]
-        _bind(io, "pool", pv, TP.UINT8, pool0.shape)
-        for v, n, t, shape in keep:
-            _bind(io, n, v, t, shape)
-        _bind(io, "pool_out", pv, TP.UINT8, pool0.shape, output=True)
-        with update_path(path):
-            sess.run_with_iobinding(io)
-        assert _ortkv.cuda_take_error() is None
+        kw = dict(dtype="float16", layer=0, num_layers=NL, kv_heads=H, page_size=PS)
+        with update_path(path):  # the Add adds 0 to a table or directory, 1 to the bound positions
+            got, err = cuda_update(pool0, directory, table, key, value, pos - addend if name == "position" else pos,
+                                   sess=sess, computed=name, **kw)
+        assert err is None, err
         cpu = pool0.copy()
-        run_update(cpu, directory, table, key, value, pos, dtype="float16", layer=0, num_layers=NL, kv_heads=H,
-                   page_size=PS)
-        assert pv.numpy().tobytes() == cpu.tobytes(), f"run {r}: the update did not write what the Add computed"
+        run_update(cpu, directory, table, key, value, pos, **kw)
+        assert got.tobytes() == cpu.tobytes(), f"run {r}: the update did not write what the Add computed"
 
 
 @pytest.mark.parametrize("T,B", [(257, 1), (129, 2)])
