@@ -14,6 +14,7 @@ from ortkv.paged import (ExplicitPolicy, PagedKVCache, PagePool, RecencyPolicy, 
                          policy_from_config)
 from ortkv.reference import codecs as rc
 from ortkv.reference.codecs import PageFormat as F
+from ortkv.reference.page_policy import walk_advance, walk_reserve
 from ortkv.vmm import Governor
 
 L, H, PS, D = 2, 2, 16, 64  # layers, kv heads, page size, head size
@@ -303,6 +304,124 @@ def test_uniform_int8_writes_directly_and_copies_nothing():
             cache.advance([n])
         assert pool.pages_per_format()["INT8"] == 3 and pool.bytes_copied == 0
         assert pool.committed_bytes == _rup(3 * pool.slot_bytes(F.INT8))
+
+
+class _OddPolicy(paged.Policy):
+    """A target that depends on the page count in no pattern Policy.retargeted knows (its default applies)."""
+
+    sink_pages = 1
+
+    def target(self, index, num_pages):
+        return (F.INT8, F.INT4, F.F16)[(index * 7 + num_pages) % 3]
+
+    def describe(self):
+        return "odd"
+
+
+_POLICIES = [UniformPolicy(F.F16), UniformPolicy(F.INT4_KC), RecencyPolicy(1, 2, F.F16, F.INT4),
+             RecencyPolicy(0, 3, F.INT8, F.INT2), ExplicitPolicy((F.F16, F.INT8, F.F16, F.INT4)), _OddPolicy()]
+
+
+@pytest.mark.parametrize("policy", _POLICIES, ids=lambda p: p.describe())
+@pytest.mark.parametrize("budget", [None, 8], ids=["no-budget", "tight-demoting"])
+def test_incremental_reserve_and_advance_equal_the_full_walk(policy, budget):
+    """Note [Incremental advance]: two pools driven by the same random steps (decode steps, prefills of several
+    pages, shorter lengths, a user's requantize, pin and table edit, release, a budget that makes reserve demote),
+    one through PagedKVCache.reserve / advance, one through the walk over every page: the same page tables,
+    directories, pins, counters, return values and errors after every step (the walk: ortkv.reference.page_policy)."""
+    rng = np.random.default_rng(len(policy.describe()) + (budget or 0))
+
+    def make():
+        if not budget:
+            pool = _pool()
+        else:  # room for `budget` F16 pages, and free committed INT8 / INT4 slots that demotion can take
+            pool = _pool(governor=Governor(budget * L * 8192), demote_on_refusal=True)
+            for f in (F.INT8, F.INT4):
+                for page in [pool.alloc(f) for _ in range(6)]:
+                    pool.free(page)
+        return pool, PagedKVCache(pool, batch=3, max_pages_per_seq=12, policy=policy)
+
+    (pa, ca), (pb, cb) = make(), make()
+    lengths = np.zeros(3, np.int64)
+
+    def both(fa, fb):
+        out = []
+        for f in (fa, fb):
+            try:
+                out.append(("ok", f()))
+            except OrtkvError as e:
+                out.append((type(e).__name__, str(e).split(":")[-1]))
+        assert out[0] == out[1]
+        return out[0][0] == "ok"
+
+    try:
+        for step in range(160):
+            op = rng.random()
+            if op < 0.05:
+                ca.release(), cb.release()
+                lengths[:] = 0
+                continue
+            if op < 0.10 and pa.live_pages:  # a user's requantize of some live page
+                page = int(rng.choice(pa.live_pages))
+                fmt = F(int(rng.choice([F.F16, F.INT8, F.INT4, F.INT2])))
+                both(lambda: pa.requantize(page, fmt), lambda: pb.requantize(page, fmt))
+            elif op < 0.13 and pa.live_pages:  # a user's pin or unpin
+                page, on = int(rng.choice(pa.live_pages)), bool(rng.random() < 0.5)
+                pa.pin(page, on), pb.pin(page, on)
+            elif op < 0.18 and lengths.max() >= 2 * PS:  # a user's swap of two full pages of a row in its table
+                b = int(np.argmax(lengths))
+                i, j = rng.choice(int(lengths[b]) // PS, size=2, replace=False)
+                for c in (ca, cb):
+                    c.page_table[b, [i, j]] = c.page_table[b, [j, i]]
+            grow = rng.choice([0, 1, 1, 1, 1, PS - 1, PS, 3 * PS + 2], size=3)
+            new = np.minimum(lengths + grow, 12 * PS) if rng.random() > 0.04 else lengths // 2
+            if both(lambda: ca.reserve(new), lambda: walk_reserve(cb, new)):
+                both(lambda: ca.advance(new), lambda: walk_advance(cb, new))  # a refused requantize: in both
+                lengths = np.maximum(lengths, new)
+            assert np.array_equal(ca.page_table, cb.page_table), step
+            assert np.array_equal(pa.directory, pb.directory), step
+            assert pa._pinned == pb._pinned, step
+            assert (pa.requantized_pages, pa.demoted_pages, pa.bytes_copied) == \
+                (pb.requantized_pages, pb.demoted_pages, pb.bytes_copied), step
+            assert np.array_equal(ca.lengths, cb.lengths)
+        assert pa.requantized_pages > 0  # the steps exercised the policy, and with wide pages the demotion
+        assert pa.demoted_pages > 0 or not budget or policy not in (_POLICIES[0], _POLICIES[2], _POLICIES[4])
+    finally:
+        pa.close(), pb.close()
+
+
+def test_advance_visits_only_the_pages_that_changed():
+    """A decode step's host work does not grow with the tokens held (Note [Incremental advance]): with 40 pages a
+    row, 64 one-token steps ask the policy about ~one page per page that fills (and, for the recency policy, the
+    one that leaves the window), not 40 pages a row each step as the full walk did; a hole in a full prefix is
+    refused before anything changes."""
+    calls = []
+
+    class Counting(RecencyPolicy):
+        def target(self, index, num_pages):
+            calls.append(index)
+            return super().target(index, num_pages)
+
+    with _pool(max_pages=128) as pool:
+        cache = PagedKVCache(pool, batch=2, max_pages_per_seq=48, policy=Counting(1, 4, F.F16, F.INT4))
+        n = np.array([40 * PS, 40 * PS - 5])
+        cache.reserve(n)
+        cache.advance(n)
+        calls.clear()
+        for _ in range(64):
+            n = n + 1
+            cache.reserve(n)
+            cache.advance(n)
+        opened = 2 * 4  # pages opened by reserve (_open_format asks the policy once each)
+        assert len(calls) <= opened + 2 * 2 * 4 + 2, len(calls)  # the full walk: ~2 x 64 x 41
+        assert [pool.format_of(int(p)).name for p in cache.page_table[0, :44]] == \
+            ["F16"] + ["INT4"] * 39 + ["F16"] * 4
+        before = (cache.page_table.copy(), pool.directory.copy(), set(pool._pinned))
+        cache.page_table[1, 3] = -1
+        with pytest.raises(OrtkvError, match=r"row 1 has 700 tokens but no page 3; reserve\(\) before the run"):
+            cache.advance(n + 1)
+        cache.page_table[1, 3] = before[0][1, 3]
+        assert np.array_equal(pool.directory, before[1]) and pool._pinned == before[2]
 
 
 def test_explicit_policy_and_reserve_is_all_or_nothing():

@@ -71,6 +71,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from functools import partial
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -232,6 +233,7 @@ class PagePool:
         self.bytes_copied = 0
         self.requantized_pages = 0
         self.demoted_pages = 0
+        self.page_changes = 0  # frees, pins changed, formats changed (Note [Incremental advance])
 
     # -- facts ---------------------------------------------------------------------------------------
     @property
@@ -378,11 +380,14 @@ class PagePool:
         self._age.pop(page, None)
         self._pinned.discard(page)
         heapq.heappush(self._free_pages, page)
+        self.page_changes += 1
 
     def pin(self, page: int, pinned: bool = True) -> None:
         """Pinned pages are never demoted (sink pages, a page being filled)."""
         self._check_page(page, "pin")
-        (self._pinned.add if pinned else self._pinned.discard)(page)
+        if (page in self._pinned) != bool(pinned):
+            (self._pinned.add if pinned else self._pinned.discard)(page)
+            self.page_changes += 1
 
     def requantize(self, page: int, fmt) -> None:
         """Convert ``page`` to ``fmt``: a slot of the new format, every layer decoded and re-encoded there
@@ -415,6 +420,7 @@ class PagePool:
         heapq.heappush(self.slabs[old[0]].free, old[1])
         self.bytes_copied += self.slabs[fmt].slot_bytes
         self.requantized_pages += 1
+        self.page_changes += 1
 
     def _staged_requantize(self, src_offset: int, src_fmt: PageFormat, dst_offset: int, fmt: PageFormat) -> None:
         """Note [Requantize on a CUDA pool] (builds without the CUDA kernels): one page staged through a host
@@ -544,6 +550,12 @@ class Policy:
     def target(self, index: int, num_pages: int) -> PageFormat:
         raise NotImplementedError
 
+    def retargeted(self, old_pages: int, new_pages: int) -> range:
+        """The indices of the pages whose target may differ between a sequence of ``old_pages`` pages and one of
+        ``new_pages`` (Note [Incremental advance]); target must be a function of (index, num_pages) alone. This
+        default names every page when the count changed; a policy that knows better says less."""
+        return range(max(old_pages, new_pages)) if old_pages != new_pages else range(0)
+
     def describe(self) -> str:
         raise NotImplementedError
 
@@ -556,6 +568,9 @@ class UniformPolicy(Policy):
 
     def target(self, index: int, num_pages: int) -> PageFormat:
         return self.fmt
+
+    def retargeted(self, old_pages: int, new_pages: int) -> range:
+        return range(0)  # the target does not depend on the count
 
     def describe(self) -> str:
         return self.fmt.name
@@ -574,6 +589,12 @@ class RecencyPolicy(Policy):
     def target(self, index: int, num_pages: int) -> PageFormat:
         return self.recent if index < self.sink_pages or index >= num_pages - self.recent_pages else self.old
 
+    def retargeted(self, old_pages: int, new_pages: int) -> range:
+        # index i >= sink_pages is recent iff i >= num_pages - recent_pages: it changes side iff it lies between
+        # the two counts' window starts
+        lo, hi = sorted((old_pages - self.recent_pages, new_pages - self.recent_pages))
+        return range(max(self.sink_pages, lo), max(self.sink_pages, hi))
+
     def describe(self) -> str:
         return f"recency(sink {self.sink_pages}, recent {self.recent_pages} {self.recent.name}, old {self.old.name})"
 
@@ -586,6 +607,9 @@ class ExplicitPolicy(Policy):
 
     def target(self, index: int, num_pages: int) -> PageFormat:
         return self.formats[min(index, len(self.formats) - 1)]
+
+    def retargeted(self, old_pages: int, new_pages: int) -> range:
+        return range(0)  # the target does not depend on the count
 
     def describe(self) -> str:
         return "explicit(" + ", ".join(f.name for f in self.formats) + ")"
@@ -642,6 +666,23 @@ def policy_from_config(kv_format: str = "", kv_policy=None, kv_page_formats=None
 
 
 # --- sequences ------------------------------------------------------------------------------------------
+# Note [Incremental advance]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# reserve() and advance() run on the host before and after every decode step, so their cost must not grow with
+# the tokens a row holds. Walking every page of every row (what they first did) cost 2.4-2.7 ms a step at 8 rows
+# of 4K tokens on a 2-core VM, more than the H200's whole decode step. Now:
+#   * reserve finds the missing pages of the rows' first ceil(n / page_size) entries with one vectorized compare
+#     over the table and opens only those (row by row, page by page, in the order the loop had);
+#   * advance applies the policy (requantize a full page wider than its target, pin sink pages, unpin the others)
+#     only to the pages whose outcome can have changed since the row was last settled: the pages that filled since
+#     (index in [full then, full now)), and those the policy retargets between the row's page counts then and now
+#     (Policy.retargeted: none for one format, the pages that left the recent window for RecencyPolicy, every page
+#     for a policy that does not say). A row whose settled entries changed in the table, and every row when the
+#     pool freed or requantized a page since (PagePool.page_changes: another owner, a user's requantize, a
+#     demotion under pressure during reserve), is settled again whole, as before. Every other page would see the
+#     same target, format and pin as when it was settled, so its outcome is the same: the result equals the full
+#     walk's (tests/test_paged_pool.py compares the two step by step), at O(rows + pages changed) a step.
+# A full page's entry that is -1 is an error raised before anything changes.
 class PagedKVCache:
     """The page tables of ``batch`` sequences over one PagePool, driven by a Policy (Note [Page
     policies]). ``page_table`` (int32 [batch, max_pages_per_seq], -1 = none) is bound in place."""
@@ -657,6 +698,16 @@ class PagedKVCache:
         self.page_table = np.full((batch, max_pages_per_seq), -1, np.int32)
         self.lengths = np.zeros(batch, np.int64)
         self.capacity = max_pages_per_seq * pool.page_size
+        self._cols = np.arange(max_pages_per_seq)
+        self._unsettle()
+
+    def _unsettle(self) -> None:
+        """Forget what advance settled (Note [Incremental advance]): the next one walks every full page."""
+        batch = self.page_table.shape[0]
+        self._settled_full = np.zeros(batch, np.int64)   # pages [0, full) of row b were settled ...
+        self._settled_pages = np.zeros(batch, np.int64)  # ... for a row of this many pages
+        self._settled_table = self.page_table.copy()     # ... holding these entries
+        self._settled_changes = -1                       # ... at this PagePool.page_changes (-1: never)
 
     def _open_format(self, index: int) -> PageFormat:
         f = self.policy.target(index, index + 1)
@@ -673,13 +724,16 @@ class PagedKVCache:
             raise CapacityError(f"PagedKVCache.reserve: {int(new_lengths.max())} tokens exceed the {self.capacity} "
                                 f"a row holds ({self.page_table.shape[1]} pages of {ps}); raise max_pages_per_seq",
                                 requested=int(new_lengths.max()), capacity=self.capacity)
+        need = -(-new_lengths // ps)
+        missing = (self.page_table < 0) & (self._cols < need[:, None])
+        if not missing.any():
+            return 0
         opened: list[tuple[int, int]] = []
         try:
-            for b, n in enumerate(new_lengths):
-                for i in range(-(-int(n) // ps)):
-                    if self.page_table[b, i] < 0:
-                        self.page_table[b, i] = self.pool.alloc(self._open_format(i), pinned=True)
-                        opened.append((b, i))
+            for b, i in zip(*np.nonzero(missing)):  # row-major: row by row, page by page
+                b, i = int(b), int(i)
+                self.page_table[b, i] = self.pool.alloc(self._open_format(i), pinned=True)
+                opened.append((b, i))
         except BaseException:
             for b, i in opened:
                 self.pool.free(int(self.page_table[b, i]))
@@ -689,22 +743,40 @@ class PagedKVCache:
 
     def advance(self, new_lengths) -> int:
         """The rows now hold ``new_lengths`` tokens (the run wrote them): apply the policy to full pages,
-        unpin full non-sink pages; returns the pages requantized."""
+        unpin full non-sink pages; returns the pages requantized. Only the pages whose outcome can have
+        changed are visited (Note [Incremental advance])."""
         new_lengths = np.asarray(new_lengths, np.int64).reshape(-1)
-        ps, pool, changed = self.pool.page_size, self.pool, 0
-        for b, n in enumerate(new_lengths):
-            n = int(n)
-            num_pages, full = -(-n // ps), n // ps
-            for i in range(full):
-                page = int(self.page_table[b, i])
-                if page < 0:
-                    raise OrtkvError(f"PagedKVCache.advance: row {b} has {n} tokens but no page {i}; reserve() "
-                                     "before the run")
-                want, have = self.policy.target(i, num_pages), pool.format_of(page)
+        ps, pool, policy, table = self.pool.page_size, self.pool, self.policy, self.page_table
+        if len(new_lengths) != len(self.lengths):
+            raise OrtkvError(f"PagedKVCache.advance: {len(new_lengths)} lengths for a batch of {len(self.lengths)}")
+        full_now, pages_now = new_lengths // ps, -(-new_lengths // ps)
+        holes = (table < 0) & (self._cols < full_now[:, None])
+        if holes.any():
+            b, i = (int(x[0]) for x in np.nonzero(holes))
+            raise OrtkvError(f"PagedKVCache.advance: row {b} has {int(new_lengths[b])} tokens but no page {i}; "
+                             "reserve() before the run")
+        everything = pool.page_changes != self._settled_changes
+        moved = ((table != self._settled_table) & (self._cols < self._settled_full[:, None])).any(axis=1)
+        changed = 0
+        for b in range(len(new_lengths)):
+            full, num_pages = int(full_now[b]), int(pages_now[b])
+            was_full, was_pages = int(self._settled_full[b]), int(self._settled_pages[b])
+            if everything or moved[b]:
+                visit = range(full)
+            else:
+                again = getattr(policy, "retargeted", None)
+                again = (again or partial(Policy.retargeted, policy))(was_pages, num_pages)
+                visit = [i for i in again if i < min(full, was_full)] + list(range(was_full, full))
+            for i in visit:
+                page = int(table[b, i])
+                want, have = policy.target(i, num_pages), pool.format_of(page)
                 if want != have and pool.slot_bytes(want) < pool.slot_bytes(have):
                     pool.requantize(page, want)
                     changed += 1
-                pool.pin(page, i < self.policy.sink_pages)
+                pool.pin(page, i < policy.sink_pages)
+        self._settled_full, self._settled_pages = full_now, pages_now
+        self._settled_table = table.copy()
+        self._settled_changes = pool.page_changes
         self.lengths = np.maximum(self.lengths, new_lengths)
         return changed
 
@@ -714,3 +786,4 @@ class PagedKVCache:
             self.pool.free(int(page))
         self.page_table.fill(-1)
         self.lengths[:] = 0
+        self._unsettle()
