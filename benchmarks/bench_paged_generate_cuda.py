@@ -4,13 +4,15 @@ jobs, launched as a programmatic dependent of the QKV projection; page table buc
 against the paged runner with that update launched plainly (ORTKV_CUDA_PAGED_UPDATE=plain while it captures) and
 with the memset + check + store kernels (=two), with --one-block the update in ONE block (=one), with --unfused the
 paged runner on the unfused base (Split + 2 RotaryEmbedding +
-PagedCacheUpdate: paged_model_path(fused_rotary=False)), and with --full-table the paged runner binding the whole
-max_length table (TABLE_BUCKET_MIN raised past it). SmolLM2-135M float16, CUDA graph, greedy.
-One process; per cell the variants alternate, --rounds times, and the table holds each one's median ms per decode
-step and its ratio to the dense runner's.
+PagedCacheUpdate: paged_model_path(fused_rotary=False)), with --full-table the paged runner binding the whole
+max_length table (TABLE_BUCKET_MIN raised past it), and with --walk the paged runner whose host bookkeeping walks
+every page of every row each step (ortkv.reference.page_policy: before Note [Incremental advance]).
+SmolLM2-135M float16, CUDA graph, greedy. One process; per cell the variants alternate, --rounds times, and the
+table holds each one's median ms per decode step and its ratio to the dense runner's.
 
     python benchmarks/bench_paged_generate_cuda.py [--batch 1 8] [--max-length 2048 8192] [--prompt-tokens 16]
-        [--new-tokens 128] [--rounds 3] [--one-block] [--unfused] [--full-table] [--out benchmarks/results/paged_generate_cuda.md]
+        [--new-tokens 128] [--rounds 3] [--one-block] [--unfused] [--full-table] [--walk]
+        [--out benchmarks/results/paged_generate_cuda.md]
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ def main(argv=None) -> int:
     from ortkv.generate.models import tokenizer_for
     from ortkv.generate.paged import PagedRunner, paged_model_path
     from ortkv.generate.runners import make_runner
+    from ortkv.paged import PagedKVCache
+    from ortkv.reference.page_policy import walk_advance, walk_reserve
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
@@ -42,6 +46,7 @@ def main(argv=None) -> int:
     p.add_argument("--full-table", action="store_true", help="also the paged runner binding the whole table")
     p.add_argument("--unfused", action="store_true", help="also the paged runner on the unfused base")
     p.add_argument("--one-block", action="store_true", help="also the paged runner with the update in one block")
+    p.add_argument("--walk", action="store_true", help="also the paged runner walking every page each step")
     p.add_argument("--out", help="append the table to this markdown file")
     a = p.parse_args(argv)
 
@@ -49,6 +54,8 @@ def main(argv=None) -> int:
     variants += ["paged f16 one-block update"] if a.one_block else []
     variants += ["paged f16 unfused rotary"] if a.unfused else []
     variants += ["paged f16 full table"] if a.full_table else []
+    variants += ["paged f16 walk bookkeeping"] if a.walk else []
+    shipped_steps = PagedKVCache.reserve, PagedKVCache.advance
     update_env = {"plain update": "plain", "one-block update": "one", "two-kernel update": "two"}
     shipped_min = paged_module.TABLE_BUCKET_MIN
 
@@ -76,6 +83,9 @@ def main(argv=None) -> int:
                 for r in range(a.rounds + 1):  # round 0 warms up (captures, first loads): not counted
                     for v in variants:
                         paged_module.TABLE_BUCKET_MIN = 1 << 40 if v.endswith("full table") else shipped_min
+                        walk = v.endswith("walk bookkeeping")
+                        steps = (walk_reserve, walk_advance) if walk else shipped_steps
+                        PagedKVCache.reserve, PagedKVCache.advance = steps
                         for suffix, value in update_env.items():  # read at each launch: the capture keeps it
                             if v.endswith(suffix):
                                 os.environ["ORTKV_CUDA_PAGED_UPDATE"] = value
@@ -86,6 +96,7 @@ def main(argv=None) -> int:
                             runs[v].append(g.median_step_ms)
                         tokens[v] = g.new_ids
                 paged_module.TABLE_BUCKET_MIN = shipped_min
+                PagedKVCache.reserve, PagedKVCache.advance = shipped_steps
                 dense = statistics.median(runs["dense"])
                 for v in variants:
                     ms = statistics.median(runs[v])
