@@ -69,8 +69,9 @@ def main(argv=None) -> int:
         return cfg.validate()
 
     tok = tokenizer_for(config("dense", 2048))
-    text = "The history of the printing press begins in the fifteenth century, when " * 8
+    text = "The history of the printing press begins in the fifteenth century, when " * (8 + a.prompt_tokens // 10)
     prompt = tok.encode(text)[: a.prompt_tokens]
+    assert len(prompt) == a.prompt_tokens, (len(prompt), a.prompt_tokens)
     rows = []
     for ml in a.max_length:
         runners = {v: (PagedRunner(paged_model_path(config(v, ml), fused_rotary=False), config(v, ml))
