@@ -80,6 +80,7 @@ def main(argv=None) -> int:
             for batch in a.batch:
                 ids = [list(prompt) for _ in range(batch)]
                 runs = {v: [] for v in variants}
+                prefill = {v: [] for v in variants}
                 tokens = {}
                 for r in range(a.rounds + 1):  # round 0 warms up (captures, first loads): not counted
                     for v in variants:
@@ -95,25 +96,27 @@ def main(argv=None) -> int:
                         os.environ.pop("ORTKV_CUDA_PAGED_UPDATE", None)
                         if r > 0:
                             runs[v].append(g.median_step_ms)
+                            prefill[v].append(g.prefill_s * 1e3)
                         tokens[v] = g.new_ids
                 paged_module.TABLE_BUCKET_MIN = shipped_min
                 PagedKVCache.reserve, PagedKVCache.advance = shipped_steps
                 dense = statistics.median(runs["dense"])
                 for v in variants:
                     ms = statistics.median(runs[v])
+                    pre = statistics.median(prefill[v])
                     rows.append((a.prompt_tokens, a.new_tokens, ml, batch, v, ms, ms / dense,
-                                 " ".join(f"{x:.3f}" for x in runs[v]), tokens[v] == tokens["dense"]))
-                    print(f"max_length {ml} batch {batch} {v:22s} {ms:.3f} ms/step ({ms / dense:.3f}x dense)",
-                          flush=True)
+                                 " ".join(f"{x:.3f}" for x in runs[v]), tokens[v] == tokens["dense"], pre))
+                    print(f"max_length {ml} batch {batch} {v:22s} {ms:.3f} ms/step ({ms / dense:.3f}x dense), "
+                          f"prefill {pre:.1f} ms", flush=True)
         finally:
             for r in runners.values():
                 r.close()
     head = (f"\n## {time.strftime('%Y-%m-%d %H:%M')} UTC, `python benchmarks/bench_paged_generate_cuda.py "
             f"{' '.join(argv if argv is not None else sys.argv[1:])}`\n\n"
             "| prompt | new | max_length | batch | variant | ms/step (median of rounds) | vs dense | rounds "
-            "| same tokens as dense |\n|---:|---:|---:|---:|---|---:|---:|---|---|\n")
+            "| same tokens as dense | prefill ms (median) |\n|---:|---:|---:|---:|---|---:|---:|---|---|---:|\n")
     table = head + "".join(f"| {r[0]} | {r[1]} | {r[2]} | {r[3]} | {r[4]} | {r[5]:.3f} | {r[6]:.3f} | {r[7]} | "
-                           f"{'yes' if r[8] else 'no'} |\n" for r in rows)
+                           f"{'yes' if r[8] else 'no'} | {r[9]:.1f} |\n" for r in rows)
     return emit(table, a.out, append=True)
 
 

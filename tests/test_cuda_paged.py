@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import re
 
 import numpy as np
 import pytest
@@ -778,6 +779,31 @@ def test_update_past_the_resolved_limits_takes_the_two_kernels(rng, T, B):
         after, err = cuda_update(pool, directory, table, key, value, pos, dtype="float16", **kw)
     assert err is not None and "both write row 0 of page" in err and "Nothing was written" in err, err
     assert after.tobytes() == pool.tobytes()
+
+
+def test_update_long_prefill_row_owners(rng):
+    """Note [Paged CUDA row owners]: 8 rows x 600 tokens (4,800 tokens: past the resolved kernel, the claim + check +
+    store kernels) write the CPU op's bytes; a page row written twice, by another row (a shared page) or by the same
+    row (a table listing a page twice), is refused with the CPU op's message (the first writer's row, the page and
+    its row), nothing written."""
+    PS, B, T = 16, 8, 600
+    positions = [0, 16, 5, 0, 100, 33, 0, 7]
+    pool, directory, table, key, value, pos, kw = _update_case(rng, [PageFormat.F16, PageFormat.INT8], B=B, T=T,
+                                                               positions=positions, NL=1, layer=0, PS=PS)
+    got, err = cuda_update(pool, directory, table, key, value, pos, dtype="float16", **kw)
+    assert err is None, err
+    cpu = pool.copy()
+    run_update(cpu, directory, table, key, value, pos, dtype="float16", **kw)
+    assert got.tobytes() == cpu.tobytes() and got.tobytes() != pool.tobytes()
+    for b, e, b2, e2 in ((7, (7 + T - 1) // PS, 2, 3), (4, 20, 4, 7)):  # entry (b, e) lists row b2's page e2
+        t = table.copy()
+        t[b, e] = table[b2, e2]
+        with pytest.raises(Exception) as cpu_err:
+            run_update(pool.copy(), directory, t, key, value, pos, dtype="float16", **kw)
+        want = re.search(r"rows \d+ and \d+ both write row \d+ of page \d+", str(cpu_err.value)).group(0)
+        after, err = cuda_update(pool, directory, t, key, value, pos, dtype="float16", **kw)
+        assert err is not None and want in err and "Nothing was written" in err, (want, err)
+        assert after.tobytes() == pool.tobytes()
 
 
 def test_update_refuses_missing_page(rng):

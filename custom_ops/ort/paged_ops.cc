@@ -482,10 +482,14 @@ OrtStatus* LaunchUpdateCuda(OrtKernelContext* ctx, const PagedKernel& k, ortkv::
   void* stream = nullptr;
   ORTKV_RETURN_IF_ORT_ERROR(g_api->KernelContext_GetGPUComputeStream(ctx, &stream));
   view.error_word = ortkv::CudaErrorWord(stream);
-  DeviceScratch flag;  // the flag (first 256 bytes), then page_fill's prefix sums (Note [Page fill])
-  ORTKV_RETURN_IF_ORT_ERROR(flag.Alloc(ctx, device_id, 256 + view.fill_prefix_bytes()));
+  // the flag (first 256 bytes), the row owners of the memset + check + store path (Note [Paged CUDA row owners]),
+  // then page_fill's prefix sums (Note [Page fill])
+  DeviceScratch flag;
+  const size_t owners = ortkv::PagedUpdateOwnerBytes(view);
+  ORTKV_RETURN_IF_ORT_ERROR(flag.Alloc(ctx, device_id, 256 + owners + view.fill_prefix_bytes()));
   view.flag = flag.ptr;
-  view.fill_prefix = fill ? reinterpret_cast<int64_t*>(static_cast<char*>(flag.ptr) + 256) : nullptr;
+  view.owners = owners > 0 ? reinterpret_cast<unsigned int*>(static_cast<char*>(flag.ptr) + 256) : nullptr;
+  view.fill_prefix = fill ? reinterpret_cast<int64_t*>(static_cast<char*>(flag.ptr) + 256 + owners) : nullptr;
   ortkv::CoreLease lease;  // ranges collected and the launch as one (Note [Arena lease])
   ORTKV_RETURN_IF_ORT_ERROR(ToOrtStatus(CollectPoolRanges(k, view.p, device_id, &view.ranges)));
   return ToOrtStatus(ortkv::PagedCacheUpdateCuda(view, stream));

@@ -91,6 +91,9 @@ struct PagedUpdateCudaView {
   void* error_word = nullptr;      // device pointer of the word pair (may be null)
   void* flag = nullptr;            // 8 bytes of device scratch
   int64_t* fill_prefix = nullptr;  // page_fill bound: device scratch, int64 [B, max_pages + 1] (fill_prefix_bytes())
+  // the memset + check + store path: device scratch right after the flag's 256 bytes, uint32 [num_pages * page_size],
+  // the first token writing each page row (Note [Paged CUDA row owners]); PagedUpdateOwnerBytes() bytes
+  unsigned int* owners = nullptr;
   // Note [PagedRotaryCacheUpdate]: key / value are qkv's k / v columns, keys rotated as they are loaded
   int64_t src_stride = 0;          // elements from one token's key row to the next's (0: kv_heads * head_size)
   const void* cos = nullptr;       // [rows, head_size / 2] of elem_type; nullptr: no rotary
@@ -155,7 +158,11 @@ Status PlanPagedCacheAttentionCuda(const std::string& node, const TensorArg& q, 
                                    PagedAttentionCudaView* view, const TensorArg* page_fill = nullptr);
 
 #if defined(ORTKV_WITH_CUDA)
-// memset(flag) + check + store on `stream`. view.flag must be set when rows() > 0.
+// The bytes of view.owners this update needs (0: it takes the resolved kernel, Note [Paged CUDA resolved update]),
+// a multiple of 256.
+size_t PagedUpdateOwnerBytes(const PagedUpdateCudaView& view);
+// memset(flag, owners) + check + store on `stream`. view.flag must be set when rows() > 0, view.owners when
+// PagedUpdateOwnerBytes() > 0 (at view.flag + 256).
 Status PagedCacheUpdateCuda(const PagedUpdateCudaView& view, void* stream);
 // memset(flag) + attention + combine / report on `stream`.
 Status PagedCacheAttentionCuda(const PagedAttentionCudaView& view, void* stream);

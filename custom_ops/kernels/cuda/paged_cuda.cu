@@ -437,20 +437,15 @@ __device__ void CheckUpdateRow(const PagedUpdateCudaView& v, int64_t b, unsigned
 }
 
 // Row job i's checks once its token u has a valid page `id` (row prow, layer bytes `base`, directory format fmt,
-// position tok): a (page, row) written twice (earlier(w): unit w < u writes the same page row), a write-protected
+// position tok): a (page, row) written twice (repeats(): a unit w < u writes the same page row), a write-protected
 // or uncommitted page, a row its page's format cannot encode.
-template <typename Earlier>
+template <typename Repeats>
 __device__ void CheckJobAt(const PagedUpdateCudaView& v, int64_t i, int64_t u, const uint8_t* base, int fmt,
-                           int64_t tok, unsigned long long* flag, const Earlier& earlier) {
+                           int64_t tok, unsigned long long* flag, const Repeats& repeats) {
   const int64_t Hkv = v.p.shape.kv_heads;
   const int64_t h = i % Hkv, kv = (i / Hkv) % 2;
   if (kv == 0 && h == 0) {
-    for (int64_t w = 0; w < u; ++w) {  // the first later unit that repeats an earlier one
-      if (earlier(w)) {
-        atomicMin(flag, Key(kClassShared, static_cast<unsigned long long>(u)));
-        break;
-      }
-    }
+    if (repeats()) atomicMin(flag, Key(kClassShared, static_cast<unsigned long long>(u)));  // the first such unit
     if (v.ranges.count > 0) {
       const uint64_t first = reinterpret_cast<uint64_t>(base);
       if (RangeHit(v.ranges, first, first + v.p.layouts[fmt].page_bytes))
@@ -464,8 +459,29 @@ __device__ void CheckJobAt(const PagedUpdateCudaView& v, int64_t i, int64_t u, c
   if (r != codecs::RowResult::kOk) atomicMin(flag, Key(kClassEncode, static_cast<unsigned long long>(i)));
 }
 
+// Note [Paged CUDA row owners]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A page row written by two tokens of one update (two rows sharing a page, or a table listing a page twice) is
+// refused, naming the first later token that repeats an earlier one (the CPU plan's order). The check kernel used
+// to compare each token with every earlier one, walking the earlier token's chain each time: O(tokens^2) chains,
+// 44 ms a layer for a prefill of 8 rows x 4,000 tokens on the H200 (1.3 s for SmolLM2's 30 layers). The memset +
+// check + store path now takes an owner per page row in device scratch (uint32 [num_pages * page_size], set to
+// 0xFF.. by the flag's memset): a claim kernel, one thread per token, atomicMin's its token index into its page
+// row's owner, and the check kernel's token u repeats an earlier one iff its row's owner is not u. The report reads
+// the first writer from it too. The resolved kernel (Note [Paged CUDA resolved update], <= 256 tokens) compares its
+// shared-memory slots instead.
+__global__ void PagedUpdateClaimKernel(const UpdateArgs args) {
+  const PagedUpdateCudaView& v = args.v;
+  const int64_t u = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (u >= v.B * v.T) return;
+  int64_t tok = 0, prow = 0;
+  const int64_t id = UnitPage(v, u, &tok, &prow);
+  if (id >= 0) atomicMin(&v.owners[id * v.p.shape.page_size + prow], static_cast<unsigned int>(u));
+}
+
 // Row job i = ((b * T + t) * 2 + kv) * Hkv + h: every check of Note [PagedCacheUpdate validation], the first
-// failure kept in *flag with atomicMin; the chain position -> table entry -> directory row walked per job.
+// failure kept in *flag with atomicMin; the chain position -> table entry -> directory row walked per job, the
+// page row's owner read (Note [Paged CUDA row owners]).
 __device__ void CheckUpdateJob(const PagedUpdateCudaView& v, int64_t i, unsigned long long* flag) {
   const int64_t Hkv = v.p.shape.kv_heads;
   const int64_t h = i % Hkv, kv = (i / Hkv) % 2, u = i / (2 * Hkv);
@@ -475,10 +491,8 @@ __device__ void CheckUpdateJob(const PagedUpdateCudaView& v, int64_t i, unsigned
   if (id < 0) return;
   int fmt = 0;
   const uint8_t* base = LayerBase(v.p, id, &fmt);
-  CheckJobAt(v, i, u, base, fmt, tok, flag, [&](int64_t w) {
-    int64_t tw = 0, rw = 0;
-    return UnitPage(v, w, &tw, &rw) == id && rw == prow;
-  });
+  CheckJobAt(v, i, u, base, fmt, tok, flag,
+             [&]() { return v.owners[id * v.p.shape.page_size + prow] != static_cast<unsigned int>(u); });
 }
 
 // One thread per row job.
@@ -514,11 +528,15 @@ __device__ void ReportUpdate(const PagedUpdateCudaView& v, unsigned long long ke
     int64_t tok = 0, prow = 0;
     const int64_t id = UnitPage(v, u, &tok, &prow);
     int64_t first_row = 0;
-    for (int64_t w = 0; w < u; ++w) {
-      int64_t tw = 0, rw = 0;
-      if (UnitPage(v, w, &tw, &rw) == id && rw == prow) {
-        first_row = w / v.T;
-        break;
+    if (v.owners != nullptr) {  // the page row's first writer (Note [Paged CUDA row owners])
+      first_row = static_cast<int64_t>(v.owners[id * v.p.shape.page_size + prow]) / v.T;
+    } else {
+      for (int64_t w = 0; w < u; ++w) {
+        int64_t tw = 0, rw = 0;
+        if (UnitPage(v, w, &tw, &rw) == id && rw == prow) {
+          first_row = w / v.T;
+          break;
+        }
       }
     }
     WriteReport(err, v.label, ORTKV_DERR_SHARED_ROW, u / v.T, tok, v.T, cap, static_cast<uint64_t>(first_row),
@@ -758,13 +776,28 @@ struct UnitSlots {  // per token u < B * T
   int32_t prow[kResolvedMaxUnits];   // its row in the page
   int32_t fmt[kResolvedMaxUnits];    // the page's directory format
 };
-// The grid of the resolved kernel for this update, 0: the two kernels.
-int64_t ResolvedBlocks(const PagedUpdateCudaView& v) {
+// How an update runs: the grid of the resolved kernel (0: the memset + check + store kernels), and whether it is
+// launched plainly; ORTKV_CUDA_PAGED_UPDATE read once.
+struct UpdatePath {
+  int64_t blocks = 0;
+  bool plain = false;
+};
+UpdatePath PathOf(const PagedUpdateCudaView& v) {
   const char* e = std::getenv("ORTKV_CUDA_PAGED_UPDATE");
-  if (e != nullptr && std::strcmp(e, "two") == 0) return 0;
-  if (v.p.page_fill != nullptr || v.B * v.T > kResolvedMaxUnits || v.rows() > kResolvedMaxRows) return 0;
-  if (e != nullptr && std::strcmp(e, "one") == 0) return 1;
-  return std::min<int64_t>((v.rows() + v.q_jobs() + kResolvedWarps - 1) / kResolvedWarps, kResolvedMaxBlocks);
+  const std::string env = e != nullptr ? e : "";
+  UpdatePath path;
+  path.plain = env == "plain";
+  if (env == "two" || v.p.page_fill != nullptr || v.B * v.T > kResolvedMaxUnits || v.rows() > kResolvedMaxRows)
+    return path;
+  path.blocks = env == "one" ? 1
+                             : std::min<int64_t>((v.rows() + v.q_jobs() + kResolvedWarps - 1) / kResolvedWarps,
+                                                 kResolvedMaxBlocks);
+  return path;
+}
+// The bytes of the row owners of the memset + check + store path (Note [Paged CUDA row owners]).
+size_t OwnerBytesOf(const PagedUpdateCudaView& v) {
+  const size_t n = static_cast<size_t>(v.p.num_pages * v.p.shape.page_size) * sizeof(unsigned int);
+  return (n + 255) / 256 * 256;
 }
 // What a token's resolution read (EARLY: compared with the same words after griddepcontrol.wait).
 struct UnitRead {
@@ -834,8 +867,11 @@ __global__ void __launch_bounds__(kResolvedThreads) PagedUpdateResolvedKernel(co
     const int64_t u = i / (2 * Hkv), id = s.id[u];
     if (id < 0) continue;
     const int32_t prow = s.prow[u];
-    CheckJobAt(v, i, u, s.base[u], s.fmt[u], s.tok[u], &s_key,
-               [&](int64_t w) { return s.id[w] == id && s.prow[w] == prow; });
+    CheckJobAt(v, i, u, s.base[u], s.fmt[u], s.tok[u], &s_key, [&]() {
+      for (int64_t w = 0; w < u; ++w)
+        if (s.id[w] == id && s.prow[w] == prow) return true;
+      return false;
+    });
   }
   __syncthreads();
   const unsigned long long key = s_key;
@@ -3545,15 +3581,18 @@ Status LaunchError(const char* op, cudaError_t e) {
 
 }  // namespace
 
+size_t PagedUpdateOwnerBytes(const PagedUpdateCudaView& v) {
+  return v.rows() == 0 || PathOf(v).blocks > 0 ? 0 : OwnerBytesOf(v);
+}
+
 Status PagedCacheUpdateCuda(const PagedUpdateCudaView& v, void* stream_ptr) {
   if (v.rows() == 0) return Status::Ok();
   if (v.flag == nullptr) return Status(Code::kRuntime, "PagedCacheUpdate CUDA: no flag workspace");
   cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
   UpdateArgs a{v};
-  if (const int64_t blocks = ResolvedBlocks(v)) {  // Note [Paged CUDA resolved update]
-    const char* e = std::getenv("ORTKV_CUDA_PAGED_UPDATE");
-    const bool plain = e != nullptr && std::strcmp(e, "plain") == 0;
-    if (!plain && pv2::CurrentMajor() >= 9 && CudaEarlyLaunch() &&
+  const UpdatePath path = PathOf(v);
+  if (const int64_t blocks = path.blocks) {  // Note [Paged CUDA resolved update]
+    if (!path.plain && pv2::CurrentMajor() >= 9 && CudaEarlyLaunch() &&
         LaunchProgrammatic(PagedUpdateResolvedKernel<true>, static_cast<unsigned>(blocks), kResolvedThreads, 0, stream,
                            a))
       return Status::Ok();
@@ -3561,7 +3600,11 @@ Status PagedCacheUpdateCuda(const PagedUpdateCudaView& v, void* stream_ptr) {
     const cudaError_t e1 = cudaGetLastError();
     return e1 == cudaSuccess ? Status::Ok() : LaunchError("PagedCacheUpdate", e1);
   }
-  cudaError_t e = cudaMemsetAsync(v.flag, 0xFF, sizeof(unsigned long long), stream);
+  const size_t owners = OwnerBytesOf(v);
+  if (v.owners == nullptr || reinterpret_cast<char*>(v.owners) != static_cast<char*>(v.flag) + 256)
+    return Status(Code::kRuntime, "PagedCacheUpdate CUDA: no row-owner workspace after the flag");
+  // the flag and the row owners (Note [Paged CUDA row owners]): every byte 0xFF
+  cudaError_t e = cudaMemsetAsync(v.flag, 0xFF, 256 + owners, stream);
   if (e != cudaSuccess) return LaunchError("PagedCacheUpdate", e);
   if (v.p.page_fill != nullptr) {  // Note [Page fill] on CUDA: the prefix sums first
     if (v.fill_prefix == nullptr) return Status(Code::kRuntime, "PagedCacheUpdate CUDA: no page_fill workspace");
@@ -3574,6 +3617,11 @@ Status PagedCacheUpdateCuda(const PagedUpdateCudaView& v, void* stream_ptr) {
   const int64_t rows = v.rows();
   const int64_t check_blocks = (rows + 127) / 128, store_blocks = (rows + v.q_jobs() + kStoreWarps - 1) / kStoreWarps;
   if (store_blocks > 0x7fffffff) return Status(Code::kInvalidArgument, "PagedCacheUpdate CUDA: too many rows for one launch; split the batch");
+  const int64_t units = v.B * v.T;
+  if (units > 0xFFFFFFFEll) return Status(Code::kInvalidArgument, "PagedCacheUpdate CUDA: too many tokens for one launch; split the batch");
+  PagedUpdateClaimKernel<<<static_cast<unsigned>((units + 255) / 256), 256, 0, stream>>>(a);
+  e = cudaGetLastError();
+  if (e != cudaSuccess) return LaunchError("PagedCacheUpdate", e);
   PagedUpdateCheckKernel<<<static_cast<unsigned>(check_blocks), 128, 0, stream>>>(a);
   e = cudaGetLastError();
   if (e != cudaSuccess) return LaunchError("PagedCacheUpdate", e);
