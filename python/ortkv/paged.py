@@ -71,8 +71,8 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from functools import partial
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 
@@ -678,8 +678,8 @@ def policy_from_config(kv_format: str = "", kv_policy=None, kv_page_formats=None
 #     (index in [full then, full now)), and those the policy retargets between the row's page counts then and now
 #     (Policy.retargeted: none for one format, the pages that left the recent window for RecencyPolicy, every page
 #     for a policy that does not say). A row whose settled entries changed in the table, and every row when the
-#     pool freed or requantized a page since (PagePool.page_changes: another owner, a user's requantize, a
-#     demotion under pressure during reserve), is settled again whole, as before. Every other page would see the
+#     pool freed, pinned / unpinned or requantized a page since (PagePool.page_changes: another owner, a user's
+#     requantize or pin, a demotion under pressure during reserve), is settled again whole, as before. Every other page would see the
 #     same target, format and pin as when it was settled, so its outcome is the same: the result equals the full
 #     walk's (tests/test_paged_pool.py compares the two step by step), at O(rows + pages changed) a step.
 # A full page's entry that is -1 is an error raised before anything changes.
