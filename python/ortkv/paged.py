@@ -728,9 +728,13 @@ class PagedKVCache:
         missing = (self.page_table < 0) & (self._cols < need[:, None])
         if not missing.any():
             return 0
+        return self._open(zip(*np.nonzero(missing)))  # row-major: row by row, page by page
+
+    def _open(self, entries) -> int:
+        """Open a page (pinned: being filled) at each (row, index) of ``entries``, in that order; all or nothing."""
         opened: list[tuple[int, int]] = []
         try:
-            for b, i in zip(*np.nonzero(missing)):  # row-major: row by row, page by page
+            for b, i in entries:
                 b, i = int(b), int(i)
                 self.page_table[b, i] = self.pool.alloc(self._open_format(i), pinned=True)
                 opened.append((b, i))

@@ -19,19 +19,10 @@ def walk_reserve(cache, new_lengths) -> int:
         raise CapacityError(f"PagedKVCache.reserve: {int(new_lengths.max())} tokens exceed the {cache.capacity} "
                             f"a row holds ({cache.page_table.shape[1]} pages of {ps}); raise max_pages_per_seq",
                             requested=int(new_lengths.max()), capacity=cache.capacity)
-    opened = []
-    try:
-        for b, n in enumerate(new_lengths):
-            for i in range(-(-int(n) // ps)):
-                if cache.page_table[b, i] < 0:
-                    cache.page_table[b, i] = cache.pool.alloc(cache._open_format(i), pinned=True)
-                    opened.append((b, i))
-    except BaseException:
-        for b, i in opened:
-            cache.pool.free(int(cache.page_table[b, i]))
-            cache.page_table[b, i] = -1
-        raise
-    return len(opened)
+    # which pages: every entry of every row's first ceil(n / page_size) that is -1 (opening them, all or nothing,
+    # is the cache's own _open)
+    return cache._open((b, i) for b, n in enumerate(new_lengths) for i in range(-(-int(n) // ps))
+                       if cache.page_table[b, i] < 0)
 
 
 def walk_advance(cache, new_lengths) -> int:
