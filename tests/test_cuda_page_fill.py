@@ -115,3 +115,35 @@ def test_fill_refusals_leave_the_pool_untouched(rng):
             continue
         assert err is not None and words in str(err), err
         assert got.tobytes() == pool.tobytes()
+
+
+@pytest.mark.parametrize("rows", [2, 200])
+def test_fill_rows_sharing_a_page_row_refused_through_row_owners(rng, rows):
+    """Note [Paged CUDA row owners] with page_fill (which always takes the claim + check + store kernels): row 1's
+    last entry lists row 0's last page, partly filled, so both rows map a position to one page row. Two rows, and 200
+    rows (400 tokens), each refused with the CPU op's message (the first writer's row, the page, its row) and nothing
+    written; without the shared entry the bytes equal the CPU op's."""
+    NL, H, PS, D = 1, 2, 4, 64
+    n_pages = 3 * rows
+    fmts = [(PageFormat.F16, PageFormat.INT8)[i % 2] for i in range(n_pages)]
+    pool, directory = build_pool(rng, fmts, num_layers=NL, kv_heads=H, page_size=PS, head_size=D)
+    table = table_for([[3 * b, 3 * b + 1, 3 * b + 2] for b in range(rows)], 3)
+    fill = np.tile(np.array([[4, 2, 4]], np.int32), (rows, 1))  # 10 positions a row; position 5 is entry 1 row 1
+    key = _rand(rng, (rows, 2, H * D), "float16")
+    kw = dict(layer=0, num_layers=NL, kv_heads=H, page_size=PS, dtype="float16")
+    position = [4] * rows  # positions 4, 5: entry 1 rows 0, 1
+    got, err = cuda_update_fill(pool, directory, table, fill, key, key, position, **kw)
+    assert err is None, err
+    cpu = pool.copy()
+    run_update_fill(cpu, directory, table, fill, key, key, position, **kw)
+    assert got.tobytes() == cpu.tobytes() and got.tobytes() != pool.tobytes()
+    shared = table.copy()
+    shared[rows - 1, 1] = table[0, 1]  # the last row writes row 0's entry-1 page, rows 0 and 1
+    with pytest.raises(Exception) as cpu_err:
+        run_update_fill(pool.copy(), directory, shared, fill, key, key, position, **kw)
+    want = f"rows 0 and {rows - 1} both write row 0 of page {int(table[0, 1])}"
+    assert want in str(cpu_err.value), str(cpu_err.value)
+    after, err = cuda_update_fill(pool, directory, shared, fill, key, key, position, **kw)
+    assert err is not None and want in err and "Nothing was written" in err, err
+    assert after.tobytes() == pool.tobytes()
+
