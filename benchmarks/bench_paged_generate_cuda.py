@@ -5,15 +5,17 @@ against the paged runner with that update launched plainly (ORTKV_CUDA_PAGED_UPD
 with the memset + check + store kernels (=two), with --one-block the update in ONE block (=one), with --unfused the
 paged runner on the unfused base (Split + 2 RotaryEmbedding +
 PagedCacheUpdate: paged_model_path(fused_rotary=False)), with --full-table the paged runner binding the whole
-max_length table (TABLE_BUCKET_MIN raised past it), and with --walk the paged runner whose host bookkeeping walks
-every page of every row each step (ortkv.reference.page_policy: before Note [Incremental advance]).
+max_length table (TABLE_BUCKET_MIN raised past it), with --walk the paged runner whose host bookkeeping walks
+every page of every row each step (ortkv.reference.page_policy: before Note [Incremental advance]), and with
+--page-commits the paged runner committing page by page (COMMIT_AHEAD_TOKENS 0: a fresh graph capture after every
+granule, as before Note [Paged decoder on CUDA]'s commit-ahead; compare the mean column).
 SmolLM2-135M float16, CUDA graph, greedy. One process; per cell the variants alternate, --rounds times, and the
 table holds each one's median ms per decode step and its ratio to the dense runner's, the prefill's ms, and the mean
 ms per step over all steps (a step that captures a new CUDA graph, after the pool or the arena committed, counts
 there and not in the median).
 
     python benchmarks/bench_paged_generate_cuda.py [--batch 1 8] [--max-length 2048 8192] [--prompt-tokens 16]
-        [--new-tokens 128] [--rounds 3] [--one-block] [--unfused] [--full-table] [--walk]
+        [--new-tokens 128] [--rounds 3] [--one-block] [--unfused] [--full-table] [--walk] [--page-commits]
         [--out benchmarks/results/paged_generate_cuda.md]
 """
 
@@ -49,6 +51,7 @@ def main(argv=None) -> int:
     p.add_argument("--unfused", action="store_true", help="also the paged runner on the unfused base")
     p.add_argument("--one-block", action="store_true", help="also the paged runner with the update in one block")
     p.add_argument("--walk", action="store_true", help="also the paged runner walking every page each step")
+    p.add_argument("--page-commits", action="store_true", help="also the paged runner committing page by page")
     p.add_argument("--out", help="append the table to this markdown file")
     a = p.parse_args(argv)
 
@@ -57,6 +60,8 @@ def main(argv=None) -> int:
     variants += ["paged f16 unfused rotary"] if a.unfused else []
     variants += ["paged f16 full table"] if a.full_table else []
     variants += ["paged f16 walk bookkeeping"] if a.walk else []
+    variants += ["paged f16 page-by-page commits"] if a.page_commits else []
+    shipped_ahead = paged_module.COMMIT_AHEAD_TOKENS
     shipped_steps = PagedKVCache.reserve, PagedKVCache.advance
     update_env = {"plain update": "plain", "one-block update": "one", "two-kernel update": "two"}
     shipped_min = paged_module.TABLE_BUCKET_MIN
@@ -91,6 +96,7 @@ def main(argv=None) -> int:
                         walk = v.endswith("walk bookkeeping")
                         steps = (walk_reserve, walk_advance) if walk else shipped_steps
                         PagedKVCache.reserve, PagedKVCache.advance = steps
+                        paged_module.COMMIT_AHEAD_TOKENS = 0 if v.endswith("page-by-page commits") else shipped_ahead
                         for suffix, value in update_env.items():  # read at each launch: the capture keeps it
                             if v.endswith(suffix):
                                 os.environ["ORTKV_CUDA_PAGED_UPDATE"] = value
@@ -104,6 +110,7 @@ def main(argv=None) -> int:
                         tokens[v] = g.new_ids
                 paged_module.TABLE_BUCKET_MIN = shipped_min
                 PagedKVCache.reserve, PagedKVCache.advance = shipped_steps
+                paged_module.COMMIT_AHEAD_TOKENS = shipped_ahead
                 dense = statistics.median(runs["dense"])
                 for v in variants:
                     ms = statistics.median(runs[v])

@@ -111,6 +111,33 @@ def test_freed_slots_are_reused_per_format(device):
         assert pool.bytes_copied == 0
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_commit_ahead_grows_a_slab_by_more_slots_and_falls_back_to_one(device):
+    """commit_ahead (the CUDA-graph runner's, Note [Paged decoder on CUDA]): a slab that must grow commits that many
+    slots beyond the one it needs, so the next ones commit nothing; a governor that refuses the more gets the one
+    alone; 0 (the default) is the granule-by-granule growth above."""
+    with _pool(device=device, commit_ahead=5) as pool:
+        g, slot = pool.granule, pool.slot_bytes(F.INT8)
+        grown = []
+        for _ in range(13):
+            pool.alloc(F.INT8)
+            grown.append(pool.committed_bytes)
+        assert grown[0] == _rup(6 * slot, g)  # the slot and 5 ahead
+        assert len(set(grown[:6])) == 1  # the next 5 commit nothing
+        assert grown[6] == _rup(12 * slot, g) and grown[12] == _rup(18 * slot, g)
+    with pytest.raises(OrtkvError, match=r"commit_ahead = -1 must be an integer >= 0"):
+        _pool(commit_ahead=-1)
+    if device != "cpu":
+        return
+    gov = Governor(3 * 16384)  # F16 slots of 16384 bytes: three fit, not 1 + 4 ahead
+    with _pool(governor=gov, commit_ahead=4) as pool:
+        pages = [pool.alloc(F.F16) for _ in range(3)]
+        assert pool.committed_bytes == 3 * 16384 and gov.in_use == 3 * 16384  # one at a time once refused
+        with pytest.raises(CapacityError, match=r"refused .* F16 page of 16384 bytes"):
+            pool.alloc(F.F16)
+        assert pool.live_pages == sorted(pages) and pool.committed_bytes == 3 * 16384
+
+
 def test_governor_refusal_is_capacity_error_with_numbers_and_changes_nothing():
     gov = Governor(2 * 16384)
     with _pool(governor=gov) as pool:

@@ -23,6 +23,9 @@ format: address space only. A slot holds one page for every layer, so its size i
 the governor's budget, when a slot is taken and none is free: nothing is preallocated to a maximum, and
 the committed bytes of a slab are its slots in use rounded up to one granule. A freed slot goes to its
 slab's free list (lowest offset first, so slabs stay dense) and is taken before the slab grows.
+``commit_ahead`` (slots, default 0) makes a slab that must grow commit that many slots beyond the one it needs
+(the one alone if the governor refuses the more): the CUDA runner that captures decode graphs sets it, since every
+commit costs it a fresh capture (Note [Paged decoder on CUDA]); then a slab holds up to commit_ahead slots more.
 
 The directory (int64 [max_pages, 2] = (format, byte offset of the slot)) is the only thing the kernels
 read to find a page; page ids are directory rows, slots are offsets, and the two are independent: a
@@ -189,11 +192,14 @@ class PagePool:
 
     def __init__(self, num_layers: int, kv_heads: int, head_size: int, page_size: int, logical_dtype=np.float32,
                  device: str = "cpu", governor: Governor | None = None, max_pages: int = 1024,
-                 demote_on_refusal: bool = False):
+                 demote_on_refusal: bool = False, commit_ahead: int = 0):
         for key, v in (("num_layers", num_layers), ("kv_heads", kv_heads), ("head_size", head_size),
                        ("page_size", page_size), ("max_pages", max_pages)):
             if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
                 raise OrtkvError(f"PagePool: {key} = {v!r} must be an integer >= 1")
+        if not isinstance(commit_ahead, (int, np.integer)) or isinstance(commit_ahead, bool) or commit_ahead < 0:
+            raise OrtkvError(f"PagePool: commit_ahead = {commit_ahead!r} must be an integer >= 0 (slots)")
+        self.commit_ahead = int(commit_ahead)
         self.num_layers, self.kv_heads, self.head_size, self.page_size = (int(num_layers), int(kv_heads),
                                                                           int(head_size), int(page_size))
         self.max_pages = int(max_pages)
@@ -475,15 +481,26 @@ class PagePool:
                                 requested=1, capacity=slab.capacity)
         end = (slab.fresh + 1) * slab.slot_bytes
         if end > slab.committed_end:
-            try:
-                self.arena.commit(end - slab.committed_end, slab.offset + slab.committed_end)
-            except CapacityError as refused:
+            ahead = min(slab.capacity * slab.slot_bytes, end + self.commit_ahead * slab.slot_bytes)
+            refused = None
+            for target in (ahead, end) if ahead > end else (end,):  # the slots ahead refused: the one alone
+                try:
+                    self._grow(slab, target)
+                    refused = None
+                    break
+                except CapacityError as exc:
+                    refused = exc
+            if refused is not None:
                 return self._after_refusal(fmt, refused, demote)
-            g = self.granule
-            slab.committed_end = -(-end // g) * g
         i = slab.fresh
         slab.fresh += 1
         return fmt, i
+
+    def _grow(self, slab: _Slab, end: int) -> None:
+        """Commit the slab's bytes up to ``end`` (granule-rounded); CapacityError, nothing committed, if refused."""
+        self.arena.commit(end - slab.committed_end, slab.offset + slab.committed_end)
+        g = self.granule
+        slab.committed_end = -(-end // g) * g
 
     def _borrow(self, fmt: PageFormat) -> tuple[PageFormat, int] | None:
         """The smallest free committed slot of another slab that holds a page of ``fmt``."""
@@ -679,9 +696,10 @@ def policy_from_config(kv_format: str = "", kv_policy=None, kv_page_formats=None
 #     (Policy.retargeted: none for one format, the pages that left the recent window for RecencyPolicy, every page
 #     for a policy that does not say). A row whose settled entries changed in the table, and every row when the
 #     pool freed, pinned / unpinned or requantized a page since (PagePool.page_changes: another owner, a user's
-#     requantize or pin, a demotion under pressure during reserve), is settled again whole, as before. Every other page would see the
-#     same target, format and pin as when it was settled, so its outcome is the same: the result equals the full
-#     walk's (tests/test_paged_pool.py compares the two step by step), at O(rows + pages changed) a step.
+#     requantize or pin, a demotion under pressure during reserve), is settled again whole, as before. Every other
+#     page would see the same target, format and pin as when it was settled, so its outcome is the same: the result
+#     equals the full walk's (tests/test_paged_pool.py compares the two step by step), at O(rows + pages changed) a
+#     step.
 # A full page's entry that is -1 is an error raised before anything changes.
 class PagedKVCache:
     """The page tables of ``batch`` sequences over one PagePool, driven by a Policy (Note [Page

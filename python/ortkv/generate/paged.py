@@ -179,8 +179,12 @@ def paged_model_path(cfg: GenAIConfig, log=print, page_fill: bool = False, fused
 # step. The page table bound to a run is only as wide as the run needs, in buckets (Note [Page table buckets]).
 # With --cuda-graph the decode step is captured as in Note [CUDA graph decode]: the prefill runs with gpu_graph_id
 # -1, decode under a graph id of its own, and a new id (a fresh capture) after every arena commit (the captured
-# PagedCacheUpdate keeps the uncommitted ranges of its capture), every new bucket and every start(). A requantize
-# (the policy, or demotion) runs between steps on the device (Note [Requantize on a CUDA pool]).
+# PagedCacheUpdate keeps the uncommitted ranges of its capture), every new bucket and every start(). ORT runs a new
+# id twice uncaptured before it captures it (a dense step without the graph took 1.5-2.9 ms on the H200, with it
+# ~1), and a 2 MiB granule holds 5.7 of SmolLM2's F16 pages, so committing page by page meant a fresh graph every
+# ~11 steps at batch 8; the pool therefore commits COMMIT_AHEAD_TOKENS of every row at a time under CUDA graphs
+# (PagePool's commit_ahead, in slots: batch x 8 pages of 16), as ArenaKVCache commits chunks of 128 tokens.
+# A requantize (the policy, or demotion) runs between steps on the device (Note [Requantize on a CUDA pool]).
 # Greedy picks run on the device (GreedyToken, Note [Greedy on the device]); sampling brings [B, V] logits back.
 # With one format, F16, for every page (and no demotion) the attention nodes promise it (page_format = "F16",
 # uniform_page_format; the model `paged3-ps{N}-f16`), which runs the uniform 16-bit kernel (Note [Paged CUDA uniform
@@ -197,6 +201,9 @@ def paged_model_path(cfg: GenAIConfig, log=print, page_fill: bool = False, fused
 # input address holds) and one decode capture each. Entries past the width are -1 (no page) for every row,
 # so nothing a run reads is dropped.
 TABLE_BUCKET_MIN = 256  # keys: one split below 512 (kPagedMinChunk in paged_cuda.cu is 256)
+
+
+COMMIT_AHEAD_TOKENS = 128  # Note [Paged decoder on CUDA]: per row, what a slab commits at a time under CUDA graphs
 
 
 def table_bucket(need: int, page_size: int, max_pages: int) -> int:
@@ -256,9 +263,12 @@ class PagedRunner:
         d, o = self.cfg.model.decoder, self.cfg.ortkv
         self._release()
         per_seq = -(-max_length // o.page_size)
+        # Note [Paged decoder on CUDA]: under CUDA graphs a commit costs a fresh capture, so slabs grow by
+        # COMMIT_AHEAD_TOKENS of every row at a time (ArenaKVCache's chunk), not page by page
+        ahead = batch * -(-COMMIT_AHEAD_TOKENS // o.page_size) if self.cuda_graph else 0
         self.pool = PagePool(self.layers, d.num_key_value_heads, d.head_size, o.page_size, self.dtype, self.device,
                              Governor(o.arena_budget_bytes), max_pages=batch * per_seq,
-                             demote_on_refusal=o.kv_demote_on_refusal)
+                             demote_on_refusal=o.kv_demote_on_refusal, commit_ahead=ahead)
         self.cache = PagedKVCache(self.pool, batch, per_seq, self.policy)
         self.sess.bind_cache(POOL, self.pool.pool)
         self.lengths = np.zeros(batch, np.int64)
