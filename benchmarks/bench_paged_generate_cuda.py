@@ -10,9 +10,9 @@ every page of every row each step (ortkv.reference.page_policy: before Note [Inc
 --page-commits the paged runner committing page by page (COMMIT_AHEAD_TOKENS 0: a fresh graph capture after every
 granule, as before Note [Paged decoder on CUDA]'s commit-ahead; compare the mean column).
 SmolLM2-135M float16, CUDA graph, greedy. One process; per cell the variants alternate, --rounds times, and the
-table holds each one's median ms per decode step and its ratio to the dense runner's, the prefill's ms, and the mean
-ms per step over all steps (a step that captures a new CUDA graph, after the pool or the arena committed, counts
-there and not in the median).
+table holds each one's median ms per decode step and its ratio to the dense runner's, the prefill's ms, the mean ms
+per step over all steps (a step that captures a new CUDA graph, after the pool or the arena committed, counts
+there and not in the median), and the paged runners' decode graph ids in the last round (each captured afresh).
 
     python benchmarks/bench_paged_generate_cuda.py [--batch 1 8] [--max-length 2048 8192] [--prompt-tokens 16]
         [--new-tokens 128] [--rounds 3] [--one-block] [--unfused] [--full-table] [--walk] [--page-commits]
@@ -89,6 +89,7 @@ def main(argv=None) -> int:
                 runs = {v: [] for v in variants}
                 prefill = {v: [] for v in variants}
                 mean = {v: [] for v in variants}  # every step, graph captures included (a median hides them)
+                graphs = {}  # the paged runners' decode graph ids of the last round (Note [Paged decoder on CUDA])
                 tokens = {}
                 for r in range(a.rounds + 1):  # round 0 warms up (captures, first loads): not counted
                     for v in variants:
@@ -107,6 +108,7 @@ def main(argv=None) -> int:
                             runs[v].append(g.median_step_ms)
                             prefill[v].append(g.prefill_s * 1e3)
                             mean[v].append(g.decode_s / max(g.decode_steps, 1) * 1e3)
+                        graphs[v] = getattr(runners[v], "decode_graphs", None)
                         tokens[v] = g.new_ids
                 paged_module.TABLE_BUCKET_MIN = shipped_min
                 PagedKVCache.reserve, PagedKVCache.advance = shipped_steps
@@ -116,7 +118,8 @@ def main(argv=None) -> int:
                     ms = statistics.median(runs[v])
                     pre, avg = statistics.median(prefill[v]), statistics.median(mean[v])
                     rows.append((a.prompt_tokens, a.new_tokens, ml, batch, v, ms, ms / dense,
-                                 " ".join(f"{x:.3f}" for x in runs[v]), tokens[v] == tokens["dense"], pre, avg))
+                                 " ".join(f"{x:.3f}" for x in runs[v]), tokens[v] == tokens["dense"], pre, avg,
+                                 "-" if graphs[v] is None else graphs[v]))
                     print(f"max_length {ml} batch {batch} {v:22s} {ms:.3f} ms/step ({ms / dense:.3f}x dense), "
                           f"mean {avg:.3f} ms/step, prefill {pre:.1f} ms", flush=True)
         finally:
@@ -125,10 +128,10 @@ def main(argv=None) -> int:
     head = (f"\n## {time.strftime('%Y-%m-%d %H:%M')} UTC, `python benchmarks/bench_paged_generate_cuda.py "
             f"{' '.join(argv if argv is not None else sys.argv[1:])}`\n\n"
             "| prompt | new | max_length | batch | variant | ms/step (median of rounds) | vs dense | rounds "
-            "| same tokens as dense | prefill ms (median) | mean ms/step (all steps, median of rounds) |\n"
-            "|---:|---:|---:|---:|---|---:|---:|---|---|---:|---:|\n")
+            "| same tokens as dense | prefill ms (median) | mean ms/step (all steps, median of rounds) "
+            "| decode graphs |\n|---:|---:|---:|---:|---|---:|---:|---|---|---:|---:|---:|\n")
     table = head + "".join(f"| {r[0]} | {r[1]} | {r[2]} | {r[3]} | {r[4]} | {r[5]:.3f} | {r[6]:.3f} | {r[7]} | "
-                           f"{'yes' if r[8] else 'no'} | {r[9]:.1f} | {r[10]:.3f} |\n" for r in rows)
+                           f"{'yes' if r[8] else 'no'} | {r[9]:.1f} | {r[10]:.3f} | {r[11]} |\n" for r in rows)
     return emit(table, a.out, append=True)
 
 

@@ -487,6 +487,30 @@ def test_cuda_graph_paged_decode_equals_uncaptured_paged_decode():
 
 @pytest.mark.cuda
 @pytest.mark.skipif(_cuda_why_not() is not None, reason=f"paged CUDA generation skipped: {_cuda_why_not()}")
+def test_cuda_graph_decode_ids_follow_commit_chunks(monkeypatch):
+    """Note [Paged decoder on CUDA]: under CUDA graphs every pool commit moves decode to a new graph id (run twice
+    uncaptured, then captured). 8 rows x 100 steps open 56 F16 pages: page by page (COMMIT_AHEAD_TOKENS 0) that is a
+    commit every ~5.7 pages (a 2 MiB granule), so 5 or more decode graphs; committing 128 tokens of every row at a
+    time, the prefill's commit holds them all: one decode graph. The same logits either way."""
+    from ortkv.generate import paged as paged_module
+
+    prompts = [[504, 3575, 282, 4649, 314]] * 8
+    graphs, logits = {}, {}
+    shipped = paged_module.COMMIT_AHEAD_TOKENS
+    for ahead in (shipped, 0):
+        monkeypatch.setattr(paged_module, "COMMIT_AHEAD_TOKENS", ahead)
+        r = make_runner("ortkv", _cuda_cfg(True, kv_format="f16"))
+        try:
+            logits[ahead] = _logit_steps(r, prompts, steps=100)
+            graphs[ahead] = r.paged_stats()["decode_graphs"]
+        finally:
+            r.close()
+    assert graphs[shipped] == 1 and graphs[0] >= 5, graphs
+    np.testing.assert_array_equal(logits[shipped], logits[0])
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(_cuda_why_not() is not None, reason=f"paged CUDA generation skipped: {_cuda_why_not()}")
 def test_cuda_int8_pages_run_and_stay_close_to_f16_pages():
     from ortkv.generate.models import tokenizer_for
 

@@ -282,6 +282,7 @@ class PagedRunner:
             self._tables = {}  # width -> [device table, the host columns it holds] (Note [Page table buckets])
             self._decode_width = None
             self._prefill_ro = ort.RunOptions()
+            self.decode_graphs = 0  # graph ids that ran a decode step this generation (each one captured afresh)
             self._new_decode_graph()
             if self.cuda_graph:
                 self._prefill_ro.add_run_config_entry("gpu_graph_id", "-1")
@@ -292,6 +293,7 @@ class PagedRunner:
         from .runners import _graph_ids
 
         self._decode_ro = ort.RunOptions()
+        self._graph_ran = False
         if self.cuda_graph:
             self._decode_ro.add_run_config_entry("gpu_graph_id", str(next(_graph_ids)))
 
@@ -379,6 +381,9 @@ class PagedRunner:
         if self.cuda_graph and self._decode_width != table.shape()[1]:  # Note [Page table buckets]: a new shape
             self._decode_width = table.shape()[1]
             self._new_decode_graph()
+        if self.cuda_graph and not self._graph_ran:  # ORT runs a new id twice uncaptured, then captures it
+            self.decode_graphs += 1
+            self._graph_ran = True
         self.sess.run(["logits"], {"input_ids": io["input_ids"], "positions": io["positions"],
                                    "directory": directory, "page_table": table},
                       run_options=self._decode_ro, bound_outputs={"logits": io["logits"]})
@@ -419,6 +424,8 @@ class PagedRunner:
         s = self.pool.stats()
         s["policy"] = self.policy.describe()
         s["page_size"] = self.pool.page_size
+        if self.device != "cpu":
+            s["decode_graphs"] = self.decode_graphs if self.cuda_graph else 0  # Note [Paged decoder on CUDA]
         return s
 
     def _release(self) -> None:
