@@ -115,7 +115,8 @@ def test_freed_slots_are_reused_per_format(device):
 def test_commit_ahead_grows_a_slab_by_more_slots_and_falls_back_to_one(device):
     """commit_ahead (the CUDA-graph runner's, Note [Paged decoder on CUDA]): a slab that must grow commits that many
     slots beyond the one it needs, so the next ones commit nothing; a governor that refuses the more gets the one
-    alone; 0 (the default) is the granule-by-granule growth above."""
+    alone; a slot committed ahead is lent to a format whose slab the governor cannot grow; 0 (the default) is the
+    granule-by-granule growth above."""
     with _pool(device=device, commit_ahead=5) as pool:
         g, slot = pool.granule, pool.slot_bytes(F.INT8)
         grown = []
@@ -129,6 +130,16 @@ def test_commit_ahead_grows_a_slab_by_more_slots_and_falls_back_to_one(device):
         _pool(commit_ahead=-1)
     if device != "cpu":
         return
+    gov = Governor(5 * 16384)  # one F16 page and 4 ahead take the whole budget
+    with _pool(governor=gov, commit_ahead=4) as pool:
+        f16 = pool.alloc(F.F16)
+        assert pool.committed_bytes == 5 * 16384 == gov.in_use
+        i4 = pool.alloc(F.INT4)  # its slab cannot grow: a slot committed ahead in the F16 slab holds it
+        assert pool.format_of(i4) == F.INT4 and pool.offset_of(i4) == pool.slabs[F.F16].slot_offset(1)
+        assert pool.offset_of(pool.alloc(F.F16)) == pool.slabs[F.F16].slot_offset(2)  # the next fresh one
+        pool.free(i4)
+        assert pool.offset_of(pool.alloc(F.F16)) == pool.slabs[F.F16].slot_offset(1)  # lent and given back
+        assert pool.committed_bytes == 5 * 16384 and len(pool.live_pages) == 3 and f16 in pool.live_pages
     gov = Governor(3 * 16384)  # F16 slots of 16384 bytes: three fit, not 1 + 4 ahead
     with _pool(governor=gov, commit_ahead=4) as pool:
         pages = [pool.alloc(F.F16) for _ in range(3)]

@@ -33,11 +33,12 @@ requantize takes a slot of the new format, converts the page there (``_ortkv.pag
 and encode each layer, nothing written on refusal), rewrites the page's directory row and frees the old
 slot. That is the only copy the pool ever makes, one page, counted in ``bytes_copied``.
 
-When the governor refuses a commit, a slot is first borrowed from the free list of a wider slab
-(a committed, unused slot at least as large; the page's format is in the directory, so where it lives
-does not matter to the kernels). Then, if ``demote_on_refusal``, the pool demotes its oldest unpinned
-pages one step (F16/BF16 -> INT8, INT8/FP8 -> INT4), oldest first, until a slot that fits is free; each
-demotion frees a wide slot that the refused request can borrow. The arena cannot give granules back
+When the governor refuses a commit, a slot is first borrowed from a wider slab: from its free list, else
+its next fresh slot if already committed (a granule's tail, or commit_ahead); a committed, unused slot at least
+as large (the page's format is in the directory, so where it lives does not matter to the kernels). Then, if
+``demote_on_refusal``, the pool demotes its oldest unpinned pages one step (F16/BF16 -> INT8, INT8/FP8 ->
+INT4), oldest first, until a slot that fits is free; each demotion frees a wide slot that the refused request
+can borrow. The arena cannot give granules back
 (there is no decommit), so demotion makes room by reusing committed memory, not by returning budget:
 the first demotion needs its narrower slot from that slab's free list, its committed granule tail or a
 grant, and when none is to be had the request fails with CapacityError naming the numbers. Pinned pages
@@ -503,13 +504,23 @@ class PagePool:
         slab.committed_end = -(-end // g) * g
 
     def _borrow(self, fmt: PageFormat) -> tuple[PageFormat, int] | None:
-        """The smallest free committed slot of another slab that holds a page of ``fmt``."""
+        """The smallest free committed slot of another slab that holds a page of ``fmt``: a freed one, else a fresh
+        one its commit_ahead committed (budget that slab holds and no page uses yet)."""
         need = self.slabs[fmt].slot_bytes
-        fits = sorted((s.slot_bytes, f) for f, s in self.slabs.items() if f != fmt and s.free and s.slot_bytes >= need)
+        fits = sorted((s.slot_bytes, f) for f, s in self.slabs.items()
+                      if f != fmt and s.slot_bytes >= need and (s.free or self._committed_fresh(s)))
         if not fits:
             return None
-        f = fits[0][1]
-        return f, heapq.heappop(self.slabs[f].free)
+        s = self.slabs[fits[0][1]]
+        if s.free:
+            return s.fmt, heapq.heappop(s.free)
+        s.fresh += 1
+        return s.fmt, s.fresh - 1
+
+    @staticmethod
+    def _committed_fresh(s: _Slab) -> bool:
+        """Whether the slab's next fresh slot is already committed (commit_ahead)."""
+        return s.fresh < s.capacity and (s.fresh + 1) * s.slot_bytes <= s.committed_end
 
     def _after_refusal(self, fmt: PageFormat, refused: CapacityError, demote: bool) -> tuple[PageFormat, int]:
         got = self._borrow(fmt)
