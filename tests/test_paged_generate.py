@@ -488,8 +488,8 @@ def test_cuda_graph_paged_decode_equals_uncaptured_paged_decode():
 @pytest.mark.cuda
 @pytest.mark.skipif(_cuda_why_not() is not None, reason=f"paged CUDA generation skipped: {_cuda_why_not()}")
 def test_cuda_graph_decode_ids_follow_commit_chunks(monkeypatch):
-    """Note [Paged decoder on CUDA]: under CUDA graphs every pool commit moves decode to a new graph id (run twice
-    uncaptured, then captured). 8 rows x 100 steps open 56 F16 pages: page by page (COMMIT_AHEAD_TOKENS 0) that is a
+    """Note [Paged decoder on CUDA]: under CUDA graphs every pool commit moves decode to a new graph id (captured
+    on its first run). 8 rows x 100 steps open 56 F16 pages: page by page (COMMIT_AHEAD_TOKENS 0) that is a
     commit every ~5.7 pages (a 2 MiB granule), so 5 or more decode graphs; committing 128 tokens of every row at a
     time, the prefill's commit holds them all: one decode graph. The same logits either way."""
     from ortkv.generate import paged as paged_module

@@ -179,11 +179,12 @@ def paged_model_path(cfg: GenAIConfig, log=print, page_fill: bool = False, fused
 # step. The page table bound to a run is only as wide as the run needs, in buckets (Note [Page table buckets]).
 # With --cuda-graph the decode step is captured as in Note [CUDA graph decode]: the prefill runs with gpu_graph_id
 # -1, decode under a graph id of its own, and a new id (a fresh capture) after every arena commit (the captured
-# PagedCacheUpdate keeps the uncommitted ranges of its capture), every new bucket and every start(). ORT runs a new
-# id twice uncaptured before it captures it (a dense step without the graph took 1.5-2.9 ms on the H200, with it
-# ~1), and a 2 MiB granule holds 5.7 of SmolLM2's F16 pages, so committing page by page meant a fresh graph every
-# ~11 steps at batch 8; the pool therefore commits COMMIT_AHEAD_TOKENS of every row at a time under CUDA graphs
-# (PagePool's commit_ahead, in slots: batch x 8 pages of 16), as ArenaKVCache commits chunks of 128 tokens.
+# PagedCacheUpdate keeps the uncommitted ranges of its capture), every new bucket and every start(). ORT captures a
+# new id on its first run (6.05 ms against a 0.43 ms replay for a 211-node float16 chain on the H200, onnxruntime-gpu
+# 1.31.1: benchmarks/bench_graph_capture_cuda.py), and a 2 MiB granule holds 5.7 of SmolLM2's F16 pages, so
+# committing page by page meant a fresh graph every ~11 steps at batch 8; the pool therefore commits
+# COMMIT_AHEAD_TOKENS of every row at a time under CUDA graphs (PagePool's commit_ahead, in slots: batch x 8 pages
+# of 16), as ArenaKVCache commits chunks of 128 tokens.
 # A requantize (the policy, or demotion) runs between steps on the device (Note [Requantize on a CUDA pool]).
 # Greedy picks run on the device (GreedyToken, Note [Greedy on the device]); sampling brings [B, V] logits back.
 # With one format, F16, for every page (and no demotion) the attention nodes promise it (page_format = "F16",
@@ -381,7 +382,7 @@ class PagedRunner:
         if self.cuda_graph and self._decode_width != table.shape()[1]:  # Note [Page table buckets]: a new shape
             self._decode_width = table.shape()[1]
             self._new_decode_graph()
-        if self.cuda_graph and not self._graph_ran:  # ORT runs a new id twice uncaptured, then captures it
+        if self.cuda_graph and not self._graph_ran:  # ORT captures a new id on its first run
             self.decode_graphs += 1
             self._graph_ran = True
         self.sess.run(["logits"], {"input_ids": io["input_ids"], "positions": io["positions"],
