@@ -9,6 +9,9 @@ with ORT only (no torch, no cupy). SmolLM2-135M heads (9 query / 3 KV heads of 6
   F16 in order : F16 pages in pool order (row b's pages b * L / 16 ...): what the shuffle costs.
   F16 promised : F16 pages, the nodes' page_format = "F16" (what ortkv's single-format F16 policy builds on CUDA):
           the uniform 16-bit kernel (Note [Paged CUDA uniform 16-bit]).
+  F16 static : F16 promised, and the nodes' static_tables = 1 (their directory and table are graph inputs: what
+          ortkv's paged decoder builds): no late-page check after the wait (Note [Paged CUDA static tables]).
+  INT4 static : INT4 pages (every-format kernel) with static_tables = 1.
   F16 v2 / INT4 v2 : the same, captured with ORTKV_CUDA_ATTENTION=v2 (Note [Paged CUDA v2]), for the A/B.
 R nodes of one kind in one model, each over its own cache / pool, so one call reads R caches one after the
 other (R chosen so that they hold >= 256 MiB of F16 bytes: K/V come from HBM, not from L2; at least 8). Sessions run
@@ -102,13 +105,13 @@ def dense_case(rng, B, L, R, C=None):
     return _model(nodes, inputs, outs), feeds, [o.name for o in outs]
 
 
-def paged_case(rng, B, L, R, fmt, shuffled=True, promise=False, C=None):
+def paged_case(rng, B, L, R, fmt, shuffled=True, promise=False, C=None, static=False):
     """One pool per node; every row L tokens over shuffled pages of `fmt` (in pool order when not `shuffled`;
     the pages' bytes are one encoded random page repeated: the decode work is the same for any bytes); `promise`:
     the nodes' page_format attribute names `fmt`; C: the page table's width in tokens (default L; entries past the
-    row's pages are -1)."""
+    row's pages are -1); `static`: the nodes' static_tables = 1."""
     W = (C or L) // PS
-    extra = {"page_format": fmt.name} if promise else {}
+    extra = ({"page_format": fmt.name} if promise else {}) | ({"static_tables": 1} if static else {})
     vi = helper.make_tensor_value_info
     n_pages = B * (L // PS)
     pb = layout(fmt, HKV, PS, D).page_bytes
@@ -234,7 +237,7 @@ def main():
             p.error(f"--cells: {c!r} needs L, B >= 1, L and C multiples of the page size {PS}, and C >= L")
         cells.append((L, B, C))
     rng = np.random.default_rng(0)
-    kinds = (["dense"] + [f.name for f in FORMATS] + ["F16 promised", "F16 in order"] +
+    kinds = (["dense"] + [f.name for f in FORMATS] + ["F16 promised", "F16 static", "INT4 static", "F16 in order"] +
              [f"{f.name} v2" for f in V2_FORMATS] + ["dense plain", "F16 plain", "INT4 plain", "ORT-PA"])
     if a.kinds:
         wanted = a.kinds.split(",")
@@ -242,8 +245,8 @@ def main():
         if unknown:
             p.error(f"--kinds: unknown {unknown}; the kinds are {kinds}")
         kinds = [k for k in kinds if k in wanted]
-    ratios = [("F16", "dense"), ("F16 promised", "dense"), ("F16 in order", "dense"), ("INT8", "F16"),
-              ("INT4", "F16"), ("INT4", "F16 promised"), ("F16", "F16 v2"), ("INT4", "INT4 v2"),
+    ratios = [("F16", "dense"), ("F16 promised", "dense"), ("F16 static", "dense"), ("F16 in order", "dense"),
+              ("INT8", "F16"), ("INT4", "F16"), ("INT4", "F16 promised"), ("INT4 static", "F16 static"), ("F16", "F16 v2"), ("INT4", "INT4 v2"),
               ("F16 plain", "dense plain"), ("INT4 plain", "F16 plain"), ("F16", "F16 plain"), ("F16", "ORT-PA"),
               ("F16 promised", "ORT-PA")]
     names = {("F16", "F16 v2"): "F16 v3 / v2", ("INT4", "INT4 v2"): "INT4 v3 / v2",
@@ -268,6 +271,10 @@ def main():
                 runners[f.name] = Runner(*paged_case(rng, B, L, R, f, C=C))
         if "F16 promised" in want:
             runners["F16 promised"] = Runner(*paged_case(rng, B, L, R, PageFormat.F16, promise=True, C=C))
+        if "F16 static" in want:
+            runners["F16 static"] = Runner(*paged_case(rng, B, L, R, PageFormat.F16, promise=True, C=C, static=True))
+        if "INT4 static" in want:
+            runners["INT4 static"] = Runner(*paged_case(rng, B, L, R, PageFormat.INT4, C=C, static=True))
         if "F16 in order" in want:
             runners["F16 in order"] = Runner(*paged_case(rng, B, L, R, PageFormat.F16, shuffled=False, C=C))
         os.environ["ORTKV_CUDA_ATTENTION"] = "v2"  # read when the graph is captured (in Runner())

@@ -73,9 +73,10 @@ def update_session(dtype, layer, num_layers, kv_heads, page_size, fill=False):
 
 
 @functools.lru_cache(maxsize=None)
-def attention_session(dtype, num_heads, kv_heads, layer, num_layers, page_size, fill=False, page_format=None):
+def attention_session(dtype, num_heads, kv_heads, layer, num_layers, page_size, fill=False, page_format=None,
+                      static_tables=None):
     return _session(attention_model(dtype, num_heads, kv_heads, layer, num_layers, page_size, fill=fill,
-                                    page_format=page_format))
+                                    page_format=page_format, static_tables=static_tables))
 
 
 def _dev(arr):
@@ -115,8 +116,9 @@ def cuda_update(pool, directory, table, key, value, position, *, layer, num_laye
 
 
 def cuda_attention(q, pool, directory, table, start, *, num_heads, kv_heads, layer, num_layers, page_size,
-                   dtype="float32", fill=None, page_format=None):
-    sess = attention_session(dtype, num_heads, kv_heads, layer, num_layers, page_size, fill is not None, page_format)
+                   dtype="float32", fill=None, page_format=None, static_tables=None):
+    sess = attention_session(dtype, num_heads, kv_heads, layer, num_layers, page_size, fill is not None, page_format,
+                             static_tables)
     io = sess.io_binding()
     st = np.broadcast_to(np.asarray(start, np.int64), (q.shape[0],)).copy()
     out = _dev(np.zeros(q.shape, RAW[dtype]))
@@ -145,9 +147,9 @@ def _logical_arg(x, dtype):
 
 # ---- PagedCacheAttention -------------------------------------------------------------------------------------
 def _attn_case(rng, formats, *, B, T, lengths, NL=2, H=3, G=3, PS=16, D=64, layer=1, dtype="float16", poison=True,
-               runs=None, page_format=None):
+               runs=None, page_format=None, static_tables=None):
     """runs=R: each row's pages in table order take formats[0] for R pages, then formats[1] for R pages, ...
-    (cycling), instead of formats spread over shuffled pages. page_format: the node's attribute."""
+    (cycling), instead of formats spread over shuffled pages. page_format, static_tables: the node's attributes."""
     pages_per_row = [-(-n // PS) for n in lengths]
     if runs is None:
         fmts = [formats[i % len(formats)] for i in range(sum(pages_per_row))]
@@ -167,7 +169,8 @@ def _attn_case(rng, formats, *, B, T, lengths, NL=2, H=3, G=3, PS=16, D=64, laye
         poison_rows(pool, directory, table, lengths, num_layers=NL, kv_heads=H, page_size=PS, head_size=D)
     q = _rand(rng, (B, T, H * G * D), dtype)
     got, after, err = cuda_attention(q, pool, directory, table, start, num_heads=H * G, kv_heads=H, layer=layer,
-                                     num_layers=NL, page_size=PS, dtype=dtype, page_format=page_format)
+                                     num_layers=NL, page_size=PS, dtype=dtype, page_format=page_format,
+                                     static_tables=static_tables)
     assert err is None, err
     assert after.tobytes() == pool.tobytes()  # read only
     want = paged_cache_attention_ref(_logical_arg(q, dtype), clean, directory, table, start, num_heads=H * G,
@@ -280,17 +283,36 @@ def test_attention_single_row_one_launch_and_cluster_merge(rng, monkeypatch, kin
     _attn_case(rng, fmts, B=1, T=T, lengths=[L], PS=16, D=D, NL=1, layer=0, dtype=dtype, page_format=page_format)
 
 
+@pytest.mark.parametrize("static", [None, 1], ids=["tables", "static_tables"])
+@pytest.mark.parametrize("kind", ["mixed", "16bit", "INT4"])
+@pytest.mark.parametrize("L,B", [(37, 1), (600, 1), (2000, 1), (8203, 3)])
+@pytest.mark.parametrize("T", [1, 5])
+def test_attention_static_tables(rng, static, kind, L, B, T):
+    """Note [Paged CUDA static tables]: with static_tables = 1 the kernels keep the pages they resolved before
+    griddepcontrol.wait (no second look at the late pages). Against the reference and byte for byte the node
+    without the attribute, on one split, 2 / 7 splits in a cluster and 8K-key rows: every format in the rows (the
+    every-format kernel), F16 promised (the uniform kernel), INT4 pages."""
+    fmts, page_format = _single_row_kind(kind, "float16", ALL)
+    lengths = [L - 7 * b for b in range(B)]
+    seed = int(rng.integers(1 << 30))
+    outs = [_attn_case(np.random.default_rng(seed), fmts, B=B, T=T, lengths=lengths, PS=16, NL=1, layer=0,
+                       page_format=page_format, static_tables=st) for st in (None, static)]
+    assert outs[0].tobytes() == outs[1].tobytes()
+
+
+@pytest.mark.parametrize("static", [None, 1], ids=["tables", "static_tables"])
 @pytest.mark.parametrize("kind", ["mixed", "16bit", "INT4"])
 @pytest.mark.parametrize("W", [3, 40, 128], ids=["one_split", "cluster2", "cluster8"])
 @pytest.mark.parametrize("T", [1, 5])
-def test_attention_single_row_reports_the_first_failure(rng, kind, W, T):
+def test_attention_single_row_reports_the_first_failure(rng, kind, W, T, static):
     """One batch row over a table of W pages of 16 keys, all used: the last query token reaches the first key of the
     last page, the others stop before it. With one split (W = 3) the block of the last token reports (Note [Paged CUDA
     one-launch report]); with 2 / 8 splits (W = 40 / 128) the last page lies in the last split of a cluster and
     entry 5 in the first, and rank 0 of the last token's cluster reports the smallest of its ranks' keys (Note [Paged
     CUDA cluster merge]; the uniform kernel's 8 splits: the combine). Each refusal is reported once, with the row and
     the page, the smallest first (the CPU plan's order); the pool is untouched and the output finite; with nothing
-    wrong the output is the reference's."""
+    wrong the output is the reference's. The last page holds `start`'s row, resolved before the wait: with
+    static_tables (Note [Paged CUDA static tables]) that first look is the report."""
     NL, H, G, PS, D = 1, 3, 3, 16, 64
     fmts, page_format = _single_row_kind(kind, "float16", [PageFormat.F16, PageFormat.INT8, PageFormat.INT4])
     pool, directory = build_pool(rng, [fmts[i % len(fmts)] for i in range(W)], num_layers=NL, kv_heads=H,
@@ -299,7 +321,7 @@ def test_attention_single_row_reports_the_first_failure(rng, kind, W, T):
     start = (W - 1) * PS - (T - 1)
     q = _rand(rng, (1, T, H * G * D), "float16")
     kw = dict(num_heads=H * G, kv_heads=H, layer=0, num_layers=NL, page_size=PS, dtype="float16",
-              page_format=page_format)
+              page_format=page_format, static_tables=static)
     before = pool.copy()
 
     def run(table, directory, start):
@@ -569,12 +591,15 @@ def test_attention_refusals_are_reported(rng, case):
     np.testing.assert_allclose(out[:1], want, rtol=2e-3, atol=2e-3)
 
 
+@pytest.mark.parametrize("static", [None, 1], ids=["tables", "static_tables"])
 @pytest.mark.parametrize("kernel", ["uniform", "v3_int4", "v3", "v1"])
-def test_attention_page_format_attribute_refuses_another_format(rng, kernel):
+def test_attention_page_format_attribute_refuses_another_format(rng, kernel, static):
     """A page of another format than the node's page_format promises is reported by every kernel (uniform: F16
     promised under float16 queries, an INT8 page; v3: INT4 or FP8_E4M3 promised, an F16 page; v1 (pages of 1
     token): INT4 promised, an F16 page), with the row, the page and the remedy; the pool untouched; the rows whose
-    pages keep the promise right. A missing page under the uniform kernel is reported as by the others."""
+    pages keep the promise right. A missing page under the uniform kernel is reported as by the others. The bad
+    page holds the row's last keys (`start`'s page, resolved before the wait): with static_tables (Note [Paged
+    CUDA static tables]) what was seen there is the report, with no second look."""
     NL, H, D = 1, 2, 64
     PS = 1 if kernel == "v1" else 16
     good, bad = {"uniform": (PageFormat.F16, PageFormat.INT8), "v3_int4": (PageFormat.INT4, PageFormat.F16),
@@ -585,7 +610,8 @@ def test_attention_page_format_attribute_refuses_another_format(rng, kernel):
     table[1, n - 1] = 2 * n  # row 1's last page: the other format
     q = _rand(rng, (2, 1, H * D), "float16")
     start = np.array([39, 39])
-    kw = dict(num_heads=H, kv_heads=H, layer=0, num_layers=NL, page_size=PS, dtype="float16", page_format=good.name)
+    kw = dict(num_heads=H, kv_heads=H, layer=0, num_layers=NL, page_size=PS, dtype="float16", page_format=good.name,
+              static_tables=static)
     before = pool.copy()
     out, after, err = cuda_attention(q, pool, directory, table, start, **kw)
     assert err is not None and "PagedCacheAttention node 'attn'" in err and "row 1" in err, err

@@ -251,3 +251,43 @@ def test_rule_ir_version():
     model = cache_update_model()
     model.ir_version = 9
     _one_error(model, "ir-version", "alias annotations need IR >= 10")
+
+
+def _paged_attention_model(static_tables, table_from=None):
+    """One PagedCacheAttention node; table_from: the op type of a node that computes its page table (from the graph
+    input 'table_in'), else the table is a graph input."""
+    nodes, table = [], "page_table"
+    ins = [_vi("query", [1, 1, 64]), _vi("pool", ["P"], TP.UINT8), _vi("directory", ["N", 2], TP.INT64),
+           _vi("start", [1], TP.INT64)]
+    if table_from == "Add":
+        nodes.append(helper.make_node("Add", ["table_in", "table_in"], ["page_table"], name="make_table"))
+        ins.append(_vi("table_in", [1, 4], TP.INT32))
+    else:
+        ins.append(_vi("page_table", [1, 4], TP.INT32))
+    if table_from == "in_place":  # a node that writes the graph input in place (declared and annotated)
+        node = helper.make_node("Scratch", ["page_table"], ["scratched"], domain="ortkv", name="scratch")
+        declare_output_alias(node, 0, 0)
+        nodes.append(node)
+    extra = {} if static_tables is None else {"static_tables": static_tables}
+    nodes.append(helper.make_node("PagedCacheAttention", ["query", "pool", "directory", table, "start"], ["out"],
+                                  domain="ortkv", name="attn", num_heads=1, kv_num_heads=1, layer=0, num_layers=1,
+                                  page_size=16, **extra))
+    model = _model(nodes, ins, [_vi("out", [1, 1, 64])])
+    if table_from == "in_place":
+        mark_mutable(model, "page_table")
+    return model
+
+
+def test_rule_static_tables():
+    """A PagedCacheAttention node's static_tables = 1 (Note [Paged CUDA static tables]) promises that no node writes
+    its tables: refused when a node computes the page table or writes it in place, with the node, the table and
+    the remedy; accepted on graph inputs, and without the attribute any table goes."""
+    assert _errors(_paged_attention_model(1)) == []
+    assert _errors(_paged_attention_model(None, table_from="Add")) == []
+    assert _errors(_paged_attention_model(0, table_from="Add")) == []
+    _one_error(_paged_attention_model(1, table_from="Add"), "static-tables", "attn",
+               "static_tables = 1 promises that no node writes its page_table 'page_table', but node 'make_table' "
+               "computes it. Remedy: feed 'page_table' as a graph input or initializer, or drop static_tables")
+    errs = [e for e in _errors(_paged_attention_model(1, table_from="in_place")) if e.rule == "static-tables"]
+    assert len(errs) == 1 and errs[0].subject == "attn", errs
+    assert "but a node writes graph input 'page_table' in place. Remedy: drop static_tables" in errs[0].message

@@ -313,6 +313,24 @@ def test_uniform_page_format_promised_only_where_pages_never_change_format(monke
     assert not any(a.name == "page_format" for n in plain.graph.node for a in n.attribute)
 
 
+def test_to_paged_promises_static_tables(slice_paths):
+    """Every PagedCacheAttention node of the paged decoder (and of the page_fill model) sets static_tables = 1
+    (Note [Paged CUDA static tables]): its directory, page table and page_fill are graph inputs that no node
+    writes, which the checker confirms."""
+    from ortkv.graph import check_model
+
+    w, _ = weights.load(smollm2_gguf(), layers=2)
+    for fill in (False, True):
+        model = to_paged(builder.build(w, "ortkv", max_positions=64, cache_layout="BSNH"), 9, 3, 4, page_fill=fill)
+        att = [n for n in model.graph.node if n.op_type == "PagedCacheAttention"]
+        assert len(att) == 2 and all({a.name: a.i for a in n.attribute}["static_tables"] == 1 for n in att)
+        assert {"directory", "page_table"} <= {vi.name for vi in model.graph.input}
+        check_model(model)
+    built = onnx.load(str(slice_paths["paged"]), load_external_data=False)
+    assert all({a.name: a.i for a in n.attribute}.get("static_tables") == 1
+               for n in built.graph.node if n.op_type == "PagedCacheAttention")
+
+
 def test_paged_runner_refuses_float16_on_the_cpu(slice_paths):
     cfg = _slice_cfg(dtype="float16")
     with pytest.raises(OrtkvError, match=r"ortkv.cache = 'paged' on the CPU runs float32 models; got dtype float16"):

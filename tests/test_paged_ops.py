@@ -98,14 +98,16 @@ def update_model(dtype, layer, num_layers, kv_heads, page_size, value_dtype=None
 
 
 def attention_model(dtype, num_heads, kv_heads, layer, num_layers, page_size, scale=None, fill=False,
-                    page_format=None):
+                    page_format=None, static_tables=None):
     """One PagedCacheAttention node; `fill`: with the optional page_fill input (Note [Page fill]); `page_format`:
-    the attribute (every page must have that format)."""
+    the attribute (every page must have that format); `static_tables`: the attribute (the tables are graph inputs)."""
     attrs = dict(num_heads=num_heads, kv_num_heads=kv_heads, layer=layer, num_layers=num_layers, page_size=page_size)
     if scale is not None:
         attrs["scale"] = scale
     if page_format is not None:
         attrs["page_format"] = page_format
+    if static_tables is not None:
+        attrs["static_tables"] = static_tables
     ins = ["query", "pool", "directory", "page_table", "start"] + (["page_fill"] if fill else [])
     node = helper.make_node("PagedCacheAttention", ins, ["out"], name="attn", domain="ortkv", **attrs)
     vi = helper.make_tensor_value_info
@@ -122,9 +124,9 @@ def update_session(dtype, layer, num_layers, kv_heads, page_size, value_dtype=No
 
 @functools.lru_cache(maxsize=None)
 def attention_session(dtype, num_heads, kv_heads, layer, num_layers, page_size, scale=None, fill=False,
-                      page_format=None):
+                      page_format=None, static_tables=None):
     return ort_session(attention_model(dtype, num_heads, kv_heads, layer, num_layers, page_size, scale, fill,
-                                       page_format))
+                                       page_format, static_tables))
 
 
 def _bind(io, name, arr, onnx_type, output=False):
@@ -154,9 +156,9 @@ def run_update(pool, directory, table, key, value, position, *, layer, num_layer
 
 
 def run_attention(q, pool, directory, table, start, *, num_heads, kv_heads, layer, num_layers, page_size,
-                  dtype="float32", scale=None, fill=None, page_format=None):
+                  dtype="float32", scale=None, fill=None, page_format=None, static_tables=None):
     sess = attention_session(dtype, num_heads, kv_heads, layer, num_layers, page_size, scale, fill is not None,
-                             page_format)
+                             page_format, static_tables)
     io = sess.io_binding()
     out = np.zeros(q.shape, NP[dtype])
     keep = [_bind(io, "query", q, ONNX[dtype]), _bind(io, "pool", pool, TP.UINT8),
@@ -501,6 +503,36 @@ def test_attention_page_format_attribute_refuses_another_format(rng):
     assert attribute_problems(node, contract_of(node))[0].startswith("attribute page_format=F17; allowed: , F16, f16")
     good = attention_model("float32", H, H, 0, NL, PS, page_format="int4").graph.node[0]
     assert attribute_problems(good, contract_of(good)) == []
+
+
+def test_attention_static_tables_attribute(rng):
+    """static_tables = 1 (Note [Paged CUDA static tables]: a promise about who writes the tables, which only the CUDA
+    kernels use): the CPU output is the one without it, bit for bit, bad pages still refused with the pool
+    untouched; a value other than 0 / 1 refused when the session is made (and by the op contract), naming the node,
+    the value and the rule."""
+    NL, H, PS, D = 2, 2, 16, 64
+    pool, directory = build_pool(rng, [PageFormat.F16, PageFormat.INT8, PageFormat.INT4] * 3, num_layers=NL,
+                                 kv_heads=H, page_size=PS, head_size=D)
+    table = table_for([[4, 0, 7, 2], [8, 1, 3]], 5)
+    q = _rand(rng, (2, 1, 3 * H * D), "float32")
+    kw = dict(num_heads=3 * H, kv_heads=H, layer=1, num_layers=NL, page_size=PS)
+    plain = run_attention(q, pool, directory, table, [60, 40], **kw)
+    for value in (0, 1):
+        got = run_attention(q, pool, directory, table, [60, 40], static_tables=value, **kw)
+        assert got.tobytes() == plain.tobytes()
+    bad = table.copy()
+    bad[1, 2] = -1
+    before = digest(pool)
+    with pytest.raises(CacheInputError, match=r"PagedCacheAttention node 'attn': row 1 .*page table 'page_table'"):
+        run_attention(q, pool, directory, bad, [60, 40], static_tables=1, **kw)
+    assert digest(pool) == before
+    with pytest.raises(Exception, match=r"PagedCacheAttention node 'attn': attribute static_tables = 2 is not 0 or 1; "
+                                        r"set 1 only when the directory and page table are graph inputs"):
+        run_attention(q, pool, directory, table, [60, 40], static_tables=2, **kw)
+    from ortkv.graph.op_contract import attribute_problems, contract_of
+
+    node = attention_model("float32", H, H, 0, NL, PS, static_tables=2).graph.node[0]
+    assert attribute_problems(node, contract_of(node))[0].startswith("attribute static_tables=2; allowed: 0, 1")
 
 
 # ---- update then attention, one token at a time (a decode loop through ORT) ---------------------------------------

@@ -195,12 +195,14 @@ int Main(int argc, char** argv) {
           for (size_t i = 0; i < o2.size(); ++i)
             worst_u = std::max(worst_u, std::fabs(__half2float(o2[i]) - __half2float(o3[i])));
         }
-        for (const char* level : {"v3u", "v3", "v2"}) {
+        // "s": the node's static_tables set (Note [Paged CUDA static tables]: no late-page check after the wait)
+        for (const char* level : {"v3u", "v3us", "v3", "v3s", "v2"}) {
           if (!shuffled && std::strcmp(level, "v2") == 0) continue;
-          const bool u = std::strcmp(level, "v3u") == 0;
+          const bool u = std::strncmp(level, "v3u", 3) == 0, st = level[std::strlen(level) - 1] == 's';
           if (u && f != PageFormat::kF16) continue;
           for (auto& n : nodes) n.v.page_format = u ? static_cast<int32_t>(f) : -1;
-          setenv("ORTKV_CUDA_ATTENTION", u ? "v3" : level, 1);  // read at each launch, so during the capture
+          for (auto& n : nodes) n.v.static_tables = st;
+          setenv("ORTKV_CUDA_ATTENTION", u || st ? "v3" : level, 1);  // read at each launch, so during the capture
           const float us = Capture(s, R, reps, [&](int r) { OK(PagedCacheAttentionCuda(nodes[r].v, s)); });
           char name[64];
           std::snprintf(name, sizeof name, "%s %s%s%s", fname, level, shuffled ? "" : " in order",

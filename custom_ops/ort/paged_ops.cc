@@ -367,6 +367,21 @@ OrtStatus* ReadPageFormat(const OrtApi* api, const OrtKernelInfo* info, const st
   return api->CreateStatus(ORT_INVALID_ARGUMENT, m.c_str());
 }
 
+// The optional int attribute static_tables, 0 (absent) or 1 (Note [Paged CUDA static tables] in
+// kernels/cuda/paged_cuda.cu): the CPU kernels read the tables once either way.
+OrtStatus* ReadStaticTables(const OrtApi* api, const OrtKernelInfo* info, const std::string& node, bool* out) {
+  int64_t v = 0;
+  ORTKV_RETURN_IF_ORT_ERROR(OptionalAttribute(api, info, node, "static_tables", int64_t{0}, &v));
+  if (v != 0 && v != 1) {
+    const std::string m = "[ortkv:E_INPUT] PagedCacheAttention node '" + node + "': attribute static_tables = " +
+                          std::to_string(v) + " is not 0 or 1; set 1 only when the directory and page table are " +
+                          "graph inputs or initializers (no node of the graph writes them), else leave it out";
+    return api->CreateStatus(ORT_INVALID_ARGUMENT, m.c_str());
+  }
+  *out = v == 1;
+  return nullptr;
+}
+
 OrtStatus* AttnCreate(const OrtCustomOp*, const OrtApi* api, const OrtKernelInfo* info, void** kernel) {
   auto k = std::make_unique<PagedKernel>();
   ORTKV_RETURN_IF_ORT_ERROR(ReadNames(api, info, 5, 6, &k->names));
@@ -374,6 +389,7 @@ OrtStatus* AttnCreate(const OrtCustomOp*, const OrtApi* api, const OrtKernelInfo
   ORTKV_RETURN_IF_ORT_ERROR(api->KernelInfoGetAttribute_int64(info, "num_heads", &k->num_heads));
   ORTKV_RETURN_IF_ORT_ERROR(OptionalAttribute(api, info, k->names.node, "scale", 0.0f, &k->scale));
   ORTKV_RETURN_IF_ORT_ERROR(ReadPageFormat(api, info, k->names.node, &k->attrs.page_format));
+  ORTKV_RETURN_IF_ORT_ERROR(ReadStaticTables(api, info, k->names.node, &k->attrs.static_tables));
   *kernel = k.release();
   return nullptr;
 }

@@ -92,6 +92,11 @@ struct PagedAttrs {
   // promises that every page it reads has this format, and refuses a page of another (Note [Paged CUDA uniform
   // 16-bit] in kernels/cuda/paged_cuda.cu: what the promise buys on CUDA)
   int32_t page_format = -1;
+  // PagedCacheAttention's optional static_tables attribute (0 when absent): the node promises that its directory
+  // and page table are never written by a node of its graph (graph inputs or initializers), so the CUDA kernels
+  // trust what they read of them before waiting for the kernel before (Note [Paged CUDA static tables] in
+  // kernels/cuda/paged_cuda.cu). ortkv's checker refuses the promise on a table that a node computes.
+  bool static_tables = false;
 };
 
 // What both ops resolve: the pool, the directory, the page table, and the layer's page bytes per format.

@@ -132,6 +132,9 @@ struct PagedAttentionCudaView {
   // the node's page_format attribute (-1: any): every page read has this format (Note [Paged CUDA uniform
   // 16-bit] in kernels/cuda/paged_cuda.cu)
   int32_t page_format = -1;
+  // the node's static_tables attribute: the directory and page table are not written by the kernel before, so
+  // what the kernels read of them before griddepcontrol.wait is final (Note [Paged CUDA static tables])
+  bool static_tables = false;
   int32_t label = -1;
   void* error_word = nullptr;
   int64_t units() const { return B * Hkv * T; }

@@ -141,6 +141,7 @@ Status PlanPagedCacheAttentionCuda(const std::string& node, const TensorArg& q, 
   view->scale = scale > 0 ? scale : 1.0f / std::sqrt(static_cast<float>(D));
   view->sm_count = sm_count;
   view->page_format = attrs.page_format;  // checked per page on the device (Note [Paged CUDA uniform 16-bit])
+  view->static_tables = attrs.static_tables;  // Note [Paged CUDA static tables]
   const uintptr_t align = reinterpret_cast<uintptr_t>(q.data) | reinterpret_cast<uintptr_t>(out);
   view->vec = D % 8 == 0 && align % 16 == 0;
   // Note [CacheAttention CUDA]: ~4 blocks per SM, splits from the CAPACITY (start is on the device)
@@ -3185,7 +3186,8 @@ __global__ void __launch_bounds__(kThreads, ORTKV_PAGED_V3_MIN_BLOCKS) PagedAtte
       st0 = st2, bad_start = bad2, pre = false;
       if (tid == 0) sh.key = kNoError;  // a bad page seen above is not this row's (ResolveWindow syncs first)
       chunk_of();
-    } else if (pre && j1 > st0) {  // block-uniform: the window holds the pages of rows from st0 on, whose table
+    } else if (pre && j1 > st0 && !a.static_tables) {  // block-uniform: the window holds the pages of rows from
+      // st0 on (with static tables, Note [Paged CUDA static tables], what was read is final), whose table
       // entries and directory rows the kernel before may have written (the table computed on the device): read
       // again, against what was resolved before the wait (the page's id, format and address); any change, or a
       // bad page among them, and the window is resolved after the wait
@@ -3481,7 +3483,9 @@ __global__ void __launch_bounds__(kThreads) PagedAttentionU16(const AttnArgs arg
   __syncthreads();  // s_key is set before any atomicMin
   resolve(0);
   lim = EARLY && st0 < j1 ? st0 : j1;
-  const bool recheck = EARLY && j1 > st0;  // block-uniform: only the block of a row's last keys has this step's rows
+  // block-uniform: only the block of a row's last keys has this step's rows; none with static tables (Note [Paged
+  // CUDA static tables])
+  const bool recheck = EARLY && j1 > st0 && !a.static_tables;
 #pragma unroll
   for (int s = 0; s < ST - 1; ++s) issue();
   if constexpr (EARLY) {

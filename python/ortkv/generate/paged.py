@@ -16,7 +16,7 @@ Layer l's attention is ordered before layer l+1's update by data (the update's k
 attention's output), as the checker's alias-hazard rule requires. Inputs: input_ids [B, T], positions [B], pool uint8 [pool_bytes] (READ_WRITE), directory int64
 [num_pages, 2], page_table int32 [B, max_pages], and with ``page_fill=True`` page_fill int32 [B, max_pages]
 (the ops' optional last input, Note [Page fill]: what the many-sequence path binds so that forks and beam
-reorders copy nothing; that model is saved apart, ``paged3-fill-ps{N}``). Rewriting the built graph (instead of a
+reorders copy nothing; that model is saved apart, ``paged4-fill-ps{N}``). Rewriting the built graph (instead of a
 second builder) keeps the weights, rotary and MLP code in one place. The base is built as the dense ortkv
 decoder's projections and MLP are (its Linear choice, models.linear_projections: ortkv.Linear for float32 on the
 CPU; the MLP as one SwiGLU, build(fused_mlp=True), on the CPU the Linear's SwiGLU epilogue) and, since "paged3",
@@ -25,8 +25,10 @@ PagedRotaryCacheUpdate(pool, directory, page_table, qkv, positions, cos, sin) ->
 PagedCacheAttention (Note [PagedRotaryCacheUpdate] in custom_ops/include/ortkv/paged.h), where the unfused base took
 Split + 2 RotaryEmbedding + PagedCacheUpdate (on CUDA three ORT kernels and the update's memset + check + store per
 layer). The rotary tables hold MAX_POSITIONS rows (whole pages); the op checks each row's positions against them
-(a row per position written), so the many-sequence model (page_fill, "paged3-fill-"), whose page tables are wider
-than max_length (forks, partial pages), takes the same fused layer. "paged3" / "paged2" name the models since those
+(a row per position written), so the many-sequence model (page_fill, "paged4-fill-"), whose page tables are wider
+than max_length (forks, partial pages), takes the same fused layer. Since "paged4" every PagedCacheAttention node
+sets static_tables = 1 (the directory, page table and page_fill are graph inputs that no node writes: Note [Paged
+CUDA static tables] in custom_ops/kernels/cuda/paged_cuda.cu). "paged4" / "paged2s" name the models since those
 changes (an older build is not reused).
 """
 
@@ -67,7 +69,8 @@ def to_paged(model: onnx.ModelProto, num_heads: int, kv_heads: int, page_size: i
         raise OrtkvError("to_paged: the model has no CacheAttention node; pass the ortkv decoder")
     removed, new_nodes = set(), {}
     fill = ["page_fill"] if page_fill else []
-    promise = {"page_format": page_format} if page_format else {}
+    # the tables are graph inputs that no node writes (Note [Paged CUDA static tables])
+    promise = {"static_tables": 1, **({"page_format": page_format} if page_format else {})}
     for i in range(layers):
         att = by_name[f"attention_{i}"]
         q, positions = att.input[0], att.input[3]  # (the fused base: q is the RotaryCacheUpdate's q_rot)
@@ -152,9 +155,9 @@ def paged_model_path(cfg: GenAIConfig, log=print, page_fill: bool = False, fused
     root = model_dir(cfg)
     page_format = uniform_page_format(cfg, page_fill)
     ps = cfg.ortkv.page_size
-    # Note [Paged decoder]: "paged3" (PagedRotaryCacheUpdate), the many-sequence model (page_fill) included
+    # Note [Paged decoder]: "paged4" (PagedRotaryCacheUpdate, static tables), the many-sequence model included
     fused = True if fused_rotary is None else fused_rotary
-    base = ("paged3-" if fused else "paged2-") + ("fill-" if page_fill else "")
+    base = ("paged4-" if fused else "paged2s-") + ("fill-" if page_fill else "")
     name = f"{base}ps{ps}{'-' + page_format.lower() if page_format else ''}"
     target = root / name / "model.onnx"
     if target.exists():
@@ -188,7 +191,7 @@ def paged_model_path(cfg: GenAIConfig, log=print, page_fill: bool = False, fused
 # A requantize (the policy, or demotion) runs between steps on the device (Note [Requantize on a CUDA pool]).
 # Greedy picks run on the device (GreedyToken, Note [Greedy on the device]); sampling brings [B, V] logits back.
 # With one format, F16, for every page (and no demotion) the attention nodes promise it (page_format = "F16",
-# uniform_page_format; the model `paged3-ps{N}-f16`), which runs the uniform 16-bit kernel (Note [Paged CUDA uniform
+# uniform_page_format; the model `paged4-ps{N}-f16`), which runs the uniform 16-bit kernel (Note [Paged CUDA uniform
 # 16-bit] in custom_ops/kernels/cuda/paged_cuda.cu).
 #
 # Note [Page table buckets]

@@ -189,7 +189,11 @@ _add(OpContract(
            _PAGED_ATTRS[3], Attr("scale", FLOAT, default=0.0, doc="softmax scale; <= 0: 1 / sqrt(head_size)"),
            Attr("page_format", STRING, default="", allowed=("",) + _PAGE_FORMAT_NAMES,
                 doc="every page read has this format (refused otherwise); '' = any. On CUDA F16 / BF16 under "
-                    "queries of that type take the uniform 16-bit kernel")),
+                    "queries of that type take the uniform 16-bit kernel"),
+           Attr("static_tables", INT, default=0, allowed=(0, 1),
+                doc="1: directory, page_table and page_fill are graph inputs or initializers that no node writes, "
+                    "so the CUDA kernels trust what they read of them before the kernel before ends (Note [Paged "
+                    "CUDA static tables]); the checker refuses it otherwise")),
     limits={"max_group": 64},
     kernel="CPU",
 ))
