@@ -50,7 +50,6 @@ import sys
 import time
 
 import numpy as np
-import onnx
 from onnx import TensorProto as TP
 from onnx import helper
 

@@ -52,7 +52,7 @@ def main() -> int:
     args = ap.parse_args()
     if paged._cuda_requantize_kernel() is None:
         raise SystemExit("this build has no CUDA kernels (_ortkv.paged_requantize_cuda)")
-    print(f"| format | device us / page | staged us / page | staged / device | bytes staged / page (staged path) |")
+    print("| format | device us / page | staged us / page | staged / device | bytes staged / page (staged path) |")
     print("|---|---:|---:|---:|---:|")
     for name in args.formats.split(","):
         fmt = parse_format(name)

@@ -16,7 +16,6 @@ import re
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 
 from conftest import cpu_isas

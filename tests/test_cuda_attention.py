@@ -6,12 +6,10 @@ Skipped with a reason where there is no CUDA provider or device."""
 from __future__ import annotations
 
 import json
-import os
 import re
 
 import ml_dtypes
 import numpy as np
-import onnx
 import pytest
 from onnx import TensorProto as TP
 from onnx import helper

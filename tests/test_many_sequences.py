@@ -637,7 +637,7 @@ def test_four_beams_on_cuda_equal_four_beams_on_the_cpu():
             results[device] = (hyps, stats)
         finally:
             runner.close()
-    (cpu, cpu_stats), (gpu, gpu_stats) = results["cpu"], results["cuda:0"]
+    (cpu, _), (gpu, _) = results["cpu"], results["cuda:0"]
     assert len(cpu) == len(gpu) == 4
     if cpu[0].tokens == gpu[0].tokens:
         assert abs(cpu[0].score - gpu[0].score) < 0.05

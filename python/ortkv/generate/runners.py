@@ -87,7 +87,6 @@ def _last_token_model(greedy: bool = False):
     No Reduce* node: ORT's CUDA ReduceMax over [B, V] went through cuDNN's reduce_tensor_kernel_free at ~3 ms
     per call for B >= 8 on the H200 (ArgMax has its own kernel: 4 us), so the NaN flag is an ArgMax too, of
     IsNaN padded with a 0.5 column: 1.0 at the first NaN wins, else the pad at index V."""
-    import onnx
     from onnx import TensorProto as TP
     from onnx import helper
 
