@@ -291,3 +291,28 @@ def test_rule_static_tables():
     errs = [e for e in _errors(_paged_attention_model(1, table_from="in_place")) if e.rule == "static-tables"]
     assert len(errs) == 1 and errs[0].subject == "attn", errs
     assert "but a node writes graph input 'page_table' in place. Remedy: drop static_tables" in errs[0].message
+
+
+def test_rule_static_tables_in_a_body():
+    """static_tables inside an If branch: the table may be an outer graph input; a table computed in the body, or
+    one the body declares as its own input (not the model's), is refused, naming the node and where it lies."""
+    outer = _paged_attention_model(None)
+    attn = outer.graph.node[0]
+
+    def model_with_branch(table_node=None):
+        node = helper.make_node("PagedCacheAttention", list(attn.input), ["out_b"], domain="ortkv", name="attn_b",
+                                num_heads=1, kv_num_heads=1, layer=0, num_layers=1, page_size=16, static_tables=1)
+        nodes = ([table_node] if table_node is not None else []) + [node]
+        body = helper.make_graph(nodes, "branch", [], [_vi("out_b", [1, 1, 64])])
+        if_node = helper.make_node("If", ["cond"], ["out"], name="choose", then_branch=body, else_branch=body)
+        ins = list(outer.graph.input) + [_vi("cond", [], TP.BOOL)]
+        return _model([if_node], ins, [_vi("out", [1, 1, 64])])
+
+    assert [e for e in _errors(model_with_branch()) if e.rule == "static-tables"] == []
+    make = helper.make_node("Add", ["page_table", "page_table"], ["page_table2"], name="inner_add")
+    bad = model_with_branch(make)
+    bad.graph.node[0].attribute[0].g.node[1].input[3] = "page_table2"
+    bad.graph.node[0].attribute[1].g.node[1].input[3] = "page_table2"
+    errs = [e for e in _errors(bad) if e.rule == "static-tables"]
+    assert len(errs) == 2 and all(e.subject.startswith("attn_b (in choose.") for e in errs), errs
+    assert "node 'inner_add (in choose.then_branch)' computes it" in errs[0].message

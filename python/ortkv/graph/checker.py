@@ -205,27 +205,39 @@ def _check_aliases(model: onnx.ModelProto) -> list[Finding]:
                   f"({who}) declares no output_alias for it; annotate both or neither")
 
     # static-tables: a PagedCacheAttention node's static_tables = 1 promises that no node writes its directory,
-    # page table or page_fill (Note [Paged CUDA static tables] in custom_ops/kernels/cuda/paged_cuda.cu)
+    # page table or page_fill (Note [Paged CUDA static tables] in custom_ops/kernels/cuda/paged_cuda.cu): each must
+    # be a graph input or initializer of the model's graph that no node (in any body, or in place) writes
     written_roots = {root_of(o) for o in node_alias_of_output}
-    for idx, node in enumerate(graph.node):
+    every: list[tuple[onnx.NodeProto, str]] = []  # every node of the graph and of its bodies, with its label
+
+    def collect(nodes, where):
+        for i, n in enumerate(nodes):
+            every.append((n, _node_label(n, i) + where))
+            for attr, body in subgraphs(n):
+                collect(body.node, f" (in {_node_label(n, i)}.{attr})")
+
+    collect(graph.node, "")
+    made_by = {o: label for n, label in every for o in n.output if o}
+    for node, label in every:
         if node.op_type != "PagedCacheAttention" or node.domain != "ortkv":
             continue
         if not any(a.name == "static_tables" and a.i == 1 for a in node.attribute):
             continue
-        label = _node_label(node, idx)
         for port, i in (("directory", 2), ("page_table", 3), ("page_fill", 5)):
             name = node.input[i] if i < len(node.input) else ""
+            promise = f"static_tables = 1 promises that no node writes its {port} '{name}', but "
             if not name:
                 continue
-            if name in producer:
-                who = _node_label(graph.node[producer[name][0]], producer[name][0])
-                error("static-tables", label, f"static_tables = 1 promises that no node writes its {port} "
-                      f"'{name}', but node '{who}' computes it. Remedy: feed '{name}' as a graph input or "
-                      "initializer, or drop static_tables (the CUDA kernels then read the tables again after "
-                      "the kernel before ends)")
+            if name in made_by:
+                error("static-tables", label, promise + f"node '{made_by[name]}' computes it. Remedy: feed "
+                      f"'{name}' as a graph input or initializer, or drop static_tables (the CUDA kernels then "
+                      "read the tables again after the kernel before ends)")
             elif name in written_roots:
-                error("static-tables", label, f"static_tables = 1 promises that no node writes its {port} "
-                      f"'{name}', but a node writes graph input '{name}' in place. Remedy: drop static_tables")
+                error("static-tables", label, promise + f"a node writes graph input '{name}' in place. "
+                      "Remedy: drop static_tables")
+            elif name not in inputs and name not in initializers:
+                error("static-tables", label, promise + f"'{name}' is not a graph input or initializer of the "
+                      "model's graph. Remedy: feed it as one, or drop static_tables")
 
     # alias-hazard: readers of a pre-update name must be ancestors of the writer.
     labels = [_node_label(n, i) for i, n in enumerate(graph.node)]
