@@ -246,7 +246,8 @@ def main():
             p.error(f"--kinds: unknown {unknown}; the kinds are {kinds}")
         kinds = [k for k in kinds if k in wanted]
     ratios = [("F16", "dense"), ("F16 promised", "dense"), ("F16 static", "dense"), ("F16 in order", "dense"),
-              ("INT8", "F16"), ("INT4", "F16"), ("INT4", "F16 promised"), ("INT4 static", "F16 static"), ("F16", "F16 v2"), ("INT4", "INT4 v2"),
+              ("INT8", "F16"), ("INT4", "F16"), ("INT4", "F16 promised"), ("INT4 static", "F16 static"),
+              ("F16", "F16 v2"), ("INT4", "INT4 v2"),
               ("F16 plain", "dense plain"), ("INT4 plain", "F16 plain"), ("F16", "F16 plain"), ("F16", "ORT-PA"),
               ("F16 promised", "ORT-PA")]
     names = {("F16", "F16 v2"): "F16 v3 / v2", ("INT4", "INT4 v2"): "INT4 v3 / v2",

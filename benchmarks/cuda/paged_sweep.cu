@@ -200,8 +200,10 @@ int Main(int argc, char** argv) {
           if (!shuffled && std::strcmp(level, "v2") == 0) continue;
           const bool u = std::strncmp(level, "v3u", 3) == 0, st = level[std::strlen(level) - 1] == 's';
           if (u && f != PageFormat::kF16) continue;
-          for (auto& n : nodes) n.v.page_format = u ? static_cast<int32_t>(f) : -1;
-          for (auto& n : nodes) n.v.static_tables = st;
+          for (auto& n : nodes) {
+            n.v.page_format = u ? static_cast<int32_t>(f) : -1;
+            n.v.static_tables = st;
+          }
           setenv("ORTKV_CUDA_ATTENTION", u || st ? "v3" : level, 1);  // read at each launch, so during the capture
           const float us = Capture(s, R, reps, [&](int r) { OK(PagedCacheAttentionCuda(nodes[r].v, s)); });
           char name[64];

@@ -225,9 +225,9 @@ def _check_aliases(model: onnx.ModelProto) -> list[Finding]:
             continue
         for port, i in (("directory", 2), ("page_table", 3), ("page_fill", 5)):
             name = node.input[i] if i < len(node.input) else ""
-            promise = f"static_tables = 1 promises that no node writes its {port} '{name}', but "
             if not name:
                 continue
+            promise = f"static_tables = 1 promises that no node writes its {port} '{name}', but "
             if name in made_by:
                 error("static-tables", label, promise + f"node '{made_by[name]}' computes it. Remedy: feed "
                       f"'{name}' as a graph input or initializer, or drop static_tables (the CUDA kernels then "
