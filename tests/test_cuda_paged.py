@@ -272,7 +272,7 @@ def _single_row_kind(kind, dtype, mixed):
 def test_attention_single_row_one_launch_and_cluster_merge(rng, monkeypatch, kind, L, T, dtype, D, early):
     """One batch row, its page table two pages wider than the row (the splits come from the table's width): L = 37,
     one split, the node is one launch (Note [Paged CUDA one-launch report]); L = 600 / 2000, 2 / 7 splits merged
-    inside a thread-block cluster (Note [Paged CUDA cluster merge]; the uniform kernel clusters 2..4 splits only;
+    inside a thread-block cluster (Note [Paged CUDA cluster merge]; both kernels cluster 2..8 splits;
     before sm_90, or where the cluster launch is refused, the partials and the combine). Against the reference:
     every format in the row ("mixed", the every-format kernel), the queries' own 16-bit pages promised (the uniform
     kernel) or INT4 pages promised; launched early
@@ -309,7 +309,7 @@ def test_attention_single_row_reports_the_first_failure(rng, kind, W, T, static)
     last page, the others stop before it. With one split (W = 3) the block of the last token reports (Note [Paged CUDA
     one-launch report]); with 2 / 8 splits (W = 40 / 128) the last page lies in the last split of a cluster and
     entry 5 in the first, and rank 0 of the last token's cluster reports the smallest of its ranks' keys (Note [Paged
-    CUDA cluster merge]; the uniform kernel's 8 splits: the combine). Each refusal is reported once, with the row and
+    CUDA cluster merge], every kernel). Each refusal is reported once, with the row and
     the page, the smallest first (the CPU plan's order); the pool is untouched and the output finite; with nothing
     wrong the output is the reference's. The last page holds `start`'s row, resolved before the wait: with
     static_tables (Note [Paged CUDA static tables]) that first look is the report."""

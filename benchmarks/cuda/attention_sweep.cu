@@ -11,7 +11,7 @@
 //
 //   nvcc -std=c++17 -O3 -arch=sm_90 -DORTKV_WITH_CUDA -I custom_ops/include -I custom_ops/kernels/cuda \
 //        benchmarks/cuda/attention_sweep.cu -o /tmp/attention_sweep
-//   /tmp/attention_sweep [reps] [cases, e.g. 069: indices into `cases`]
+//   /tmp/attention_sweep [reps] [cases, e.g. 069 or 0,6,10: indices into `cases`]
 #include "../../custom_ops/kernels/cuda/cache_attention.cu"
 #include "sweep_common.cuh"
 
@@ -94,13 +94,14 @@ int Main(int argc, char** argv) {
 
   const Case cases[] = {{9, 3, 64, 8192, 8}, {9, 3, 64, 8192, 64}, {9, 3, 64, 32768, 8}, {9, 3, 64, 131072, 8},
                         {32, 8, 128, 8192, 8}, {32, 8, 128, 32768, 8}, {9, 3, 64, 8192, 1}, {9, 3, 64, 131072, 1},
-                        {9, 3, 64, 128, 1, 2048}, {9, 3, 64, 128, 8, 2048}};
+                        {9, 3, 64, 128, 1, 2048}, {9, 3, 64, 128, 8, 2048}, {9, 3, 64, 16, 1},   {9, 3, 64, 128, 1},
+                        {9, 3, 64, 1024, 1}};
   std::printf("%-12s %7s %3s %8s | %-28s %8s %7s %7s\n", "heads", "L", "B", "MiB", "kernel", "us", "GB/s", "/copy");
-  const char* only = argc > 2 ? argv[2] : nullptr;  // e.g. "0,4": the cases to run
+  const char* only = argc > 2 ? argv[2] : nullptr;  // e.g. "04" or "0,4,10": the cases to run
   for (int ci = 0; ci < static_cast<int>(sizeof(cases) / sizeof(cases[0])); ++ci) {
     Case c = cases[ci];
     if (c.C == 0) c.C = c.L;
-    if (only != nullptr && std::strstr(only, std::to_string(ci).c_str()) == nullptr) continue;
+    if (only != nullptr && !sweep::Selected(only, ci)) continue;
     const int64_t per_tensor = c.B * c.C * c.Hkv * c.D;  // elements
     const double bytes = 2.0 * c.B * c.L * c.Hkv * c.D * 2;  // read per node
     int R = static_cast<int>((256.0 * 1048576 + 4.0 * per_tensor - 1) / (4.0 * per_tensor));

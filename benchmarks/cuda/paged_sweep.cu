@@ -9,7 +9,8 @@
 //   nvcc -std=c++17 -O3 -arch=sm_90 -DORTKV_WITH_CUDA -I custom_ops/include -I custom_ops/codecs \
 //        -I custom_ops/kernels benchmarks/cuda/paged_sweep.cu custom_ops/kernels/cpu/paged_update.cc \
 //        -o /tmp/paged_sweep        (paged_update.cc: the plans' shared pool checks)
-//   /tmp/paged_sweep [reps] [cases, e.g. 03: indices into `cases`] [formats, e.g. F84: F16 INT8 INT4] [page size]
+//   /tmp/paged_sweep [reps] [cases, e.g. 03 or 0,4,9: indices into `cases`] [formats, e.g. F84: F16 INT8 INT4]
+//                    [page size]
 //
 // Run on the H200 on 2026-12-01 and -02 (benchmarks/results/paged_attention_cuda_h200.md): v3 agrees with v2 on F16
 // and INT4 pools (max |diff| <= 0.008); on INT8 pools of random bytes (codes up to +-128 times float16 scales up to 1)
@@ -149,12 +150,13 @@ int Main(int argc, char** argv) {
   int sms = 0;
   CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   const Case cases[] = {{8192, 1}, {8192, 8}, {32768, 1}, {32768, 8}, {16, 1}, {1024, 1}, {16, 8},  // 4-6: short rows
-                        {16, 1, 2048}, {128, 1, 2048}};  // 7-8: a short row in a table of 2K keys
+                        {16, 1, 2048}, {128, 1, 2048},  // 7-8: a short row in a table of 2K keys
+                        {128, 1}};
   using codecs::PageFormat;
   const PageFormat formats[] = {PageFormat::kF16, PageFormat::kInt8, PageFormat::kInt4};
   std::printf("pages of %lld tokens\n%6s %3s %3s | %-22s %9s %8s\n", (long long)kPs, "L", "B", "R", "kernel", "us", "GB/s");
   for (int ci = 0; ci < static_cast<int>(sizeof(cases) / sizeof(cases[0])); ++ci) {
-    if (only != nullptr && std::strchr(only, '0' + ci) == nullptr) continue;
+    if (only != nullptr && !sweep::Selected(only, ci)) continue;
     const Case c = cases[ci];
     const double f16_bytes = 2.0 * c.B * c.L * kHkv * kD * 2;
     const int R = std::min(256, std::max<int>(8, static_cast<int>(std::ceil(256.0 * 1048576 / f16_bytes))));

@@ -6,6 +6,8 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -69,6 +71,19 @@ float Capture(cudaStream_t s, int R, int reps, F launch) {
   CK(cudaGraphExecDestroy(ge));
   CK(cudaGraphDestroy(g));
   return us;
+}
+
+// Whether case `ci` is among `only`: comma-separated indices ("0,4,10"), or without a comma one digit per case ("04").
+inline bool Selected(const char* only, int ci) {
+  if (std::strchr(only, ',') == nullptr) return ci < 10 && std::strchr(only, '0' + ci) != nullptr;
+  for (const char* p = only; *p != '\0';) {
+    char* end = nullptr;
+    const long x = std::strtol(p, &end, 10);
+    if (end == p) return false;
+    if (x == ci) return true;
+    p = *end == ',' ? end + 1 : end;
+  }
+  return false;
 }
 
 }  // namespace sweep

@@ -1969,18 +1969,19 @@ __host__ __device__ __forceinline__ bool ReportsInBlock(const PagedAttentionCuda
 
 // Note [Paged CUDA cluster merge]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-// One batch row with 2..8 splits (2..4 for the uniform kernel; a sequence's decode over a page table wider than
-// 2 x kPagedMinChunk keys and at most ~2K keys: the splits come from the table's width) and at most one block per
-// SM: the v3 and uniform kernels are launched as clusters of the unit's split blocks and merge through distributed
-// shared memory (Note [Cluster merge] in tile_mma.cuh, as dense CacheAttention v3), with no partials and no combine
-// launch. Between the cluster barriers rank 0 also takes the smallest of its ranks' failure keys: the unit's key
-// over all its pages, the same in every cluster of the last token, whose (KV head 0, head block 0) cluster reports
-// it (Note [Paged CUDA one-launch report]). Only the early instantiation is clustered: its griddepcontrol.wait
-// returns at once when the launch is not programmatic (ORTKV_CUDA_EARLY=0). Up to 8 splits for the every-format
-// kernel, up to 4 for the uniform one: H200, paged_sweep, one row in a table of 2K keys (8 splits), cluster vs
-// combine, us: uniform F16 16 keys 5.34 vs 4.95, 128 keys 5.65 vs 5.38 (the cluster slower); every-format F16 5.97
-// vs 5.88, INT8 6.39 vs 6.77, INT4 7.52 vs 8.46; at 1K keys in a 1K table (4 splits) uniform F16 5.86 vs 5.94, F16
-// 7.32 vs 7.56, INT4 7.36 vs 8.38 (benchmarks/results/paged_attention_cuda_h200.md, 2026-12-03 fifth session).
+// One batch row with 2..8 splits (a sequence's decode over a page table wider than 2 x kPagedMinChunk keys and at
+// most ~2K keys: the splits come from the table's width) and at most one block per SM: the v3 and uniform kernels
+// are launched as clusters of the unit's split blocks and merge through distributed shared memory (Note [Cluster
+// merge] in tile_mma.cuh, as dense CacheAttention v3), with no partials and no combine launch. Between the cluster
+// barriers rank 0 also takes the smallest of its ranks' failure keys (all ranks' keys loaded together, Note [Cluster
+// merge loads]): the unit's key over all its pages, the same in every cluster of the last token, whose (KV head 0,
+// head block 0) cluster reports it (Note [Paged CUDA one-launch report]). Only the early instantiation is
+// clustered: its griddepcontrol.wait returns at once when the launch is not programmatic (ORTKV_CUDA_EARLY=0).
+// H200, paged_sweep, cluster vs combine, us (2026-12-03 fifth session, when rank 0 read its ranks one after the
+// other): one row in a table of 2K keys (8 splits), every-format F16 5.97 vs 5.88, INT8 6.39 vs 6.77, INT4 7.52 vs
+// 8.46, uniform F16 16 keys 5.34 vs 4.95 (so the uniform kernel clustered 2..4 splits only); with the loads in flight
+// together (2026-12-04): uniform F16 16 / 128 keys in a 2K table 3.82 / 4.24 clustered vs 4.36 / 4.77 with the
+// combine, so both kernels now cluster 2..8 splits (benchmarks/results/paged_attention_cuda_h200.md).
 inline bool ClusterMerges(const PagedAttentionCudaView& v, int64_t blocks, int max_cluster) {
   return v.B == 1 && v.splits >= 2 && v.splits <= max_cluster && blocks <= v.sm_count;
 }
@@ -2075,8 +2076,9 @@ __device__ __forceinline__ void ClusterReport(const PagedAttentionCudaView& a, c
                                               unsigned long long* key, Cluster& cl) {
   if (threadIdx.x != 0 || bu.hk != 0 || bu.g0 != 0 || bu.t != a.T - 1) return;
   unsigned long long k = kNoError;
-  for (int r = 0; r < static_cast<int>(a.splits); ++r) {
-    const unsigned long long x = *cl.map_shared_rank(key, r);
+#pragma unroll
+  for (int r = 0; r < tile16::kMaxClusterRanks; ++r) {  // all loads in flight together (Note [Cluster merge loads])
+    const unsigned long long x = r < a.splits ? *cl.map_shared_rank(key, r) : kNoError;
     k = x < k ? x : k;
   }
   if (k != kNoError) ReportAttention(a, k);
@@ -3307,7 +3309,8 @@ template <typename T, int D>
 cudaError_t LaunchD(const AttnArgs& a, cudaStream_t stream) {
   static const AttnKernels k =
       MakeKernels(PagedAttentionV3<T, D>, PagedAttentionV3<T, D, true>, PagedAttentionV3<T, D, true, true>,
-                  SmemBytes<D>(), SmemBytes<D>() + kFinBytes<D>, 8);  // Note [Paged CUDA cluster merge]
+                  SmemBytes<D>(), SmemBytes<D>() + kFinBytes<D>,
+                  tile16::kMaxClusterRanks);  // Note [Paged CUDA cluster merge]
   return LaunchOneWave<T>(k, a, stream);
 }
 
@@ -3586,7 +3589,8 @@ template <typename T, int D>
 cudaError_t LaunchD(const AttnArgs& a, cudaStream_t stream) {
   static const AttnKernels k =
       MakeKernels(PagedAttentionU16<T, D>, PagedAttentionU16<T, D, true>, PagedAttentionU16<T, D, true, true>,
-                  Cfg<D>::kSmem, Cfg<D>::kSmem + kFinBytes<D>, 4);  // Note [Paged CUDA cluster merge]
+                  Cfg<D>::kSmem, Cfg<D>::kSmem + kFinBytes<D>,
+                  tile16::kMaxClusterRanks);  // Note [Paged CUDA cluster merge]
   return LaunchOneWave<T>(k, a, stream);
 }
 

@@ -257,6 +257,16 @@ __device__ __forceinline__ void MergeWarpTiles(WarpMerge<NW, 8>& mg, float m, fl
 // the other ranks' shared memory may be read too (the paged kernels take the smallest failure key there). A head
 // whose chunks hold no key (m = -inf everywhere: a refused row) gets zeros. Serves dense CacheAttention v3 (Note
 // [CacheAttention CUDA v3]) and PagedCacheAttention v3 / uniform (Note [Paged CUDA cluster merge]).
+// Note [Cluster merge loads]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Rank 0 reads the other ranks' (m, l, acc) through distributed shared memory. In a loop over the runtime rank count
+// each load waited for the one before (2 S round trips per output value: the max over m, then l and acc); unrolled
+// to kMaxClusterRanks with the absent ranks predicated off, the loads of all ranks are in flight together (one round
+// trip). H200 harnesses (benchmarks/cuda/attention_sweep.cu, paged_sweep.cu; SmolLM2 heads; us per node, before ->
+// after): dense CacheAttention v3 1K keys x 1 row (4 ranks) 4.93 -> 4.41, 128 keys in a 2K cache (8 ranks) 4.43 ->
+// 3.76; PagedCacheAttention uniform F16 1K x 1 5.63 -> 5.06, INT4 pages 1K x 1 7.05 -> 6.27, 128 keys in a 2K table
+// 6.79 -> 5.85 (benchmarks/results/paged_attention_cuda_h200.md, 2026-12-04).
+constexpr int kMaxClusterRanks = 8;  // the portable cluster size: every launch's splits are at most this
 template <typename T, int D, typename OutRow, typename Rank0>
 __device__ __forceinline__ void ClusterMerge(float* fin, int S, int gn, int tid, int nthreads, OutRow out_row,
                                              Rank0 rank0) {
@@ -266,18 +276,31 @@ __device__ __forceinline__ void ClusterMerge(float* fin, int S, int gn, int tid,
   cl.sync();  // every rank's fin is written
   if (cl.block_rank() == 0) {
     rank0(cl);
+    // every rank's three values are loaded before any is used (Note [Cluster merge loads])
+    const float* fr[kMaxClusterRanks];
+#pragma unroll
+    for (int r = 0; r < kMaxClusterRanks; ++r) fr[r] = cl.map_shared_rank(fin, r < S ? r : 0);
     for (int x = tid; x < gn * D; x += nthreads) {
       const int gg = x / D, d = x % D;
+      float mr[kMaxClusterRanks], lr[kMaxClusterRanks], ar[kMaxClusterRanks];
+#pragma unroll
+      for (int r = 0; r < kMaxClusterRanks; ++r) {
+        mr[r] = -INFINITY, lr[r] = ar[r] = 0.0f;
+        if (r < S) {
+          const float* f = fr[r] + gg * (D + 2);
+          mr[r] = f[D], lr[r] = f[D + 1], ar[r] = f[d];
+        }
+      }
       float mx = -INFINITY;
-      for (int r = 0; r < S; ++r) mx = fmaxf(mx, cl.map_shared_rank(fin, r)[gg * (D + 2) + D]);
+#pragma unroll
+      for (int r = 0; r < kMaxClusterRanks; ++r) mx = fmaxf(mx, mr[r]);
       float num = 0.0f, den = 0.0f;
-      for (int r = 0; r < S; ++r) {
-        const float* f = cl.map_shared_rank(fin, r) + gg * (D + 2);
-        const float mr = f[D];
-        if (mr == -INFINITY) continue;  // a chunk with no keys
-        const float wr = Exp2(mr - mx);
-        den += wr * f[D + 1];
-        num += wr * f[d];
+#pragma unroll
+      for (int r = 0; r < kMaxClusterRanks; ++r) {
+        if (mr[r] == -INFINITY) continue;  // a chunk with no keys, or no such rank
+        const float wr = Exp2(mr[r] - mx);
+        den += wr * lr[r];
+        num += wr * ar[r];
       }
       out_row(gg)[d] = FromF<T>(den > 0.0f ? num / den : 0.0f);
     }
