@@ -1,8 +1,9 @@
-"""Where a CUDA decode step's time goes: every CUDA kernel of N greedy decode steps of the ortkv runner (and
-optionally the copy model), grouped by kernel name, from CUPTI through torch.profiler (it records every kernel
-of the process, ORT's included). Needs a GPU and torch.
+"""Where a CUDA decode step's time goes: every CUDA kernel (and copy / memset) of N greedy decode steps of the ortkv
+runner, grouped by kernel name, from CUPTI through torch.profiler (it records every kernel of the process, ORT's
+included). --cache arena paged profiles the dense (arena) runner and then the paged runner with F16 pages (the
+paged decoder, Note [Paged decoder on CUDA]) in one process. Needs a GPU and torch.
 
-    python benchmarks/profile_decode_cuda.py --batch 8 --steps 32 [--graph] [--max-length 2048]
+    python benchmarks/profile_decode_cuda.py --batch 8 --steps 32 [--graph] [--max-length 2048] [--cache arena paged]
 """
 
 from __future__ import annotations
@@ -21,19 +22,26 @@ def main() -> None:
     p.add_argument("--max-length", type=int, default=2048)
     p.add_argument("--graph", action="store_true", help="decode as a CUDA graph (kernels still listed by CUPTI)")
     p.add_argument("--rows", type=int, default=25)
+    p.add_argument("--cache", nargs="+", default=["arena"], choices=["arena", "paged"])
     a = p.parse_args()
+    for cache in a.cache:
+        profile_one(a, cache)
 
+
+def profile_one(a, cache: str) -> None:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     from ortkv.generate.config import GenAIConfig, set_device
-    from ortkv.generate.models import model_path
-    from ortkv.generate.runners import OrtkvRunner
+    from ortkv.generate.runners import make_runner
 
     cfg = GenAIConfig()
     set_device(cfg, "cuda:0", cuda_graph=a.graph)
+    if cache == "paged":
+        cfg.ortkv.cache = "paged"
+        cfg.ortkv.kv_format = "f16"
     cfg = cfg.validate()
-    r = OrtkvRunner(model_path(cfg, "ortkv"), cfg)
+    r = make_runner("ortkv", cfg)
     r.start(a.batch, a.max_length)
     ids = np.full((a.batch, a.prompt_tokens), 504, np.int64)
     tok = r.prefill_tokens(ids, np.full(a.batch, a.prompt_tokens))
@@ -50,7 +58,7 @@ def main() -> None:
 
     dev = sorted(prof.key_averages(), key=lambda e: -dt(e))
     total = sum(dt(e) for e in dev)
-    print(f"batch {a.batch}, graph {a.graph}: wall {wall * 1e3:.3f} ms/step, CUDA kernel time {total / a.steps / 1e3:.3f} "
+    print(f"{cache} cache, batch {a.batch}, max length {a.max_length}, graph {a.graph}: wall {wall * 1e3:.3f} ms/step, CUDA kernel time {total / a.steps / 1e3:.3f} "
           f"ms/step, kernels/step {sum(e.count for e in dev if dt(e) > 0) / a.steps:.0f}")
     print(f"{'us/step':>9} {'calls/step':>10}  kernel")
     for e in dev[: a.rows]:
