@@ -838,6 +838,31 @@ __device__ bool UnitChanged(const PagedUpdateCudaView& v, int64_t u, const UnitR
   return pos != r.pos || id != r.id || d.f != r.f || d.off != r.off;
 }
 static_assert(kResolvedMaxUnits <= kResolvedThreads, "one token per thread");
+// Note [Resolved update preload]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// CUPTI on the H200 (benchmarks/results/paged_generate_cuda_h200.md, eleventh session) put the paged decode step's
+// gap to the dense one in this kernel: 7.0 us a layer launched plainly against the dense RotaryCacheUpdate's 2.4
+// (batch 1), its store phase loading qkv and the rotary tables only after the pages were resolved and checked. Each
+// warp now loads the source values of its first store job (a key or value row, or a query head; 16-bit sources,
+// head size <= 128) while the pages resolve: its token's position is read at the start (before
+// griddepcontrol.wait, EARLY, speculatively), qkv and the rotary rows after the wait, before the block's barriers;
+// the threads that resolve the tokens are the block's last ones (warp 15 at a decode step of one row, which has 15
+// jobs), so that no warp does both. A job whose token's position turned out different (the kernel before wrote
+// it), or whose page is not 16-bit, loads again as before; the bytes written are the same either way.
+constexpr int kPreloadPerLane = 4;  // head size <= 128
+
+// The source values lane `lane` stores for job j (a row job below `rows`, else a q job) at position tok.
+__device__ __forceinline__ void PreloadJob(const PagedUpdateCudaView& v, int64_t j, int64_t rows, int64_t u,
+                                           int64_t tok, int lane, float* pre) {
+  const int64_t Hkv = v.p.shape.kv_heads, D = v.p.shape.head_size;
+  const RowSrc src = j < rows ? SourceRow(v, (j / Hkv) % 2, u, j % Hkv, tok) : RowAt(v, v.q, u, (j - rows) % v.heads, true, tok);
+#pragma unroll
+  for (int k = 0; k < kPreloadPerLane; ++k) {
+    const int64_t c = lane + 32 * k;
+    pre[k] = c < D ? src(c) : 0.0f;
+  }
+}
+
 // EARLY: launched as a programmatic dependent of the kernel before it (Note [Paged CUDA resolved update]).
 template <bool EARLY>
 __global__ void __launch_bounds__(kResolvedThreads) PagedUpdateResolvedKernel(const UpdateArgs args) {
@@ -847,21 +872,37 @@ __global__ void __launch_bounds__(kResolvedThreads) PagedUpdateResolvedKernel(co
   const PagedUpdateCudaView& v = args.v;
   __shared__ UnitSlots s;
   __shared__ unsigned long long s_key;
-  const int tid = threadIdx.x;
+  const int tid = threadIdx.x, lane = tid & 31;
   if (tid == 0) s_key = kNoError;
   __syncthreads();
   const int64_t units = v.B * v.T, rows = v.rows(), Hkv = v.p.shape.kv_heads;
+  const int64_t jobs = rows + v.q_jobs();
+  const int64_t ur = kResolvedThreads - 1 - tid;  // the token this thread resolves (when < units): the last threads
+  // Note [Resolved update preload]: this warp's first job, its token and the position it was loaded at
+  const int64_t jw = blockIdx.x * static_cast<int64_t>(kResolvedWarps) + (tid >> 5);
+  const bool preload = jw < jobs && v.p.shape.head_size <= 32 * kPreloadPerLane &&
+                       (v.elem_type == kFloat16 || v.elem_type == kBFloat16);
+  const int64_t pu = !preload ? 0 : jw < rows ? jw / (2 * Hkv) : (jw - rows) / v.heads;
+  int64_t ptok = -1;  // -1: nothing preloaded (a position the row check refuses is never used to read the tables)
+  if (preload) {
+    const int64_t b = pu / v.T, pos = Pos(v, b);
+    if (PosOk(v, b, pos)) ptok = pos + pu % v.T;
+  }
+  float pre[kPreloadPerLane] = {};
   UnitRead read;
-  if (tid < units) ResolveUnit(v, tid, s, &s_key, &read);
+  if (ur < units) ResolveUnit(v, ur, s, &s_key, &read);
   if constexpr (EARLY) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");  // the kernel before is done, its writes visible
 #endif
-    if (__syncthreads_or(tid < units && UnitChanged(v, tid, read))) {  // resolve again from what it wrote
+    if (ptok >= 0) PreloadJob(v, jw, rows, pu, ptok, lane, pre);  // qkv is the kernel before's: after the wait
+    if (__syncthreads_or(ur < units && UnitChanged(v, ur, read))) {  // resolve again from what it wrote
       if (tid == 0) s_key = kNoError;
       __syncthreads();
-      if (tid < units) ResolveUnit(v, tid, s, &s_key, &read);
+      if (ur < units) ResolveUnit(v, ur, s, &s_key, &read);
     }
+  } else {
+    if (ptok >= 0) PreloadJob(v, jw, rows, pu, ptok, lane, pre);
   }
   __syncthreads();
   for (int64_t i = tid; i < rows; i += kResolvedThreads) {
@@ -880,13 +921,32 @@ __global__ void __launch_bounds__(kResolvedThreads) PagedUpdateResolvedKernel(co
     if (blockIdx.x == 0 && tid == 0) ReportUpdate(v, key);
     return;
   }
-  const int64_t jobs = rows + v.q_jobs();
-  const int lane = tid & 31;
-  for (int64_t j = blockIdx.x * static_cast<int64_t>(kResolvedWarps) + (tid >> 5); j < jobs;
-       j += static_cast<int64_t>(gridDim.x) * kResolvedWarps) {  // whole warps
+  const int64_t D = v.p.shape.head_size;
+  for (int64_t j = jw; j < jobs; j += static_cast<int64_t>(gridDim.x) * kResolvedWarps) {  // whole warps
+    const bool use_pre = ptok >= 0 && j == jw && s.tok[pu] == ptok;  // warp-uniform
     if (j < rows) {
       const int64_t u = j / (2 * Hkv);
-      StoreUpdateJobAt(v, j, lane, s.base[u], s.fmt[u], s.prow[u], s.tok[u]);
+      const PageFormat f = codecs::RowFormat(static_cast<PageFormat>(s.fmt[u]));
+      if (use_pre && (f == PageFormat::kF16 || f == PageFormat::kBF16)) {  // as StoreUpdateJobAt's 16-bit case
+        const codecs::PageLayout& lay = v.p.layouts[s.fmt[u]];
+        const int64_t h = j % Hkv, kv = (j / Hkv) % 2;
+        const uint64_t row = static_cast<uint64_t>(h) * v.p.shape.page_size + static_cast<uint64_t>(s.prow[u]);
+        uint16_t* out = reinterpret_cast<uint16_t*>(s.base[u] + (kv ? lay.v_payload : lay.k_payload) + row * lay.row_bytes);
+#pragma unroll
+        for (int k = 0; k < kPreloadPerLane; ++k) {
+          const int64_t c = lane + 32 * k;
+          if (c < D) out[c] = f == PageFormat::kF16 ? codecs::F32ToF16Bits(pre[k]) : codecs::F32ToBF16Bits(pre[k]);
+        }
+      } else {
+        StoreUpdateJobAt(v, j, lane, s.base[u], s.fmt[u], s.prow[u], s.tok[u]);
+      }
+    } else if (use_pre) {  // as StoreQueryJob (16-bit queries)
+      uint16_t* out = static_cast<uint16_t*>(v.q_out) + (j - rows) * D;
+#pragma unroll
+      for (int k = 0; k < kPreloadPerLane; ++k) {
+        const int64_t c = lane + 32 * k;
+        if (c < D) out[c] = v.elem_type == kFloat16 ? codecs::F32ToF16Bits(pre[k]) : codecs::F32ToBF16Bits(pre[k]);
+      }
     } else {
       const int64_t q = j - rows;
       StoreQueryJob(v, q, lane, s.tok[q / v.heads]);
