@@ -7,21 +7,7 @@
 // before the wait is hidden, work after it adds one for one, and a launch of 3 blocks costs 0.46 us (12 blocks 0.71).
 //
 //   nvcc -O2 -arch=sm_90 -std=c++17 benchmarks/cuda/pdl_chain.cu -o /tmp/pdl_chain && /tmp/pdl_chain
-#include <cuda_runtime.h>
-
-#include <algorithm>
-#include <cstdio>
-#include <cstdlib>
-#include <vector>
-
-#define CK(x)                                                                      \
-  do {                                                                             \
-    cudaError_t e_ = (x);                                                          \
-    if (e_ != cudaSuccess) {                                                       \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                \
-    }                                                                              \
-  } while (0)
+#include "sweep_common.cuh"
 
 __device__ __forceinline__ unsigned long long Now() {
   unsigned long long t;
@@ -49,17 +35,14 @@ __global__ void Chained(const Params<N> p) {
   if (threadIdx.x == 0) p.out[blockIdx.x] += static_cast<unsigned long long>(p.pad[N - 17]);
 }
 
-// us per launch: a graph of R launches (programmatic when `pdl`), median of 25 replays
+// us per launch: a graph of R launches (programmatic when `pdl`), median of 25 replays (sweep::Capture)
 template <int N>
 float PerLaunch(unsigned long long* out, int R, int blocks, bool pdl, int pre_ns, int post_ns) {
   Params<N> p{};
   p.out = out, p.pre_ns = pre_ns, p.post_ns = post_ns;
   cudaStream_t s;
   CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  cudaGraph_t g;
-  cudaGraphExec_t ge;
-  CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
-  for (int i = 0; i < R; ++i) {
+  const float us = sweep::Capture(s, R, 25, [&](int) {
     cudaLaunchConfig_t c{};
     c.gridDim = blocks;
     c.blockDim = 128;
@@ -70,29 +53,9 @@ float PerLaunch(unsigned long long* out, int R, int blocks, bool pdl, int pre_ns
     c.attrs = at;
     c.numAttrs = pdl ? 1 : 0;
     CK(cudaLaunchKernelEx(&c, Chained<N>, p));
-  }
-  CK(cudaStreamEndCapture(s, &g));
-  CK(cudaGraphInstantiate(&ge, g, 0));
-  cudaEvent_t a, b;
-  CK(cudaEventCreate(&a));
-  CK(cudaEventCreate(&b));
-  std::vector<float> t;
-  for (int rep = 0; rep < 25; ++rep) {
-    CK(cudaEventRecord(a, s));
-    CK(cudaGraphLaunch(ge, s));
-    CK(cudaEventRecord(b, s));
-    CK(cudaEventSynchronize(b));
-    float ms = 0;
-    CK(cudaEventElapsedTime(&ms, a, b));
-    t.push_back(ms * 1000.0f / R);
-  }
-  std::sort(t.begin(), t.end());
-  CK(cudaGraphExecDestroy(ge));
-  CK(cudaGraphDestroy(g));
-  CK(cudaEventDestroy(a));
-  CK(cudaEventDestroy(b));
+  });
   CK(cudaStreamDestroy(s));
-  return t[t.size() / 2];
+  return us;
 }
 
 int main() {

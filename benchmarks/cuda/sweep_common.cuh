@@ -1,4 +1,4 @@
-// What the standalone CUDA timing harnesses share (attention_sweep.cu, paged_sweep.cu): the error check, a random
+// What the standalone CUDA timing harnesses share (attention_sweep.cu, paged_sweep.cu, pdl_chain.cu): the error check, a random
 // float16 fill, and the time of one launch from CUDA graph replays of R launches. Included at file scope, after the
 // kernels a harness times; its names live in namespace sweep (CK is a macro).
 #pragma once
@@ -6,11 +6,10 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <cstdlib>
-#include <cstring>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <vector>
 
 #define CK(x)                                                                                   \
