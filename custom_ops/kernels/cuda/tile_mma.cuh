@@ -257,6 +257,7 @@ __device__ __forceinline__ void MergeWarpTiles(WarpMerge<NW, 8>& mg, float m, fl
 // the other ranks' shared memory may be read too (the paged kernels take the smallest failure key there). A head
 // whose chunks hold no key (m = -inf everywhere: a refused row) gets zeros. Serves dense CacheAttention v3 (Note
 // [CacheAttention CUDA v3]) and PagedCacheAttention v3 / uniform (Note [Paged CUDA cluster merge]).
+//
 // Note [Cluster merge loads]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~
 // Rank 0 reads the other ranks' (m, l, acc) through distributed shared memory. In a loop over the runtime rank count
