@@ -58,8 +58,8 @@ def profile_one(a, cache: str) -> None:
 
     dev = sorted(prof.key_averages(), key=lambda e: -dt(e))
     total = sum(dt(e) for e in dev)
-    print(f"{cache} cache, batch {a.batch}, max length {a.max_length}, graph {a.graph}: wall {wall * 1e3:.3f} ms/step, CUDA kernel time {total / a.steps / 1e3:.3f} "
-          f"ms/step, kernels/step {sum(e.count for e in dev if dt(e) > 0) / a.steps:.0f}")
+    print(f"{cache} cache, batch {a.batch}, max length {a.max_length}, graph {a.graph}: wall {wall * 1e3:.3f} ms/step, "
+          f"CUDA kernel time {total / a.steps / 1e3:.3f} ms/step, kernels/step {sum(e.count for e in dev if dt(e) > 0) / a.steps:.0f}")
     print(f"{'us/step':>9} {'calls/step':>10}  kernel")
     for e in dev[: a.rows]:
         t = dt(e)

@@ -763,8 +763,7 @@ using tile16::StreamWarpTiles;
 using tile16::Sw;
 
 constexpr int kHeads = 8;  // query heads per block: rows 0..7 of the mma's A
-constexpr int64_t kMaxCluster = 8;  // the portable cluster size
-static_assert(kMaxCluster <= tile16::kMaxClusterRanks, "ClusterMerge reads at most kMaxClusterRanks ranks");
+constexpr int64_t kMaxCluster = tile16::kMaxClusterRanks;  // the portable cluster size, what ClusterMerge reads
 
 template <int D, int NW, int ST>
 struct Cfg {

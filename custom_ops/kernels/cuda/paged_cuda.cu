@@ -858,11 +858,20 @@ constexpr int kPreloadPerLane = 4;  // head size <= 128
 __device__ __forceinline__ void PreloadJob(const PagedUpdateCudaView& v, int64_t j, int64_t rows, int64_t u,
                                            int64_t tok, int lane, float* pre) {
   const int64_t Hkv = v.p.shape.kv_heads, D = v.p.shape.head_size;
-  const RowSrc src = j < rows ? SourceRow(v, (j / Hkv) % 2, u, j % Hkv, tok) : RowAt(v, v.q, u, (j - rows) % v.heads, true, tok);
+  const RowSrc src =
+      j < rows ? SourceRow(v, (j / Hkv) % 2, u, j % Hkv, tok) : RowAt(v, v.q, u, (j - rows) % v.heads, true, tok);
 #pragma unroll
   for (int k = 0; k < kPreloadPerLane; ++k) {
     const int64_t c = lane + 32 * k;
     pre[k] = c < D ? src(c) : 0.0f;
+  }
+}
+// The preloaded values of lane `lane` into a 16-bit row of D elements (float16 when f16, else bfloat16).
+__device__ __forceinline__ void StorePreloaded16(uint16_t* out, const float* pre, bool f16, int lane, int64_t D) {
+#pragma unroll
+  for (int k = 0; k < kPreloadPerLane; ++k) {
+    const int64_t c = lane + 32 * k;
+    if (c < D) out[c] = f16 ? codecs::F32ToF16Bits(pre[k]) : codecs::F32ToBF16Bits(pre[k]);
   }
 }
 
@@ -894,18 +903,16 @@ __global__ void __launch_bounds__(kResolvedThreads) PagedUpdateResolvedKernel(co
   float pre[kPreloadPerLane] = {};
   UnitRead read;
   if (ur < units) ResolveUnit(v, ur, s, &s_key, &read);
-  if constexpr (EARLY) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;" ::: "memory");  // the kernel before is done, its writes visible
+  if constexpr (EARLY) asm volatile("griddepcontrol.wait;" ::: "memory");  // the kernel before is done, its writes visible
 #endif
-    if (ptok >= 0) PreloadJob(v, jw, rows, pu, ptok, lane, pre);  // qkv is the kernel before's: after the wait
+  if (ptok >= 0) PreloadJob(v, jw, rows, pu, ptok, lane, pre);  // qkv is the kernel before's: after the wait
+  if constexpr (EARLY) {
     if (__syncthreads_or(ur < units && UnitChanged(v, ur, read))) {  // resolve again from what it wrote
       if (tid == 0) s_key = kNoError;
       __syncthreads();
       if (ur < units) ResolveUnit(v, ur, s, &s_key, &read);
     }
-  } else {
-    if (ptok >= 0) PreloadJob(v, jw, rows, pu, ptok, lane, pre);
   }
   __syncthreads();
   for (int64_t i = tid; i < rows; i += kResolvedThreads) {
@@ -934,22 +941,13 @@ __global__ void __launch_bounds__(kResolvedThreads) PagedUpdateResolvedKernel(co
         const codecs::PageLayout& lay = v.p.layouts[s.fmt[u]];
         const int64_t h = j % Hkv, kv = (j / Hkv) % 2;
         const uint64_t row = static_cast<uint64_t>(h) * v.p.shape.page_size + static_cast<uint64_t>(s.prow[u]);
-        uint16_t* out = reinterpret_cast<uint16_t*>(s.base[u] + (kv ? lay.v_payload : lay.k_payload) + row * lay.row_bytes);
-#pragma unroll
-        for (int k = 0; k < kPreloadPerLane; ++k) {
-          const int64_t c = lane + 32 * k;
-          if (c < D) out[c] = f == PageFormat::kF16 ? codecs::F32ToF16Bits(pre[k]) : codecs::F32ToBF16Bits(pre[k]);
-        }
+        uint8_t* payload = s.base[u] + (kv ? lay.v_payload : lay.k_payload) + row * lay.row_bytes;
+        StorePreloaded16(reinterpret_cast<uint16_t*>(payload), pre, f == PageFormat::kF16, lane, D);
       } else {
         StoreUpdateJobAt(v, j, lane, s.base[u], s.fmt[u], s.prow[u], s.tok[u]);
       }
     } else if (use_pre) {  // as StoreQueryJob (16-bit queries)
-      uint16_t* out = static_cast<uint16_t*>(v.q_out) + (j - rows) * D;
-#pragma unroll
-      for (int k = 0; k < kPreloadPerLane; ++k) {
-        const int64_t c = lane + 32 * k;
-        if (c < D) out[c] = v.elem_type == kFloat16 ? codecs::F32ToF16Bits(pre[k]) : codecs::F32ToBF16Bits(pre[k]);
-      }
+      StorePreloaded16(static_cast<uint16_t*>(v.q_out) + (j - rows) * D, pre, v.elem_type == kFloat16, lane, D);
     } else {
       const int64_t q = j - rows;
       StoreQueryJob(v, q, lane, s.tok[q / v.heads]);
