@@ -417,7 +417,7 @@ def test_cuda_f16_pages_greedy_equal_the_dense_cuda_path(graph):
         r.close()
     cfg = _cuda_cfg(graph, kv_format="f16")
     r = make_runner("ortkv", cfg)
-    assert isinstance(r, PagedRunner) and r.greedy_on_device
+    assert isinstance(r, PagedRunner) and r.greedy_on_device and r._greedy_out
     try:
         g = generate(r, ids, cfg.search, 32, -1, 2)
         stats = r.paged_stats()
@@ -430,6 +430,41 @@ def test_cuda_f16_pages_greedy_equal_the_dense_cuda_path(graph):
     tokens = len(ids[0]) + 31  # the last token is sampled, not written
     assert stats["pages"]["F16"] == -(-tokens // 16) and g.kv_bytes == stats["committed_total"] > 0
     assert stats["directory_bytes_uploaded"] >= 16 * stats["pages"]["F16"]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(_cuda_why_not() is not None, reason=f"paged CUDA generation skipped: {_cuda_why_not()}")
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "cuda_graph"])
+def test_cuda_paged_decoder_picks_the_greedy_token_of_its_own_logits(graph):
+    """Note [Greedy in the decoder] on the paged decoder: step_tokens reads the decode step's own greedy output
+    (bound in the same run, no GreedyToken session), and it is the ArgMax of that step's logits, two rows of
+    different lengths, with and without the CUDA graph."""
+    from ortkv.generate.models import tokenizer_for
+
+    cfg = _cuda_cfg(graph, kv_format="f16")
+    tok = tokenizer_for(cfg)
+    prompts = [tok.encode(README_PROMPT), tok.encode("The capital of France is")]
+    lengths = np.array([len(p) for p in prompts])
+    ids = np.full((len(prompts), lengths.max()), 2, np.int64)
+    for b, p in enumerate(prompts):
+        ids[b, : len(p)] = p
+    r = make_runner("ortkv", cfg)
+    assert isinstance(r, PagedRunner) and r._greedy_out
+    calls = []
+    real = r.greedy_token.__call__
+    r.greedy_token = lambda logits, index: calls.append(len(index)) or real(logits, index)
+    try:
+        r.start(len(prompts), cfg.search.max_length)
+        nxt = r.prefill_tokens(ids, lengths)
+        assert calls == [2]  # the prefill's rows end at different positions: GreedyToken with each row's length
+        for _ in range(6):
+            nxt_new = r.step_tokens(nxt)
+            logits = r._io["logits"].numpy()[:, -1]
+            np.testing.assert_array_equal(nxt_new, logits.argmax(-1))
+            nxt = nxt_new
+        assert calls == [2], "a decode step ran the separate GreedyToken session"
+    finally:
+        r.close()
 
 
 def test_table_bucket_widths():

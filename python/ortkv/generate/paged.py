@@ -256,6 +256,9 @@ class PagedRunner:
                              "paged attention; take the decoder's numbers from the model")
         self.last_token = LastToken(cfg) if self.device != "cpu" else None
         self.greedy_token = GreedyToken(cfg) if self.device != "cpu" else None
+        # Note [Greedy in the decoder] (builder.py): to_paged keeps the float16 decoder's greedy output, so the
+        # decode step picks its token inside its own run (and CUDA graph), as OrtkvRunner's
+        self._greedy_out = self.device != "cpu" and any(o.name == "greedy" for o in self.sess.session.get_outputs())
         self.pool = self.cache = None
         self._io = None
 
@@ -283,6 +286,8 @@ class PagedRunner:
             new = lambda shape, t: ort.OrtValue.ortvalue_from_shape_and_type(shape, t, "cuda", dev)  # noqa: E731
             self._io = {"input_ids": new([batch, 1], np.int64), "positions": new([batch], np.int64),
                         "logits": new([batch, 1, self.cfg.model.vocab_size], np.float32)}
+            if self._greedy_out:  # Note [Greedy in the decoder] in builder.py
+                self._io["greedy"] = new([batch, 2], np.int64)
             self._tables = {}  # width -> [device table, the host columns it holds] (Note [Page table buckets])
             self._decode_width = None
             self._prefill_ro = ort.RunOptions()
@@ -388,9 +393,12 @@ class PagedRunner:
         if self.cuda_graph and not self._graph_ran:  # ORT captures a new id on its first run
             self.decode_graphs += 1
             self._graph_ran = True
-        self.sess.run(["logits"], {"input_ids": io["input_ids"], "positions": io["positions"],
-                                   "directory": directory, "page_table": table},
-                      run_options=self._decode_ro, bound_outputs={"logits": io["logits"]})
+        bound = {"logits": io["logits"]}
+        if self._greedy_out:
+            bound["greedy"] = io["greedy"]
+        self.sess.run(list(bound), {"input_ids": io["input_ids"], "positions": io["positions"],
+                                    "directory": directory, "page_table": table},
+                      run_options=self._decode_ro, bound_outputs=bound)
         self.lengths += 1
         self._advance(self.lengths)  # a requantize here runs between steps (Note [Requantize on a CUDA pool])
         return io["logits"]
@@ -404,8 +412,15 @@ class PagedRunner:
         return logits[:, -1]
 
     def step_tokens(self, next_ids: np.ndarray) -> np.ndarray:
-        """Greedy (CUDA): one decode step, then each row's next token [B], chosen on the device."""
-        return self.greedy_token(self._step_device(next_ids), np.zeros(len(next_ids), np.int64))
+        """Greedy (CUDA): one decode step, then each row's next token [B], chosen on the device (by the decoder
+        itself when it has the greedy output: Note [Greedy in the decoder] in builder.py)."""
+        if not self._greedy_out:
+            return self.greedy_token(self._step_device(next_ids), np.zeros(len(next_ids), np.int64))
+        from .runners import checked_greedy
+
+        self._step_device(next_ids)
+        picked = self._io["greedy"].numpy()  # [B, 2]: the pick, the first NaN's id (vocab if none)
+        return checked_greedy(picked[:, 0], picked[:, 1], self.cfg.model.vocab_size)
 
     def teacher_forced(self, ids: np.ndarray, chunk: int) -> np.ndarray:
         """Logits [T, V] of one sequence ids [T], fed ``chunk`` tokens per run (the policy acts between
