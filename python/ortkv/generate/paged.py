@@ -189,7 +189,9 @@ def paged_model_path(cfg: GenAIConfig, log=print, page_fill: bool = False, fused
 # COMMIT_AHEAD_TOKENS of every row at a time under CUDA graphs (PagePool's commit_ahead, in slots: batch x 8 pages
 # of 16), as ArenaKVCache commits chunks of 128 tokens.
 # A requantize (the policy, or demotion) runs between steps on the device (Note [Requantize on a CUDA pool]).
-# Greedy picks run on the device (GreedyToken, Note [Greedy on the device]); sampling brings [B, V] logits back.
+# Greedy picks run on the device (Note [Greedy on the device]): a decode step's in its own run, through the decoder's
+# `greedy` output (Note [Greedy in the decoder] in builder.py), the prefill's through GreedyToken (its rows end at
+# different positions); sampling brings [B, V] logits back.
 # With one format, F16, for every page (and no demotion) the attention nodes promise it (page_format = "F16",
 # uniform_page_format; the model `paged4-ps{N}-f16`), which runs the uniform 16-bit kernel (Note [Paged CUDA uniform
 # 16-bit] in custom_ops/kernels/cuda/paged_cuda.cu).
