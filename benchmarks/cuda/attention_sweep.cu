@@ -95,7 +95,8 @@ int Main(int argc, char** argv) {
   const Case cases[] = {{9, 3, 64, 8192, 8}, {9, 3, 64, 8192, 64}, {9, 3, 64, 32768, 8}, {9, 3, 64, 131072, 8},
                         {32, 8, 128, 8192, 8}, {32, 8, 128, 32768, 8}, {9, 3, 64, 8192, 1}, {9, 3, 64, 131072, 1},
                         {9, 3, 64, 128, 1, 2048}, {9, 3, 64, 128, 8, 2048}, {9, 3, 64, 16, 1}, {9, 3, 64, 128, 1},
-                        {9, 3, 64, 1024, 1}};
+                        {9, 3, 64, 1024, 1},
+                        {9, 3, 64, 1024, 1, 2048}, {9, 3, 64, 512, 1}, {9, 3, 64, 1024, 8}};  // 13-15: Note [Cluster split chunks]
   std::printf("%-12s %7s %3s %8s | %-28s %8s %7s %7s\n", "heads", "L", "B", "MiB", "kernel", "us", "GB/s", "/copy");
   const char* only = argc > 2 ? argv[2] : nullptr;  // e.g. "04" or "0,4,10": the cases to run
   for (int ci = 0; ci < static_cast<int>(sizeof(cases) / sizeof(cases[0])); ++ci) {
@@ -158,13 +159,8 @@ int Main(int argc, char** argv) {
     v.scale = 0.125f;
     v.vec = true;
     v.partial = partial;
-    {  // the plan's splits (PlanCacheAttentionCuda)
-      const int64_t blocks = v.units();
-      const int64_t target = 4 * sms;
-      v.splits = 1;
-      if (blocks < target)
-        v.splits = std::min<int64_t>({(target + blocks - 1) / blocks, std::max<int64_t>(1, c.C / kAttnCudaMinChunk), kAttnCudaMaxSplits});
-    }
+    // the plan's splits (PlanCacheAttentionCuda; Note [Cluster split chunks]: head sizes 64 / 128 run v3)
+    v.splits = AttnCudaSplits(c.C, v.units(), sms, c.D == 64 || c.D == 128);
     auto row = [&](const char* name, float us) {
       std::printf("%2d/%d/%-7d %7lld %3lld %8.1f | %-28s %8.2f %7.0f %6.0f%%\n", c.Hq, c.Hkv, c.D, (long long)c.L,
                   (long long)c.B, bytes / 1048576, name, us, bytes / (us * 1e3), 100.0 * bytes / (us * 1e3) / copy_gbs);

@@ -151,7 +151,8 @@ int Main(int argc, char** argv) {
   CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   const Case cases[] = {{8192, 1}, {8192, 8}, {32768, 1}, {32768, 8}, {16, 1}, {1024, 1}, {16, 8},  // 4-6: short rows
                         {16, 1, 2048}, {128, 1, 2048},  // 7-8: a short row in a table of 2K keys
-                        {128, 1}};
+                        {128, 1},  // 9
+                        {1024, 1, 2048}, {512, 1}, {1024, 8}};  // 10-12: Note [Cluster split chunks]
   using codecs::PageFormat;
   const PageFormat formats[] = {PageFormat::kF16, PageFormat::kInt8, PageFormat::kInt4};
   std::printf("pages of %lld tokens\n%6s %3s %3s | %-22s %9s %8s\n", (long long)kPs, "L", "B", "R", "kernel", "us", "GB/s");

@@ -76,8 +76,10 @@ void CacheAttentionCombine(const CacheAttentionView& view);
 // key groups are merged through shared memory at the end. Accumulation is float32.
 // Decode (T = 1) of few rows would give a handful of blocks, so the keys are split (flash-decoding)
 // into `splits` chunks chosen from the CAPACITY (start lives on the device, and a captured graph must
-// not depend on it): enough blocks for ~4 per SM, each chunk >= kAttnCudaMinChunk keys of the row's
-// actual length (later chunks of a short row are empty and exit at once). Each (unit, head, chunk)
+// not depend on it): enough blocks for ~4 per SM, each chunk >= kAttnCudaMinChunk keys of the capacity
+// (kAttnCudaClusterChunk when the splits merge in one cluster: Note [Cluster split chunks]) and
+// >= kAttnCudaClusterChunk keys of the row's actual length (later chunks of a short row are empty and
+// exit at once). Each (unit, head, chunk)
 // writes (acc[D], m, l) to a float32 workspace from ORT's allocator for the op's device (stream-ordered,
 // no cudaMalloc in a step), and CacheAttentionCombineKernel merges the chunks. With splits == 1 the
 // block writes the output directly. Prefill uses the same kernel (one unit per query token).
@@ -86,8 +88,38 @@ void CacheAttentionCombine(const CacheAttentionView& view);
 // For float16 / bfloat16 with aligned rows the loop above is replaced by a cp.async pipeline and the
 // split count trimmed to one wave: Note [CacheAttention CUDA v2] in kernels/cuda/cache_attention.cu.
 constexpr int kAttnCudaHeads = 8;          // query heads per block (a larger group takes several blocks)
-constexpr int64_t kAttnCudaMinChunk = 256;  // a split reads at least this many keys
+constexpr int64_t kAttnCudaMinChunk = 256;  // a split of a node merged by a combine launch: keys of the capacity
+constexpr int64_t kAttnCudaClusterChunk = 128;  // of a node merged in one cluster; the kernels' least chunk
+constexpr int64_t kAttnCudaClusterSplits = 8;  // the most splits one cluster merges (tile16::kMaxClusterRanks)
 constexpr int64_t kAttnCudaMaxSplits = 512;
+
+// Note [Cluster split chunks]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// The splits of a decode attention node (dense CacheAttention v3, both paged v3 kernels) come from the capacity: at
+// most capacity / kAttnCudaMinChunk (256) of them, since each split past one wave costs a partial row and the
+// combine launch reads them all. When the node's splits merge in ONE cluster instead (at most 8 splits and one
+// block per SM: Note [Cluster merge] in kernels/cuda/tile_mma.cuh), the combine is gone and more splits cost only
+// cluster ranks, so a table of 512 .. 2K keys is split into chunks of 128 keys up to 8 splits (a 1K table: 8 of
+// 128 instead of 4 of 256). Tables below 512 keys keep one split (the one-launch node of the short rows).
+// may_cluster: the kernel clusters this node when its grid fits (the paged kernels: one batch row).
+// H200 (paged_sweep, 1K keys x 1 row, uniform F16 pages with static tables): 5.07 -> 4.47 us at 8 splits of 128;
+// a minimum chunk of 128 for every node was slower past one cluster (8K x 1: 6.6 -> 8.0 us, a combine over 64
+// partials) (benchmarks/results/paged_attention_cuda_h200.md, twelfth session).
+inline int64_t AttnCudaSplits(int64_t cap, int64_t blocks, int sm_count, bool may_cluster) {
+  const int64_t sms = sm_count > 1 ? sm_count : 1, target = 4 * sms;
+  if (blocks <= 0 || blocks >= target) return 1;
+  int64_t s = (target + blocks - 1) / blocks;
+  const int64_t by_keys = cap / kAttnCudaMinChunk > 1 ? cap / kAttnCudaMinChunk : 1;
+  s = s < by_keys ? s : by_keys;
+  s = s < kAttnCudaMaxSplits ? s : kAttnCudaMaxSplits;
+  if (may_cluster && cap >= 2 * kAttnCudaMinChunk) {
+    int64_t c = cap / kAttnCudaClusterChunk;
+    c = c < kAttnCudaClusterSplits ? c : kAttnCudaClusterSplits;
+    c = c < sms / blocks ? c : sms / blocks;
+    s = s > c ? s : c;
+  }
+  return s;
+}
 constexpr int64_t kAttnCudaMaxHeadSize = 256;
 
 struct CacheAttentionCudaView {

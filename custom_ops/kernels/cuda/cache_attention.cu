@@ -126,7 +126,7 @@ __global__ void __launch_bounds__(kThreads) AttentionKernel(const Args a) {
   if (st < 0 || st > hi) st = st < 0 ? 0 : hi;
   const int64_t L = st + t + 1;  // keys [0, L)
   int64_t chunk = (L + S - 1) / S;
-  if (chunk < kAttnCudaMinChunk) chunk = kAttnCudaMinChunk;
+  if (chunk < kAttnCudaClusterChunk) chunk = kAttnCudaClusterChunk;
   const int64_t j0 = split * chunk < L ? split * chunk : L;
   const int64_t j1 = j0 + chunk < L ? j0 + chunk : L;
 
@@ -387,7 +387,7 @@ __global__ void __launch_bounds__(kThreads) AttentionKernelV2(const Args a) {
   if (st < 0 || st > hi) st = st < 0 ? 0 : hi;
   const int64_t L = st + t + 1;  // keys [0, L)
   int64_t chunk = (L + S - 1) / S;
-  if (chunk < kAttnCudaMinChunk) chunk = kAttnCudaMinChunk;
+  if (chunk < kAttnCudaClusterChunk) chunk = kAttnCudaClusterChunk;
   const int64_t j0 = split * chunk < L ? split * chunk : L;
   const int64_t j1 = j0 + chunk < L ? j0 + chunk : L;
 
@@ -825,7 +825,7 @@ __global__ void __launch_bounds__(NW * 32) AttentionKernelV3(const Args a) {
   const auto setup = [&](bool early_rows) {
     const int64_t L = st + t + 1;
     int64_t chunk = (L + S - 1) / S;
-    if (chunk < kAttnCudaMinChunk) chunk = kAttnCudaMinChunk;
+    if (chunk < kAttnCudaClusterChunk) chunk = kAttnCudaClusterChunk;
     chunk = (chunk + kTile - 1) / kTile * kTile;
     j0 = split * chunk < L ? split * chunk : L;
     j1 = j0 + chunk < L ? j0 + chunk : L;

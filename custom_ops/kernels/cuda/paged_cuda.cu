@@ -24,9 +24,9 @@ namespace ortkv {
 
 using codecs::PageFormat;
 
-// A key chunk of the paged kernels reads at least this many keys (as the dense kernel's
-// kAttnCudaMinChunk: 128 was measured slower on the H200 at 8K and 32K x batch 1, 22.8 vs 19.3 us).
-constexpr int64_t kPagedMinChunk = 256;
+// A busy key chunk of the paged kernels reads at least this many keys; the plan's splits are the dense kernel's
+// (AttnCudaSplits: Note [Cluster split chunks] in cache_attention.h).
+constexpr int64_t kPagedMinChunk = kAttnCudaClusterChunk;
 
 // ---- host plans -----------------------------------------------------------------------------------
 // Note [Page fill] on CUDA: the input's type and shape (its values are on the device: FillPrefixKernel).
@@ -147,12 +147,10 @@ Status PlanPagedCacheAttentionCuda(const std::string& node, const TensorArg& q, 
   // Note [CacheAttention CUDA]: ~4 blocks per SM, splits from the CAPACITY (start is on the device)
   const int64_t head_blocks = (view->group() + kAttnCudaHeads - 1) / kAttnCudaHeads;
   const int64_t blocks = view->units() * head_blocks;
-  const int64_t target = 4 * static_cast<int64_t>(std::max(sm_count, 1));
-  view->splits = 1;
-  if (blocks > 0 && blocks < target) {
-    const int64_t by_keys = std::max<int64_t>(1, cap / kPagedMinChunk);
-    view->splits = std::min<int64_t>({(target + blocks - 1) / blocks, by_keys, kAttnCudaMaxSplits});
-  }
+  // Note [Cluster split chunks]: the v3 kernels (Note [Paged CUDA v3]) cluster the splits of one batch row
+  const bool may_cluster = B == 1 && view->vec && (D == 64 || D == 128) && attrs.page_size % 16 == 0 &&
+                           (q.elem_type == kFloat16 || q.elem_type == kBFloat16) && view->p.page_fill == nullptr;
+  view->splits = AttnCudaSplits(cap, blocks, sm_count, may_cluster);
   return Status::Ok();
 }
 
@@ -2018,7 +2016,7 @@ cudaError_t Launch(const AttnArgs& a, int gm, cudaStream_t stream) {
 // block reports the smallest (Note [Paged CUDA v2]): the CPU plan's first failure. With one split that combine had
 // nothing else to do, yet it was a second launch in every short-row node (H200, paged_sweep, 16 keys x 1 row: F16
 // promised 4.10 -> 2.96 us, INT4 7.20 -> 5.14 us without it; benchmarks/results/paged_attention_cuda_h200.md). When
-// the node has one split and one batch row (one sequence whose page table is narrower than 2 x kPagedMinChunk keys:
+// the node has one split and one batch row (one sequence whose page table is narrower than 2 x kAttnCudaMinChunk keys:
 // the splits come from the table's width; the launch decides after trimming them, so a graph's shape is stable),
 // every block of token t resolves the same pages [0, start + t], so the block of the last token (KV head 0, head
 // block 0) holds the smallest key of the whole node and reports it itself; the v3 and uniform kernels then launch
@@ -2030,7 +2028,7 @@ __host__ __device__ __forceinline__ bool ReportsInBlock(const PagedAttentionCuda
 
 // Note [Paged CUDA cluster merge]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-// One batch row with 2..8 splits (a sequence's decode over a page table wider than 2 x kPagedMinChunk keys and at
+// One batch row with 2..8 splits (a sequence's decode over a page table wider than 2 x kAttnCudaMinChunk keys and at
 // most ~2K keys: the splits come from the table's width) and at most one block per SM: the v3 and uniform kernels
 // are launched as clusters of the unit's split blocks and merge through distributed shared memory (Note [Cluster
 // merge] in tile_mma.cuh, as dense CacheAttention v3), with no partials and no combine launch. Between the cluster

@@ -206,7 +206,7 @@ def paged_model_path(cfg: GenAIConfig, log=print, page_fill: bool = False, fused
 # generation to 2,048 keys runs under 256, 512, 1,024 and 2,048 keys, one device table each (kept, so a CUDA graph's
 # input address holds) and one decode capture each. Entries past the width are -1 (no page) for every row,
 # so nothing a run reads is dropped.
-TABLE_BUCKET_MIN = 256  # keys: one split below 512 (kPagedMinChunk in paged_cuda.cu is 256)
+TABLE_BUCKET_MIN = 256  # keys: one split below 512 (Note [Cluster split chunks] in ortkv/cache_attention.h)
 
 
 COMMIT_AHEAD_TOKENS = 128  # Note [Paged decoder on CUDA]: per row, what a slab commits at a time under CUDA graphs
