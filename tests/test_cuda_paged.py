@@ -265,13 +265,13 @@ def _single_row_kind(kind, dtype, mixed):
 
 
 @pytest.mark.parametrize("kind", ["mixed", "16bit", "INT4"])
-@pytest.mark.parametrize("L", [37, 600, 2000], ids=["one_split", "cluster5", "cluster8"])
+@pytest.mark.parametrize("L", [37, 600, 2000], ids=["one_split", "cluster4", "cluster7"])
 @pytest.mark.parametrize("T", [1, 5])
 @pytest.mark.parametrize("dtype,D", [("float16", 64), ("bfloat16", 128)])
 @pytest.mark.parametrize("early", ["1", "0"], ids=["early", "plain"])
 def test_attention_single_row_one_launch_and_cluster_merge(rng, monkeypatch, kind, L, T, dtype, D, early):
     """One batch row, its page table two pages wider than the row (the splits come from the table's width): L = 37,
-    one split, the node is one launch (Note [Paged CUDA one-launch report]); L = 600 / 2000, 5 / 8 splits (chunks of
+    one split, the node is one launch (Note [Paged CUDA one-launch report]); L = 600 / 2000, 4 / 7 splits (chunks of
     128 keys, Note [Cluster split chunks]) merged inside a thread-block cluster (Note [Paged CUDA cluster merge];
     both kernels cluster 2..8 splits;
     before sm_90, or where the cluster launch is refused, the partials and the combine). Against the reference:
@@ -291,7 +291,7 @@ def test_attention_single_row_one_launch_and_cluster_merge(rng, monkeypatch, kin
 def test_attention_static_tables(rng, static, kind, L, B, T):
     """Note [Paged CUDA static tables]: with static_tables = 1 the kernels keep the pages they resolved before
     griddepcontrol.wait (no second look at the late pages). Against the reference and byte for byte the node
-    without the attribute, on one split, 5 / 8 splits in a cluster and 8K-key rows: every format in the rows (the
+    without the attribute, on one split, 4 / 7 splits in a cluster and 8K-key rows: every format in the rows (the
     every-format kernel), F16 promised (the uniform kernel), INT4 pages."""
     fmts, page_format = _single_row_kind(kind, "float16", ALL)
     lengths = [L - 7 * b for b in range(B)]
@@ -303,12 +303,12 @@ def test_attention_static_tables(rng, static, kind, L, B, T):
 
 @pytest.mark.parametrize("static", [None, 1], ids=["tables", "static_tables"])
 @pytest.mark.parametrize("kind", ["mixed", "16bit", "INT4"])
-@pytest.mark.parametrize("W", [3, 40, 128], ids=["one_split", "cluster5", "cluster8"])
+@pytest.mark.parametrize("W", [3, 40, 128], ids=["one_split", "cluster4", "cluster8"])
 @pytest.mark.parametrize("T", [1, 5])
 def test_attention_single_row_reports_the_first_failure(rng, kind, W, T, static):
     """One batch row over a table of W pages of 16 keys, all used: the last query token reaches the first key of the
     last page, the others stop before it. With one split (W = 3) the block of the last token reports (Note [Paged CUDA
-    one-launch report]); with 5 / 8 splits (W = 40 / 128) the last page lies in the last split of a cluster and
+    one-launch report]); with 4 / 8 splits (W = 40 / 128) the last page lies in the last split of a cluster and
     entry 5 in the first, and rank 0 of the last token's cluster reports the smallest of its ranks' keys (Note [Paged
     CUDA cluster merge], every kernel). Each refusal is reported once, with the row and
     the page, the smallest first (the CPU plan's order); the pool is untouched and the output finite; with nothing

@@ -99,12 +99,16 @@ constexpr int64_t kAttnCudaMaxSplits = 512;
 // most capacity / kAttnCudaMinChunk (256) of them, since each split past one wave costs a partial row and the
 // combine launch reads them all. When the node's splits merge in ONE cluster instead (at most 8 splits and one
 // block per SM: Note [Cluster merge] in kernels/cuda/tile_mma.cuh), the combine is gone and more splits cost only
-// cluster ranks, so a table of 512 .. 2K keys is split into chunks of 128 keys up to 8 splits (a 1K table: 8 of
-// 128 instead of 4 of 256). Tables below 512 keys keep one split (the one-launch node of the short rows).
-// may_cluster: the kernel clusters this node when its grid fits (the paged kernels: one batch row).
-// H200 (paged_sweep, 1K keys x 1 row, uniform F16 pages with static tables): 5.07 -> 4.47 us at 8 splits of 128;
-// a minimum chunk of 128 for every node was slower past one cluster (8K x 1: 6.6 -> 8.0 us, a combine over 64
-// partials) (benchmarks/results/paged_attention_cuda_h200.md, twelfth session).
+// cluster ranks, so where twice the splits still fit one cluster the keys are split into chunks of 128 (a 1K table
+// of one row: 8 splits of 128 instead of 4 of 256; a 512-key table 4 instead of 2). Tables below 512 keys keep one
+// split (the one-launch node of the short rows). may_cluster: the kernel clusters this node when its grid fits
+// (the paged kernels: one batch row).
+// H200 harnesses (attention_sweep / paged_sweep, SmolLM2's heads, two alternated rounds; benchmarks/results/
+// paged_attention_cuda_h200.md, twelfth session), us before -> after: one row of 1K keys dense 4.39 -> 3.97, uniform
+// F16 pages (static tables) 5.06 -> 4.47, INT4 6.28 -> 6.21; 1K keys in a 2K table (paged) 5.06 -> 4.47; 512 keys
+// dense 4.28 -> 3.67, paged 4.96 -> 4.45. Not kept: any split count that fits the cluster (1K x 8 rows dense: 5
+// splits of 208 keys, 5.03 -> 5.47) and a least chunk of 128 for every node (8K x 1: 6.6 -> 8.0 us, a combine
+// over 64 partials).
 inline int64_t AttnCudaSplits(int64_t cap, int64_t blocks, int sm_count, bool may_cluster) {
   const int64_t sms = sm_count > 1 ? sm_count : 1, target = 4 * sms;
   if (blocks <= 0 || blocks >= target) return 1;
@@ -112,12 +116,9 @@ inline int64_t AttnCudaSplits(int64_t cap, int64_t blocks, int sm_count, bool ma
   const int64_t by_keys = cap / kAttnCudaMinChunk > 1 ? cap / kAttnCudaMinChunk : 1;
   s = s < by_keys ? s : by_keys;
   s = s < kAttnCudaMaxSplits ? s : kAttnCudaMaxSplits;
-  if (may_cluster && cap >= 2 * kAttnCudaMinChunk) {
-    int64_t c = cap / kAttnCudaClusterChunk;
-    c = c < kAttnCudaClusterSplits ? c : kAttnCudaClusterSplits;
-    c = c < sms / blocks ? c : sms / blocks;
-    s = s > c ? s : c;
-  }
+  if (may_cluster && cap >= 2 * kAttnCudaMinChunk && 2 * s <= kAttnCudaClusterSplits &&
+      2 * s <= cap / kAttnCudaClusterChunk && 2 * s * blocks <= sms)
+    s *= 2;
   return s;
 }
 constexpr int64_t kAttnCudaMaxHeadSize = 256;
