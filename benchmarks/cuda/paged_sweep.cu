@@ -22,6 +22,7 @@
 // random float16 values in [-1, 1): valid F16 pages, and for the narrow formats valid codes and finite scales
 // (the decode work does not depend on the values).
 #include "../../custom_ops/kernels/cuda/paged_cuda.cu"
+#include "paged_harness.cuh"
 #include "sweep_common.cuh"
 
 #include <algorithm>
@@ -34,34 +35,11 @@
 #include <vector>
 
 namespace ortkv {
-
-// What the package's other translation units provide (not linked here).
-const char* ElemTypeName(int32_t t) { return t == kFloat16 ? "float16" : t == kInt64 ? "int64" : "other"; }
-Status CudaAttentionKernelChoice(int* level) {  // as cache_attention.cu: unset = newest, v1 / v2 / v3
-  const char* e = std::getenv("ORTKV_CUDA_ATTENTION");
-  *level = (e == nullptr || *e == '\0') ? 0 : (e[0] == 'v' && e[1] >= '1' && e[1] <= '3' && e[2] == '\0') ? e[1] - '0' : -1;
-  return *level < 0 ? Status(Code::kInvalidArgument, "ORTKV_CUDA_ATTENTION: set v1, v2 or v3") : Status::Ok();
-}
-
-bool CudaEarlyLaunch() {  // as cache_attention.cu: ORTKV_CUDA_EARLY=0 launches the attention plainly
-  const char* e = std::getenv("ORTKV_CUDA_EARLY");
-  return !(e != nullptr && std::strcmp(e, "0") == 0);
-}
-
 namespace {
 
 using sweep::Capture;
 using sweep::RandomFill;
 using sweep::TimeGraph;
-
-#define OK(x)                                                                         \
-  do {                                                                                \
-    Status s_ = (x);                                                                  \
-    if (!s_.ok()) {                                                                   \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, s_.message().c_str()); \
-      std::exit(2);                                                                   \
-    }                                                                                 \
-  } while (0)
 
 int64_t kPs = 16;  // argv[4]: the page size (a multiple of 16)
 

@@ -22,6 +22,7 @@
 // The update's output is checked once against the floor's (the pages' written rows against the dense rows, and
 // q_out).
 #include "../../custom_ops/kernels/cuda/paged_cuda.cu"
+#include "paged_harness.cuh"
 #include "sweep_common.cuh"
 
 #include <cmath>
@@ -34,28 +35,7 @@
 #include <vector>
 
 namespace ortkv {
-
-// What the package's other translation units provide (not linked here).
-const char* ElemTypeName(int32_t t) { return t == kFloat16 ? "float16" : t == kInt64 ? "int64" : "other"; }
-Status CudaAttentionKernelChoice(int* level) {
-  *level = 0;
-  return Status::Ok();
-}
-bool CudaEarlyLaunch() {  // as cache_attention.cu: ORTKV_CUDA_EARLY=0 launches plainly
-  const char* e = std::getenv("ORTKV_CUDA_EARLY");
-  return !(e != nullptr && std::strcmp(e, "0") == 0);
-}
-
 namespace {
-
-#define OK(x)                                                                                      \
-  do {                                                                                             \
-    Status s_ = (x);                                                                               \
-    if (!s_.ok()) {                                                                                \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, s_.message().c_str());        \
-      std::exit(2);                                                                                \
-    }                                                                                              \
-  } while (0)
 
 constexpr int64_t kHq = 9, kHkv = 3, kD = 64, kPs = 16, kW = (kHq + 2 * kHkv) * kD;
 
