@@ -228,7 +228,7 @@ class PagedRunner:
 
     def __init__(self, path, cfg: GenAIConfig):
         from ..session import MutableCacheSession
-        from .runners import GreedyToken, LastToken, providers_for, weights_resident
+        from .runners import GreedyToken, LastToken, has_greedy_output, providers_for, weights_resident
 
         if cfg.device == "cpu" and cfg.dtype != "float32":
             raise OrtkvError(f"ortkv.cache = 'paged' on the CPU runs float32 models; got dtype {cfg.dtype}: use "
@@ -260,7 +260,7 @@ class PagedRunner:
         self.greedy_token = GreedyToken(cfg) if self.device != "cpu" else None
         # Note [Greedy in the decoder] (builder.py): to_paged keeps the float16 decoder's greedy output, so the
         # decode step picks its token inside its own run (and CUDA graph), as OrtkvRunner's
-        self._greedy_out = self.device != "cpu" and any(o.name == "greedy" for o in self.sess.session.get_outputs())
+        self._greedy_out = self.device != "cpu" and has_greedy_output(self.sess)
         self.pool = self.cache = None
         self._io = None
 
@@ -418,11 +418,10 @@ class PagedRunner:
         itself when it has the greedy output: Note [Greedy in the decoder] in builder.py)."""
         if not self._greedy_out:
             return self.greedy_token(self._step_device(next_ids), np.zeros(len(next_ids), np.int64))
-        from .runners import checked_greedy
+        from .runners import decoder_greedy
 
         self._step_device(next_ids)
-        picked = self._io["greedy"].numpy()  # [B, 2]: the pick, the first NaN's id (vocab if none)
-        return checked_greedy(picked[:, 0], picked[:, 1], self.cfg.model.vocab_size)
+        return decoder_greedy(self._io["greedy"], self.cfg.model.vocab_size)
 
     def teacher_forced(self, ids: np.ndarray, chunk: int) -> np.ndarray:
         """Logits [T, V] of one sequence ids [T], fed ``chunk`` tokens per run (the policy acts between

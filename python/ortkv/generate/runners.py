@@ -185,6 +185,18 @@ def checked_greedy(nxt: np.ndarray, nan: np.ndarray, vocab: int) -> np.ndarray:
     return nxt.astype(np.int64)
 
 
+def has_greedy_output(sess) -> bool:
+    """Whether a decoder session picks its decode step's greedy token itself (Note [Greedy in the decoder] in
+    builder.py: the float16 decoders, dense and paged)."""
+    return any(o.name == "greedy" for o in sess.session.get_outputs())
+
+
+def decoder_greedy(value, vocab: int) -> np.ndarray:
+    """The picks [B] of a decoder's bound greedy output [B, 2] (the pick, the first NaN's id, vocab if none)."""
+    picked = value.numpy()
+    return checked_greedy(picked[:, 0], picked[:, 1], vocab)
+
+
 @functools.cache
 def _cuda_library():
     """ctypes handle of the CUDA runtime (or None): for cudaMemGetInfo; torch and pynvml are not needed."""
@@ -317,7 +329,7 @@ class OrtkvRunner:
         self.last_token = LastToken(cfg) if self.device != "cpu" else None
         self.greedy_token = GreedyToken(cfg) if self.device != "cpu" else None
         # Note [Greedy in the decoder] (builder.py): the float16 decoders pick the decode step's token themselves
-        self._greedy_out = self.device != "cpu" and any(o.name == "greedy" for o in self.sess.session.get_outputs())
+        self._greedy_out = self.device != "cpu" and has_greedy_output(self.sess)
         _check_layers(cfg, path, len(self.sess.caches) // 2)
 
     @property
@@ -483,8 +495,7 @@ class OrtkvRunner:
         if not self._greedy_out:
             return self.greedy_token(self._step_device(next_ids), self._zero_index(len(next_ids)))
         self._step_device(next_ids)
-        picked = self._io["greedy"].numpy()  # [B, 2]: the pick, the first NaN's id (vocab if none)
-        return checked_greedy(picked[:, 0], picked[:, 1], self.cfg.model.vocab_size)
+        return decoder_greedy(self._io["greedy"], self.cfg.model.vocab_size)
 
     def _zero_index(self, batch: int) -> np.ndarray:
         if getattr(self, "_zeros", None) is None or len(self._zeros) != batch:
