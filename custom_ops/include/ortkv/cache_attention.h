@@ -145,6 +145,11 @@ struct CacheAttentionCudaView {
   size_t workspace_bytes() const {
     return splits > 1 ? static_cast<size_t>(units() * group() * splits * (D + 2)) * sizeof(float) : 0;
   }
+  // The shape v3 runs (Note [CacheAttention CUDA v3]): 16-bit, aligned rows, head size 64 or 128; its launch also
+  // needs the kernel choice and the device, and the plan clusters such a node's splits (Note [Cluster split chunks]).
+  bool v3_shape() const {
+    return vec && (D == 64 || D == 128) && (elem_type == kFloat16 || elem_type == kBFloat16);
+  }
 };
 
 // Validates shapes, types and attributes (nothing that needs `start`'s values: it is on the device)

@@ -191,10 +191,7 @@ Status PlanCacheAttentionCuda(const std::string& node, const TensorArg& q, const
   // Note [CacheAttention CUDA]: split along the keys until there are ~4 blocks per SM, from the capacity.
   const int64_t head_blocks = (view->group() + kAttnCudaHeads - 1) / kAttnCudaHeads;
   const int64_t blocks = view->units() * head_blocks;
-  // Note [Cluster split chunks]: v3 (16-bit, aligned, head size 64 / 128) clusters splits that fit one wave
-  const bool may_cluster = view->vec && (sh.D == 64 || sh.D == 128) &&
-                           (q.elem_type == kFloat16 || q.elem_type == kBFloat16);
-  view->splits = AttnCudaSplits(sh.C, blocks, sm_count, may_cluster);
+  view->splits = AttnCudaSplits(sh.C, blocks, sm_count, view->v3_shape());  // Note [Cluster split chunks]
   view->partial = nullptr;
   return Status::Ok();
 }

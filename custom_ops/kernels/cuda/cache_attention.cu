@@ -1089,7 +1089,7 @@ Status CacheAttentionCuda(const CacheAttentionCudaView& v, void* stream_ptr) {
   ORTKV_RETURN_IF_ERR(CudaAttentionKernelChoice(&level));
   const bool v2 = level != 1 && v.vec && v.D <= kAttnCudaMaxHeadSize &&
                   (v.elem_type == kFloat16 || v.elem_type == kBFloat16);  // Note [CacheAttention CUDA v2]
-  const bool v3 = v2 && (level == 0 || level == 3) && (v.D == 64 || v.D == 128) &&
+  const bool v3 = v2 && (level == 0 || level == 3) && v.v3_shape() &&
                   v.splits <= kAttnCudaMaxSplits && v2::CurrentDevice().major >= 8;  // Note [CacheAttention CUDA v3]
   cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
   cudaError_t e;

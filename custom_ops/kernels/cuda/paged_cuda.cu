@@ -24,9 +24,13 @@ namespace ortkv {
 
 using codecs::PageFormat;
 
-// A busy key chunk of the paged kernels reads at least this many keys; the plan's splits are the dense kernel's
-// (AttnCudaSplits: Note [Cluster split chunks] in cache_attention.h).
-constexpr int64_t kPagedMinChunk = kAttnCudaClusterChunk;
+// The shape the v3 kernels run (Note [Paged CUDA v3]): aligned 16-bit queries, head size 64 or 128, pages of whole
+// 16-key tiles, no page_fill. Its launch also needs the kernel choice and the per-block flags; the plan clusters the
+// splits of such a node over one batch row (Note [Cluster split chunks] in cache_attention.h).
+static bool PagedV3Shape(const PagedAttentionCudaView& v) {
+  return v.vec && (v.D == 64 || v.D == 128) && v.p.shape.page_size % tile16::kTile == 0 &&
+         (v.elem_type == kFloat16 || v.elem_type == kBFloat16) && v.p.page_fill == nullptr;
+}
 
 // ---- host plans -----------------------------------------------------------------------------------
 // Note [Page fill] on CUDA: the input's type and shape (its values are on the device: FillPrefixKernel).
@@ -147,10 +151,7 @@ Status PlanPagedCacheAttentionCuda(const std::string& node, const TensorArg& q, 
   // Note [CacheAttention CUDA]: ~4 blocks per SM, splits from the CAPACITY (start is on the device)
   const int64_t head_blocks = (view->group() + kAttnCudaHeads - 1) / kAttnCudaHeads;
   const int64_t blocks = view->units() * head_blocks;
-  // Note [Cluster split chunks]: the v3 kernels (Note [Paged CUDA v3]) cluster the splits of one batch row
-  const bool may_cluster = B == 1 && view->vec && (D == 64 || D == 128) && attrs.page_size % 16 == 0 &&
-                           (q.elem_type == kFloat16 || q.elem_type == kBFloat16) && view->p.page_fill == nullptr;
-  view->splits = AttnCudaSplits(cap, blocks, sm_count, may_cluster);
+  view->splits = AttnCudaSplits(cap, blocks, sm_count, B == 1 && PagedV3Shape(*view));  // Note [Cluster split chunks]
   return Status::Ok();
 }
 
@@ -1096,7 +1097,7 @@ __global__ void __launch_bounds__(kThreads) PagedAttentionKernel(const AttnArgs 
   if (bad_start && threadIdx.x == 0) atomicMin(flag, Key(kClassRow, static_cast<unsigned long long>(b) << 28));
   const int64_t L = st + t + 1;
   int64_t chunk = (L + S - 1) / S;
-  if (chunk < kPagedMinChunk) chunk = kPagedMinChunk;
+  if (chunk < kAttnCudaClusterChunk) chunk = kAttnCudaClusterChunk;
   const int64_t j0 = split * chunk < L ? split * chunk : L;
   const int64_t j1 = j0 + chunk < L ? j0 + chunk : L;
 
@@ -1719,7 +1720,7 @@ __global__ void __launch_bounds__(kThreads) PagedAttentionV2(const AttnArgs args
   const int64_t st = ClampedStart(a, b, &bad_start);
   const int64_t L = st + t + 1;
   int64_t chunk = (L + S - 1) / S;
-  if (chunk < kPagedMinChunk) chunk = kPagedMinChunk;
+  if (chunk < kAttnCudaClusterChunk) chunk = kAttnCudaClusterChunk;
   const int64_t j0 = split * chunk < L ? split * chunk : L;
   const int64_t j1 = j0 + chunk < L ? j0 + chunk : L;
 
@@ -3216,7 +3217,7 @@ __global__ void __launch_bounds__(kThreads, ORTKV_PAGED_V3_MIN_BLOCKS) PagedAtte
   const auto chunk_of = [&]() {  // this block's keys [j0, j1) of the row's [0, st0 + t + 1)
     const int64_t L = st0 + t + 1;
     int64_t chunk = (L + S - 1) / S;
-    if (chunk < kPagedMinChunk) chunk = kPagedMinChunk;
+    if (chunk < kAttnCudaClusterChunk) chunk = kAttnCudaClusterChunk;
     chunk = (chunk + kTile - 1) / kTile * kTile;  // whole tiles: no tile read by two blocks (as dense v3)
     j0 = split * chunk < L ? split * chunk : L;
     j1 = j0 + chunk < L ? j0 + chunk : L;
@@ -3497,7 +3498,7 @@ __global__ void __launch_bounds__(kThreads) PagedAttentionU16(const AttnArgs arg
   const auto setup = [&]() {  // this block's keys [j0, j1) of [0, st0 + t + 1) in whole tiles; this warp's tiles
     const int64_t L = st0 + t + 1;
     int64_t chunk = (L + S - 1) / S;
-    if (chunk < kPagedMinChunk) chunk = kPagedMinChunk;
+    if (chunk < kAttnCudaClusterChunk) chunk = kAttnCudaClusterChunk;
     chunk = (chunk + kTile - 1) / kTile * kTile;
     j0 = split * chunk < L ? split * chunk : L;
     j1 = j0 + chunk < L ? j0 + chunk : L;
@@ -3741,8 +3742,7 @@ Status PagedCacheAttentionCuda(const PagedAttentionCudaView& v, void* stream_ptr
   ORTKV_RETURN_IF_ERR(CudaAttentionKernelChoice(&level));
   const bool v2 = level != 1 && !fill && v.vec && v.D <= kAttnCudaMaxHeadSize && v.p.shape.page_size % pv2::kU == 0 &&
                   v.block_flags != nullptr;  // Note [Paged CUDA v2]; page_fill: Note [Page fill] on CUDA
-  const bool v3 = v2 && level != 2 && (v.D == 64 || v.D == 128) && v.p.shape.page_size % pv3::kTile == 0 &&
-                  (v.elem_type == kFloat16 || v.elem_type == kBFloat16);  // Note [Paged CUDA v3]
+  const bool v3 = v2 && level != 2 && PagedV3Shape(v);  // Note [Paged CUDA v3]
   // Note [Paged CUDA uniform 16-bit]: the node promises pages of the queries' own 16-bit format
   const bool u16 = v3 && v.page_format == static_cast<int32_t>(v.elem_type == kFloat16 ? PageFormat::kF16 : PageFormat::kBF16);
   cudaError_t e = cudaSuccess;
