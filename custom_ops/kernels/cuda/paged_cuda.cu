@@ -389,7 +389,7 @@ __device__ __forceinline__ RowSrc SourceRow(const PagedUpdateCudaView& v, int64_
 }
 
 // RowScales (codecs.h) over a row of the source, loaded element by element.
-__device__ codecs::RowResult SourceRowScales(PageFormat f, const RowSrc& src, int32_t n) {
+__device__ __forceinline__ codecs::RowResult SourceRowScales(PageFormat f, const RowSrc& src, int32_t n) {
   float lo = 0.0f, hi = 0.0f, amax = 0.0f;
   for (int32_t c = 0; c < n; ++c) {
     const float x = src(c);
@@ -419,7 +419,7 @@ __device__ __forceinline__ int RangeHit(const PagedRangeCheck& r, uint64_t first
 
 // Row b's checks: its position, then every page its T tokens touch (the first failure kept in *flag, global or
 // shared memory, with atomicMin).
-__device__ void CheckUpdateRow(const PagedUpdateCudaView& v, int64_t b, unsigned long long* flag) {
+__device__ __forceinline__ void CheckUpdateRow(const PagedUpdateCudaView& v, int64_t b, unsigned long long* flag) {
   const int64_t pos = Pos(v, b);
   if (!PosOk(v, b, pos)) {
     atomicMin(flag, Key(kClassRow, static_cast<unsigned long long>(b) << 28));
@@ -440,7 +440,7 @@ __device__ void CheckUpdateRow(const PagedUpdateCudaView& v, int64_t b, unsigned
 // position tok): a (page, row) written twice (repeats(): a unit w < u writes the same page row), a write-protected
 // or uncommitted page, a row its page's format cannot encode.
 template <typename Repeats>
-__device__ void CheckJobAt(const PagedUpdateCudaView& v, int64_t i, int64_t u, const uint8_t* base, int fmt,
+__device__ __forceinline__ void CheckJobAt(const PagedUpdateCudaView& v, int64_t i, int64_t u, const uint8_t* base, int fmt,
                            int64_t tok, unsigned long long* flag, const Repeats& repeats) {
   const int64_t Hkv = v.p.shape.kv_heads;
   const int64_t h = i % Hkv, kv = (i / Hkv) % 2;
@@ -594,7 +594,7 @@ constexpr int kStoreWarps = 4;
 // One warp, row job i (the check's index), every check passed: codecs::EncodeRow's arithmetic, lanes over the
 // payload bytes.
 // (base: the page's layer bytes, fi its directory format, prow / tok the token's page row and position).
-__device__ void StoreUpdateJobAt(const PagedUpdateCudaView& v, int64_t i, int lane, uint8_t* base, int fi,
+__device__ __forceinline__ void StoreUpdateJobAt(const PagedUpdateCudaView& v, int64_t i, int lane, uint8_t* base, int fi,
                                  int64_t prow, int64_t tok) {
   const int64_t Hkv = v.p.shape.kv_heads, ps = v.p.shape.page_size;
   const int32_t D = v.p.shape.head_size;
@@ -687,7 +687,7 @@ __device__ void StoreUpdateJob(const PagedUpdateCudaView& v, int64_t i, int lane
 // Note [PagedRotaryCacheUpdate]: one warp, q job j = (b * T + t) * heads + h, every check passed: row (b, t)'s
 // query head h rotated into q_out.
 // (tok: the token's position).
-__device__ void StoreQueryJob(const PagedUpdateCudaView& v, int64_t j, int lane, int64_t tok) {
+__device__ __forceinline__ void StoreQueryJob(const PagedUpdateCudaView& v, int64_t j, int lane, int64_t tok) {
   const int64_t h = j % v.heads, u = j / v.heads;
   const int64_t D = v.p.shape.head_size;
   const RowSrc src = RowAt(v, v.q, u, h, true, tok);
@@ -803,7 +803,7 @@ size_t OwnerBytesOf(const PagedUpdateCudaView& v) {
 struct UnitRead {
   int64_t pos = -1, e = -1, id = -1, f = -1, off = 0;  // e = -1: the position failed, nothing more read
 };
-__device__ void ResolveUnit(const PagedUpdateCudaView& v, int64_t u, UnitSlots& s, unsigned long long* key,
+__device__ __forceinline__ void ResolveUnit(const PagedUpdateCudaView& v, int64_t u, UnitSlots& s, unsigned long long* key,
                             UnitRead* read) {
   const int64_t b = u / v.T, t = u % v.T, pos = Pos(v, b);
   int64_t id = -1;
@@ -828,13 +828,13 @@ __device__ void ResolveUnit(const PagedUpdateCudaView& v, int64_t u, UnitSlots& 
 }
 // EARLY, after the wait: the words ResolveUnit read, read again (in parallel: their addresses are known); true when
 // the kernel before changed one (a position, table entry or directory row computed on the device).
-__device__ bool UnitChanged(const PagedUpdateCudaView& v, int64_t u, const UnitRead& r) {
+__device__ __forceinline__ bool UnitChanged(const PagedUpdateCudaView& v, int64_t u, const UnitRead& r) {
   const int64_t b = u / v.T;
   const int64_t pos = Pos(v, b);
   if (r.e < 0) return pos != r.pos;
   const int64_t id = TableAt(v.p, b, r.e);
   const DirRow d = DirectoryRow(v.p, r.id);
-  return pos != r.pos || id != r.id || d.f != r.f || d.off != r.off;
+  return (pos != r.pos) | (id != r.id) | (d.f != r.f) | (d.off != r.off);  // all three loads in flight together
 }
 static_assert(kResolvedMaxUnits <= kResolvedThreads, "one token per thread");
 // Note [Resolved update preload]
@@ -876,7 +876,7 @@ __device__ __forceinline__ void StorePreloaded16(uint16_t* out, const float* pre
 
 // EARLY: launched as a programmatic dependent of the kernel before it (Note [Paged CUDA resolved update]).
 template <bool EARLY>
-__global__ void __launch_bounds__(kResolvedThreads) PagedUpdateResolvedKernel(const UpdateArgs args) {
+__global__ void __launch_bounds__(kResolvedThreads, 1) PagedUpdateResolvedKernel(const UpdateArgs args) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" :::);  // the attention may start (it waits for this grid)
 #endif
