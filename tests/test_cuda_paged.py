@@ -352,6 +352,108 @@ def test_attention_single_row_reports_the_first_failure(rng, kind, W, T, static)
     assert err is not None and f"exceeds the page table's capacity of {W * PS} tokens ('page_table')" in err, err
 
 
+def _rows_case(rng, kind, B, W, T, NL=1, H=3, G=3, PS=16, D=64):
+    """B rows over their own W pages of 16 keys each (a table of W entries: one split), every key used by the last
+    token; the pool, directory, table, start (one per row) and queries."""
+    fmts, page_format = _single_row_kind(kind, "float16", [PageFormat.F16, PageFormat.INT8, PageFormat.INT4])
+    pool, directory = build_pool(rng, [fmts[i % len(fmts)] for i in range(B * W)], num_layers=NL, kv_heads=H,
+                                 page_size=PS, head_size=D)
+    table = table_for([list(range(b * W, (b + 1) * W)) for b in range(B)], W)
+    start = np.full(B, (W - 1) * PS - (T - 1), np.int64)
+    q = _rand(rng, (B, T, H * G * D), "float16")
+    kw = dict(num_heads=H * G, kv_heads=H, layer=0, num_layers=NL, page_size=PS)
+    return pool, directory, table, start, q, page_format, kw
+
+
+def _rows_scenarios(table, directory, start, W, PS):
+    """(name, table, directory, start, the rows the report must name or None): nothing wrong, one row's last page
+    gone, two rows bad (the smaller row is the report, though its bad page comes later in its table), nothing wrong
+    again (the node's report words are back to their start), a row's start past the table."""
+    one = table.copy()
+    one[2, W - 1] = -1
+    two = table.copy()
+    two[3, 0] = -1
+    two[1, W - 1] = -1
+    fmt = directory.copy()
+    fmt[table[3, 0], 0] = 9
+    late = start.copy()
+    late[2] = W * PS
+    return [("clean", table, directory, start, None), ("row 2", one, directory, start, "row 2"),
+            ("rows 1 and 3", two, directory, start, "row 1"), ("clean again", table, directory, start, None),
+            ("row 3 format", table, fmt, start, "row 3"), ("row 2 start", table, directory, late, "row 2"),
+            ("clean at last", table, directory, start, None)]
+
+
+@pytest.mark.parametrize("static", [None, 1], ids=["tables", "static_tables"])
+@pytest.mark.parametrize("kind", ["mixed", "16bit", "INT4"])
+@pytest.mark.parametrize("T", [1, 5])
+@pytest.mark.parametrize("early", ["1", "0"], ids=["early", "plain"])
+def test_attention_several_rows_one_split_last_block_reports(rng, monkeypatch, kind, T, static, early):
+    """Four rows, one split (a table of 3 pages): no block can see every row, so the blocks count themselves into
+    the node's two report words and the last one reports the smallest failure key (Note [Paged CUDA last block
+    reports]; before, a second kernel scanned the blocks' keys). One session (one node, its words reused), run after
+    run: each refusal reported once, naming the smallest bad row (the CPU plan's order), the pool untouched and the
+    output finite; a clean run after a refused one reports nothing and matches the reference (the words were reset);
+    launched early and plainly, every kernel (mixed formats, the uniform 16-bit kernel, INT4)."""
+    monkeypatch.setenv("ORTKV_CUDA_EARLY", early)
+    B, W, PS = 4, 3, 16
+    pool, directory, table, start, q, page_format, kw = _rows_case(rng, kind, B, W, T)
+    before = pool.copy()
+    for name, tab, dirs, st, want_row in _rows_scenarios(table, directory, start, W, PS):
+        out, after, err = cuda_attention(q, pool, dirs, tab, st, dtype="float16", page_format=page_format,
+                                         static_tables=static, **kw)
+        assert after.tobytes() == before.tobytes(), name
+        assert np.isfinite(out).all(), name
+        assert _ortkv.cuda_take_error() is None, name  # reported once
+        if want_row is None:
+            assert err is None, (name, err)
+            want = paged_cache_attention_ref(q, before, dirs, tab, st, num_heads=kw["num_heads"],
+                                             kv_num_heads=kw["kv_heads"], layer=0, num_layers=1, page_size=PS)
+            np.testing.assert_allclose(out, want, rtol=2e-3, atol=2e-3, err_msg=name)
+        else:
+            assert err is not None and "PagedCacheAttention node 'attn'" in err, (name, err)
+            assert want_row in err and all(f"row {r}" not in err for r in range(B) if f"row {r}" != want_row), \
+                (name, err)
+
+
+@pytest.mark.parametrize("kind", ["mixed", "16bit"])
+def test_attention_several_rows_one_split_reports_in_a_cuda_graph(rng, kind):
+    """The same scenarios replayed from one captured CUDA graph (enable_cuda_graph, every input in fixed device
+    buffers changed in place): the node's report words persist across replays, so each replay must leave them as
+    the next expects (Note [Paged CUDA last block reports])."""
+    B, W, T, PS = 4, 3, 1, 16
+    pool, directory, table, start, q, page_format, kw = _rows_case(rng, kind, B, W, T)
+    sess = _session(attention_model("float16", kw["num_heads"], kw["kv_heads"], 0, 1, PS, page_format=page_format,
+                                    static_tables=1), graph=True)
+    dv = {"query": _dev(q), "pool": _dev(pool), "directory": _dev(directory), "page_table": _dev(table),
+          "start": _dev(start)}
+    types = {"query": TP.FLOAT16, "pool": TP.UINT8, "directory": TP.INT64, "page_table": TP.INT32, "start": TP.INT64}
+    io = sess.io_binding()
+    for name, val in dv.items():
+        _bind(io, name, val, types[name], val.shape())
+    out = _dev(np.zeros(q.shape, np.float16))
+    _bind(io, "out", out, TP.FLOAT16, q.shape, output=True)
+    scenarios = _rows_scenarios(table, directory, start, W, PS)
+    for rnd in range(3):  # the first runs are ORT's uncaptured ones and the capture, the rest replays
+        for name, tab, dirs, st, want_row in scenarios:
+            dv["page_table"].update_inplace(np.ascontiguousarray(tab))
+            dv["directory"].update_inplace(np.ascontiguousarray(dirs))
+            dv["start"].update_inplace(np.ascontiguousarray(st))
+            sess.run_with_iobinding(io)
+            err = _ortkv.cuda_take_error()
+            got = out.numpy().astype(np.float32)
+            assert np.isfinite(got).all(), (rnd, name)
+            if want_row is None:
+                assert err is None, (rnd, name, err)
+                want = paged_cache_attention_ref(q, pool, dirs, tab, st, num_heads=kw["num_heads"],
+                                                 kv_num_heads=kw["kv_heads"], layer=0, num_layers=1, page_size=PS)
+                np.testing.assert_allclose(got, want, rtol=2e-3, atol=2e-3, err_msg=f"{rnd} {name}")
+            else:
+                assert err is not None and want_row in err, (rnd, name, err)
+                assert all(f"row {r}" not in err for r in range(B) if f"row {r}" != want_row), (rnd, name, err)
+    assert dv["pool"].numpy().tobytes() == pool.tobytes()
+
+
 @pytest.mark.parametrize("D,T", [(64, 1), (128, 5)])
 def test_attention_early_launch_equals_plain_launch(monkeypatch, D, T):
     """Note [CUDA attention early start]: the v3 kernel launched as a programmatic dependent (the default on

@@ -98,6 +98,7 @@ struct Node {  // one PagedCacheAttention call's view and workspaces
     CK(cudaFree(v.partial));
     CK(cudaFree(v.flag));
     CK(cudaFree(v.block_flags));
+    CK(cudaFree(v.report_words));
   }
 };
 
@@ -116,6 +117,10 @@ Node Plan(const Pools& p, int r, const Case& c, const __half* q, __half* out, co
   CK(cudaMalloc(&n.v.partial, pb));
   CK(cudaMalloc(&n.v.flag, 16));
   CK(cudaMalloc(&n.v.block_flags, fb));
+  // Note [Paged CUDA last block reports]: the node's words (arrivals 0, key kNoError), as PagedReportWords makes them
+  CK(cudaMalloc(&n.v.report_words, 16));
+  CK(cudaMemset(n.v.report_words, 0, 8));
+  CK(cudaMemset(n.v.report_words + 1, 0xFF, 8));
   return n;
 }
 
@@ -130,7 +135,8 @@ int Main(int argc, char** argv) {
   const Case cases[] = {{8192, 1}, {8192, 8}, {32768, 1}, {32768, 8}, {16, 1}, {1024, 1}, {16, 8},  // 4-6: short rows
                         {16, 1, 2048}, {128, 1, 2048},  // 7-8: a short row in a table of 2K keys
                         {128, 1},  // 9
-                        {1024, 1, 2048}, {512, 1}, {1024, 8}};  // 10-12: Note [Cluster split chunks]
+                        {1024, 1, 2048}, {512, 1}, {1024, 8},  // 10-12: Note [Cluster split chunks]
+                        {144, 8, 256}};  // 13: a decode step's rows at batch 8 (one split)
   using codecs::PageFormat;
   const PageFormat formats[] = {PageFormat::kF16, PageFormat::kInt8, PageFormat::kInt4};
   std::printf("pages of %lld tokens\n%6s %3s %3s | %-22s %9s %8s\n", (long long)kPs, "L", "B", "R", "kernel", "us", "GB/s");

@@ -42,6 +42,10 @@ struct PagedKernel {
   ortkv::PagedAttrs attrs;
   int64_t num_heads = 0;  // attention and PagedRotaryCacheUpdate
   float scale = 0.0f;     // attention only
+#if defined(ORTKV_WITH_CUDA)
+  // CUDA attention: Note [Paged CUDA last block reports] (kernels/cuda/paged_cuda.cu)
+  std::unique_ptr<ortkv::PagedReportWords> report_words;
+#endif
 };
 
 OrtStatus* ReadAttrs(const OrtApi* api, const OrtKernelInfo* info, PagedKernel* k) {
@@ -573,6 +577,8 @@ OrtStatus* AttnComputeCuda(void* op_kernel, OrtKernelContext* ctx) {
   void* stream = nullptr;
   ORTKV_RETURN_IF_ORT_ERROR(g_api->KernelContext_GetGPUComputeStream(ctx, &stream));
   view.error_word = ortkv::CudaErrorWord(stream);
+  if (view.B > 1 && k.report_words)  // Note [Paged CUDA last block reports]: several rows, maybe one split
+    ORTKV_RETURN_IF_ORT_ERROR(ToOrtStatus(k.report_words->For(stream, &view.report_words)));
   // one allocation: the flag (first 256 bytes), the split-K partials, then the per-block flags
   DeviceScratch scratch;
   ORTKV_RETURN_IF_ORT_ERROR(scratch.Alloc(
@@ -614,6 +620,7 @@ OrtStatus* AttnCreateCuda(const OrtCustomOp* op, const OrtApi* api, const OrtKer
   ORTKV_RETURN_IF_ORT_ERROR(AttnCreate(op, api, info, kernel));
   auto* k = static_cast<PagedKernel*>(*kernel);
   k->label = PagedLabel("PagedCacheAttention", k->names, 1, 2, 3, 5);
+  k->report_words = std::make_unique<ortkv::PagedReportWords>();
   return nullptr;
 }
 

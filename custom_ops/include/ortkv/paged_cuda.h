@@ -53,7 +53,9 @@
 // CacheUpdate (position = the token).
 #pragma once
 #include <cstdint>
+#include <mutex>
 #include <string>
+#include <vector>
 
 #include "ortkv/paged.h"
 
@@ -137,6 +139,10 @@ struct PagedAttentionCudaView {
   bool static_tables = false;
   int32_t label = -1;
   void* error_word = nullptr;
+  // Note [Paged CUDA last block reports] (kernels/cuda/paged_cuda.cu): the node's two device words on this stream
+  // (PagedReportWords; arrivals 0 and the smallest failure key kNoError between launches), or nullptr: a node of
+  // one split over several rows then reports through the combine's scan block (a second launch)
+  unsigned long long* report_words = nullptr;
   int64_t units() const { return B * Hkv * T; }
   int64_t group() const { return Hq / Hkv; }
   size_t block_flag_bytes() const {
@@ -169,6 +175,28 @@ size_t PagedUpdateOwnerBytes(const PagedUpdateCudaView& view);
 Status PagedCacheUpdateCuda(const PagedUpdateCudaView& view, void* stream);
 // memset(flag) + attention + combine / report on `stream`.
 Status PagedCacheAttentionCuda(const PagedAttentionCudaView& view, void* stream);
+
+// Note [Paged CUDA last block reports]: a PagedCacheAttention node's report words, one pair per (device, stream),
+// made at the node's first launch on that stream (cudaMalloc, then two memsets on the stream) and freed with the
+// node. A pair cannot be made inside a CUDA graph capture: For then gives nullptr (ORT runs a session uncaptured
+// before it captures, so a captured node has its pair).
+class PagedReportWords {
+ public:
+  PagedReportWords() = default;
+  PagedReportWords(const PagedReportWords&) = delete;
+  PagedReportWords& operator=(const PagedReportWords&) = delete;
+  ~PagedReportWords();
+  Status For(void* stream, unsigned long long** words);
+
+ private:
+  struct Pair {
+    int device;
+    void* stream;
+    unsigned long long* words;
+  };
+  std::mutex mu_;
+  std::vector<Pair> pairs_;
+};
 #endif
 
 }  // namespace ortkv

@@ -2021,10 +2021,37 @@ cudaError_t Launch(const AttnArgs& a, int gm, cudaStream_t stream) {
 // the splits come from the table's width; the launch decides after trimming them, so a graph's shape is stable),
 // every block of token t resolves the same pages [0, start + t], so the block of the last token (KV head 0, head
 // block 0) holds the smallest key of the whole node and reports it itself; the v3 and uniform kernels then launch
-// nothing after the attention, as dense CacheAttention. Several rows keep the combine: a block cannot know that the
-// rows before its own are fine. With 2..8 splits the same holds of each cluster (Note [Paged CUDA cluster merge]).
+// nothing after the attention, as dense CacheAttention. Several rows: a block cannot know that the rows before its
+// own are fine, so the blocks count themselves and the last reports (Note [Paged CUDA last block reports]). With 2..8 splits the same holds of each cluster (Note [Paged CUDA cluster merge]).
 __host__ __device__ __forceinline__ bool ReportsInBlock(const PagedAttentionCudaView& v) {
   return v.splits == 1 && v.B == 1;
+}
+
+// Note [Paged CUDA last block reports]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// One split over several rows (every decode step at batch > 1 whose rows fit the 256-key table bucket) has no
+// partials to merge, yet no block can know that the rows before its own are fine, so the node launched the combine
+// for its one scan block: a second kernel a node. Instead the node's blocks meet in two device words of their own
+// (PagedReportWords: one pair per node and stream, made at the node's first launch there, outside any capture):
+// word 0 counts the blocks in its low 32 bits and the failed blocks above them, word 1 holds the smallest failure
+// key. Thread 0 of each block, its key final and before the merge, atomicMins a failure into word 1 and fences (a
+// failed block only), then adds itself to word 0; it reads what atomicAdd returned after the merge, so the round
+// trip overlaps it. The block that counted last (gridDim.x - 1 before it) sets word 0 back to 0 and, if any block
+// failed, takes word 1 (atomicExch with kNoError) and reports it: the smallest key of the node, the CPU plan's first
+// failure. So the words are 0 / kNoError again when the grid ends, and the next launch on the stream (stream order,
+// or after griddepcontrol.wait: a block counts itself after its wait) starts from them; a CUDA graph replays the
+// same pair. Two streams never share a pair. Without a pair (none could be made: the node's first launch on that
+// stream was captured) the node keeps the scan block.
+// H200 (benchmarks/results/paged_attention_cuda_h200.md, thirteenth session), combine scan -> last block:
+// paged_sweep, two alternated rounds, 16 keys x 8 rows promised F16 3.62 -> 2.75 us, every-format F16 4.27 -> 3.49,
+// INT4 6.09 -> 4.71 (counted after the merge instead, the round trip at the block's end: F16 2.93; with a fence in
+// every block: 3.22; no count and no report at all, the floor: 2.49); single-row nodes (ReportsInBlock, unchanged
+// code) +0.02-0.04 us. Through ORT (bench_paged_attention_cuda.py), promised F16 with static tables / dense: 16 x 8
+// 1.27 -> 0.99, 144 keys x 8 rows in a 256-key table (a batch-8 decode step's node) 1.22 -> 1.02; INT4 there 6.4
+// -> 5.0 us. The paged decode step at batch 8 (bench_paged_generate_cuda.py; this change and 2d9aea9's update
+// kernel against 73dcd2a): 1.11 -> 1.03x dense at 2K max length, 1.13 -> 1.06x at 8K.
+__host__ __device__ __forceinline__ bool LastBlockReports(const PagedAttentionCudaView& v) {
+  return v.splits == 1 && v.B > 1 && v.report_words != nullptr;
 }
 
 // Note [Paged CUDA cluster merge]
@@ -2089,7 +2116,8 @@ cudaError_t LaunchOneWave(const AttnKernels& k, AttnArgs a, cudaStream_t stream)
   if (!(early && LaunchProgrammatic(k.early, blocks, kThreads, k.smem, stream, a)))
     k.plain<<<blocks, kThreads, k.smem, stream>>>(a);
   cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess || ReportsInBlock(a.v)) return e;  // Note [Paged CUDA one-launch report]
+  // Note [Paged CUDA one-launch report], Note [Paged CUDA last block reports]
+  if (e != cudaSuccess || ReportsInBlock(a.v) || LastBlockReports(a.v)) return e;
   return pv2::LaunchCombine<T>(a, stream);
 }
 
@@ -2119,12 +2147,34 @@ __device__ __forceinline__ BlockUnit BlockUnitOf(const AttnArgs& args) {
 
 // Thread 0 of an attention block, its key final: to block_flags for the combine (before the merge, as the key is
 // known), or under ReportsInBlock (after the merge, where the report's code costs the loop no registers) the report
-// itself from the block that holds the node's smallest key.
-__device__ __forceinline__ void StoreBlockKey(const PagedAttentionCudaView& a, unsigned long long key) {
+// itself from the block that holds the node's smallest key. Under LastBlockReports the block counts itself into the
+// node's words before the merge, and after it the last to count reports (Note [Paged CUDA last block reports]):
+// StoreBlockKey returns word 0 before its own count, ReportBlockKey reads it (`counted`).
+constexpr unsigned long long kFailedBlock = 1ull << 32;  // word 0: arrivals in the low half, failed blocks above
+__device__ __forceinline__ unsigned long long StoreBlockKey(const PagedAttentionCudaView& a, unsigned long long key) {
+  if (LastBlockReports(a)) {
+    unsigned long long add = 1;
+    if (key != kNoError) {
+      atomicMin(a.report_words + 1, key);
+      __threadfence();  // the key before the count
+      add += kFailedBlock;
+    }
+    return atomicAdd(a.report_words, add);  // read after the merge: the round trip overlaps it
+  }
   if (!ReportsInBlock(a)) a.block_flags[blockIdx.x] = key;
+  return 0;
 }
 __device__ __forceinline__ void ReportBlockKey(const PagedAttentionCudaView& a, const BlockUnit& bu,
-                                               unsigned long long key) {
+                                               unsigned long long key, unsigned long long counted) {
+  if (LastBlockReports(a)) {
+    if ((counted & 0xFFFFFFFFull) != gridDim.x - 1ull) return;
+    atomicExch(a.report_words, 0ull);  // the words as the next launch expects them
+    if (counted >= kFailedBlock || key != kNoError) {  // a block failed: its key is in word 1 (atomics, at L2)
+      const unsigned long long node_key = atomicExch(a.report_words + 1, kNoError);
+      if (node_key != kNoError) ReportAttention(a, node_key);
+    }
+    return;
+  }
   if (ReportsInBlock(a) && key != kNoError && bu.split == 0 && bu.hk == 0 && bu.g0 == 0 && bu.t == a.T - 1)
     ReportAttention(a, key);
 }
@@ -3347,10 +3397,11 @@ __global__ void __launch_bounds__(kThreads, ORTKV_PAGED_V3_MIN_BLOCKS) PagedAtte
   l += __shfl_xor_sync(0xffffffffu, l, 2);
   CpAsyncWait<0>();
   __syncthreads();
+  unsigned long long counted = 0;  // thread 0: Note [Paged CUDA last block reports]
   if (tid == 0) {  // the block's key (Note [Paged CUDA one-launch report])
     const unsigned long long sk = bad_start ? Key(kClassRow, static_cast<unsigned long long>(b) << 28) : kNoError;
     sh.key = sk < sh.key ? sk : sh.key;
-    if constexpr (!CLUSTER) StoreBlockKey(a, sh.key);
+    if constexpr (!CLUSTER) counted = StoreBlockKey(a, sh.key);
   }
   float* fin = CLUSTER ? reinterpret_cast<float*>(ring + C::kRingBytes) : nullptr;  // at SmemBytes<D>()
   MergeWarpTiles<kWarps, D>(
@@ -3362,7 +3413,7 @@ __global__ void __launch_bounds__(kThreads, ORTKV_PAGED_V3_MIN_BLOCKS) PagedAtte
         fin, static_cast<int>(S), gn, tid, kThreads, [&](int gg) { return OutRow<T>(a, bu, gg); },
         [&](auto& cl) { ClusterReport(a, bu, &sh.key, cl); });
   else if (tid == 0)
-    ReportBlockKey(a, bu, sh.key);  // Note [Paged CUDA one-launch report]
+    ReportBlockKey(a, bu, sh.key, counted);  // Note [Paged CUDA one-launch report]
 }
 
 template <typename T, int D>
@@ -3627,10 +3678,11 @@ __global__ void __launch_bounds__(kThreads) PagedAttentionU16(const AttnArgs arg
 #pragma unroll
     for (int nt = 0; nt < D / 8; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.0f;
   }
+  unsigned long long counted = 0;  // thread 0: Note [Paged CUDA last block reports]
   if (tid == 0) {  // the block's key (Note [Paged CUDA one-launch report])
     const unsigned long long sk = bad_start ? Key(kClassRow, static_cast<unsigned long long>(b) << 28) : kNoError;
     s_key = sk < key ? sk : key;
-    if constexpr (!CLUSTER) StoreBlockKey(a, s_key);
+    if constexpr (!CLUSTER) counted = StoreBlockKey(a, s_key);
   }
   float* fin = CLUSTER ? reinterpret_cast<float*>(dsm + C::kSmem) : nullptr;
   MergeWarpTiles<NW, D>(*reinterpret_cast<Merge*>(dsm), m, l, o, gn,
@@ -3642,7 +3694,7 @@ __global__ void __launch_bounds__(kThreads) PagedAttentionU16(const AttnArgs arg
         fin, static_cast<int>(S), gn, tid, kThreads, [&](int gg) { return OutRow<T>(a, bu, gg); },
         [&](auto& cl) { ClusterReport(a, bu, &s_key, cl); });
   else if (tid == 0)
-    ReportBlockKey(a, bu, s_key);  // Note [Paged CUDA one-launch report]
+    ReportBlockKey(a, bu, s_key, counted);  // Note [Paged CUDA one-launch report]
 }
 
 template <typename T, int D>
@@ -3769,6 +3821,52 @@ Status PagedCacheAttentionCuda(const PagedAttentionCudaView& v, void* stream_ptr
     default: e = v2 ? pv2::Launch<float>(a, gm, stream) : LaunchAttn<float>(a, gm, blocks, stream); break;
   }
   return e == cudaSuccess ? Status::Ok() : LaunchError("PagedCacheAttention", e);
+}
+
+// Note [Paged CUDA last block reports]: the node's pair of words on `stream`.
+static Status WordsFail(const char* what, cudaError_t e) {
+  return Status(Code::kRuntime, std::string("PagedCacheAttention CUDA: ") + what + " failed: " + cudaGetErrorName(e) +
+                                    ": " + cudaGetErrorString(e));
+}
+PagedReportWords::~PagedReportWords() {
+  int current = -1;
+  const bool known = cudaGetDevice(&current) == cudaSuccess;
+  for (const Pair& p : pairs_) {
+    if (cudaSetDevice(p.device) == cudaSuccess) (void)cudaFree(p.words);
+  }
+  if (known) (void)cudaSetDevice(current);
+  (void)cudaGetLastError();
+}
+
+Status PagedReportWords::For(void* stream_ptr, unsigned long long** words) {
+  *words = nullptr;
+  int device = 0;
+  cudaError_t e = cudaGetDevice(&device);
+  if (e != cudaSuccess) return WordsFail("cudaGetDevice", e);
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const Pair& p : pairs_) {
+    if (p.device == device && p.stream == stream_ptr) {
+      *words = p.words;
+      return Status::Ok();
+    }
+  }
+  cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  e = cudaStreamIsCapturing(stream, &capture);
+  if (e != cudaSuccess) return WordsFail("cudaStreamIsCapturing", e);
+  if (capture != cudaStreamCaptureStatusNone) return Status::Ok();  // no pair: the combine's scan block reports
+  unsigned long long* w = nullptr;
+  e = cudaMalloc(&w, 2 * sizeof(unsigned long long));
+  if (e != cudaSuccess) return WordsFail("cudaMalloc of the node's 16 bytes of report words", e);
+  e = cudaMemsetAsync(w, 0, sizeof(unsigned long long), stream);  // arrivals
+  if (e == cudaSuccess) e = cudaMemsetAsync(w + 1, 0xFF, sizeof(unsigned long long), stream);  // kNoError
+  if (e != cudaSuccess) {
+    (void)cudaFree(w);
+    return WordsFail("cudaMemsetAsync of the node's report words", e);
+  }
+  pairs_.push_back(Pair{device, stream_ptr, w});
+  *words = w;
+  return Status::Ok();
 }
 
 }  // namespace ortkv
