@@ -2022,7 +2022,8 @@ cudaError_t Launch(const AttnArgs& a, int gm, cudaStream_t stream) {
 // every block of token t resolves the same pages [0, start + t], so the block of the last token (KV head 0, head
 // block 0) holds the smallest key of the whole node and reports it itself; the v3 and uniform kernels then launch
 // nothing after the attention, as dense CacheAttention. Several rows: a block cannot know that the rows before its
-// own are fine, so the blocks count themselves and the last reports (Note [Paged CUDA last block reports]). With 2..8 splits the same holds of each cluster (Note [Paged CUDA cluster merge]).
+// own are fine, so the blocks count themselves and the last reports (Note [Paged CUDA last block reports]). With
+// 2..8 splits the same holds of each cluster (Note [Paged CUDA cluster merge]).
 __host__ __device__ __forceinline__ bool ReportsInBlock(const PagedAttentionCudaView& v) {
   return v.splits == 1 && v.B == 1;
 }
