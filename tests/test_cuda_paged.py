@@ -384,6 +384,21 @@ def _rows_scenarios(table, directory, start, W, PS):
             ("clean at last", table, directory, start, None)]
 
 
+def _check_rows_run(where, out, err, want_row, q, pool, dirs, tab, st, kw, B, PS):
+    """One scenario's run: finite output; with nothing wrong no report and the reference's output, else a report
+    of this node naming exactly `want_row` among the B rows."""
+    assert np.isfinite(out).all(), where
+    if want_row is None:
+        assert err is None, (where, err)
+        want = paged_cache_attention_ref(q, pool, dirs, tab, st, num_heads=kw["num_heads"],
+                                         kv_num_heads=kw["kv_heads"], layer=0, num_layers=1, page_size=PS)
+        np.testing.assert_allclose(out, want, rtol=2e-3, atol=2e-3, err_msg=str(where))
+    else:
+        assert err is not None and "PagedCacheAttention node 'attn'" in err, (where, err)
+        assert want_row in err and all(f"row {r}" not in err for r in range(B) if f"row {r}" != want_row), \
+            (where, err)
+
+
 @pytest.mark.parametrize("static", [None, 1], ids=["tables", "static_tables"])
 @pytest.mark.parametrize("kind", ["mixed", "16bit", "INT4"])
 @pytest.mark.parametrize("T", [1, 5])
@@ -403,17 +418,8 @@ def test_attention_several_rows_one_split_last_block_reports(rng, monkeypatch, k
         out, after, err = cuda_attention(q, pool, dirs, tab, st, dtype="float16", page_format=page_format,
                                          static_tables=static, **kw)
         assert after.tobytes() == before.tobytes(), name
-        assert np.isfinite(out).all(), name
         assert _ortkv.cuda_take_error() is None, name  # reported once
-        if want_row is None:
-            assert err is None, (name, err)
-            want = paged_cache_attention_ref(q, before, dirs, tab, st, num_heads=kw["num_heads"],
-                                             kv_num_heads=kw["kv_heads"], layer=0, num_layers=1, page_size=PS)
-            np.testing.assert_allclose(out, want, rtol=2e-3, atol=2e-3, err_msg=name)
-        else:
-            assert err is not None and "PagedCacheAttention node 'attn'" in err, (name, err)
-            assert want_row in err and all(f"row {r}" not in err for r in range(B) if f"row {r}" != want_row), \
-                (name, err)
+        _check_rows_run(name, out, err, want_row, q, before, dirs, tab, st, kw, B, PS)
 
 
 @pytest.mark.parametrize("kind", ["mixed", "16bit"])
@@ -440,17 +446,8 @@ def test_attention_several_rows_one_split_reports_in_a_cuda_graph(rng, kind):
             dv["directory"].update_inplace(np.ascontiguousarray(dirs))
             dv["start"].update_inplace(np.ascontiguousarray(st))
             sess.run_with_iobinding(io)
-            err = _ortkv.cuda_take_error()
-            got = out.numpy().astype(np.float32)
-            assert np.isfinite(got).all(), (rnd, name)
-            if want_row is None:
-                assert err is None, (rnd, name, err)
-                want = paged_cache_attention_ref(q, pool, dirs, tab, st, num_heads=kw["num_heads"],
-                                                 kv_num_heads=kw["kv_heads"], layer=0, num_layers=1, page_size=PS)
-                np.testing.assert_allclose(got, want, rtol=2e-3, atol=2e-3, err_msg=f"{rnd} {name}")
-            else:
-                assert err is not None and want_row in err, (rnd, name, err)
-                assert all(f"row {r}" not in err for r in range(B) if f"row {r}" != want_row), (rnd, name, err)
+            _check_rows_run((rnd, name), out.numpy().astype(np.float32), _ortkv.cuda_take_error(), want_row, q,
+                            pool, dirs, tab, st, kw, B, PS)
     assert dv["pool"].numpy().tobytes() == pool.tobytes()
 
 

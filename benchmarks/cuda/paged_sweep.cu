@@ -29,6 +29,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <memory>
 #include <numeric>
 #include <random>
 #include <string>
@@ -94,15 +95,17 @@ Pools MakePools(codecs::PageFormat f, const Case& c, int R, bool shuffled, cudaS
 
 struct Node {  // one PagedCacheAttention call's view and workspaces
   PagedAttentionCudaView v;
+  std::unique_ptr<PagedReportWords> words;  // the node's report words, as the op's kernel owns them
   void Free() {
     CK(cudaFree(v.partial));
     CK(cudaFree(v.flag));
     CK(cudaFree(v.block_flags));
-    CK(cudaFree(v.report_words));
+    words.reset();
   }
 };
 
-Node Plan(const Pools& p, int r, const Case& c, const __half* q, __half* out, const int64_t* start, int sms) {
+Node Plan(const Pools& p, int r, const Case& c, const __half* q, __half* out, const int64_t* start, int sms,
+          cudaStream_t s) {
   TensorArg tq, tpool, tdir, ttab, tstart;
   tq.data = q, tq.elem_type = kFloat16, tq.dims = {c.B, 1, kHq * kD}, tq.name = "q";
   tpool.data = p.pool[r], tpool.elem_type = 2, tpool.dims = {p.n_pages * p.page_bytes}, tpool.name = "pool";
@@ -117,10 +120,8 @@ Node Plan(const Pools& p, int r, const Case& c, const __half* q, __half* out, co
   CK(cudaMalloc(&n.v.partial, pb));
   CK(cudaMalloc(&n.v.flag, 16));
   CK(cudaMalloc(&n.v.block_flags, fb));
-  // Note [Paged CUDA last block reports]: the node's words (arrivals 0, key kNoError), as PagedReportWords makes them
-  CK(cudaMalloc(&n.v.report_words, 16));
-  CK(cudaMemset(n.v.report_words, 0, 8));
-  CK(cudaMemset(n.v.report_words + 1, 0xFF, 8));
+  n.words = std::make_unique<PagedReportWords>();  // Note [Paged CUDA last block reports]
+  OK(n.words->For(s, &n.v.report_words));
   return n;
 }
 
@@ -160,7 +161,7 @@ int Main(int argc, char** argv) {
         if (!shuffled && f != PageFormat::kF16) continue;
         Pools p = MakePools(f, c, R, shuffled, s);
         std::vector<Node> nodes;
-        for (int r = 0; r < R; ++r) nodes.push_back(Plan(p, r, c, q, out, start, sms));
+        for (int r = 0; r < R; ++r) nodes.push_back(Plan(p, r, c, q, out, start, sms, s));
         const char* fname = f == PageFormat::kF16 ? "F16" : f == PageFormat::kInt8 ? "INT8" : "INT4";
         // v3 against v2 on pool 0
         std::vector<__half> o2(c.B * kHq * kD), o3(o2.size());
