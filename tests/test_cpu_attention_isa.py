@@ -16,11 +16,12 @@ import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from conftest import cpu_isas
-from ortkv.reference.codecs import PageFormat
-from test_paged_ops import ALL, _attn_case
+from ortkv.reference.codecs import PageFormat, decode_page, encode_page, layout
+from test_paged_ops import ALL, _attn_case, run_attention
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -121,3 +122,61 @@ def test_paged_attention_format_runs_end_blocks(rng, PS):
     fmts = [PageFormat.F16] + [PageFormat.INT4] * 5 + [PageFormat.INT8, PageFormat.F16, PageFormat.INT2_KC] + ALL
     _attn_case(rng, fmts, B=2, T=1, lengths=[700, 333], PS=PS, D=64, H=3, G=3)
 
+
+
+# ---- every code of every format, decoded exactly (Note [Paged CPU AVX2 decode]) ------------------------------
+def _code_rows(fmt, H: int, D: int, rng) -> np.ndarray:
+    """V rows 0 of H KV heads as raw payload bytes [H, row_bytes] covering every code of fmt (and, for the 16-bit
+    formats, zeros of both signs, subnormals, the largest finite values, inf and NaN)."""
+    if fmt in (PageFormat.F16, PageFormat.BF16):
+        special = [0x0000, 0x8000, 0x0001, 0x8001, 0x03FF, 0x83FF, 0x0400, 0x3C00, 0xBC00, 0x7BFF, 0xFBFF, 0x7C00,
+                   0xFC00, 0x7E00, 0x0200, 0x3555]
+        if fmt == PageFormat.BF16:
+            special = [0x0000, 0x8000, 0x0001, 0x8001, 0x007F, 0x0080, 0x3F80, 0xBF80, 0x7F7F, 0xFF7F, 0x7F80,
+                       0xFF80, 0x7FC0, 0x0040, 0x4049, 0x3EAA]
+        halves = np.array(special + list(rng.integers(0, 1 << 16, H * D - len(special))), np.uint16)
+        return halves.reshape(H, D).view(np.uint8)
+    bits = {PageFormat.INT8: 8, PageFormat.FP8_E4M3: 8, PageFormat.INT4: 4, PageFormat.INT4_KC: 4,
+            PageFormat.INT2: 2, PageFormat.INT2_KC: 2}[fmt]
+    codes = np.arange(H * D) % (1 << bits)  # every code, in every channel position mod 2^bits
+    per = 8 // bits
+    packed = np.zeros(H * D // per, np.uint8)
+    for k in range(per):
+        packed |= (codes[k::per] << (bits * k)).astype(np.uint8)
+    return packed.reshape(H, D * bits // 8)
+
+
+@pytest.mark.parametrize("fmt", ALL, ids=lambda f: f.name)
+@pytest.mark.parametrize("G", [1, 3])
+def test_paged_attention_decodes_every_code_exactly(rng, fmt, G):
+    """One key (start 0, one token): the softmax weight is exactly 1, so each head's output IS its KV head's
+    decoded V row 0. Those rows hold every code of the format (every byte value for INT8 / FP8 E4M3, NaN codes
+    included; every nibble / crumb in every position of its byte) and, for F16 / BF16, signed zeros, subnormals,
+    the largest finite values, inf and NaN. Scales 0.5 / 0.25 and offsets -4 keep every value exact in float32, so
+    the copy that runs (AVX2 intrinsics, SSE2, AVX-512) must give the reference decoder's floats bit for bit, in
+    the decoded-block path (G = 1) and where 16-bit rows are read in place (G = 3)."""
+    H, PS, D = 4, 16, 64
+    lay = layout(fmt, H, PS, D)
+    vals = rng.standard_normal((2, H, PS, D)).astype(np.float32)
+    page = encode_page(fmt, vals)
+    rows = _code_rows(fmt, H, D, rng)
+    for h in range(H):  # V row 0 of head h: payload, then its scales (per-row formats)
+        o = lay.v_payload + (h * PS) * lay.row_bytes
+        page[o:o + lay.row_bytes] = rows[h]
+        if lay.scale_row_bytes:
+            s = lay.v_scales + (h * PS) * lay.scale_row_bytes
+            sc = np.array([0.25] if lay.scale_row_bytes == 2 else [0.5, -4.0], np.float16)
+            page[s:s + lay.scale_row_bytes] = sc.view(np.uint8)
+    want = decode_page(fmt, page, H, PS, D)[1, :, 0, :]  # [H, D]
+    directory = np.array([[int(fmt), 16]], np.int64)
+    pool = np.zeros(16 + lay.page_bytes + 16, np.uint8)
+    pool[16:16 + lay.page_bytes] = page
+    table = np.array([[0, -1]], np.int32)
+    q = rng.standard_normal((1, 1, H * G * D)).astype(np.float32)
+    got = run_attention(q, pool, directory, table, np.array([0]), num_heads=H * G, kv_heads=H, layer=0,
+                        num_layers=1, page_size=PS)
+    got = got.reshape(H, G, D)
+    for g in range(G):
+        np.testing.assert_array_equal(got[:, g, :], want, err_msg=f"{fmt.name} query head {g} of each group")
+    if fmt in (PageFormat.F16, PageFormat.BF16):
+        assert np.isnan(want).any() and np.isinf(want).any()  # the specials are in the rows compared

@@ -173,8 +173,9 @@ struct F32Rows {  // rows of float32 with a stride of ts floats (a dense cache, 
 // llama.cpp from 215 to 212 of 224 positions (tests/test_q4.py asks >= 213); with two sets per head
 // the AVX-512 copy sums in BlockRows' order and its outputs are the old kernel's, bit for bit. The softmax between
 // them stays on the 16-float helpers (a few instructions per key). The paged kernel runs its
-// float32 rows (blocks it decoded into a buffer) through BlockNative too, but keeps BlockRows for
-// float16 / bfloat16 pages read in place: their row sources convert 16 channels per call.
+// float32 rows (blocks it decoded into a buffer) through BlockNative too; float16 / bfloat16 pages read in
+// place go through BlockRows / BlockRowsHeads in the AVX-512 copy (their row sources convert 16 channels per
+// call) and BlockRowsHeads8 in the AVX2 copy (Note [Paged CPU AVX2 decode] in paged_attention_task.inc).
 // Same driver, old and new kernel alternating on a loaded machine (load ~5), one thread, GB/s with
 // K/V in L2 (128 keys) / from DRAM (8K keys): avx2 1.6 -> 8.3 / 1.3 -> 3.4, baseline 1.8 -> 4.0 /
 // 1.3 -> 2.6, avx512 9.3 -> 12.3 / 3.8 -> 4.1 (one head per value pass).
