@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "attention_block.h"
+#include "cpu_attention_driver.h"
 #include "ortkv/cache_attention.h"
 
 using namespace ortkv;
@@ -30,7 +31,7 @@ int main(int argc, char** argv) {
   const int64_t L = std::atoll(argv[1]);
   const int threads = std::atoi(argv[2]);
   const int64_t B = argc > 3 ? std::atoll(argv[3]) : 1;
-  const int64_t Hq = 9, Hkv = 3, D = 64;
+  const int64_t Hq = ortkv_drivers::kHq, Hkv = ortkv_drivers::kHkv, D = ortkv_drivers::kD;
   const size_t per = static_cast<size_t>(B * Hkv * L * D);
   const int layers = static_cast<int>(std::max<int64_t>(3, (int64_t{256} << 20) / static_cast<int64_t>(per * 8)));
   std::vector<std::vector<float>> ks(layers), vs(layers);
@@ -39,14 +40,8 @@ int main(int argc, char** argv) {
   std::vector<int64_t> start(B, L - 1);
   std::vector<float> partial;
   auto run = [&](int i) {
-    CacheAttentionView a;
-    a.q = q.data(), a.k = ks[i].data(), a.v = vs[i].data(), a.out = out.data();
-    a.start = start.data(), a.start_stride = 1;
-    a.B = B, a.T = 1, a.Hq = Hq, a.Hkv = Hkv, a.D = D, a.C = L;
-    a.row_stride = Hkv * L * D, a.tok_stride = D, a.head_stride = L * D, a.scale = 0.125f;
-    a.splits = attn_cpu::CpuSplits(a.units(), L);
-    partial.resize(std::max<int64_t>(1, a.partial_floats()));
-    a.partial = partial.data();
+    CacheAttentionView a =
+        ortkv_drivers::DenseDecodeView(q.data(), ks[i].data(), vs[i].data(), out.data(), start.data(), B, L, partial);
     std::atomic<int64_t> next{0};
     auto work = [&] {
       std::vector<float> sc(a.scratch_floats());

@@ -26,15 +26,18 @@
 
 #include "attention_block.h"
 #include "codecs.h"
+#include "cpu_attention_driver.h"
 #include "ortkv/cache_attention.h"
 #include "ortkv/paged.h"
 
 using namespace ortkv;
 using codecs::PageFormat;
+using ortkv_drivers::DenseDecodeView;
+using ortkv_drivers::kD;
+using ortkv_drivers::kHkv;
+using ortkv_drivers::kHq;
 
 namespace {
-
-constexpr int64_t kHq = 9, kHkv = 3, kD = 64;
 
 // One helper thread for the whole run (a thread started per call would cost more than a short call), spinning
 // between calls: Go(f) runs f on this thread and on the helper (threads == 2) and returns when both are done.
@@ -140,14 +143,8 @@ int main(int argc, char** argv) {
   }
   std::vector<float> partial;
   auto dense = [&](int i) {
-    CacheAttentionView a;
-    a.q = q.data(), a.k = ks[i].data(), a.v = vs[i].data(), a.out = out.data();
-    a.start = start.data(), a.start_stride = 1;
-    a.B = B, a.T = 1, a.Hq = kHq, a.Hkv = kHkv, a.D = kD, a.C = L;
-    a.row_stride = kHkv * L * kD, a.tok_stride = kD, a.head_stride = L * kD, a.scale = 0.125f;
-    a.splits = attn_cpu::CpuSplits(a.units(), L);
-    partial.resize(std::max<int64_t>(1, a.partial_floats()));
-    a.partial = partial.data();
+    const CacheAttentionView a = DenseDecodeView(q.data(), ks[i].data(), vs[i].data(), out.data(), start.data(), B, L,
+                                                 partial);
     RunTasks(a, pair, CacheAttentionCpu);
     CacheAttentionCombine(a);
   };
