@@ -2035,7 +2035,7 @@ __host__ __device__ __forceinline__ bool ReportsInBlock(const PagedAttentionCuda
 // for its one scan block: a second kernel a node. Instead the node's blocks meet in two device words of their own
 // (PagedReportWords: one pair per node and stream, made at the node's first launch there, outside any capture):
 // word 0 counts the blocks in its low 32 bits and the failed blocks above them, word 1 holds the smallest failure
-// key. Thread 0 of each block, its key final and before the merge, atomicMins a failure into word 1 and fences (a
+// key. Thread 0 of each block (the uniform kernel's last thread: Note [Uniform key thread]), its key final and before the merge, atomicMins a failure into word 1 and fences (a
 // failed block only), then adds itself to word 0; it reads what atomicAdd returned after the merge, so the round
 // trip overlaps it. The block that counted last (gridDim.x - 1 before it) sets word 0 back to 0 and, if any block
 // failed, takes word 1 (atomicExch with kNoError) and reports it: the smallest key of the node, the CPU plan's first
@@ -3490,6 +3490,19 @@ cudaError_t Launch(const AttnArgs& a, cudaStream_t stream) {
 // unchanged (6.70 / 6.65, 17.00 / 17.02; INT4 8.59 / 8.60, 13.58 / 13.57). Through ORT against dense CacheAttention
 // (benchmarks/results/paged_attention_cuda_h200.md, tenth session): F16 promised with static tables 1.10 / 1.12 /
 // 1.12x dense at 16 / 128 / 1K keys x 1 row (1.18-1.20 / 1.14 without), 1.07-1.09x in 2K-key tables.
+// Note [Uniform key thread]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~
+// The block's failure key after the streaming (the s_key store with the start's failure, StoreBlockKey,
+// ReportBlockKey) is the work of the block's LAST thread: warp 3 has the fewest tiles and waits at the merge's
+// barrier anyway, where thread 0 (warp 0, the most tiles) did it between its streaming and the merge. A timing
+// build without that tail (no key at all) had shown what it cost: 16 x 1 2.39 -> 2.16 us, 128 x 1 2.83 -> 2.61.
+// H200 harness (`paged_sweep 20 4,9,6,13,11,5 F`, uniform F16 with static tables, two alternated rounds, us; dense
+// v3 in the same lease `QUICK=1 RANDOM=1 attention_sweep 20 10,11,12,14,15`): 16 keys x 1 row 2.38-2.39 -> 2.26-2.27
+// (dense 2.05-2.06), 128 x 1 2.82 -> 2.71 (2.45-2.47), 16 x 8 2.76 -> 2.59-2.60, 144 x 8 in a 256-key table
+// 3.89-3.90 -> 3.70; the clustered 512 / 1K x 1 unchanged (4.45 / 4.47-4.48 us; dense 3.69-3.70 / 3.97-3.99).
+// Measured beside it and not kept: the key folded into the merge (EmitMerged reading s_key after the merge's own
+// barrier instead of a branch over m / l / o before it): no change anywhere; that plus the start's failure folded
+// into s_key where it is known: 512 / 1K x 1 -0.04-0.08 us, every other cell +0.02-0.07.
 namespace pu {
 
 using tile16::kTile;
@@ -3679,8 +3692,8 @@ __global__ void __launch_bounds__(kThreads) PagedAttentionU16(const AttnArgs arg
 #pragma unroll
     for (int nt = 0; nt < D / 8; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.0f;
   }
-  unsigned long long counted = 0;  // thread 0: Note [Paged CUDA last block reports]
-  if (tid == 0) {  // the block's key (Note [Paged CUDA one-launch report])
+  unsigned long long counted = 0;  // the last thread: Note [Paged CUDA last block reports], Note [Uniform key thread]
+  if (tid == kThreads - 1) {  // the block's key (Note [Paged CUDA one-launch report])
     const unsigned long long sk = bad_start ? Key(kClassRow, static_cast<unsigned long long>(b) << 28) : kNoError;
     s_key = sk < key ? sk : key;
     if constexpr (!CLUSTER) counted = StoreBlockKey(a, s_key);
@@ -3694,7 +3707,7 @@ __global__ void __launch_bounds__(kThreads) PagedAttentionU16(const AttnArgs arg
     tile16::ClusterMerge<T, D>(
         fin, static_cast<int>(S), gn, tid, kThreads, [&](int gg) { return OutRow<T>(a, bu, gg); },
         [&](auto& cl) { ClusterReport(a, bu, &s_key, cl); });
-  else if (tid == 0)
+  else if (tid == kThreads - 1)
     ReportBlockKey(a, bu, s_key, counted);  // Note [Paged CUDA one-launch report]
 }
 
