@@ -2035,9 +2035,9 @@ __host__ __device__ __forceinline__ bool ReportsInBlock(const PagedAttentionCuda
 // for its one scan block: a second kernel a node. Instead the node's blocks meet in two device words of their own
 // (PagedReportWords: one pair per node and stream, made at the node's first launch there, outside any capture):
 // word 0 counts the blocks in its low 32 bits and the failed blocks above them, word 1 holds the smallest failure
-// key. Thread 0 of each block (the uniform kernel's last thread: Note [Uniform key thread]), its key final and before the merge, atomicMins a failure into word 1 and fences (a
-// failed block only), then adds itself to word 0; it reads what atomicAdd returned after the merge, so the round
-// trip overlaps it. The block that counted last (gridDim.x - 1 before it) sets word 0 back to 0 and, if any block
+// key. Thread 0 of each block (the uniform kernel's last thread: Note [Uniform key thread]), its key final and
+// before the merge, atomicMins a failure into word 1 and fences (a failed block only), then adds itself to word 0;
+// it reads what atomicAdd returned after the merge, so the round trip overlaps it. The block that counted last (gridDim.x - 1 before it) sets word 0 back to 0 and, if any block
 // failed, takes word 1 (atomicExch with kNoError) and reports it: the smallest key of the node, the CPU plan's first
 // failure. So the words are 0 / kNoError again when the grid ends, and the next launch on the stream (stream order,
 // or after griddepcontrol.wait: a block counts itself after its wait) starts from them; a CUDA graph replays the
@@ -3500,6 +3500,8 @@ cudaError_t Launch(const AttnArgs& a, cudaStream_t stream) {
 // v3 in the same lease `QUICK=1 RANDOM=1 attention_sweep 20 10,11,12,14,15`): 16 keys x 1 row 2.38-2.39 -> 2.26-2.27
 // (dense 2.05-2.06), 128 x 1 2.82 -> 2.71 (2.45-2.47), 16 x 8 2.76 -> 2.59-2.60, 144 x 8 in a 256-key table
 // 3.89-3.90 -> 3.70; the clustered 512 / 1K x 1 unchanged (4.45 / 4.47-4.48 us; dense 3.69-3.70 / 3.97-3.99).
+// Through ORT (bench_paged_attention_cuda.py, before / after alternated twice), F16 static / dense: 16 x 1 1.12 ->
+// 1.06-1.07, 128 x 1 1.13-1.14 -> 1.08, 16 x 8 0.99 -> 0.93-0.94, 512 / 1K x 1 1.13-1.15 -> 1.13-1.14.
 // Measured beside it and not kept: the key folded into the merge (EmitMerged reading s_key after the merge's own
 // barrier instead of a branch over m / l / o before it): no change anywhere; that plus the start's failure folded
 // into s_key where it is known: 512 / 1K x 1 -0.04-0.08 us, every other cell +0.02-0.07.
