@@ -2,6 +2,8 @@
 // CacheAttention view of one decode token of SmolLM2-135M shapes over L keys of B rows of float32 BNSH caches.
 #pragma once
 #include <algorithm>
+#include <chrono>
+#include <utility>
 #include <vector>
 
 #include "attention_block.h"
@@ -25,6 +27,25 @@ inline ortkv::CacheAttentionView DenseDecodeView(const float* q, const float* k,
   partial.resize(std::max<int64_t>(1, a.partial_floats()));
   a.partial = partial.data();
   return a;
+}
+
+// `passes` passes of na calls fa(i) then nb calls fb(i) (i = 0, 1, ...), the two alternating pass by pass; the
+// medians over the passes of each side's seconds per call.
+template <class FA, class FB>
+std::pair<double, double> AlternatingMedians(int passes, int na, FA fa, int nb, FB fb) {
+  std::vector<double> ta, tb;
+  for (int pass = 0; pass < passes; ++pass) {
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int i = 0; i < na; ++i) fa(i);
+    const auto t1 = std::chrono::steady_clock::now();
+    for (int i = 0; i < nb; ++i) fb(i);
+    const auto t2 = std::chrono::steady_clock::now();
+    ta.push_back(std::chrono::duration<double>(t1 - t0).count() / na);
+    tb.push_back(std::chrono::duration<double>(t2 - t1).count() / nb);
+  }
+  std::sort(ta.begin(), ta.end());
+  std::sort(tb.begin(), tb.end());
+  return {ta[ta.size() / 2], tb[tb.size() / 2]};
 }
 
 }  // namespace ortkv_drivers

@@ -56,22 +56,11 @@ int main(int argc, char** argv) {
     }
     CacheAttentionCombine(a);
   };
-  std::vector<double> cold, hot;
-  for (int pass = 0; pass < 15; ++pass) {
-    const auto t0 = std::chrono::steady_clock::now();
-    for (int i = 0; i < layers; ++i) run(i);
-    const auto t1 = std::chrono::steady_clock::now();
-    for (int i = 0; i < layers; ++i) run(0);
-    const auto t2 = std::chrono::steady_clock::now();
-    cold.push_back(std::chrono::duration<double>(t1 - t0).count() / layers);
-    hot.push_back(std::chrono::duration<double>(t2 - t1).count() / layers);
-  }
-  std::sort(cold.begin(), cold.end());
-  std::sort(hot.begin(), hot.end());
+  const auto [cold, hot] = ortkv_drivers::AlternatingMedians(15, layers, run, layers, [&](int) { run(0); });
   const double bytes = 2.0 * static_cast<double>(per) * 4;
   std::printf("L=%lld B=%lld threads=%d isa=%s: cold %.1f GB/s (%.0f us per call), hot %.1f GB/s\n",
               static_cast<long long>(L), static_cast<long long>(B), threads,
-              attn_cpu::CpuIsaName(attn_cpu::CpuIsaOnce().isa), bytes / cold[7] / 1e9, cold[7] * 1e6,
-              bytes / hot[7] / 1e9);
+              attn_cpu::CpuIsaName(attn_cpu::CpuIsaOnce().isa), bytes / cold / 1e9, cold * 1e6,
+              bytes / hot / 1e9);
   return 0;
 }

@@ -37,6 +37,7 @@
 
 using namespace ortkv;
 using codecs::PageFormat;
+using ortkv_drivers::AlternatingMedians;
 using ortkv_drivers::DenseDecodeView;
 using ortkv_drivers::kD;
 using ortkv_drivers::kHkv;
@@ -102,11 +103,6 @@ bool FormatOf(const std::string& s, PageFormat* f) {
   for (int i = 0; i < codecs::kNumPageFormats; ++i)
     if (s == codecs::FormatName(static_cast<PageFormat>(i))) return *f = static_cast<PageFormat>(i), true;
   return false;
-}
-
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
 }
 
 }  // namespace
@@ -207,17 +203,7 @@ int main(int argc, char** argv) {
       RunTasks(a, pair, PagedCacheAttentionCpu);
       PagedCacheAttentionCombine(a);
     };
-    std::vector<double> td, tp;
-    for (int pass = 0; pass < 15; ++pass) {
-      const auto t0 = std::chrono::steady_clock::now();
-      for (int i = 0; i < dense_layers; ++i) dense(i);
-      const auto t1 = std::chrono::steady_clock::now();
-      for (int i = 0; i < layers; ++i) paged(i);
-      const auto t2 = std::chrono::steady_clock::now();
-      td.push_back(std::chrono::duration<double>(t1 - t0).count() / dense_layers);
-      tp.push_back(std::chrono::duration<double>(t2 - t1).count() / layers);
-    }
-    const double d = Median(td), p = Median(tp);
+    const auto [d, p] = AlternatingMedians(15, dense_layers, dense, layers, paged);
     std::printf("  %-9s dense %8.1f us  paged %8.1f us  paged / dense %.2f\n", codecs::FormatName(f), d * 1e6,
                 p * 1e6, p / d);
   }

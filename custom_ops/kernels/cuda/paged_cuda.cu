@@ -2037,12 +2037,13 @@ __host__ __device__ __forceinline__ bool ReportsInBlock(const PagedAttentionCuda
 // word 0 counts the blocks in its low 32 bits and the failed blocks above them, word 1 holds the smallest failure
 // key. Thread 0 of each block (the uniform kernel's last thread: Note [Uniform key thread]), its key final and
 // before the merge, atomicMins a failure into word 1 and fences (a failed block only), then adds itself to word 0;
-// it reads what atomicAdd returned after the merge, so the round trip overlaps it. The block that counted last (gridDim.x - 1 before it) sets word 0 back to 0 and, if any block
-// failed, takes word 1 (atomicExch with kNoError) and reports it: the smallest key of the node, the CPU plan's first
-// failure. So the words are 0 / kNoError again when the grid ends, and the next launch on the stream (stream order,
-// or after griddepcontrol.wait: a block counts itself after its wait) starts from them; a CUDA graph replays the
-// same pair. Two streams never share a pair. Without a pair (none could be made: the node's first launch on that
-// stream was captured) the node keeps the scan block.
+// it reads what atomicAdd returned after the merge, so the round trip overlaps it. The block that counted last
+// (gridDim.x - 1 before it) sets word 0 back to 0 and, if any block failed, takes word 1 (atomicExch with kNoError)
+// and reports it: the smallest key of the node, the CPU plan's first failure. So the words are 0 / kNoError again
+// when the grid ends, and the next launch on the stream (stream order, or after griddepcontrol.wait: a block counts
+// itself after its wait) starts from them; a CUDA graph replays the same pair. Two streams never share a pair.
+// Without a pair (none could be made: the node's first launch on that stream was captured) the node keeps the scan
+// block.
 // H200 (benchmarks/results/paged_attention_cuda_h200.md, thirteenth session), combine scan -> last block:
 // paged_sweep, two alternated rounds, 16 keys x 8 rows promised F16 3.62 -> 2.75 us, every-format F16 4.27 -> 3.49,
 // INT4 6.09 -> 4.71 (counted after the merge instead, the round trip at the block's end: F16 2.93; with a fence in
