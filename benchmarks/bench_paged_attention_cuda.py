@@ -12,6 +12,8 @@ with ORT only (no torch, no cupy). SmolLM2-135M heads (9 query / 3 KV heads of 6
   F16 static : F16 promised, and the nodes' static_tables = 1 (their directory and table are graph inputs: what
           ortkv's paged decoder builds): no late-page check after the wait (Note [Paged CUDA static tables]).
   INT4 static : INT4 pages (every-format kernel) with static_tables = 1.
+  INT4 uniform : INT4 static, and the nodes' page_format = "INT4" (what ortkv's single-format INT4 policy builds on
+          CUDA): the uniform INT4 kernel at head size 64 (Note [Paged CUDA uniform INT4]).
   F16 v2 / INT4 v2 : the same, captured with ORTKV_CUDA_ATTENTION=v2 (Note [Paged CUDA v2]), for the A/B.
 R nodes of one kind in one model, each over its own cache / pool, so one call reads R caches one after the
 other (R chosen so that they hold >= 256 MiB of F16 bytes: K/V come from HBM, not from L2; at least 8). Sessions run
@@ -237,7 +239,8 @@ def main():
             p.error(f"--cells: {c!r} needs L, B >= 1, L and C multiples of the page size {PS}, and C >= L")
         cells.append((L, B, C))
     rng = np.random.default_rng(0)
-    kinds = (["dense"] + [f.name for f in FORMATS] + ["F16 promised", "F16 static", "INT4 static", "F16 in order"] +
+    kinds = (["dense"] + [f.name for f in FORMATS] +
+             ["F16 promised", "F16 static", "INT4 static", "INT4 uniform", "F16 in order"] +
              [f"{f.name} v2" for f in V2_FORMATS] + ["dense plain", "F16 plain", "INT4 plain", "ORT-PA"])
     if a.kinds:
         wanted = a.kinds.split(",")
@@ -247,6 +250,7 @@ def main():
         kinds = [k for k in kinds if k in wanted]
     ratios = [("F16", "dense"), ("F16 promised", "dense"), ("F16 static", "dense"), ("F16 in order", "dense"),
               ("INT8", "F16"), ("INT4", "F16"), ("INT4", "F16 promised"), ("INT4 static", "F16 static"),
+              ("INT4 uniform", "F16 static"), ("INT4 uniform", "INT4 static"),
               ("F16", "F16 v2"), ("INT4", "INT4 v2"),
               ("F16 plain", "dense plain"), ("INT4 plain", "F16 plain"), ("F16", "F16 plain"), ("F16", "ORT-PA"),
               ("F16 promised", "ORT-PA")]
@@ -276,6 +280,9 @@ def main():
             runners["F16 static"] = Runner(*paged_case(rng, B, L, R, PageFormat.F16, promise=True, C=C, static=True))
         if "INT4 static" in want:
             runners["INT4 static"] = Runner(*paged_case(rng, B, L, R, PageFormat.INT4, C=C, static=True))
+        if "INT4 uniform" in want:
+            runners["INT4 uniform"] = Runner(*paged_case(rng, B, L, R, PageFormat.INT4, promise=True, C=C,
+                                                         static=True))
         if "F16 in order" in want:
             runners["F16 in order"] = Runner(*paged_case(rng, B, L, R, PageFormat.F16, shuffled=False, C=C))
         os.environ["ORTKV_CUDA_ATTENTION"] = "v2"  # read when the graph is captured (in Runner())

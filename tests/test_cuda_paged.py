@@ -236,7 +236,8 @@ def test_attention_each_kernel_every_format(rng, monkeypatch, kernel, D, T, dtyp
                                        (128, 1, "bfloat16")])
 def test_attention_uniform_pages(rng, kind, PS, D, T, dtype):
     """Note [Paged CUDA uniform 16-bit]: page_format naming the queries' own 16-bit format (F16 / BF16) takes the
-    dense-shaped kernel (INT8 / INT4: the every-format kernel, which checks the promise): against the reference
+    dense-shaped kernel; INT4 under float16 queries at head size 64 its INT4 twin (Note [Paged CUDA uniform INT4]);
+    INT8, and INT4 elsewhere, the every-format kernel, which checks the promise: against the reference
     with rows ending inside a tile, a row of 8K keys (split, chunk edges inside tiles), a page size that is not a
     power of two, G = 3 and 8."""
     fmt = PageFormat[kind] if kind != "16bit" else PageFormat.F16 if dtype == "float16" else PageFormat.BF16
@@ -519,7 +520,7 @@ def test_attention_early_launch_rereads_start_written_by_the_node_before(rng, un
                            NL=NL, D=D, bound_start=np.array(lengths) - 2, start_name="start_in")
 
 
-@pytest.mark.parametrize("uniform", [None, PageFormat.F16], ids=["mixed", "uniform_f16"])
+@pytest.mark.parametrize("uniform", [None, PageFormat.F16, PageFormat.INT4], ids=["mixed", "uniform_f16", "uniform_int4"])
 def test_attention_early_launch_page_table_written_by_the_node_before(rng, uniform):
     """The page table computed on the GPU by the node right before PagedCacheAttention (an Add), `start` the
     same in every run. Each run maps the page that holds `start` to another page, and the page the run before
@@ -551,7 +552,7 @@ def test_attention_early_launch_page_table_written_by_the_node_before(rng, unifo
                            NL=NL, D=D, table_name="page_table_in")
 
 
-@pytest.mark.parametrize("uniform", [None, PageFormat.F16], ids=["mixed", "uniform_f16"])
+@pytest.mark.parametrize("uniform", [None, PageFormat.F16, PageFormat.INT4], ids=["mixed", "uniform_f16", "uniform_int4"])
 @pytest.mark.parametrize("lengths", [[8200, 300], [16, 33]], ids=["long", "short"])
 def test_attention_early_launch_directory_written_by_the_node_before(rng, uniform, lengths):
     """The directory computed on the GPU by the node right before PagedCacheAttention (an Add), the page table and

@@ -279,9 +279,10 @@ def test_paged_cache_on_cuda_is_refused_only_without_cuda_kernels(monkeypatch):
 
 
 def test_uniform_page_format_promised_only_where_pages_never_change_format(monkeypatch, slice_paths):
-    """uniform_page_format: the decoder's attention nodes promise F16 pages (Note [Paged CUDA uniform 16-bit] in
-    custom_ops/kernels/cuda/paged_cuda.cu) on CUDA for a float16 model with one format, F16, for every page; not
-    on the CPU, not for another format, a recency policy, explicit formats, demotion or the page_fill model.
+    """uniform_page_format: the decoder's attention nodes promise F16 or INT4 pages (Note [Paged CUDA uniform
+    16-bit] / [Paged CUDA uniform INT4] in custom_ops/kernels/cuda/paged_cuda.cu) on CUDA for a float16 model with
+    one format, F16 or INT4, for every page; not on the CPU, not for another format, a recency policy, explicit
+    formats, demotion or the page_fill model.
     to_paged writes it into every PagedCacheAttention node."""
     from ortkv.generate import config as config_module
     from ortkv.generate.config import set_device
@@ -300,10 +301,14 @@ def test_uniform_page_format_promised_only_where_pages_never_change_format(monke
 
     assert uniform_page_format(cfg_for("cuda:0")) == "F16"
     assert uniform_page_format(cfg_for("cuda:0", kv_format="f16")) == "F16"
+    assert uniform_page_format(cfg_for("cuda:0", kv_format="int4")) == "INT4"
     assert uniform_page_format(cfg_for("cuda:0"), page_fill=True) is None
+    assert uniform_page_format(cfg_for("cuda:0", kv_format="int4"), page_fill=True) is None
     assert uniform_page_format(cfg_for("cpu")) is None
+    assert uniform_page_format(cfg_for("cpu", kv_format="int4")) is None
     for keys in ({"kv_format": "int8"}, {"kv_format": "int4_kc"}, {"kv_policy": {"sink_pages": 1}},
-                 {"kv_page_formats": ["f16"]}, {"kv_demote_on_refusal": True}):
+                 {"kv_page_formats": ["f16"]}, {"kv_demote_on_refusal": True},
+                 {"kv_format": "int4", "kv_demote_on_refusal": True}):
         assert uniform_page_format(cfg_for("cuda:0", **keys)) is None, keys
     w, _ = weights.load(smollm2_gguf(), layers=2)
     model = to_paged(builder.build(w, "ortkv", max_positions=64, cache_layout="BSNH"), 9, 3, 4, page_format="F16")
@@ -585,6 +590,43 @@ def test_cuda_int8_pages_run_and_stay_close_to_f16_pages():
     # scales move float16 logits of magnitude ~10 by well under 1, and the first pick is the same
     assert np.abs(logits["int8"][0] - logits["f16"][0]).max() < 1.0
     assert (logits["int8"][0].argmax(-1) == logits["f16"][0].argmax(-1)).all()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(_cuda_why_not() is not None, reason=f"paged CUDA generation skipped: {_cuda_why_not()}")
+def test_cuda_int4_pages_promised_match_the_every_format_kernel(monkeypatch):
+    """kv_format = int4 on CUDA: the decoder promises INT4 pages (uniform_page_format; Note [Paged CUDA uniform
+    INT4]), and its logits over the prompt and 4 greedy steps equal those of the same decoder without the promise
+    (the every-format kernel) within float16 rounding, as long as the two pick the same tokens."""
+    from ortkv.generate import paged as paged_module
+    from ortkv.generate.models import tokenizer_for
+
+    tok = tokenizer_for(_cuda_cfg(False))
+    ids = [tok.encode(README_PROMPT)]
+    logits = {}
+    for promise in ("INT4", None):
+        if promise is None:
+            monkeypatch.setattr(paged_module, "uniform_page_format", lambda cfg, page_fill=False: None)
+        cfg = _cuda_cfg(False, kv_format="int4")
+        path = paged_module.paged_model_path(cfg)
+        model = onnx.load(str(path), load_external_data=False)
+        att = [n for n in model.graph.node if n.op_type == "PagedCacheAttention"]
+        assert att and all({a.name: a.s for a in n.attribute}.get("page_format", b"") == (promise or "").encode()
+                           for n in att), (path, promise)
+        r = make_runner("ortkv", cfg)
+        try:
+            logits[promise] = _logit_steps(r, ids, steps=4)
+            stats = r.paged_stats()
+        finally:
+            r.close()
+        want = -(-(len(ids[0]) + 4) // 16)
+        assert stats["pages"]["INT4"] == want and sum(stats["pages"].values()) == want
+    a, b = logits["INT4"], logits[None]
+    assert np.isfinite(a).all()
+    for k in range(len(a)):  # step k's input is step k - 1's pick
+        np.testing.assert_allclose(a[k], b[k], rtol=0, atol=0.05, err_msg=f"step {k}")
+        if (a[k].argmax(-1) != b[k].argmax(-1)).any():
+            break
 
 
 @pytest.mark.cuda

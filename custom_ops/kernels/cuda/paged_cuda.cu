@@ -3506,6 +3506,9 @@ cudaError_t Launch(const AttnArgs& a, cudaStream_t stream) {
 // Measured beside it and not kept: the key folded into the merge (EmitMerged reading s_key after the merge's own
 // barrier instead of a branch over m / l / o before it): no change anywhere; that plus the start's failure folded
 // into s_key where it is known: 512 / 1K x 1 -0.04-0.08 us, every other cell +0.02-0.07.
+// The key it reports (the block's key with the start's failure) goes into a shared slot of its own (s_rep, which
+// the cluster's rank 0 reads): stored into s_key, as it was, it raced with the other warps' read of s_key after the
+// same barrier (a lagging warp could take a bad start for a bad page and empty its output).
 namespace pu {
 
 using tile16::kTile;
@@ -3522,7 +3525,7 @@ struct Cfg {
   static constexpr int kWarpBytes = kStages * kStageBytes;
   static constexpr int kRingBytes = kWarps * kWarpBytes;
   static constexpr int kCh = D / 8;
-  static constexpr size_t kSmem = kRingBytes + 16;  // + the block's first failure key
+  static constexpr size_t kSmem = kRingBytes + 16;  // + the block's first failure key, then the key it reports
 };
 using Merge = WarpMerge<kWarps, 8>;
 static_assert(sizeof(Merge) <= Cfg<64>::kRingBytes && sizeof(Merge) <= Cfg<128>::kRingBytes, "");
@@ -3541,6 +3544,7 @@ __global__ void __launch_bounds__(kThreads) PagedAttentionU16(const AttnArgs arg
   constexpr int NW = kWarps, ST = C::kStages;
   extern __shared__ __align__(128) unsigned char dsm[];
   unsigned long long& s_key = *reinterpret_cast<unsigned long long*>(dsm + C::kRingBytes);
+  unsigned long long& s_rep = *reinterpret_cast<unsigned long long*>(dsm + C::kRingBytes + 8);
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" :::);
 #endif
@@ -3695,11 +3699,13 @@ __global__ void __launch_bounds__(kThreads) PagedAttentionU16(const AttnArgs arg
 #pragma unroll
     for (int nt = 0; nt < D / 8; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.0f;
   }
-  unsigned long long counted = 0;  // the last thread: Note [Paged CUDA last block reports], Note [Uniform key thread]
-  if (tid == kThreads - 1) {  // the block's key (Note [Paged CUDA one-launch report])
+  // the last thread: Note [Paged CUDA last block reports], Note [Uniform key thread]
+  unsigned long long counted = 0, rep = kNoError;
+  if (tid == kThreads - 1) {  // the block's key with the start's failure (Note [Paged CUDA one-launch report])
     const unsigned long long sk = bad_start ? Key(kClassRow, static_cast<unsigned long long>(b) << 28) : kNoError;
-    s_key = sk < key ? sk : key;
-    if constexpr (!CLUSTER) counted = StoreBlockKey(a, s_key);
+    rep = sk < key ? sk : key;
+    s_rep = rep;  // a slot of its own: the other threads read s_key above (Note [Uniform key thread])
+    if constexpr (!CLUSTER) counted = StoreBlockKey(a, rep);
   }
   float* fin = CLUSTER ? reinterpret_cast<float*>(dsm + C::kSmem) : nullptr;
   MergeWarpTiles<NW, D>(*reinterpret_cast<Merge*>(dsm), m, l, o, gn,
@@ -3709,9 +3715,9 @@ __global__ void __launch_bounds__(kThreads) PagedAttentionU16(const AttnArgs arg
   if constexpr (CLUSTER)  // Note [Paged CUDA cluster merge]
     tile16::ClusterMerge<T, D>(
         fin, static_cast<int>(S), gn, tid, kThreads, [&](int gg) { return OutRow<T>(a, bu, gg); },
-        [&](auto& cl) { ClusterReport(a, bu, &s_key, cl); });
+        [&](auto& cl) { ClusterReport(a, bu, &s_rep, cl); });
   else if (tid == kThreads - 1)
-    ReportBlockKey(a, bu, s_key, counted);  // Note [Paged CUDA one-launch report]
+    ReportBlockKey(a, bu, rep, counted);  // Note [Paged CUDA one-launch report]
 }
 
 template <typename T, int D>
@@ -3729,6 +3735,267 @@ cudaError_t Launch(const AttnArgs& a, cudaStream_t stream) {
 }
 
 }  // namespace pu
+
+// ---- PagedCacheAttention over INT4 pages alone: Note [Paged CUDA uniform INT4] --------------------------------
+// Note [Paged CUDA uniform INT4]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A node whose `page_format` attribute is INT4, under float16 queries at head size 64, promises INT4 pages alone
+// (the single-format policy kv_format = INT4). It runs the uniform 16-bit kernel's shape (Note [Paged CUDA uniform
+// 16-bit]: no page window in shared memory, no format mask, each lane resolving one tile's page of its warp's next
+// 32 tiles, the ring's prologue issued before griddepcontrol.wait, the same failure keys and reports) around the
+// every-format kernel's INT4 step (Note [Paged CUDA v3 transposed INT4]: ORTKV_PAGED_V3_INT4T_NT tiles of raw
+// codes and scales a step, decoded in the mma operand registers, the window's transposed state merged once at the
+// end). Before the wait only whole tiles below `start` are copied; a tile that holds this step's rows (written by
+// the kernel before) is copied after it, whole (its scales are per 16-row tile). A page of another format is
+// refused as in the uniform 16-bit kernel (problem kPageFormatHint).
+namespace pu4 {
+
+using pv3::FormatInfo;
+using pv3::kInt4F;
+using pv3::KeysInWindow;
+using tile16::kTile;
+using tile16::MergeWarpTiles;
+
+constexpr int kD = 64, kNT = ORTKV_PAGED_V3_INT4T_NT;
+using R = pv3::RegCfg<kInt4F, kD>;
+constexpr int kStep = kNT * R::kStageBytes;  // one step: kNT tiles' K and V codes and scales
+#ifndef ORTKV_PAGED_U4_STAGES  // ring depth (an A/B knob for benchmarks/cuda/paged_sweep.cu)
+#define ORTKV_PAGED_U4_STAGES 4
+#endif
+constexpr int kStages = ORTKV_PAGED_U4_STAGES;
+constexpr int kWarpBytes = kStages * kStep;
+constexpr int kRingBytes = kWarps * kWarpBytes;
+constexpr size_t kSmem = kRingBytes + 16;  // + the block's first failure key, then the key it reports
+constexpr int kBatchSteps = 32 / kNT;      // a lane resolves one tile: 32 tiles per batch
+using Merge = WarpMerge<kWarps, 8>;
+static_assert(kStages >= 2 && 32 % kNT == 0 && (kStages - 1) * kNT <= 32, "");
+static_assert(sizeof(Merge) <= kRingBytes && (8 * (kD + 1) + 16) * 4 <= kWarpBytes, "merge buffers fit the ring");
+
+// CLUSTER: Note [Paged CUDA cluster merge] (instantiated with EARLY only).
+template <bool EARLY = false, bool CLUSTER = false>
+__global__ void __launch_bounds__(kThreads) PagedAttentionU4(const AttnArgs args) {
+  constexpr int NW = kWarps, ST = kStages, NT = kNT;
+  extern __shared__ __align__(128) unsigned char dsm[];
+  unsigned long long& s_key = *reinterpret_cast<unsigned long long*>(dsm + kRingBytes);
+  unsigned long long& s_rep = *reinterpret_cast<unsigned long long*>(dsm + kRingBytes + 8);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" :::);
+#endif
+  const PagedAttentionCudaView& a = args.v;
+  const BlockUnit bu = BlockUnitOf(args);
+  const int64_t S = a.splits, split = bu.split, t = bu.t, b = bu.b, G = bu.G, g0 = bu.g0;
+  const int hk = bu.hk, gn = bu.gn;
+  const int ps = a.p.shape.page_size;  // a multiple of kTile (the launch checks)
+  const int ps_shift = (ps & (ps - 1)) == 0 ? __ffs(ps) - 1 : -1;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, c = lane & 3;
+  const codecs::PageLayout& lay = a.p.layouts[kInt4F];
+  FormatInfo fi;
+  fi.v_payload = static_cast<uint32_t>(lay.v_payload);
+  fi.k_scales = static_cast<uint32_t>(lay.k_scales);
+  fi.v_scales = static_cast<uint32_t>(lay.v_scales);
+  const uint64_t layer_off = static_cast<uint64_t>(a.p.layer) * lay.page_bytes;
+  const uint32_t hrow = static_cast<uint32_t>(hk) * ps;
+  if (tid == 0) s_key = kNoError;
+
+  const __half* qrow = static_cast<const __half*>(a.q) + ((b * a.T + t) * a.Hq + hk * G + g0 + g) * a.D;
+  uint32_t qc[kD / 8];  // this lane's quarter of its query row
+  if constexpr (!EARLY) pv3::LoadQueryChunk<kD>(qrow, g, gn, c, qc);
+
+  bool bad_start = false;
+  int64_t st0 = ClampedStart(a, b, &bad_start), j0 = 0, j1 = 0;
+  int mine = 0, n_tiles = 0, win = 0, next = 0, stage_in = 0;
+  const auto setup = [&]() {  // this block's keys [j0, j1) of [0, st0 + t + 1) in whole tiles; this warp's steps
+    const int64_t L = st0 + t + 1;
+    int64_t chunk = (L + S - 1) / S;
+    if (chunk < kAttnCudaClusterChunk) chunk = kAttnCudaClusterChunk;
+    chunk = (chunk + kTile - 1) / kTile * kTile;
+    j0 = split * chunk < L ? split * chunk : L;
+    j1 = j0 + chunk < L ? j0 + chunk : L;
+    win = static_cast<int>(j1 - j0);
+    n_tiles = (win + kTile - 1) / kTile;
+    const int n_steps = (n_tiles + NT - 1) / NT;
+    mine = n_steps > warp ? (n_steps - warp + NW - 1) / NW : 0;
+    next = 0, stage_in = 0;
+  };
+  // Step s of this warp holds its tiles (warp + s * NW) * NT + h, h < NT; lane i of batch k resolves tile h = i % NT
+  // of step k * kBatchSteps + i / NT: `kp`, its page's layer bytes (nullptr: a bad page, recorded in s_key). EARLY:
+  // what it read of its page (rpi, rid, rf, roff) for Note [Paged CUDA late pages].
+  const uint8_t* kp = nullptr;
+  bool res = false;
+  int64_t rpi = -1, rid = -1, rf = -1, roff = 0;
+  const auto resolve = [&](int batch) {
+    const int step = batch * kBatchSteps + lane / NT;
+    const int tile = (warp + step * NW) * NT + lane % NT;
+    if (res || step >= mine || tile >= n_tiles) return;
+    const int64_t k0 = j0 + static_cast<int64_t>(tile) * kTile;
+    const int64_t pi = ps_shift >= 0 ? k0 >> ps_shift : k0 / ps;
+    const int64_t id = TableAt(a.p, b, pi);
+    const DirRow r = DirectoryRow(a.p, id);
+    const int64_t f = r.f, off = r.off;
+    res = true;
+    if constexpr (EARLY) rpi = pi, rid = id, rf = f, roff = off;
+    if (PageProblemAt(a.p, id, f, off, false) != kPageOk || f != kInt4F) {
+      atomicMin(&s_key, Key(kClassRow, (static_cast<unsigned long long>(b) << 28) | static_cast<unsigned long long>(pi + 1)));
+      kp = nullptr;
+      return;
+    }
+    kp = a.p.pool + off + layer_off;
+  };
+  uint8_t* wring = dsm + warp * kWarpBytes;
+  // tile h of step s (slot x = s * NT + h of its batch) into stage `stage`, from the page its lane resolved
+  const auto copy_tile = [&](int stage, int s, int h, int x) {
+    const unsigned long long pv = __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(kp), x & 31);
+    const int64_t k0 = j0 + static_cast<int64_t>((warp + s * NW) * NT + h) * kTile;
+    const uint32_t row = static_cast<uint32_t>(ps_shift >= 0 ? k0 & (ps - 1) : k0 % ps);
+    if (pv != 0)
+      pv3::IssueNarrow<kInt4F, kD>(wring + stage * kStep + h * R::kStageBytes, reinterpret_cast<const uint8_t*>(pv),
+                                   fi, hrow + row, lane);
+  };
+  // step `next` into the ring (an empty group past the warp's steps), its tiles that end at or below `lim`: EARLY's
+  // prologue (before the wait) stops at row st0, a tile with this step's rows is copied after the wait (`pending`)
+  uint32_t pending = 0;
+  int64_t lim = j1;
+  const auto issue = [&]() {
+    if (next < mine) {
+      if (next % kBatchSteps == 0 && next > 0) {  // the next batch (every lane's tile of the last one was issued)
+        res = false;
+        resolve(next / kBatchSteps);
+      }
+#pragma unroll
+      for (int h = 0; h < NT; ++h) {
+        const int tile = (warp + next * NW) * NT + h;
+        if (tile < n_tiles) {  // warp-uniform
+          if (j0 + static_cast<int64_t>(tile + 1) * kTile > lim && lim < j1)
+            pending |= 1u << (next * NT + h);
+          else
+            copy_tile(stage_in, next, h, next * NT + h);
+        }
+      }
+    }
+    CpAsyncCommit();  // one group per step, empty ones included: the waits count groups
+    ++next;
+    stage_in = stage_in + 1 == ST ? 0 : stage_in + 1;
+  };
+  setup();
+  __syncthreads();  // s_key is set before any atomicMin
+  resolve(0);
+  lim = EARLY && st0 < j1 ? st0 : j1;
+  const bool recheck = EARLY && j1 > st0 && !a.static_tables;  // block-uniform (Note [Paged CUDA static tables])
+#pragma unroll
+  for (int s = 0; s < ST - 1; ++s) issue();
+  if constexpr (EARLY) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");  // the previous kernel's writes are visible from here
+#endif
+    pv3::LoadQueryChunk<kD>(qrow, g, gn, c, qc);
+    bool bad2 = false;
+    const int64_t st2 = ClampedStart(a, b, &bad2);
+    bool stale = false;  // Note [Paged CUDA late pages]: the pages that hold rows from st0 on, read again
+    if (recheck && res && (rpi + 1) * ps > st0) {
+      const int64_t id2 = TableAt(a.p, b, rpi);
+      const DirRow r = DirectoryRow(a.p, rid);
+      stale = id2 != rid || r.f != rf || r.off != roff;
+    }
+    lim = j1;
+    if (pending != 0) {  // warp-uniform: the prologue's tiles with this step's rows, whole
+#pragma unroll
+      for (int s = 0; s < ST - 1; ++s)
+#pragma unroll
+        for (int h = 0; h < NT; ++h)
+          if ((pending >> (s * NT + h)) & 1u) copy_tile(s, s, h, s * NT + h);
+      CpAsyncCommit();
+    }
+    bool again = st2 != st0 || bad2 != bad_start;  // block-uniform
+    if (recheck) again = __syncthreads_or(again || stale) != 0;
+    if (again) {  // `start`, a table entry or a directory row was written by the previous kernel: start over
+      CpAsyncWait<0>();
+      __syncthreads();  // every early atomicMin is done
+      if (tid == 0) s_key = kNoError;
+      __syncthreads();
+      st0 = st2, bad_start = bad2, res = false, kp = nullptr, pending = 0;
+      setup();
+      resolve(0);
+#pragma unroll
+      for (int s = 0; s < ST - 1; ++s) issue();
+    } else if (pending != 0) {
+      CpAsyncWait<0>();  // the extra group: the ring's waits count ST - 1 groups ahead
+    }
+  }
+
+  // the query's fragments (Note [Paged CUDA v3 register decode]) and the transposed form's per-column sums
+  uint32_t qa[kD / 16][2];
+  float qs[2], kc[2];
+  {
+    float qsum, k0;
+    pv3::RegQuery<kInt4F, kD>(qc, a.scale * 1.4426950408889634f, qa, &qsum, &k0);  // base-2 scores
+    qs[0] = __shfl_sync(0xffffffffu, qsum, 8 * c), qs[1] = __shfl_sync(0xffffffffu, qsum, 8 * c + 4);
+    kc[0] = __shfl_sync(0xffffffffu, k0, 8 * c), kc[1] = __shfl_sync(0xffffffffu, k0, 8 * c + 4);
+  }
+  float mw[2] = {-INFINITY, -INFINITY}, lw[2] = {0.0f, 0.0f}, mvw[2] = {0.0f, 0.0f};
+  float ow[4][4] = {};
+  int stage = 0;
+  for (int it = 0; it < mine; ++it, stage = stage + 1 == ST ? 0 : stage + 1) {
+    CpAsyncWait<ST - 2>();
+    __syncwarp();  // this step's copies landed for the whole warp; the slot refilled next was read
+    issue();
+    const auto valid = KeysInWindow<NT * kTile>((warp + it * NW) * NT * kTile, 0, win);
+    pv3::Int4TilesT<NT>(wring + stage * kStep, qa, qs, kc, lane, valid, mw, lw, mvw, ow);
+  }
+  float m = -INFINITY, l = 0.0f, o[kD / 8][4];
+#pragma unroll
+  for (int nt = 0; nt < kD / 8; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.0f;
+  pv3::MergeWindowT(wring, lane, mw, lw, mvw, ow, m, l, o);  // waits for every copy
+  l += __shfl_xor_sync(0xffffffffu, l, 1);
+  l += __shfl_xor_sync(0xffffffffu, l, 2);
+  __syncthreads();  // the ring becomes the merge arrays; s_key is final
+  const unsigned long long key = s_key;
+  if (key != kNoError) {  // a bad page: this block's output is empty (as Note [Paged CUDA v3])
+    m = -INFINITY;
+    l = 0.0f;
+#pragma unroll
+    for (int nt = 0; nt < kD / 8; ++nt) o[nt][0] = o[nt][1] = 0.0f;
+  }
+  unsigned long long counted = 0, rep = kNoError;  // the last thread: Note [Uniform key thread]
+  if (tid == kThreads - 1) {  // the block's key with the start's failure (Note [Paged CUDA one-launch report])
+    const unsigned long long sk = bad_start ? Key(kClassRow, static_cast<unsigned long long>(b) << 28) : kNoError;
+    rep = sk < key ? sk : key;
+    s_rep = rep;  // a slot of its own: the other threads read s_key above (Note [Uniform key thread])
+    if constexpr (!CLUSTER) counted = StoreBlockKey(a, rep);
+  }
+  float* fin = CLUSTER ? reinterpret_cast<float*>(dsm + kSmem) : nullptr;
+  MergeWarpTiles<NW, kD>(*reinterpret_cast<Merge*>(dsm), m, l, o, gn,
+                         [&](int gg, int d, float mb, float lb, float ab) {
+                           EmitMerged<__half>(a, bu, gg, d, mb, lb, ab, fin);
+                         });
+  if constexpr (CLUSTER)  // Note [Paged CUDA cluster merge]
+    tile16::ClusterMerge<__half, kD>(
+        fin, static_cast<int>(S), gn, tid, kThreads, [&](int gg) { return OutRow<__half>(a, bu, gg); },
+        [&](auto& cl) { ClusterReport(a, bu, &s_rep, cl); });
+  else if (tid == kThreads - 1)
+    ReportBlockKey(a, bu, rep, counted);  // Note [Paged CUDA one-launch report]
+}
+
+#ifndef ORTKV_PAGED_U4_MIN_CHUNK  // the least keys of a split merged by the combine (an A/B knob for paged_sweep.cu)
+#define ORTKV_PAGED_U4_MIN_CHUNK 256
+#endif
+cudaError_t Launch(AttnArgs a, cudaStream_t stream) {
+  if (a.v.splits > kAttnCudaClusterSplits) {  // a node whose splits the combine merges: fewer, longer splits
+    const int64_t cap = a.v.p.max_pages * a.v.p.shape.page_size, by_keys = cap / ORTKV_PAGED_U4_MIN_CHUNK;
+    a.v.splits = std::max<int64_t>(kAttnCudaClusterSplits, std::min<int64_t>(a.v.splits, by_keys));
+  }
+  static const AttnKernels k = [] {
+    AttnKernels x = MakeKernels(PagedAttentionU4<>, PagedAttentionU4<true>, PagedAttentionU4<true, true>, kSmem,
+                                kSmem + kFinBytes<kD>, tile16::kMaxClusterRanks);  // Note [Paged CUDA cluster merge]
+#ifdef ORTKV_PAGED_U4_MAX_PER_SM  // the blocks per SM the splits assume (an A/B knob for paged_sweep.cu)
+    x.per_sm = std::min(x.per_sm, ORTKV_PAGED_U4_MAX_PER_SM);
+#endif
+    return x;
+  }();
+  return LaunchOneWave<__half>(k, a, stream);
+}
+
+}  // namespace pu4
 
 Status LaunchError(const char* op, cudaError_t e) {
   return Status(Code::kRuntime, std::string(op) + " CUDA launch failed: " + cudaGetErrorName(e) + ": " +
@@ -3814,6 +4081,8 @@ Status PagedCacheAttentionCuda(const PagedAttentionCudaView& v, void* stream_ptr
   const bool v3 = v2 && level != 2 && PagedV3Shape(v);  // Note [Paged CUDA v3]
   // Note [Paged CUDA uniform 16-bit]: the node promises pages of the queries' own 16-bit format
   const bool u16 = v3 && v.page_format == static_cast<int32_t>(v.elem_type == kFloat16 ? PageFormat::kF16 : PageFormat::kBF16);
+  // Note [Paged CUDA uniform INT4]: INT4 pages promised under float16 queries at head size 64
+  const bool u4 = v3 && v.elem_type == kFloat16 && v.D == 64 && v.page_format == static_cast<int32_t>(PageFormat::kInt4);
   cudaError_t e = cudaSuccess;
   if (!v2) {  // the first kernel's blocks atomicMin into one flag: cleared first
     e = cudaMemsetAsync(v.flag, 0xFF, sizeof(unsigned long long), stream);
@@ -3827,7 +4096,11 @@ Status PagedCacheAttentionCuda(const PagedAttentionCudaView& v, void* stream_ptr
   }
   switch (v.elem_type) {
     case kFloat16:
-      e = u16 ? pu::Launch<__half>(a, stream) : v3 ? pv3::Launch<__half>(a, stream) : v2 ? pv2::Launch<__half>(a, gm, stream) : LaunchAttn<__half>(a, gm, blocks, stream);
+      e = u16  ? pu::Launch<__half>(a, stream)
+          : u4 ? pu4::Launch(a, stream)
+          : v3 ? pv3::Launch<__half>(a, stream)
+          : v2 ? pv2::Launch<__half>(a, gm, stream)
+               : LaunchAttn<__half>(a, gm, blocks, stream);
       break;
     case kBFloat16:
       e = u16  ? pu::Launch<__nv_bfloat16>(a, stream)

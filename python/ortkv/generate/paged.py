@@ -132,19 +132,22 @@ def to_paged(model: onnx.ModelProto, num_heads: int, kv_heads: int, page_size: i
 
 def uniform_page_format(cfg: GenAIConfig, page_fill: bool = False) -> str | None:
     """The page_format the decoder's PagedCacheAttention nodes promise, or None (pages of any format): on CUDA, a
-    float16 model whose policy is one format, F16, for every page (kv_format; no demotion, no page_fill), so that
-    the attention runs the uniform 16-bit kernel (Note [Paged CUDA uniform 16-bit] in
-    custom_ops/kernels/cuda/paged_cuda.cu). A page of another format would be refused, so nothing that changes
-    formats gets the promise."""
+    float16 model whose policy is one format, F16 or INT4, for every page (kv_format; no demotion, no page_fill),
+    so that the attention runs the uniform 16-bit kernel (Note [Paged CUDA uniform 16-bit] in
+    custom_ops/kernels/cuda/paged_cuda.cu) or its INT4 twin (Note [Paged CUDA uniform INT4]; at head size 64, the
+    every-format kernel elsewhere). A page of another format would be refused, so nothing that changes formats gets
+    the promise."""
     o = cfg.ortkv
     if cfg.device == "cpu" or cfg.dtype != "float16" or page_fill or o.kv_demote_on_refusal:
         return None
     policy = policy_from_config(o.kv_format, o.kv_policy, o.kv_page_formats)
-    return "F16" if isinstance(policy, UniformPolicy) and policy.fmt == PageFormat.F16 else None
+    if isinstance(policy, UniformPolicy) and policy.fmt in (PageFormat.F16, PageFormat.INT4):
+        return policy.fmt.name
+    return None
 
 
 def paged_model_path(cfg: GenAIConfig, log=print, page_fill: bool = False, fused_rotary: bool | None = None):
-    """The paged decoder's model.onnx (one per page size, one promising F16 pages (uniform_page_format), and one
+    """The paged decoder's model.onnx (one per page size, one per promised format (uniform_page_format), and one
     with the page_fill input for the many-sequence path), built on first use next to the other variants.
     fused_rotary: PagedRotaryCacheUpdate (None: yes); False builds the unfused base (A/B runs)."""
     from .builder import build
