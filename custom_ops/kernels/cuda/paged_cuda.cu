@@ -3534,7 +3534,8 @@ static_assert(sizeof(Merge) <= Cfg<64>::kRingBytes && sizeof(Merge) <= Cfg<128>:
 // pv3::IssueTile / pv3::DecodeTile, 111 / 115 registers at head size 64) were measured on the H200 and not kept:
 // paged_sweep, INT8 8.9 / 17.0 / 49.3 us and INT4 9.7 / 17.7 / 54.7 us at 8K x 1 / 8K x 8 / 32K x 8 against
 // Note [Paged CUDA v3]'s register decode at 8.4 / 15.2 / 34.9 and 8.5 / 13.3 / 27.6
-// (benchmarks/results/paged_attention_cuda_h200.md, 2026-12-03 third session).
+// (benchmarks/results/paged_attention_cuda_h200.md, 2026-12-03 third session). INT4 pages with that register
+// decode in this kernel's shape: Note [Paged CUDA uniform INT4].
 // CLUSTER: Note [Paged CUDA cluster merge] (instantiated with EARLY only).
 template <typename T, int D, bool EARLY = false, bool CLUSTER = false>
 __global__ void __launch_bounds__(kThreads) PagedAttentionU16(const AttnArgs args) {
@@ -3747,7 +3748,30 @@ cudaError_t Launch(const AttnArgs& a, cudaStream_t stream) {
 // codes and scales a step, decoded in the mma operand registers, the window's transposed state merged once at the
 // end). Before the wait only whole tiles below `start` are copied; a tile that holds this step's rows (written by
 // the kernel before) is copied after it, whole (its scales are per 16-row tile). A page of another format is
-// refused as in the uniform 16-bit kernel (problem kPageFormatHint).
+// refused as in the uniform 16-bit kernel (problem kPageFormatHint). 127 registers at head size 64, no spills.
+// Its shape, timed on the H200 (benchmarks/results/paged_attention_cuda_h200.md, sixteenth session; harness
+// `paged_sweep 20 0,1,2,3 4`, two alternated rounds, us at 8K x 1 / 8K x 8 / 32K x 1 / 32K x 8 keys x rows; the
+// every-format kernel's INT4 8.52-8.59 / 13.32-13.44 / 13.71-13.79 / 27.8-28.1, uniform F16 6.4-6.6 / 16.7-16.8 /
+// 13.4-13.5 / 50.6-50.8):
+//   ring of 3 steps, 4 blocks per SM       6.52-6.56 / 16.4-16.8 / 11.32-11.36 / 32.1-32.5
+//   3 steps, splits for 3 blocks per SM    6.50-6.53 / 11.67-11.70 / 11.30-11.31 / 29.24-29.26   (kept)
+//   the same, splits >= 512 keys           7.25 / 11.80-11.89 / 11.41-11.42 / 29.52
+//   the same, splits >= 1024 keys          8.69-8.71 / 14.08-14.14 / 10.41-10.43 / 29.33-29.35
+//   ring of 4 steps (3 blocks per SM)      7.03-7.05 / 12.06-12.19 / 11.03-11.12 / 26.6-26.7
+//   4 steps, splits >= 512 keys            6.94 / 12.06-12.08 / 10.41-10.50 / 26.65-26.70
+//   4 steps, splits >= 1024 keys           8.21-8.24 / 12.47-12.49 / 11.38-11.41 / 26.57-26.67
+// (splits >= N keys: where the combine merges them, fewer and longer splits than the plan's 256-key ones.) Four
+// blocks per SM split the 8-row nodes into more, uneven chunks (22 splits of 384 keys at 8K x 8: 6 steps over 4
+// warps); 4 steps in flight per warp pay at 32K x 8 (~2 TB/s: 26.7 against 29.3 us) and cost 0.15-0.5 us in every
+// short node (16 / 128 / 1K keys x 1 row 3.64 / 3.54 / 5.06 against 3.40 / 3.31 / 4.91; 8K x 1 above). Decode at
+// batch 1 is the short nodes, hence a ring of 3 steps and the splits of 3 blocks per SM (ORTKV_PAGED_U4_STAGES and
+// ORTKV_PAGED_U4_MAX_PER_SM stay A/B knobs for paged_sweep.cu); longer splits were dropped.
+// Through ORT (bench_paged_attention_cuda.py, 3 rounds), INT4 promised with static tables against F16 promised
+// with static tables at 16 / 128 / 1K / 8K keys x 1 row, 8K x 8, 32K x 1, 32K x 8: a ring of 3 steps and splits >=
+// 512 keys 1.45 / 1.22 / 1.09 / 1.21, 0.72, 0.85, 0.59; a ring of 4 steps 1.56 / 1.29 / 1.14 / 1.18, 0.73, 0.84,
+// 0.53 (the every-format kernel's INT4: 1.86 / 1.64 / 1.35 / 1.41, 0.81, 1.03, 0.56). The single-row nodes stay
+// latency-bound: at 8K x 1 a block streams 256 keys either way (one step, or 4 F16 tiles, a warp), so 4x fewer
+// bytes do not shorten it.
 namespace pu4 {
 
 using pv3::FormatInfo;
@@ -3760,7 +3784,7 @@ constexpr int kD = 64, kNT = ORTKV_PAGED_V3_INT4T_NT;
 using R = pv3::RegCfg<kInt4F, kD>;
 constexpr int kStep = kNT * R::kStageBytes;  // one step: kNT tiles' K and V codes and scales
 #ifndef ORTKV_PAGED_U4_STAGES  // ring depth (an A/B knob for benchmarks/cuda/paged_sweep.cu)
-#define ORTKV_PAGED_U4_STAGES 4
+#define ORTKV_PAGED_U4_STAGES 3
 #endif
 constexpr int kStages = ORTKV_PAGED_U4_STAGES;
 constexpr int kWarpBytes = kStages * kStep;
@@ -3976,20 +4000,14 @@ __global__ void __launch_bounds__(kThreads) PagedAttentionU4(const AttnArgs args
     ReportBlockKey(a, bu, rep, counted);  // Note [Paged CUDA one-launch report]
 }
 
-#ifndef ORTKV_PAGED_U4_MIN_CHUNK  // the least keys of a split merged by the combine (an A/B knob for paged_sweep.cu)
-#define ORTKV_PAGED_U4_MIN_CHUNK 256
+#ifndef ORTKV_PAGED_U4_MAX_PER_SM  // the blocks per SM the splits assume (an A/B knob for paged_sweep.cu)
+#define ORTKV_PAGED_U4_MAX_PER_SM 3
 #endif
-cudaError_t Launch(AttnArgs a, cudaStream_t stream) {
-  if (a.v.splits > kAttnCudaClusterSplits) {  // a node whose splits the combine merges: fewer, longer splits
-    const int64_t cap = a.v.p.max_pages * a.v.p.shape.page_size, by_keys = cap / ORTKV_PAGED_U4_MIN_CHUNK;
-    a.v.splits = std::max<int64_t>(kAttnCudaClusterSplits, std::min<int64_t>(a.v.splits, by_keys));
-  }
+cudaError_t Launch(const AttnArgs& a, cudaStream_t stream) {
   static const AttnKernels k = [] {
     AttnKernels x = MakeKernels(PagedAttentionU4<>, PagedAttentionU4<true>, PagedAttentionU4<true, true>, kSmem,
                                 kSmem + kFinBytes<kD>, tile16::kMaxClusterRanks);  // Note [Paged CUDA cluster merge]
-#ifdef ORTKV_PAGED_U4_MAX_PER_SM  // the blocks per SM the splits assume (an A/B knob for paged_sweep.cu)
     x.per_sm = std::min(x.per_sm, ORTKV_PAGED_U4_MAX_PER_SM);
-#endif
     return x;
   }();
   return LaunchOneWave<__half>(k, a, stream);
