@@ -3767,9 +3767,10 @@ cudaError_t Launch(const AttnArgs& a, cudaStream_t stream) {
 // batch 1 is the short nodes, hence a ring of 3 steps and the splits of 3 blocks per SM (ORTKV_PAGED_U4_STAGES and
 // ORTKV_PAGED_U4_MAX_PER_SM stay A/B knobs for paged_sweep.cu); longer splits were dropped.
 // Through ORT (bench_paged_attention_cuda.py, 3 rounds), INT4 promised with static tables against F16 promised
-// with static tables at 16 / 128 / 1K / 8K keys x 1 row, 8K x 8, 32K x 1, 32K x 8: a ring of 3 steps and splits >=
-// 512 keys 1.45 / 1.22 / 1.09 / 1.21, 0.72, 0.85, 0.59; a ring of 4 steps 1.56 / 1.29 / 1.14 / 1.18, 0.73, 0.84,
-// 0.53 (the every-format kernel's INT4: 1.86 / 1.64 / 1.35 / 1.41, 0.81, 1.03, 0.56). The single-row nodes stay
+// with static tables at 16 / 128 / 1K / 8K keys x 1 row, 8K x 8, 32K x 1, 32K x 8: this kernel 1.46 / 1.22 / 1.09 /
+// 1.08, 0.71, 0.86, 0.58 (3.5 / 3.4 / 5.0 / 6.6, 12.5, 12.2, 30.3 us); a ring of 3 steps and splits >= 512 keys
+// 1.45 / 1.22 / 1.09 / 1.21, 0.72, 0.85, 0.59; a ring of 4 steps 1.56 / 1.29 / 1.14 / 1.18, 0.73, 0.84, 0.53 (the
+// every-format kernel's INT4: 1.86 / 1.64 / 1.36 / 1.40, 0.81, 1.03, 0.56). The single-row nodes stay
 // latency-bound: at 8K x 1 a block streams 256 keys either way (one step, or 4 F16 tiles, a warp), so 4x fewer
 // bytes do not shorten it.
 namespace pu4 {
