@@ -137,7 +137,8 @@ int Main(int argc, char** argv) {
                         {16, 1, 2048}, {128, 1, 2048},  // 7-8: a short row in a table of 2K keys
                         {128, 1},  // 9
                         {1024, 1, 2048}, {512, 1}, {1024, 8},  // 10-12: Note [Cluster split chunks]
-                        {144, 8, 256}};  // 13: a decode step's rows at batch 8 (one split)
+                        {144, 8, 256},  // 13: a decode step's rows at batch 8 (one split)
+                        {16384, 8}};  // 14: between the uniform INT4 kernel's two rings (Note [Paged CUDA uniform INT4])
   using codecs::PageFormat;
   const PageFormat formats[] = {PageFormat::kF16, PageFormat::kInt8, PageFormat::kInt4};
   std::printf("pages of %lld tokens\n%6s %3s %3s | %-22s %9s %8s\n", (long long)kPs, "L", "B", "R", "kernel", "us", "GB/s");

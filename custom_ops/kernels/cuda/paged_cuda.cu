@@ -3763,9 +3763,12 @@ cudaError_t Launch(const AttnArgs& a, cudaStream_t stream) {
 // (splits >= N keys: where the combine merges them, fewer and longer splits than the plan's 256-key ones.) Four
 // blocks per SM split the 8-row nodes into more, uneven chunks (22 splits of 384 keys at 8K x 8: 6 steps over 4
 // warps); 4 steps in flight per warp pay at 32K x 8 (~2 TB/s: 26.7 against 29.3 us) and cost 0.15-0.5 us in every
-// short node (16 / 128 / 1K keys x 1 row 3.64 / 3.54 / 5.06 against 3.40 / 3.31 / 4.91; 8K x 1 above). Decode at
-// batch 1 is the short nodes, hence a ring of 3 steps and the splits of 3 blocks per SM (ORTKV_PAGED_U4_STAGES and
-// ORTKV_PAGED_U4_MAX_PER_SM stay A/B knobs for paged_sweep.cu); longer splits were dropped.
+// short node (16 / 128 / 1K keys x 1 row 3.64 / 3.54 / 5.06 against 3.40 / 3.31 / 4.91; 8K x 1 above). Hence two
+// instantiations, the splits of 3 blocks per SM for both: a ring of 4 steps where the page table spans >= 32K keys
+// a row (ORTKV_PAGED_U4_LONG_KEYS; 32K x 1 and 32K x 8 above, the better ring there), else 3 steps (every cell of
+// <= 8K keys). The rule's cells between (16K keys a row: paged_sweep case 14 is 16K x 8) are not measured yet. Each
+// instantiation's sm_90 SASS is the same as that of the single-ring build that was timed and passed `pytest -m
+// cuda` (cuobjdump; the rule itself has not run on a GPU: no device time was left). Longer splits were dropped.
 // Through ORT (bench_paged_attention_cuda.py, 3 rounds), INT4 promised with static tables against F16 promised
 // with static tables at 16 / 128 / 1K / 8K keys x 1 row, 8K x 8, 32K x 1, 32K x 8: this kernel 1.46 / 1.22 / 1.09 /
 // 1.08, 0.71, 0.86, 0.58 (3.5 / 3.4 / 5.0 / 6.6, 12.5, 12.2, 30.3 us); a ring of 3 steps and splits >= 512 keys
@@ -3787,22 +3790,29 @@ constexpr int kStep = kNT * R::kStageBytes;  // one step: kNT tiles' K and V cod
 #ifndef ORTKV_PAGED_U4_STAGES  // ring depth (an A/B knob for benchmarks/cuda/paged_sweep.cu)
 #define ORTKV_PAGED_U4_STAGES 3
 #endif
-constexpr int kStages = ORTKV_PAGED_U4_STAGES;
-constexpr int kWarpBytes = kStages * kStep;
-constexpr int kRingBytes = kWarps * kWarpBytes;
-constexpr size_t kSmem = kRingBytes + 16;  // + the block's first failure key, then the key it reports
-constexpr int kBatchSteps = 32 / kNT;      // a lane resolves one tile: 32 tiles per batch
+#ifndef ORTKV_PAGED_U4_LONG_STAGES  // the ring of long nodes (ORTKV_PAGED_U4_LONG_KEYS)
+#define ORTKV_PAGED_U4_LONG_STAGES 4
+#endif
+constexpr int kBatchSteps = 32 / kNT;  // a lane resolves one tile: 32 tiles per batch
 using Merge = WarpMerge<kWarps, 8>;
-static_assert(kStages >= 2 && 32 % kNT == 0 && (kStages - 1) * kNT <= 32, "");
-static_assert(sizeof(Merge) <= kRingBytes && (8 * (kD + 1) + 16) * 4 <= kWarpBytes, "merge buffers fit the ring");
+// A ring of ST steps per warp.
+template <int ST>
+struct Ring {
+  static constexpr int kWarpBytes = ST * kStep;
+  static constexpr int kRingBytes = kWarps * kWarpBytes;
+  static constexpr size_t kSmem = kRingBytes + 16;  // + the block's first failure key, then the key it reports
+  static_assert(ST >= 2 && 32 % kNT == 0 && (ST - 1) * kNT <= 32, "");
+  static_assert(sizeof(Merge) <= kRingBytes && (8 * (kD + 1) + 16) * 4 <= kWarpBytes, "merge buffers fit the ring");
+};
 
 // CLUSTER: Note [Paged CUDA cluster merge] (instantiated with EARLY only).
-template <bool EARLY = false, bool CLUSTER = false>
+template <int ST, bool EARLY = false, bool CLUSTER = false>
 __global__ void __launch_bounds__(kThreads) PagedAttentionU4(const AttnArgs args) {
-  constexpr int NW = kWarps, ST = kStages, NT = kNT;
+  using RG = Ring<ST>;
+  constexpr int NW = kWarps, NT = kNT;
   extern __shared__ __align__(128) unsigned char dsm[];
-  unsigned long long& s_key = *reinterpret_cast<unsigned long long*>(dsm + kRingBytes);
-  unsigned long long& s_rep = *reinterpret_cast<unsigned long long*>(dsm + kRingBytes + 8);
+  unsigned long long& s_key = *reinterpret_cast<unsigned long long*>(dsm + RG::kRingBytes);
+  unsigned long long& s_rep = *reinterpret_cast<unsigned long long*>(dsm + RG::kRingBytes + 8);
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" :::);
 #endif
@@ -3867,7 +3877,7 @@ __global__ void __launch_bounds__(kThreads) PagedAttentionU4(const AttnArgs args
     }
     kp = a.p.pool + off + layer_off;
   };
-  uint8_t* wring = dsm + warp * kWarpBytes;
+  uint8_t* wring = dsm + warp * RG::kWarpBytes;
   // tile h of step s (slot x = s * NT + h of its batch) into stage `stage`, from the page its lane resolved
   const auto copy_tile = [&](int stage, int s, int h, int x) {
     const unsigned long long pv = __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(kp), x & 31);
@@ -3988,7 +3998,7 @@ __global__ void __launch_bounds__(kThreads) PagedAttentionU4(const AttnArgs args
     s_rep = rep;  // a slot of its own: the other threads read s_key above (Note [Uniform key thread])
     if constexpr (!CLUSTER) counted = StoreBlockKey(a, rep);
   }
-  float* fin = CLUSTER ? reinterpret_cast<float*>(dsm + kSmem) : nullptr;
+  float* fin = CLUSTER ? reinterpret_cast<float*>(dsm + RG::kSmem) : nullptr;
   MergeWarpTiles<NW, kD>(*reinterpret_cast<Merge*>(dsm), m, l, o, gn,
                          [&](int gg, int d, float mb, float lb, float ab) {
                            EmitMerged<__half>(a, bu, gg, d, mb, lb, ab, fin);
@@ -4004,14 +4014,24 @@ __global__ void __launch_bounds__(kThreads) PagedAttentionU4(const AttnArgs args
 #ifndef ORTKV_PAGED_U4_MAX_PER_SM  // the blocks per SM the splits assume (an A/B knob for paged_sweep.cu)
 #define ORTKV_PAGED_U4_MAX_PER_SM 3
 #endif
-cudaError_t Launch(const AttnArgs& a, cudaStream_t stream) {
+#ifndef ORTKV_PAGED_U4_LONG_KEYS  // the page table's keys (per row) from which a node takes the long ring
+#define ORTKV_PAGED_U4_LONG_KEYS 32768
+#endif
+template <int ST>
+const AttnKernels& KernelsOf() {
   static const AttnKernels k = [] {
-    AttnKernels x = MakeKernels(PagedAttentionU4<>, PagedAttentionU4<true>, PagedAttentionU4<true, true>, kSmem,
-                                kSmem + kFinBytes<kD>, tile16::kMaxClusterRanks);  // Note [Paged CUDA cluster merge]
+    AttnKernels x = MakeKernels(PagedAttentionU4<ST>, PagedAttentionU4<ST, true>, PagedAttentionU4<ST, true, true>,
+                                Ring<ST>::kSmem, Ring<ST>::kSmem + kFinBytes<kD>,
+                                tile16::kMaxClusterRanks);  // Note [Paged CUDA cluster merge]
     x.per_sm = std::min(x.per_sm, ORTKV_PAGED_U4_MAX_PER_SM);
     return x;
   }();
-  return LaunchOneWave<__half>(k, a, stream);
+  return k;
+}
+cudaError_t Launch(const AttnArgs& a, cudaStream_t stream) {
+  const int64_t keys = a.v.p.max_pages * a.v.p.shape.page_size;  // Note [Paged CUDA uniform INT4]
+  return keys >= ORTKV_PAGED_U4_LONG_KEYS ? LaunchOneWave<__half>(KernelsOf<ORTKV_PAGED_U4_LONG_STAGES>(), a, stream)
+                                          : LaunchOneWave<__half>(KernelsOf<ORTKV_PAGED_U4_STAGES>(), a, stream);
 }
 
 }  // namespace pu4
