@@ -4,7 +4,11 @@ not counted); median ms per decode step. --old names an older paged model direct
 before Note [Paged decoder]'s Linear / SwiGLU base) to time beside the current one.
 
     python benchmarks/bench_paged_decoder_cpu.py [--rounds 5] [--old paged-ps16] [--out FILE]
-                                                 [--prompt TEXT --repeat N]
+                                                 [--prompt TEXT --repeat N] [--kv-formats f16,int8,int4]
+
+--kv-formats times the paged decoder once per page format (genai_config's ortkv.kv_format; default f16 alone), each
+beside the same dense decoder; "same tokens as dense" is then expected only of f16, and the column after it counts
+the new tokens that agree with dense's before the first difference.
 
 --repeat N feeds the prompt N times over (space-separated): a long context, e.g. --repeat 240 (~1,450 tokens of the
 default prompt), where the attention's share of the step grows. The last column is the median over rounds of each
@@ -33,14 +37,18 @@ def main(argv=None) -> int:
     p.add_argument("--prompt", default="The capital of France is")
     p.add_argument("--repeat", type=int, default=1)
     p.add_argument("--old", help="an older paged model's directory name under the model cache")
+    p.add_argument("--kv-formats", default="f16", help="page formats to time, comma-separated (ortkv.kv_format)")
     p.add_argument("--out")
     a = p.parse_args(argv)
-    cfg = GenAIConfig()
-    cfg.ortkv.cache = "paged"
-    cfg = cfg.validate()
+    formats = [f.strip().lower() for f in a.kv_formats.split(",") if f.strip()]
     dense_cfg = GenAIConfig().validate()
-    runners = {"dense": OrtkvRunner(model_path(dense_cfg, "ortkv"), dense_cfg),
-               "paged": PagedRunner(paged_model_path(cfg), cfg)}
+    runners = {"dense": OrtkvRunner(model_path(dense_cfg, "ortkv"), dense_cfg)}
+    for f in formats:
+        cfg = GenAIConfig()
+        cfg.ortkv.cache = "paged"
+        cfg.ortkv.kv_format = f
+        cfg = cfg.validate()
+        runners["paged" if formats == ["f16"] else f"paged {f}"] = PagedRunner(paged_model_path(cfg), cfg)
     if a.old:
         runners[a.old] = PagedRunner(model_dir(cfg) / a.old / "model.onnx", cfg)
     ids = [tokenizer_for(cfg).encode(" ".join([a.prompt] * a.repeat))]
@@ -56,13 +64,15 @@ def main(argv=None) -> int:
             tokens[v] = g.new_ids
     dense = statistics.median(runs["dense"])
     lines = [f"{len(ids[0])} prompt tokens, {a.new_tokens} new, {a.rounds} rounds", "",
-             "| variant | ms/step (median) | vs dense | rounds | same tokens as dense | median of round ratios |",
-             "|---|---:|---:|---|---|---:|"]
+             "| variant | ms/step (median) | vs dense | rounds | same tokens as dense | tokens agreeing | "
+             "median of round ratios |",
+             "|---|---:|---:|---|---|---:|---:|"]
     for v, xs in runs.items():
         m = statistics.median(xs)
         per_round = statistics.median(x / d for x, d in zip(xs, runs["dense"]))
+        agree = next((i for i, (x, y) in enumerate(zip(tokens[v], tokens["dense"])) if x != y), len(tokens[v]))
         lines.append(f"| {v} | {m:.2f} | {m / dense:.2f} | {' '.join(f'{x:.2f}' for x in xs)} | "
-                     f"{'yes' if tokens[v] == tokens['dense'] else 'no'} | {per_round:.2f} |")
+                     f"{'yes' if tokens[v] == tokens['dense'] else 'no'} | {agree} | {per_round:.2f} |")
     for r in runners.values():
         r.close()
     return emit("\n".join(lines), a.out)

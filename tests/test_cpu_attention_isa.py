@@ -154,7 +154,8 @@ def test_paged_attention_decodes_every_code_exactly(rng, fmt, G):
     included; every nibble / crumb in every position of its byte) and, for F16 / BF16, signed zeros, subnormals,
     the largest finite values, inf and NaN. Scales 0.5 / 0.25 and offsets -4 keep every value exact in float32, so
     the copy that runs (AVX2 intrinsics, SSE2, AVX-512) must give the reference decoder's floats bit for bit, in
-    the decoded-block path (G = 1) and where 16-bit rows are read in place (G = 3)."""
+    the decoded-block path (G = 1) and where rows are read in place (G = 3: 16-bit rows, and in the AVX-512 copy
+    the codes with their scale and offset applied outside the channel loop, Note [Paged codes in registers])."""
     H, PS, D = 4, 16, 64
     lay = layout(fmt, H, PS, D)
     vals = rng.standard_normal((2, H, PS, D)).astype(np.float32)

@@ -11,6 +11,7 @@
 #include <cstring>
 #include <limits>
 #include <string>
+#include <type_traits>
 
 #include "ortkv/cache_attention.h"
 #include "ortkv/status.h"
@@ -153,6 +154,17 @@ struct F32Rows {  // rows of float32 with a stride of ts floats (a dense cache, 
   const float* p;
   int64_t ts;
   ORTKV_INLINE V16 Chunk(int64_t j, int i) const { return Load(p + j * ts + 16 * i); }
+};
+
+// Row scales of a source (Note [Paged codes in registers] in paged_attention_task.inc): kN = 0 for rows of floats
+// (every source above), 1 where row j's values are Chunk * s[j], 2 where they are Chunk * s[j] + m[j].
+template <class S, class = void>
+struct RowScalesOf {
+  static constexpr int kN = 0;
+};
+template <class S>
+struct RowScalesOf<S, std::void_t<decltype(S::kScales)>> {
+  static constexpr int kN = S::kScales;
 };
 
 // Note [CPU attention native width]
