@@ -61,7 +61,7 @@ def main(argv=None) -> int:
             g = generate(run, ids, run.cfg.search, a.new_tokens, -1, 2)
             if r:
                 runs[v].append(g.median_step_ms)
-            tokens[v] = g.new_ids
+            tokens[v] = g.new_ids[0]
     dense = statistics.median(runs["dense"])
     lines = [f"{len(ids[0])} prompt tokens, {a.new_tokens} new, {a.rounds} rounds", "",
              "| variant | ms/step (median) | vs dense | rounds | same tokens as dense | tokens agreeing | "

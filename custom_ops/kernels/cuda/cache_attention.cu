@@ -125,7 +125,7 @@ __global__ void __launch_bounds__(kThreads) AttentionKernel(const Args a) {
   const int64_t hi = a.C - a.T;
   if (st < 0 || st > hi) st = st < 0 ? 0 : hi;
   const int64_t L = st + t + 1;  // keys [0, L)
-  int64_t chunk = (L + S - 1) / S;
+  int64_t chunk = (L + S - 1) / S;  // SplitKeys<1>'s rule, written out (its SASS, device_common.cuh)
   if (chunk < kAttnCudaClusterChunk) chunk = kAttnCudaClusterChunk;
   const int64_t j0 = split * chunk < L ? split * chunk : L;
   const int64_t j1 = j0 + chunk < L ? j0 + chunk : L;
@@ -386,10 +386,8 @@ __global__ void __launch_bounds__(kThreads) AttentionKernelV2(const Args a) {
   const int64_t hi = a.C - a.T;
   if (st < 0 || st > hi) st = st < 0 ? 0 : hi;
   const int64_t L = st + t + 1;  // keys [0, L)
-  int64_t chunk = (L + S - 1) / S;
-  if (chunk < kAttnCudaClusterChunk) chunk = kAttnCudaClusterChunk;
-  const int64_t j0 = split * chunk < L ? split * chunk : L;
-  const int64_t j1 = j0 + chunk < L ? j0 + chunk : L;
+  int64_t j0, j1;
+  SplitKeys<1>(L, S, split, &j0, &j1);
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int sub = lane & (TPK - 1);
@@ -824,11 +822,7 @@ __global__ void __launch_bounds__(NW * 32) AttentionKernelV3(const Args a) {
   // (rows st.. are this step's, written by the kernel this one may overlap; Note [CUDA attention early start])
   const auto setup = [&](bool early_rows) {
     const int64_t L = st + t + 1;
-    int64_t chunk = (L + S - 1) / S;
-    if (chunk < kAttnCudaClusterChunk) chunk = kAttnCudaClusterChunk;
-    chunk = (chunk + kTile - 1) / kTile * kTile;
-    j0 = split * chunk < L ? split * chunk : L;
-    j1 = j0 + chunk < L ? j0 + chunk : L;
+    SplitKeys<kTile>(L, S, split, &j0, &j1);
     lim = early_rows ? (st < j1 ? st : j1) : j1;
     const int n_tiles = static_cast<int>((j1 - j0 + kTile - 1) / kTile);
     mine = n_tiles > warp ? (n_tiles - warp + NW - 1) / NW : 0;

@@ -22,6 +22,20 @@ __device__ __forceinline__ __half FromF<__half>(float x) { return __float2half_r
 template <>
 __device__ __forceinline__ __nv_bfloat16 FromF<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
 
+// A split's keys [*j0, *j1) of a row's keys [0, L) (Note [Cluster split chunks] in cache_attention.h): chunks of
+// ceil(L / S) keys, at least kAttnCudaClusterChunk, rounded up to whole tiles of TILE keys where TILE > 1 (no tile
+// read by two blocks), so that a short row's later splits are empty. (Returning the pair as a struct instead changed
+// the sm_90 SASS of every caller; through pointers it is the inline rule's, instruction for instruction, except in
+// the dense v1 kernel, which therefore keeps the rule written out.)
+template <int TILE>
+__device__ __forceinline__ void SplitKeys(int64_t L, int64_t S, int64_t split, int64_t* j0, int64_t* j1) {
+  int64_t chunk = (L + S - 1) / S;
+  if (chunk < kAttnCudaClusterChunk) chunk = kAttnCudaClusterChunk;
+  if (TILE > 1) chunk = (chunk + TILE - 1) / TILE * TILE;
+  *j0 = split * chunk < L ? split * chunk : L;
+  *j1 = *j0 + chunk < L ? *j0 + chunk : L;
+}
+
 // A launch with attributes: `cluster` > 1 groups each run of `cluster` consecutive blocks into one thread-block
 // cluster (sm_90+; Note [Cluster merge] in tile_mma.cuh), `programmatic` makes it a programmatic dependent (below).
 // False, with the error cleared, when the launch is refused.

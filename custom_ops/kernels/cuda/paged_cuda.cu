@@ -1096,10 +1096,8 @@ __global__ void __launch_bounds__(kThreads) PagedAttentionKernel(const AttnArgs 
   const int64_t st = ClampedStart(a, b, &bad_start);
   if (bad_start && threadIdx.x == 0) atomicMin(flag, Key(kClassRow, static_cast<unsigned long long>(b) << 28));
   const int64_t L = st + t + 1;
-  int64_t chunk = (L + S - 1) / S;
-  if (chunk < kAttnCudaClusterChunk) chunk = kAttnCudaClusterChunk;
-  const int64_t j0 = split * chunk < L ? split * chunk : L;
-  const int64_t j1 = j0 + chunk < L ? j0 + chunk : L;
+  int64_t j0, j1;
+  SplitKeys<1>(L, S, split, &j0, &j1);
 
   // every page of [j0, j1) is checked before any is read (Note [Paged CUDA])
   int bad = 0;
@@ -1719,10 +1717,8 @@ __global__ void __launch_bounds__(kThreads) PagedAttentionV2(const AttnArgs args
   bool bad_start = false;
   const int64_t st = ClampedStart(a, b, &bad_start);
   const int64_t L = st + t + 1;
-  int64_t chunk = (L + S - 1) / S;
-  if (chunk < kAttnCudaClusterChunk) chunk = kAttnCudaClusterChunk;
-  const int64_t j0 = split * chunk < L ? split * chunk : L;
-  const int64_t j1 = j0 + chunk < L ? j0 + chunk : L;
+  int64_t j0, j1;
+  SplitKeys<1>(L, S, split, &j0, &j1);
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int sub = lane & (TPK - 1);
@@ -3268,11 +3264,7 @@ __global__ void __launch_bounds__(kThreads, ORTKV_PAGED_V3_MIN_BLOCKS) PagedAtte
   int64_t st0 = ClampedStart(a, b, &bad_start), j0 = 0, j1 = 0;
   const auto chunk_of = [&]() {  // this block's keys [j0, j1) of the row's [0, st0 + t + 1)
     const int64_t L = st0 + t + 1;
-    int64_t chunk = (L + S - 1) / S;
-    if (chunk < kAttnCudaClusterChunk) chunk = kAttnCudaClusterChunk;
-    chunk = (chunk + kTile - 1) / kTile * kTile;  // whole tiles: no tile read by two blocks (as dense v3)
-    j0 = split * chunk < L ? split * chunk : L;
-    j1 = j0 + chunk < L ? j0 + chunk : L;
+    SplitKeys<kTile>(L, S, split, &j0, &j1);  // whole tiles: no tile read by two blocks (as dense v3)
   };
   chunk_of();
 
@@ -3570,11 +3562,7 @@ __global__ void __launch_bounds__(kThreads) PagedAttentionU16(const AttnArgs arg
   int mine = 0, next = 0, stage_in = 0;
   const auto setup = [&]() {  // this block's keys [j0, j1) of [0, st0 + t + 1) in whole tiles; this warp's tiles
     const int64_t L = st0 + t + 1;
-    int64_t chunk = (L + S - 1) / S;
-    if (chunk < kAttnCudaClusterChunk) chunk = kAttnCudaClusterChunk;
-    chunk = (chunk + kTile - 1) / kTile * kTile;
-    j0 = split * chunk < L ? split * chunk : L;
-    j1 = j0 + chunk < L ? j0 + chunk : L;
+    SplitKeys<kTile>(L, S, split, &j0, &j1);
     const int n_tiles = static_cast<int>((j1 - j0 + kTile - 1) / kTile);
     mine = n_tiles > warp ? (n_tiles - warp + NW - 1) / NW : 0;
     next = 0, stage_in = 0;
@@ -3842,11 +3830,7 @@ __global__ void __launch_bounds__(kThreads) PagedAttentionU4(const AttnArgs args
   int mine = 0, n_tiles = 0, win = 0, next = 0, stage_in = 0;
   const auto setup = [&]() {  // this block's keys [j0, j1) of [0, st0 + t + 1) in whole tiles; this warp's steps
     const int64_t L = st0 + t + 1;
-    int64_t chunk = (L + S - 1) / S;
-    if (chunk < kAttnCudaClusterChunk) chunk = kAttnCudaClusterChunk;
-    chunk = (chunk + kTile - 1) / kTile * kTile;
-    j0 = split * chunk < L ? split * chunk : L;
-    j1 = j0 + chunk < L ? j0 + chunk : L;
+    SplitKeys<kTile>(L, S, split, &j0, &j1);
     win = static_cast<int>(j1 - j0);
     n_tiles = (win + kTile - 1) / kTile;
     const int n_steps = (n_tiles + NT - 1) / NT;
