@@ -3504,6 +3504,91 @@ cudaError_t Launch(const AttnArgs& a, cudaStream_t stream) {
 namespace pu {
 
 using tile16::kTile;
+
+// Note [Uniform kernel helpers]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// The pieces the uniform kernels share (the 16-bit one and its INT4 twin, Note [Paged CUDA uniform INT4]): a lane's
+// page resolution (UniformPage), the late-page check (SeenPageChanged), the restart (RestartKey) and the block's end
+// (FinishUniform). Their shape is the one whose sm_90 SASS is the inline code's (cuobjdump, 2026-12-05): a first
+// form (a SeenPage struct, the offset returned with -1 for a bad page, every o lane zeroed) added 8-72 instructions
+// per instantiation; with the page record as four scalars behind pointers, `res` set inside, a bool result and ZL
+// lanes zeroed, 10 of the 18 instantiations are the inline code's instruction for instruction and the other 8 (EARLY)
+// differ only in the order and registers of the few FSEL / STS that write the bad-page m and l and the merge arrays
+// at the block's end (8-48 lines of 9-15K). Not yet run on a GPU (no device was lent that session): `paged_sweep 20
+// 4,9,5,0,1,2,3 F4` and `pytest -m cuda` on the next one.
+//
+// Entry pi of row b: true with the page's offset in the pool in *off if it passes every check of PageProblem and has
+// format uf, else false with its failure key in *key (atomicMin); *res once the entry is read. EARLY: what was read
+// (Note [Paged CUDA late pages]: the entry, page id, format, offset) into *rpi, *rid, *rf, *roff.
+template <bool EARLY>
+__device__ __forceinline__ bool UniformPage(const PagedAttentionCudaView& a, int64_t b, int64_t pi, int64_t uf,
+                                            unsigned long long* key, int64_t* rpi, int64_t* rid, int64_t* rf,
+                                            int64_t* roff, int64_t* off, bool* res) {
+  const int64_t id = TableAt(a.p, b, pi);
+  const DirRow r = DirectoryRow(a.p, id);
+  const int64_t f = r.f, o = r.off;
+  *res = true;
+  if constexpr (EARLY) *rpi = pi, *rid = id, *rf = f, *roff = o;
+  if (PageProblemAt(a.p, id, f, o, false) != kPageOk || f != uf) {
+    atomicMin(key, Key(kClassRow, (static_cast<unsigned long long>(b) << 28) | static_cast<unsigned long long>(pi + 1)));
+    return false;
+  }
+  *off = o;
+  return true;
+}
+// After griddepcontrol.wait: has the entry or directory row of a page seen before it changed?
+__device__ __forceinline__ bool SeenPageChanged(const PagedAttentionCudaView& a, int64_t b, int64_t rpi, int64_t rid,
+                                                int64_t rf, int64_t roff) {
+  const int64_t id2 = TableAt(a.p, b, rpi);
+  const DirRow r = DirectoryRow(a.p, rid);
+  return id2 != rid || r.f != rf || r.off != roff;
+}
+// The block starts over after the wait (`start`, a table entry or a directory row was written by the kernel
+// before): its copies landed and its early atomicMins done, s_key is cleared for the checks that rerun.
+__device__ __forceinline__ void RestartKey(int tid, unsigned long long& s_key) {
+  CpAsyncWait<0>();
+  __syncthreads();  // every early atomicMin is done
+  if (tid == 0) s_key = kNoError;
+  __syncthreads();
+}
+// The end of a uniform block, its warps' (m, l, o) of layout 0 final: a bad page empties the block's output (as Note
+// [Paged CUDA v3]); the last thread reports the block's key with the start's failure (Note [Uniform key thread]:
+// s_rep, a slot of its own, since the other threads read s_key after the same barrier); the warps merge through
+// dsm, then the cluster (Note [Paged CUDA cluster merge]) or the node's report (Note [Paged CUDA one-launch
+// report], Note [Paged CUDA last block reports]).
+template <typename T, int D, int NW, bool CLUSTER, int ZL>
+__device__ __forceinline__ void FinishUniform(const PagedAttentionCudaView& a, const BlockUnit& bu, unsigned char* dsm,
+                                              unsigned long long& s_key, unsigned long long& s_rep, bool bad_start,
+                                              float* fin, float m, float l, float (*o)[4]) {
+  const int tid = threadIdx.x;
+  __syncthreads();  // the ring becomes the merge arrays; s_key is final
+  const unsigned long long key = s_key;
+  if (key != kNoError) {
+    m = -INFINITY;
+    l = 0.0f;
+#pragma unroll
+    for (int nt = 0; nt < D / 8; ++nt)
+#pragma unroll
+      for (int z = 0; z < ZL; ++z) o[nt][z] = 0.0f;
+  }
+  unsigned long long counted = 0, rep = kNoError;
+  if (tid == kThreads - 1) {
+    const unsigned long long sk = bad_start ? Key(kClassRow, static_cast<unsigned long long>(bu.b) << 28) : kNoError;
+    rep = sk < key ? sk : key;
+    s_rep = rep;
+    if constexpr (!CLUSTER) counted = StoreBlockKey(a, rep);
+  }
+  tile16::MergeWarpTiles<NW, D>(*reinterpret_cast<WarpMerge<NW, 8>*>(dsm), m, l, o, bu.gn,
+                                [&](int gg, int d, float mb, float lb, float ab) {
+                                  EmitMerged<T>(a, bu, gg, d, mb, lb, ab, fin);
+                                });
+  if constexpr (CLUSTER)
+    tile16::ClusterMerge<T, D>(
+        fin, static_cast<int>(a.splits), bu.gn, tid, kThreads, [&](int gg) { return OutRow<T>(a, bu, gg); },
+        [&](auto& cl) { ClusterReport(a, bu, &s_rep, cl); });
+  else if (tid == kThreads - 1)
+    ReportBlockKey(a, bu, rep, counted);
+}
 using tile16::LoadQueryPairs;
 using tile16::MergeWarpTiles;
 using tile16::StreamWarpTiles;
@@ -3579,13 +3664,8 @@ __global__ void __launch_bounds__(kThreads) PagedAttentionU16(const AttnArgs arg
     if (res || idx >= mine) return;
     const int64_t k0 = j0 + static_cast<int64_t>(warp + idx * NW) * kTile;
     const int64_t pi = ps_shift >= 0 ? k0 >> ps_shift : k0 / ps;
-    const int64_t id = TableAt(a.p, b, pi);
-    const DirRow r = DirectoryRow(a.p, id);
-    const int64_t f = r.f, off = r.off;
-    res = true;
-    if constexpr (EARLY) rpi = pi, rid = id, rf = f, roff = off;
-    if (PageProblemAt(a.p, id, f, off, false) != kPageOk || f != UF) {
-      atomicMin(&s_key, Key(kClassRow, (static_cast<unsigned long long>(b) << 28) | static_cast<unsigned long long>(pi + 1)));
+    int64_t off;
+    if (!UniformPage<EARLY>(a, b, pi, UF, &s_key, &rpi, &rid, &rf, &roff, &off, &res)) {
       kp = nullptr;
       return;
     }
@@ -3639,12 +3719,7 @@ __global__ void __launch_bounds__(kThreads) PagedAttentionU16(const AttnArgs arg
     bool bad2 = false;
     const int64_t st2 = ClampedStart(a, b, &bad2);
     // Note [Paged CUDA late pages]: the pages that hold rows from st0 on, read again
-    bool stale = false;
-    if (recheck && res && (rpi + 1) * ps > st0) {
-      const int64_t id2 = TableAt(a.p, b, rpi);
-      const DirRow r = DirectoryRow(a.p, rid);
-      stale = id2 != rid || r.f != rf || r.off != roff;
-    }
+    const bool stale = recheck && res && (rpi + 1) * ps > st0 && SeenPageChanged(a, b, rpi, rid, rf, roff);
     // meanwhile this step's rows of the prologue's tiles, from the pages resolved before the wait
     const int64_t from = lim;
     lim = j1;
@@ -3662,10 +3737,7 @@ __global__ void __launch_bounds__(kThreads) PagedAttentionU16(const AttnArgs arg
     bool again = st2 != st0 || bad2 != bad_start;  // block-uniform
     if (recheck) again = __syncthreads_or(again || stale) != 0;
     if (again) {  // `start`, a table entry or a directory row was written by the previous kernel: start over
-      CpAsyncWait<0>();
-      __syncthreads();  // every early atomicMin is done
-      if (tid == 0) s_key = kNoError;
-      __syncthreads();
+      RestartKey(tid, s_key);
       st0 = st2, bad_start = bad2, res = false, kp = nullptr, pending = 0;
       setup();
       lim = j1;
@@ -3680,33 +3752,8 @@ __global__ void __launch_bounds__(kThreads) PagedAttentionU16(const AttnArgs arg
   float m, l, o[D / 8][4];
   StreamWarpTiles<BF, D, NW, ST, C::kStageBytes>(wring, qr, a.scale * 1.4426950408889634f, j0, j1, mine, warp, lane,
                                                  issue, m, l, o);  // base-2 scores
-  __syncthreads();  // the ring becomes the merge arrays; s_key is final
-  const unsigned long long key = s_key;
-  if (key != kNoError) {  // a bad page: this block's output is empty (as Note [Paged CUDA v3])
-    m = -INFINITY;
-    l = 0.0f;
-#pragma unroll
-    for (int nt = 0; nt < D / 8; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.0f;
-  }
-  // the last thread: Note [Paged CUDA last block reports], Note [Uniform key thread]
-  unsigned long long counted = 0, rep = kNoError;
-  if (tid == kThreads - 1) {  // the block's key with the start's failure (Note [Paged CUDA one-launch report])
-    const unsigned long long sk = bad_start ? Key(kClassRow, static_cast<unsigned long long>(b) << 28) : kNoError;
-    rep = sk < key ? sk : key;
-    s_rep = rep;  // a slot of its own: the other threads read s_key above (Note [Uniform key thread])
-    if constexpr (!CLUSTER) counted = StoreBlockKey(a, rep);
-  }
-  float* fin = CLUSTER ? reinterpret_cast<float*>(dsm + C::kSmem) : nullptr;
-  MergeWarpTiles<NW, D>(*reinterpret_cast<Merge*>(dsm), m, l, o, gn,
-                        [&](int gg, int d, float mb, float lb, float ab) {
-                          EmitMerged<T>(a, bu, gg, d, mb, lb, ab, fin);
-                        });
-  if constexpr (CLUSTER)  // Note [Paged CUDA cluster merge]
-    tile16::ClusterMerge<T, D>(
-        fin, static_cast<int>(S), gn, tid, kThreads, [&](int gg) { return OutRow<T>(a, bu, gg); },
-        [&](auto& cl) { ClusterReport(a, bu, &s_rep, cl); });
-  else if (tid == kThreads - 1)
-    ReportBlockKey(a, bu, rep, counted);  // Note [Paged CUDA one-launch report]
+  FinishUniform<T, D, NW, CLUSTER, 4>(a, bu, dsm, s_key, s_rep, bad_start,
+                                   CLUSTER ? reinterpret_cast<float*>(dsm + C::kSmem) : nullptr, m, l, o);
 }
 
 template <typename T, int D>
@@ -3849,13 +3896,8 @@ __global__ void __launch_bounds__(kThreads) PagedAttentionU4(const AttnArgs args
     if (res || step >= mine || tile >= n_tiles) return;
     const int64_t k0 = j0 + static_cast<int64_t>(tile) * kTile;
     const int64_t pi = ps_shift >= 0 ? k0 >> ps_shift : k0 / ps;
-    const int64_t id = TableAt(a.p, b, pi);
-    const DirRow r = DirectoryRow(a.p, id);
-    const int64_t f = r.f, off = r.off;
-    res = true;
-    if constexpr (EARLY) rpi = pi, rid = id, rf = f, roff = off;
-    if (PageProblemAt(a.p, id, f, off, false) != kPageOk || f != kInt4F) {
-      atomicMin(&s_key, Key(kClassRow, (static_cast<unsigned long long>(b) << 28) | static_cast<unsigned long long>(pi + 1)));
+    int64_t off;
+    if (!pu::UniformPage<EARLY>(a, b, pi, kInt4F, &s_key, &rpi, &rid, &rf, &roff, &off, &res)) {
       kp = nullptr;
       return;
     }
@@ -3910,12 +3952,8 @@ __global__ void __launch_bounds__(kThreads) PagedAttentionU4(const AttnArgs args
     pv3::LoadQueryChunk<kD>(qrow, g, gn, c, qc);
     bool bad2 = false;
     const int64_t st2 = ClampedStart(a, b, &bad2);
-    bool stale = false;  // Note [Paged CUDA late pages]: the pages that hold rows from st0 on, read again
-    if (recheck && res && (rpi + 1) * ps > st0) {
-      const int64_t id2 = TableAt(a.p, b, rpi);
-      const DirRow r = DirectoryRow(a.p, rid);
-      stale = id2 != rid || r.f != rf || r.off != roff;
-    }
+    // Note [Paged CUDA late pages]: the pages that hold rows from st0 on, read again
+    const bool stale = recheck && res && (rpi + 1) * ps > st0 && pu::SeenPageChanged(a, b, rpi, rid, rf, roff);
     lim = j1;
     if (pending != 0) {  // warp-uniform: the prologue's tiles with this step's rows, whole
 #pragma unroll
@@ -3928,10 +3966,7 @@ __global__ void __launch_bounds__(kThreads) PagedAttentionU4(const AttnArgs args
     bool again = st2 != st0 || bad2 != bad_start;  // block-uniform
     if (recheck) again = __syncthreads_or(again || stale) != 0;
     if (again) {  // `start`, a table entry or a directory row was written by the previous kernel: start over
-      CpAsyncWait<0>();
-      __syncthreads();  // every early atomicMin is done
-      if (tid == 0) s_key = kNoError;
-      __syncthreads();
+      pu::RestartKey(tid, s_key);
       st0 = st2, bad_start = bad2, res = false, kp = nullptr, pending = 0;
       setup();
       resolve(0);
@@ -3967,32 +4002,8 @@ __global__ void __launch_bounds__(kThreads) PagedAttentionU4(const AttnArgs args
   pv3::MergeWindowT(wring, lane, mw, lw, mvw, ow, m, l, o);  // waits for every copy
   l += __shfl_xor_sync(0xffffffffu, l, 1);
   l += __shfl_xor_sync(0xffffffffu, l, 2);
-  __syncthreads();  // the ring becomes the merge arrays; s_key is final
-  const unsigned long long key = s_key;
-  if (key != kNoError) {  // a bad page: this block's output is empty (as Note [Paged CUDA v3])
-    m = -INFINITY;
-    l = 0.0f;
-#pragma unroll
-    for (int nt = 0; nt < kD / 8; ++nt) o[nt][0] = o[nt][1] = 0.0f;
-  }
-  unsigned long long counted = 0, rep = kNoError;  // the last thread: Note [Uniform key thread]
-  if (tid == kThreads - 1) {  // the block's key with the start's failure (Note [Paged CUDA one-launch report])
-    const unsigned long long sk = bad_start ? Key(kClassRow, static_cast<unsigned long long>(b) << 28) : kNoError;
-    rep = sk < key ? sk : key;
-    s_rep = rep;  // a slot of its own: the other threads read s_key above (Note [Uniform key thread])
-    if constexpr (!CLUSTER) counted = StoreBlockKey(a, rep);
-  }
-  float* fin = CLUSTER ? reinterpret_cast<float*>(dsm + RG::kSmem) : nullptr;
-  MergeWarpTiles<NW, kD>(*reinterpret_cast<Merge*>(dsm), m, l, o, gn,
-                         [&](int gg, int d, float mb, float lb, float ab) {
-                           EmitMerged<__half>(a, bu, gg, d, mb, lb, ab, fin);
-                         });
-  if constexpr (CLUSTER)  // Note [Paged CUDA cluster merge]
-    tile16::ClusterMerge<__half, kD>(
-        fin, static_cast<int>(S), gn, tid, kThreads, [&](int gg) { return OutRow<__half>(a, bu, gg); },
-        [&](auto& cl) { ClusterReport(a, bu, &s_rep, cl); });
-  else if (tid == kThreads - 1)
-    ReportBlockKey(a, bu, rep, counted);  // Note [Paged CUDA one-launch report]
+  pu::FinishUniform<__half, kD, NW, CLUSTER, 2>(a, bu, dsm, s_key, s_rep, bad_start,
+                                             CLUSTER ? reinterpret_cast<float*>(dsm + RG::kSmem) : nullptr, m, l, o);
 }
 
 #ifndef ORTKV_PAGED_U4_MAX_PER_SM  // the blocks per SM the splits assume (an A/B knob for paged_sweep.cu)
