@@ -8,7 +8,9 @@ PagedCacheUpdate: paged_model_path(fused_rotary=False)), with --full-table the p
 max_length table (TABLE_BUCKET_MIN raised past it), with --walk the paged runner whose host bookkeeping walks
 every page of every row each step (ortkv.reference.page_policy: before Note [Incremental advance]), and with
 --page-commits the paged runner committing page by page (COMMIT_AHEAD_TOKENS 0: a fresh graph capture after every
-granule, as before Note [Paged decoder on CUDA]'s commit-ahead; compare the mean column).
+granule, as before Note [Paged decoder on CUDA]'s commit-ahead; compare the mean column), and with --kv-formats
+int8,int4 the paged runner with every page of that format (kv_format; INT4 pages run the uniform INT4 kernel,
+Note [Paged CUDA uniform INT4]).
 SmolLM2-135M float16, CUDA graph, greedy. One process; per cell the variants alternate, --rounds times, and the
 table holds each one's median ms per decode step and its ratio to the dense runner's, the prefill's ms, the mean ms
 per step over all steps (a step that captures a new CUDA graph, after the pool or the arena committed, counts
@@ -16,6 +18,7 @@ there and not in the median), and the paged runners' decode graph ids in the las
 
     python benchmarks/bench_paged_generate_cuda.py [--batch 1 8] [--max-length 2048 8192] [--prompt-tokens 16]
         [--new-tokens 128] [--rounds 3] [--one-block] [--unfused] [--full-table] [--walk] [--page-commits]
+        [--kv-formats int8,int4]
         [--out benchmarks/results/paged_generate_cuda.md]
 """
 
@@ -52,10 +55,16 @@ def main(argv=None) -> int:
     p.add_argument("--one-block", action="store_true", help="also the paged runner with the update in one block")
     p.add_argument("--walk", action="store_true", help="also the paged runner walking every page each step")
     p.add_argument("--page-commits", action="store_true", help="also the paged runner committing page by page")
+    p.add_argument("--kv-formats", default="",
+                   help="comma-separated page formats, each also run as a paged runner (e.g. int8,int4)")
+    p.add_argument("--no-update-variants", action="store_true",
+                   help="leave out the plain and two-kernel update variants")
     p.add_argument("--out", help="append the table to this markdown file")
     a = p.parse_args(argv)
 
-    variants = ["dense", "paged f16", "paged f16 plain update", "paged f16 two-kernel update"]
+    variants = ["dense", "paged f16"]
+    variants += [] if a.no_update_variants else ["paged f16 plain update", "paged f16 two-kernel update"]
+    variants += [f"paged {f.strip().lower()}" for f in a.kv_formats.split(",") if f.strip()]
     variants += ["paged f16 one-block update"] if a.one_block else []
     variants += ["paged f16 unfused rotary"] if a.unfused else []
     variants += ["paged f16 full table"] if a.full_table else []
@@ -72,7 +81,7 @@ def main(argv=None) -> int:
         cfg.search.max_length = ml
         if variant != "dense":
             cfg.ortkv.cache = "paged"
-            cfg.ortkv.kv_format = "f16"
+            cfg.ortkv.kv_format = variant.split()[1]  # "paged FMT ..."
         return cfg.validate()
 
     tok = tokenizer_for(config("dense", 2048))
