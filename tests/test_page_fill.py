@@ -167,6 +167,28 @@ def test_update_fork_child_and_parent_write_past_each_other(rng):
 
 
 # ---- PagedCacheAttention ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("fmt", [PageFormat.INT4_KC, PageFormat.INT2_KC], ids=lambda f: f.name)
+@pytest.mark.parametrize("G", [3, 4])
+def test_attention_kc_pages_of_one_row_each(rng, fmt, G):
+    """Note [Paged _KC keys in registers]: a block of _KC keys holds the channel scales of at most 32 pages, so
+    entries of one row each (page_fill 1) end a 64-key block at 32 keys; 100 such entries, then full ones; G = 3
+    reads the codes in place, G = 4 decodes them."""
+    NL, H, PS, D = 2, 2, 4, 64
+    n_one, n_full = 100, 5
+    pool, directory = build_pool(rng, [fmt] * (n_one + n_full), num_layers=NL, kv_heads=H, page_size=PS,
+                                 head_size=D)
+    ids = [int(i) for i in rng.permutation(n_one + n_full)]
+    table = table_for([ids], n_one + n_full)
+    fill = np.array([[1] * n_one + [PS] * n_full], np.int32)
+    L = n_one + PS * n_full
+    q = _rand(rng, (1, 1, H * G * D), "float32")
+    kw = dict(layer=1, num_layers=NL, page_size=PS)
+    got = run_attention_fill(q, pool, directory, table, fill, [L - 1], num_heads=H * G, kv_heads=H, **kw)
+    want = paged_cache_attention_ref(q, pool, directory, table, [L - 1], num_heads=H * G, kv_num_heads=H,
+                                     page_fill=fill, **kw)
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+
+
 def _attn_fill_case(rng, formats, *, B, T, NL=2, H=2, G=3, PS=8, D=32, layer=1, dtype="float32", max_len=60):
     n_pages = 80
     fmts = [formats[int(i)] for i in rng.integers(0, len(formats), n_pages)]

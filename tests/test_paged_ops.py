@@ -404,12 +404,14 @@ def test_attention_every_format_in_one_pool_shuffled(rng):
 
 @pytest.mark.parametrize("G,D", [(2, 64), (3, 64), (3, 32), (2, 16), (4, 64)])
 @pytest.mark.parametrize("fmt", [PageFormat.F16, PageFormat.BF16, PageFormat.INT8, PageFormat.FP8_E4M3,
-                                 PageFormat.INT4, PageFormat.INT2], ids=lambda f: f.name)
+                                 PageFormat.INT4, PageFormat.INT2, PageFormat.INT4_KC, PageFormat.INT2_KC],
+                         ids=lambda f: f.name)
 def test_attention_pages_read_in_place_heads_in_the_key_loop(rng, G, D, fmt):
-    """Note [Paged rows converted once] / [Paged codes in registers]: 2 or 3 query heads per KV head at head sizes
-    <= 64 convert each row chunk (16-bit values, or codes whose row scale and offset are applied to the score and
-    the weight) once for all heads (8 keys per score batch, so lengths that leave 1-7 keys over); 4 heads keep
-    BlockRows / the decoded blocks. The second case mixes the format with INT8 and F16 pages in one row."""
+    """Note [Paged rows converted once] / [Paged codes in registers] / [Paged _KC keys in registers]: 2 or 3 query
+    heads per KV head at head sizes <= 64 convert each row chunk (16-bit values, codes whose row scale and offset
+    are applied to the score and the weight, or _KC key codes times their page's channel scales) once for all heads
+    (8 keys per score batch, so lengths that leave 1-7 keys over); 4 heads keep BlockRows / the decoded blocks. The
+    second case mixes the format with INT8 and F16 pages in one row."""
     _attn_case(rng, [fmt], B=3, T=1, lengths=[2 * 16 + 13, 5, 16 * 8 + 7], PS=16, D=D, H=2, G=G)
     _attn_case(rng, [fmt, PageFormat.INT8, PageFormat.F16], B=2, T=3, lengths=[70, 19], PS=16, D=D, H=2, G=G)
 
