@@ -14,8 +14,11 @@ kernel of bench_cache_attention_cpu.py, measured in this script before and after
 calls are hot: one layer repeated, so small cases can sit partly in the caches and exceed 100 %).
 
     python benchmarks/bench_paged_attention.py [--rounds 5] [--threads 2] [--lib LIB]
-                                               [--cases 1x2048,4x8192] [--page-sizes 16,64]
+                                               [--cases 1x2048,4x8192] [--page-sizes 16,64] [--tokens 1]
                                                [--out benchmarks/results/paged_attention_cpu.md]
+
+--tokens T: T query tokens a row, the last T of its L keys (a prefill of the whole row when T = L; Note [Paged CPU
+query tiles]); 1 (a decode step) by default.
 """
 
 from __future__ import annotations
@@ -128,6 +131,7 @@ def main(argv=None) -> int:
     p.add_argument("--lib", help="the custom-op library (default: the installed one)")
     p.add_argument("--cases", help="BATCHxKEYS,... (default " + ",".join(f"{b}x{k}" for b, k in CASES) + ")")
     p.add_argument("--page-sizes", default=",".join(str(x) for x in PAGE_SIZES))
+    p.add_argument("--tokens", type=int, default=1, help="query tokens a row (the last of its keys)")
     p.add_argument("--out")
     a = p.parse_args(argv)
     global LIB
@@ -145,9 +149,10 @@ def main(argv=None) -> int:
     rows = []
     for B, L in cases:
         tokens = rng.standard_normal((2, B, HKV, L, D), dtype=np.float32)
-        q = ort.OrtValue.ortvalue_from_numpy(rng.standard_normal((B, 1, HQ * D), dtype=np.float32))
-        st = ort.OrtValue.ortvalue_from_numpy(np.full(B, L - 1, np.int64))
-        out = ort.OrtValue.ortvalue_from_numpy(np.zeros((B, 1, HQ * D), np.float32))
+        T = a.tokens
+        q = ort.OrtValue.ortvalue_from_numpy(rng.standard_normal((B, T, HQ * D), dtype=np.float32))
+        st = ort.OrtValue.ortvalue_from_numpy(np.full(B, L - T, np.int64))
+        out = ort.OrtValue.ortvalue_from_numpy(np.zeros((B, T, HQ * D), np.float32))
         variants = {}
         io = dense.io_binding()
         keep = [ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(tokens[0])),
@@ -185,7 +190,8 @@ def main(argv=None) -> int:
         "",
         f"Command: `python benchmarks/bench_paged_attention.py {' '.join(shlex.quote(x) for x in (argv or sys.argv[1:]))}`  ",
         f"Machine: {platform.machine()}, {os.cpu_count()} cores, ORT {ort.__version__}, intra-op threads "
-        f"{a.threads}, {time.strftime('%Y-%m-%d %H:%M')}. SmolLM2-135M heads (Hq 9, Hkv 3, D 64), one decode token "
+        f"{a.threads}, {time.strftime('%Y-%m-%d %H:%M')}. SmolLM2-135M heads (Hq 9, Hkv 3, D 64), "
+        f"{'one decode token' if a.tokens == 1 else f'{a.tokens} query tokens a row (the last of them)'} "
         f"over L keys; median over {a.rounds} alternating rounds. KV MiB: bytes of K and V (dense float32) or of the "
         f"pages read. x dense: median over rounds of the round's paged / dense ratio.  ",
         "Read kernel (two threads, 256 MiB): "

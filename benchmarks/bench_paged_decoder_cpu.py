@@ -12,7 +12,8 @@ the new tokens that agree with dense's before the first difference.
 
 --repeat N feeds the prompt N times over (space-separated): a long context, e.g. --repeat 240 (~1,450 tokens of the
 default prompt), where the attention's share of the step grows. The last column is the median over rounds of each
-round's ratio to dense (the fairer figure on a noisy machine).
+round's ratio to dense (the fairer figure on a noisy machine). The prefill columns: the prompt's forward (ms, median
+over rounds) and the median of the rounds' prefill ratios to dense (Note [Paged CPU query tiles]).
 """
 
 from __future__ import annotations
@@ -55,24 +56,29 @@ def main(argv=None) -> int:
     if len(ids[0]) + a.new_tokens > cfg.search.max_length:
         p.error(f"{len(ids[0])} prompt tokens + {a.new_tokens} new exceed max_length {cfg.search.max_length}")
     runs = {v: [] for v in runners}
+    prefill = {v: [] for v in runners}
     tokens = {}
     for r in range(a.rounds + 1):
         for v, run in runners.items():
             g = generate(run, ids, run.cfg.search, a.new_tokens, -1, 2)
             if r:
                 runs[v].append(g.median_step_ms)
+                prefill[v].append(g.prefill_s * 1e3)
             tokens[v] = g.new_ids[0]
     dense = statistics.median(runs["dense"])
     lines = [f"{len(ids[0])} prompt tokens, {a.new_tokens} new, {a.rounds} rounds", "",
              "| variant | ms/step (median) | vs dense | rounds | same tokens as dense | tokens agreeing | "
-             "median of round ratios |",
-             "|---|---:|---:|---|---|---:|---:|"]
+             "median of round ratios | prefill ms (median) | prefill: median of round ratios |",
+             "|---|---:|---:|---|---|---:|---:|---:|---:|"]
     for v, xs in runs.items():
         m = statistics.median(xs)
         per_round = statistics.median(x / d for x, d in zip(xs, runs["dense"]))
         agree = next((i for i, (x, y) in enumerate(zip(tokens[v], tokens["dense"])) if x != y), len(tokens[v]))
+        pre = statistics.median(prefill[v])
+        pre_ratio = statistics.median(x / d for x, d in zip(prefill[v], prefill["dense"]))
         lines.append(f"| {v} | {m:.2f} | {m / dense:.2f} | {' '.join(f'{x:.2f}' for x in xs)} | "
-                     f"{'yes' if tokens[v] == tokens['dense'] else 'no'} | {agree} | {per_round:.2f} |")
+                     f"{'yes' if tokens[v] == tokens['dense'] else 'no'} | {agree} | {per_round:.2f} | {pre:.0f} | "
+                     f"{pre_ratio:.2f} |")
     for r in runners.values():
         r.close()
     return emit("\n".join(lines), a.out)

@@ -416,6 +416,36 @@ def test_attention_pages_read_in_place_heads_in_the_key_loop(rng, G, D, fmt):
     _attn_case(rng, [fmt, PageFormat.INT8, PageFormat.F16], B=2, T=3, lengths=[70, 19], PS=16, D=D, H=2, G=G)
 
 
+@pytest.mark.parametrize("T", [2, 8, 13, 40])
+@pytest.mark.parametrize("D,G", [(64, 3), (32, 2), (20, 2)])
+def test_attention_query_tiles(rng, T, D, G):
+    """Note [Paged CPU query tiles]: T >= 2 tokens a row, several tokens a unit (8 at most: T = 13 is a tile of 8
+    and one of 5), each key block decoded once for the tile and read by every token up to its own causal limit
+    (starts that leave a block partly seen), every format mixed in shuffled pages; head size 20 takes BlockAny."""
+    _attn_case(rng, ALL if D % 4 == 0 else [PageFormat.F16], B=2, T=T, lengths=[T + 77, T + 3], PS=16, D=D, H=2, G=G)
+
+
+def test_attention_query_tiles_keep_a_later_tokens_values_out(rng):
+    """Note [Paged CPU query tiles]: a tile's tokens share each block, but a token's row never reads a later
+    token's key or value: an inf in token 12's value leaves tokens 0-11 finite and equal to the reference (one
+    tile of 10 tokens and one of 10 over a 20-token prefill, G = 3), and reaches the later tokens of that head."""
+    NL, H, G, D, PS, T = 1, 2, 3, 64, 16, 20
+    pool, directory = build_pool(rng, [PageFormat.F16] * 2, num_layers=NL, kv_heads=H, page_size=PS, head_size=D)
+    vals = rng.standard_normal((2, H, PS, D)).astype(np.float32)
+    vals[1, 0, 12, 5] = np.inf  # V, KV head 0, token 12
+    o = int(directory[0, 1])
+    pool[o:o + layout(PageFormat.F16, H, PS, D).page_bytes] = encode_page(PageFormat.F16, vals)
+    table = table_for([[0, 1]], 2)
+    q = _rand(rng, (1, T, H * G * D), "float32")
+    kw = dict(layer=0, num_layers=NL, page_size=PS)
+    got = run_attention(q, pool, directory, table, [0], num_heads=H * G, kv_heads=H, **kw)
+    want = paged_cache_attention_ref(q, pool, directory, table, [0], num_heads=H * G, kv_num_heads=H, **kw)
+    assert np.isfinite(got[0, :12]).all()
+    np.testing.assert_allclose(got[0, :12], want[0, :12], rtol=2e-5, atol=2e-5)
+    assert not np.isfinite(got[0, 12:, :G * D]).all()  # the group of KV head 0 from token 12 on
+    np.testing.assert_allclose(got[0, :, G * D:], want[0, :, G * D:], rtol=2e-5, atol=2e-5)  # KV head 1: untouched
+
+
 @pytest.mark.parametrize("D,PS", [(16, 4), (32, 8), (128, 16), (20, 4)])
 def test_attention_head_sizes_and_page_sizes(rng, D, PS):
     """The vector path's head sizes, and a head size (20) that takes the plain loops."""

@@ -265,13 +265,15 @@ struct PagedAttentionView {
   int64_t B = 0, T = 0, Hq = 0, Hkv = 0, D = 0;
   float scale = 1.0f;
   int64_t splits = 1;
+  int64_t tile = 1;          // query tokens per unit (Note [Paged CPU query tiles]); > 1 only with splits == 1
   float* partial = nullptr;  // splits > 1: partial_floats() floats, owned by the caller
 
-  int64_t units() const { return B * Hkv * T; }
+  int64_t tiles() const { return (T + tile - 1) / tile; }  // units of one (row, KV head)
+  int64_t units() const { return B * Hkv * tiles(); }
   int64_t tasks() const { return units() * splits; }
   int64_t group() const { return Hq / Hkv; }
   int64_t partial_floats() const { return splits > 1 ? tasks() * group() * (D + 2) : 0; }
-  // scores, scaled q, acc, m, l, then the decoded K and V block
+  // scores, scaled q, acc, m, l, then the decoded K and V block (tiles: Note [Paged CPU query tiles])
   int64_t scratch_floats() const;
   std::vector<int64_t> fill_prefix;  // Note [Page fill]: p.fill_prefix's storage (do not copy the view)
 };

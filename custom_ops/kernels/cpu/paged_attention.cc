@@ -3,6 +3,7 @@
 // each page decoded by its own format into a per-thread L1/L2 buffer.
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <sstream>
@@ -22,6 +23,10 @@ using codecs::PageFormat;
 using codecs::PageView;
 
 using namespace attn_cpu;  // NOLINT: the block kernel shared with CacheAttention (attention_block.h)
+
+#ifndef ORTKV_PAGED_QUERY_TILES  // 0: no tiles (an A/B knob for benchmarks; Note [Paged CPU query tiles])
+#define ORTKV_PAGED_QUERY_TILES 1
+#endif
 
 // ---- decoding a run of rows of one page -------------------------------------------------------------
 // Rows [r, r + n) of (kv, head) of one page into out [n][D]: the floats PageView::DecodeRow gives, 16
@@ -219,7 +224,9 @@ constexpr int kLanes = 4;  // Note [CPU attention native width]
 }  // namespace
 
 int64_t PagedAttentionView::scratch_floats() const {
-  return group() * (kAttnBlockKeys + 2 * D + 2) + 2 * kAttnBlockKeys * D;
+  const int64_t KB = kAttnBlockKeys;
+  if (tile > 1) return 2 * KB * D + 32 * (2 * D + KB) + D;  // kbuf, vbuf, qt, ot, S, a row (Note [Paged CPU query tiles])
+  return group() * (KB + 2 * D + 2) + 2 * KB * D;
 }
 
 Status PlanPagedCacheAttention(const std::string& node, const TensorArg& q, const TensorArg& pool,
@@ -309,6 +316,12 @@ Status PlanPagedCacheAttention(const std::string& node, const TensorArg& q, cons
   view->Hkv = kv;
   view->D = D;
   view->scale = scale > 0 ? scale : 1.0f / std::sqrt(static_cast<float>(D));
+  // Note [Paged CPU query tiles]: several query tokens a unit where that leaves enough units (no split-K)
+  view->tile = 1;
+  const int64_t G = num_heads / kv, tile = G <= 16 ? std::min<int64_t>(T, 32 / G) : 1;
+  const bool tiles = ORTKV_PAGED_QUERY_TILES && attn_cpu::CpuIsaOnce().isa == attn_cpu::CpuIsa::kAvx512 &&
+                     D % 16 == 0 && D <= 128;
+  if (tiles && tile > 1 && attn_cpu::CpuSplits(B * kv * ((T + tile - 1) / tile), max_keys) == 1) view->tile = tile;
   view->splits = attn_cpu::CpuSplits(view->units(), max_keys);
   view->partial = nullptr;
   return Status::Ok();
@@ -329,7 +342,7 @@ void PagedCacheAttentionCombine(const PagedAttentionView& a) {
   if (S <= 1) return;
   std::vector<float> og(static_cast<size_t>(G * D));
   for (int64_t unit = 0; unit < a.units(); ++unit) {
-    const int64_t t = unit % a.T, hk = (unit / a.T) % a.Hkv, b = unit / (a.T * a.Hkv);
+    const int64_t t = unit % a.T, hk = (unit / a.T) % a.Hkv, b = unit / (a.T * a.Hkv);  // tile 1 (splits > 1)
     const float* part = a.partial + unit * S * P;
     for (int64_t g = 0; g < G; ++g) attn_cpu::MergeSplits(part, S, G, D, g, og.data() + g * D);
     paged::StoreRow(a.elem_type, a.out, (b * a.T + t) * a.Hq * D + hk * G * D, G * D, og.data());
