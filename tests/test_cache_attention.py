@@ -132,6 +132,32 @@ def test_prefill_across_blocks(rng, seq_axis):
     _run_and_check(rng, 6, 2, 64, 300, [190, 0], T=70, seq_axis=seq_axis)
 
 
+@pytest.mark.parametrize("seq_axis", [1, 2])
+@pytest.mark.parametrize("T", [2, 11, 45])
+def test_prefill_in_query_tiles(rng, seq_axis, T):
+    """Note [Paged CPU query tiles] over a dense cache: tiles of 10 tokens (G = 3) and 16 (G = 2), the last one
+    partial, in a cache exactly as long as the keys (no row past the last is read); two rows, one starting at 0."""
+    _run_and_check(rng, 9, 3, 64, 37 + T, [37, 0], T=T, seq_axis=seq_axis)
+    _run_and_check(rng, 4, 2, 32, 5 + T, [5, 3], T=T, seq_axis=seq_axis)
+
+
+def test_prefill_tiles_keep_a_later_tokens_values_out(rng):
+    """A tile's tokens share each key block, but an inf in token 12's value reaches only tokens 12 on (of that KV
+    head's query heads): tokens 0-11 stay finite and equal to the reference."""
+    heads, kv_heads, D, T = 9, 3, 64, 20
+    k = rng.standard_normal((1, kv_heads, T, D), dtype=np.float32)
+    v = rng.standard_normal((1, kv_heads, T, D), dtype=np.float32)
+    v[0, 0, 12, 5] = np.inf
+    q = rng.standard_normal((1, T, heads * D), dtype=np.float32)
+    start = np.zeros(1, np.int64)
+    (out,) = ort_session(cache_attention_model(heads, kv_heads, 2)).run(None, {"q": q, "k": k, "v": v, "start": start})
+    ref = cache_attention_ref(q, k, v, start, heads, kv_heads, seq_axis=2)
+    assert np.isfinite(out[0, :12]).all()
+    np.testing.assert_allclose(out[0, :12], ref[0, :12], rtol=2e-5, atol=2e-5)
+    assert not np.isfinite(out[0, 12:, :3 * D]).all()
+    np.testing.assert_allclose(out[0, :, 3 * D:], ref[0, :, 3 * D:], rtol=2e-5, atol=2e-5)
+
+
 @pytest.mark.parametrize("rising", [True, False])
 def test_online_softmax_rescaling(rng, rising):
     """Scores that grow (or shrink) by far more than exp's range along the keys: the running maximum

@@ -45,13 +45,17 @@ struct CacheAttentionView {
   int64_t row_stride = 0, tok_stride = 0, head_stride = 0;  // elements, in k and v
   float scale = 1.0f;
   int64_t splits = 1;          // key chunks per unit (Note [CacheAttention CPU split-K])
+  int64_t tile = 1;            // query tokens per unit (Note [Paged CPU query tiles]); > 1 only with splits == 1
   float* partial = nullptr;    // splits > 1: partial_floats() floats, owned by the caller
 
-  int64_t units() const { return B * Hkv * T; }      // one unit: one (row, kv head, query token)
+  int64_t tiles() const { return (T + tile - 1) / tile; }
+  int64_t units() const { return B * Hkv * tiles(); }  // one unit: one (row, kv head, query token or tile)
   int64_t tasks() const { return units() * splits; }  // one task: one key chunk of a unit
   int64_t group() const { return Hq / Hkv; }
   int64_t partial_floats() const { return splits > 1 ? tasks() * group() * (D + 2) : 0; }
-  int64_t scratch_floats() const { return group() * (kAttnBlockKeys + 2 * D + 2); }  // scores, scaled q, acc, m, l
+  int64_t scratch_floats() const {  // scores, scaled q, acc, m, l; a tile's qt, ot and scores
+    return tile > 1 ? 32 * (2 * D + kAttnBlockKeys) : group() * (kAttnBlockKeys + 2 * D + 2);
+  }
 };
 
 // Validates inputs and fills `view` (user-input errors name the node and the numbers), including

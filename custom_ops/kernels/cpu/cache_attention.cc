@@ -4,6 +4,7 @@
 // keep every core reading.
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <sstream>
@@ -16,6 +17,10 @@ namespace {
 
 using namespace attn_cpu;  // NOLINT: the block kernel (attention_block.h)
 
+#ifndef ORTKV_DENSE_QUERY_TILES  // 0: no tiles (an A/B knob for benchmarks; Note [Paged CPU query tiles])
+#define ORTKV_DENSE_QUERY_TILES 1
+#endif
+
 Status Bad(const std::string& node, const std::string& what) {
   return Status(Code::kInvalidArgument, "CacheAttention node '" + node + "': " + what);
 }
@@ -24,20 +29,26 @@ Status Bad(const std::string& node, const std::string& what) {
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
 namespace isa_avx512 {
+#define ORTKV_ISA 2
 constexpr int kLanes = 16;  // Note [CPU attention native width]
 #include "cache_attention_task.inc"
+#undef ORTKV_ISA
 }  // namespace isa_avx512
 #pragma GCC pop_options
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 namespace isa_avx2 {
+#define ORTKV_ISA 1
 constexpr int kLanes = 8;  // Note [CPU attention native width]
 #include "cache_attention_task.inc"
+#undef ORTKV_ISA
 }  // namespace isa_avx2
 #pragma GCC pop_options
 namespace isa_baseline {
+#define ORTKV_ISA 0
 constexpr int kLanes = 4;  // Note [CPU attention native width]
 #include "cache_attention_task.inc"
+#undef ORTKV_ISA
 }  // namespace isa_baseline
 
 }  // namespace
@@ -144,6 +155,13 @@ Status PlanCacheAttention(const std::string& node, const TensorArg& q, const Ten
   view->tok_stride = sh.tok_stride;
   view->head_stride = sh.head_stride;
   view->scale = scale > 0 ? scale : 1.0f / std::sqrt(static_cast<float>(D));
+  // Note [Paged CPU query tiles] (paged_attention_task.inc), the same tiles over a dense cache
+  view->tile = 1;
+  const int64_t G = view->group(), tile = G <= 16 ? std::min<int64_t>(view->T, 32 / G) : 1;
+  const bool tiles = ORTKV_DENSE_QUERY_TILES && attn_cpu::CpuIsaOnce().isa == attn_cpu::CpuIsa::kAvx512 &&
+                     D % 16 == 0 && D <= 128;
+  if (tiles && tile > 1 && attn_cpu::CpuSplits(view->B * view->Hkv * ((view->T + tile - 1) / tile), max_keys) == 1)
+    view->tile = tile;
   view->splits = attn_cpu::CpuSplits(view->units(), max_keys);
   view->partial = nullptr;
   return Status::Ok();
@@ -210,7 +228,7 @@ void CacheAttentionCombine(const CacheAttentionView& a) {
   const int64_t S = a.splits, G = a.group(), D = a.D, P = G * (D + 2);
   if (S <= 1) return;
   for (int64_t unit = 0; unit < a.units(); ++unit) {
-    const int64_t t = unit % a.T, hk = (unit / a.T) % a.Hkv, b = unit / (a.T * a.Hkv);
+    const int64_t t = unit % a.T, hk = (unit / a.T) % a.Hkv, b = unit / (a.T * a.Hkv);  // tile 1 (splits > 1)
     const float* part = a.partial + unit * S * P;  // tasks unit * S ... unit * S + S - 1
     float* out = a.out + (b * a.T + t) * a.Hq * D + hk * G * D;
     for (int64_t g = 0; g < G; ++g) attn_cpu::MergeSplits(part, S, G, D, g, out + g * D);
