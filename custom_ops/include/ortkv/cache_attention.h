@@ -53,8 +53,8 @@ struct CacheAttentionView {
   int64_t tasks() const { return units() * splits; }  // one task: one key chunk of a unit
   int64_t group() const { return Hq / Hkv; }
   int64_t partial_floats() const { return splits > 1 ? tasks() * group() * (D + 2) : 0; }
-  int64_t scratch_floats() const {  // scores, scaled q, acc, m, l; a tile's qt, ot and scores
-    return tile > 1 ? 32 * (2 * D + kAttnBlockKeys) : group() * (kAttnBlockKeys + 2 * D + 2);
+  int64_t scratch_floats() const {  // scores, scaled q, acc, m, l; a tile's qt, ot, scores and an output row
+    return tile > 1 ? 32 * (2 * D + kAttnBlockKeys) + D : group() * (kAttnBlockKeys + 2 * D + 2);
   }
 };
 
