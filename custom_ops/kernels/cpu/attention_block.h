@@ -452,6 +452,20 @@ inline int64_t CpuSplits(int64_t units, int64_t max_keys) {
   return std::max<int64_t>(1, std::min((kAttnTargetTasks + units - 1) / units, max_keys / kAttnMinSplitKeys));
 }
 
+#ifndef ORTKV_CPU_QUERY_TILES  // 0: no tiles (an A/B knob for benchmarks)
+#define ORTKV_CPU_QUERY_TILES 1
+#endif
+// Query tokens per unit of a CPU attention node (Note [Paged CPU query tiles] in paged_attention_task.inc), 1 for
+// none: tiles run in the AVX-512 copy at head sizes 16..128 (multiples of 16), with up to 32 / G tokens a tile, where
+// a tile fills at least half of its 32 lanes (fewer rows compute the 32 anyway: a decode of 2 tokens at G = 3 would do
+// ~5x the FMAs of the per-token path) and the tiles alone keep the threads busy (no split-K).
+inline int64_t CpuQueryTile(int64_t B, int64_t Hkv, int64_t T, int64_t G, int64_t D, int64_t max_keys) {
+  if (!ORTKV_CPU_QUERY_TILES || CpuIsaOnce().isa != CpuIsa::kAvx512 || D % 16 != 0 || D > 128 || G > 16) return 1;
+  const int64_t tile = std::min<int64_t>(T, 32 / G);
+  if (tile < 2 || tile * G < 16 || CpuSplits(B * Hkv * ((T + tile - 1) / tile), max_keys) != 1) return 1;
+  return tile;
+}
+
 // Split-K merge (Note [CacheAttention CPU split-K]) of head g of one unit: its S chunk partials
 // [acc G x D, m G, l G] at part + c * G * (D + 2) into the normalized output row og[D].
 inline void MergeSplits(const float* part, int64_t S, int64_t G, int64_t D, int64_t g, float* og) {

@@ -17,10 +17,6 @@ namespace {
 
 using namespace attn_cpu;  // NOLINT: the block kernel (attention_block.h)
 
-#ifndef ORTKV_DENSE_QUERY_TILES  // 0: no tiles (an A/B knob for benchmarks; Note [Paged CPU query tiles])
-#define ORTKV_DENSE_QUERY_TILES 1
-#endif
-
 Status Bad(const std::string& node, const std::string& what) {
   return Status(Code::kInvalidArgument, "CacheAttention node '" + node + "': " + what);
 }
@@ -156,12 +152,7 @@ Status PlanCacheAttention(const std::string& node, const TensorArg& q, const Ten
   view->head_stride = sh.head_stride;
   view->scale = scale > 0 ? scale : 1.0f / std::sqrt(static_cast<float>(D));
   // Note [Paged CPU query tiles] (paged_attention_task.inc), the same tiles over a dense cache
-  view->tile = 1;
-  const int64_t G = view->group(), tile = G <= 16 ? std::min<int64_t>(view->T, 32 / G) : 1;
-  const bool tiles = ORTKV_DENSE_QUERY_TILES && attn_cpu::CpuIsaOnce().isa == attn_cpu::CpuIsa::kAvx512 &&
-                     D % 16 == 0 && D <= 128;
-  if (tiles && tile > 1 && attn_cpu::CpuSplits(view->B * view->Hkv * ((view->T + tile - 1) / tile), max_keys) == 1)
-    view->tile = tile;
+  view->tile = attn_cpu::CpuQueryTile(view->B, view->Hkv, view->T, view->group(), D, max_keys);
   view->splits = attn_cpu::CpuSplits(view->units(), max_keys);
   view->partial = nullptr;
   return Status::Ok();

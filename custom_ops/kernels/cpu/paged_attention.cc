@@ -24,10 +24,6 @@ using codecs::PageView;
 
 using namespace attn_cpu;  // NOLINT: the block kernel shared with CacheAttention (attention_block.h)
 
-#ifndef ORTKV_PAGED_QUERY_TILES  // 0: no tiles (an A/B knob for benchmarks; Note [Paged CPU query tiles])
-#define ORTKV_PAGED_QUERY_TILES 1
-#endif
-
 // ---- decoding a run of rows of one page -------------------------------------------------------------
 // Rows [r, r + n) of (kv, head) of one page into out [n][D]: the floats PageView::DecodeRow gives, 16
 // channels at a time in vector registers (DecodeRow's scalar conversions and per-channel bit
@@ -316,12 +312,7 @@ Status PlanPagedCacheAttention(const std::string& node, const TensorArg& q, cons
   view->Hkv = kv;
   view->D = D;
   view->scale = scale > 0 ? scale : 1.0f / std::sqrt(static_cast<float>(D));
-  // Note [Paged CPU query tiles]: several query tokens a unit where that leaves enough units (no split-K)
-  view->tile = 1;
-  const int64_t G = num_heads / kv, tile = G <= 16 ? std::min<int64_t>(T, 32 / G) : 1;
-  const bool tiles = ORTKV_PAGED_QUERY_TILES && attn_cpu::CpuIsaOnce().isa == attn_cpu::CpuIsa::kAvx512 &&
-                     D % 16 == 0 && D <= 128;
-  if (tiles && tile > 1 && attn_cpu::CpuSplits(B * kv * ((T + tile - 1) / tile), max_keys) == 1) view->tile = tile;
+  view->tile = attn_cpu::CpuQueryTile(B, kv, T, num_heads / kv, D, max_keys);  // Note [Paged CPU query tiles]
   view->splits = attn_cpu::CpuSplits(view->units(), max_keys);
   view->partial = nullptr;
   return Status::Ok();
