@@ -461,6 +461,7 @@ inline int64_t CpuSplits(int64_t units, int64_t max_keys) {
 // ~5x the FMAs of the per-token path) and the tiles alone keep the threads busy (no split-K).
 inline int64_t CpuQueryTile(int64_t B, int64_t Hkv, int64_t T, int64_t G, int64_t D, int64_t max_keys) {
   if (!ORTKV_CPU_QUERY_TILES || CpuIsaOnce().isa != CpuIsa::kAvx512 || D % 16 != 0 || D > 128 || G > 16) return 1;
+  if (max_keys >= std::numeric_limits<int32_t>::max() - 1) return 1;  // the lanes' key limits are int32 (TileStart)
   const int64_t tile = std::min<int64_t>(T, 32 / G);
   if (tile < 2 || tile * G < 16 || CpuSplits(B * Hkv * ((T + tile - 1) / tile), max_keys) != 1) return 1;
   return tile;
