@@ -84,22 +84,27 @@ ORTKV_INLINE V16 Sum16(const V16* x) {
 // subtracting 1.5 * 2^23, whose low mantissa bits then hold n (no floor, no conversion: written as
 // plain vector arithmetic, it stays vectorized in every clone). Inputs below -87 give ~1e-38, not 0.
 typedef int32_t V16i __attribute__((vector_size(64)));
-ORTKV_INLINE V16 ExpNonPositive(V16 x) {
-  const V16 lo = V16{} - 87.0f, magic = V16{} + 12582912.0f;
+typedef int32_t V8i __attribute__((vector_size(32)));
+// V: a float vector, VI: the int32 vector of its width.
+template <class V, class VI>
+ORTKV_INLINE V ExpNonPositiveOf(V x) {
+  const V lo = V{} - 87.0f, magic = V{} + 12582912.0f;
   x = x < lo ? lo : x;
-  const V16 t = x * 1.44269504088896341f;
-  const V16 f = t + magic;
-  const V16 r = t - (f - magic);
-  V16 p = V16{} + 1.54035303933816e-4f;
+  const V t = x * 1.44269504088896341f;
+  const V f = t + magic;
+  const V r = t - (f - magic);
+  V p = V{} + 1.54035303933816e-4f;
   p = p * r + 1.33335581464284e-3f;
   p = p * r + 9.61812910762848e-3f;
   p = p * r + 5.55041086648216e-2f;
   p = p * r + 2.40226506959101e-1f;
   p = p * r + 6.93147180559945e-1f;
   p = p * r + 1.0f;
-  const V16i bits = ((reinterpret_cast<const V16i&>(f) - reinterpret_cast<const V16i&>(magic)) + 127) << 23;
-  return p * reinterpret_cast<const V16&>(bits);
+  const VI bits = ((reinterpret_cast<const VI&>(f) - reinterpret_cast<const VI&>(magic)) + 127) << 23;
+  return p * reinterpret_cast<const V&>(bits);
 }
+ORTKV_INLINE V16 ExpNonPositive(V16 x) { return ExpNonPositiveOf<V16, V16i>(x); }
+ORTKV_INLINE V8 ExpNonPositive(V8 x) { return ExpNonPositiveOf<V8, V8i>(x); }
 
 // The state of one task: the group's G query heads (pre-multiplied by the scale), and per head the
 // running max m, the running sum l of exp(score - m) and the unnormalized output acc (G x D).
@@ -456,14 +461,16 @@ inline int64_t CpuSplits(int64_t units, int64_t max_keys) {
 #define ORTKV_CPU_QUERY_TILES 1
 #endif
 // Query tokens per unit of a CPU attention node (Note [Paged CPU query tiles] in paged_attention_task.inc), 1 for
-// none: tiles run in the AVX-512 copy at head sizes 16..128 (multiples of 16), with up to 32 / G tokens a tile, where
-// a tile fills at least half of its 32 lanes (fewer rows compute the 32 anyway: a decode of 2 tokens at G = 3 would do
-// ~5x the FMAs of the per-token path) and the tiles alone keep the threads busy (no split-K).
+// none: tiles run in the AVX-512 and AVX2 copies at head sizes 16..128 (multiples of 16), with up to 32 / G tokens a
+// tile, where the tile's rows fill at least half of the lanes its kernel computes together (all 32 in the AVX-512
+// copy; 16, two ymm, in the AVX2 one: fewer rows compute them anyway, and a decode of 2 tokens at G = 3 would do ~5x
+// the FMAs of the per-token path) and the tiles alone keep the threads busy (no split-K).
 inline int64_t CpuQueryTile(int64_t B, int64_t Hkv, int64_t T, int64_t G, int64_t D, int64_t max_keys) {
-  if (!ORTKV_CPU_QUERY_TILES || CpuIsaOnce().isa != CpuIsa::kAvx512 || D % 16 != 0 || D > 128 || G > 16) return 1;
+  const CpuIsa isa = CpuIsaOnce().isa;
+  if (!ORTKV_CPU_QUERY_TILES || isa == CpuIsa::kBaseline || D % 16 != 0 || D > 128 || G > 16) return 1;
   if (max_keys >= std::numeric_limits<int32_t>::max() - 1) return 1;  // the lanes' key limits are int32 (TileStart)
-  const int64_t tile = std::min<int64_t>(T, 32 / G);
-  if (tile < 2 || tile * G < 16 || CpuSplits(B * Hkv * ((T + tile - 1) / tile), max_keys) != 1) return 1;
+  const int64_t tile = std::min<int64_t>(T, 32 / G), part = isa == CpuIsa::kAvx512 ? 32 : 16;
+  if (tile < 2 || 2 * tile * G < part || CpuSplits(B * Hkv * ((T + tile - 1) / tile), max_keys) != 1) return 1;
   return tile;
 }
 
