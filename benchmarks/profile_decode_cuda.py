@@ -1,7 +1,7 @@
 """Where a CUDA decode step's time goes: every CUDA kernel (and copy / memset) of N greedy decode steps of the ortkv
 runner, grouped by kernel name, from CUPTI through torch.profiler (it records every kernel of the process, ORT's
 included). --cache arena paged profiles the dense (arena) runner and then the paged runner with F16 pages (the
-paged decoder, Note [Paged decoder on CUDA]) in one process. Needs a GPU and torch.
+paged decoder, Note [Paged decoder on CUDA]; --kv-format another page format) in one process. Needs a GPU and torch.
 
     python benchmarks/profile_decode_cuda.py --batch 8 --steps 32 [--graph] [--max-length 2048] [--cache arena paged]
 """
@@ -23,6 +23,7 @@ def main() -> None:
     p.add_argument("--graph", action="store_true", help="decode as a CUDA graph (kernels still listed by CUPTI)")
     p.add_argument("--rows", type=int, default=25)
     p.add_argument("--cache", nargs="+", default=["arena"], choices=["arena", "paged"])
+    p.add_argument("--kv-format", default="f16", help="the paged runner's page format (kv_format)")
     a = p.parse_args()
     for cache in a.cache:
         profile_one(a, cache)
@@ -39,7 +40,7 @@ def profile_one(a, cache: str) -> None:
     set_device(cfg, "cuda:0", cuda_graph=a.graph)
     if cache == "paged":
         cfg.ortkv.cache = "paged"
-        cfg.ortkv.kv_format = "f16"
+        cfg.ortkv.kv_format = a.kv_format
     cfg = cfg.validate()
     r = make_runner("ortkv", cfg)
     r.start(a.batch, a.max_length)
@@ -58,7 +59,7 @@ def profile_one(a, cache: str) -> None:
 
     dev = sorted(prof.key_averages(), key=lambda e: -dt(e))
     total = sum(dt(e) for e in dev)
-    print(f"{cache} cache, batch {a.batch}, max length {a.max_length}, graph {a.graph}: wall {wall * 1e3:.3f} ms/step, "
+    print(f"{cache} cache{' ' + a.kv_format if cache == 'paged' else ''}, batch {a.batch}, max length {a.max_length}, graph {a.graph}: wall {wall * 1e3:.3f} ms/step, "
           f"CUDA kernel time {total / a.steps / 1e3:.3f} ms/step, kernels/step {sum(e.count for e in dev if dt(e) > 0) / a.steps:.0f}")
     print(f"{'us/step':>9} {'calls/step':>10}  kernel")
     for e in dev[: a.rows]:

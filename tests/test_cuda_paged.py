@@ -853,6 +853,31 @@ def test_update_large_refusal_and_bytes(rng, path):
 
 
 @pytest.mark.parametrize("path", UPDATE_PATHS)
+@pytest.mark.parametrize("fmt", [PageFormat.INT8, PageFormat.INT4], ids=lambda f: f.name)
+def test_update_refuses_scale_overflow_on_each_path(rng, path, fmt):
+    """Note [Resolved update check]: a float32 value whose row scale passes float16's range (1e9 / 127 for INT8;
+    INT4's offset and range likewise) is refused on every update path, the resolved kernel's warp check included,
+    naming the row and head, nothing written; with the largest value that fits (60000: scale 60000 / 127, and
+    INT4's range 120000 / 15) the bytes equal the CPU op's."""
+    pool, directory, table, key, value, pos, kw = _update_case(rng, [fmt], B=3, T=2, positions=[0, 17, 5], NL=1,
+                                                               layer=0, dtype="float32")
+    bad = value.copy()
+    bad[1, 1, 64 + 63] = 1e9 if fmt == PageFormat.INT8 else -1e9  # row 1, token 1 (position 18), head 1, last lane
+    with update_path(path):
+        after, err = cuda_update(pool, directory, table, key, bad, pos, dtype="float32", **kw)
+    assert err is not None and "'value' [row 1, position 18, head 1]" in err and "beyond float16" in err, err
+    assert after.tobytes() == pool.tobytes()
+    edge = value.copy()
+    edge[1, 1, 64:128] = np.where(np.arange(64) % 2 == 0, 60000.0, -60000.0).astype(np.float32)
+    with update_path(path):
+        got, err = cuda_update(pool, directory, table, key, edge, pos, dtype="float32", **kw)
+    assert err is None, err
+    cpu = pool.copy()
+    run_update(cpu, directory, table, key, edge, pos, dtype="float32", **kw)
+    assert got.tobytes() == cpu.tobytes()
+
+
+@pytest.mark.parametrize("path", UPDATE_PATHS)
 @pytest.mark.parametrize("name", ["position", "page_table", "directory"])
 def test_update_reads_inputs_written_by_the_node_before(rng, name, path):
     """The position, the page table or the directory computed on the GPU by the node right before PagedCacheUpdate
