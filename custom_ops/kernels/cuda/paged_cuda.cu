@@ -878,7 +878,9 @@ static_assert(kResolvedMaxUnits <= kResolvedThreads, "one token per thread");
 // the least, greatest and largest magnitude with shuffles (SourceRowScalesWarp: the same result, min and max being
 // exact in any order once every value is finite). The check kernel of the memset + check + store path (a prefill
 // past the resolved kernel's limits, and every update with page_fill: the many-sequence decoder) takes a warp a row
-// job the same way.
+// job the same way. H100 (the only machine that came; CUPTI as above, plain launches): the kernel 10.1 us a layer
+// with INT4 pages (F16 5.8 there), the INT4 decode step 1.34x the dense one's at batch 1 (F16 pages 1.04x; one round
+// of bench_paged_generate_cuda.py); `pytest -m cuda` of the paged, page-fill and many-sequence files: 425 passed.
 // Note [Resolved update preload]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // CUPTI on the H200 (benchmarks/results/paged_generate_cuda_h200.md, eleventh session) put the paged decode step's
