@@ -1,6 +1,7 @@
 """Where a paged CUDA decode step goes, per op type and execution provider (ORT's profiler, CUDA graphs off so
 that every node is seen): the dense (arena) runner and the paged runner with each --kv-formats page format,
-SmolLM2-135M, batch --batch, a --prompt-tokens prompt. Checks that every node runs on the provider expected.
+SmolLM2-135M, batch --batch, a --prompt-tokens prompt. Each op type is listed with its provider, so a node ORT
+placed on the CPU shows.
 
     python benchmarks/profile_paged_cuda.py [--kv-formats f16,int4] [--batch 1] [--prompt-tokens 4000]
                                             [--steps 32] [--max-length 8192]
@@ -14,26 +15,17 @@ import json
 import tempfile
 from pathlib import Path
 
-from ortkv.generate import paged, runners
 from ortkv.generate.config import GenAIConfig, set_device
 from ortkv.generate.loop import generate
 from ortkv.generate.models import tokenizer_for
+from profile_decode import _ortkv_runner  # benchmarks/ is on sys.path when a script runs
 
 
-def profiled_runner(cfg, prefix):
-    plain = runners._session_options
-
-    def adjusted(c, *args, **kwargs):
-        so = plain(c, *args, **kwargs)
+def _profiling(prefix):
+    def adjust(so):
         so.enable_profiling = True
         so.profile_file_prefix = prefix
-        return so
-
-    runners._session_options = paged._session_options = adjusted
-    try:
-        return runners.make_runner("ortkv", cfg, log=lambda *a: None)
-    finally:
-        runners._session_options = paged._session_options = plain
+    return adjust
 
 
 def main() -> int:
@@ -57,7 +49,7 @@ def main() -> int:
         text = "The history of the printing press begins in the fifteenth century, when " * (8 + a.prompt_tokens // 10)
         ids = [tok.encode(text)[: a.prompt_tokens] for _ in range(a.batch)]
         with tempfile.TemporaryDirectory() as tmp:
-            r = profiled_runner(cfg, str(Path(tmp) / "p"))
+            r = _ortkv_runner(cfg, _profiling(str(Path(tmp) / "p")))  # the paged runner's options come from runners'
             g = generate(r, ids, cfg.search, a.steps, -1, 2)
             s = r.sess.session if hasattr(r.sess, "session") else r.sess
             trace = json.loads(Path(s.end_profiling()).read_text())

@@ -4116,6 +4116,7 @@ Status PagedCacheUpdateCuda(const PagedUpdateCudaView& v, void* stream_ptr) {
     if (e != cudaSuccess) return LaunchError("PagedCacheUpdate", e);
   }
   const int64_t rows = v.rows();
+  // the check: a warp a row job, 4 warps a block of 128 threads; the store: kStoreWarps a block, a warp a job
   const int64_t check_blocks = (rows + 3) / 4, store_blocks = (rows + v.q_jobs() + kStoreWarps - 1) / kStoreWarps;
   if (store_blocks > 0x7fffffff) return Status(Code::kInvalidArgument, "PagedCacheUpdate CUDA: too many rows for one launch; split the batch");
   const int64_t units = v.B * v.T;
