@@ -798,18 +798,29 @@ def test_update_all_direct_formats_mixed(rng, PS, D, T):
     assert got.tobytes() == cpu.tobytes()
 
 
-def test_update_zero_rows_and_signed_zero_minimum_match_cpu(rng):
-    """Rows of zeros (both signs) and constant rows: the warp reductions keep the CPU's tie order."""
-    pool, directory, table, key, value, pos, kw = _update_case(rng, DIRECT, B=2, T=3, positions=[0, 5],
-                                                               dtype="float32")
+@pytest.mark.parametrize("path", UPDATE_PATHS)
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("fmts", [DIRECT, [PageFormat.INT4], [PageFormat.INT8]], ids=["mixed", "INT4", "INT8"])
+def test_update_zero_rows_and_signed_zero_minimum_match_cpu(rng, fmts, dtype, path):
+    """Rows of zeros (both signs), a row's least or greatest value both -0.0 and 0.0 (either first), and constant
+    rows: the warp reductions keep the CPU's tie order (the first element wins), on every path; 16-bit sources take
+    the resolved kernel's preloaded rows (Note [Resolved update preload]: each warp's first job checked and stored
+    from its registers)."""
+    pool, directory, table, key, value, pos, kw = _update_case(rng, fmts, B=2, T=3, positions=[0, 5], dtype=dtype)
     key[0, 0] = 0.0
     key[0, 1] = -0.0
     key[0, 1, ::3] = 0.0
     value[1, 2] = 1.5
-    got, err = cuda_update(pool, directory, table, key, value, pos, dtype="float32", **kw)
+    for t, (first, second) in enumerate([(-0.0, 0.0), (0.0, -0.0)]):  # elements 5 and 40 of every head (64 each)
+        value[0, t] = np.abs(value[0, t])  # the least value: zero of either sign
+        value[1, t] = -np.abs(value[1, t])  # the greatest
+        for b in range(2):
+            value[b, t, 5::64], value[b, t, 40::64] = first, second
+    with update_path(path):
+        got, err = cuda_update(pool, directory, table, key, value, pos, dtype=dtype, **kw)
     assert err is None, err
     cpu = pool.copy()
-    run_update(cpu, directory, table, key, value, pos, dtype="float32", **kw)
+    run_update(cpu, directory, table, key, value, pos, dtype=dtype, **kw)
     assert got.tobytes() == cpu.tobytes()
 
 

@@ -464,14 +464,81 @@ __device__ __forceinline__ void CheckUpdateRow(const PagedUpdateCudaView& v, int
   }
 }
 
+// Warp reductions with the CPU's tie order (the first channel wins a tie: -0.0 vs 0.0 as RowScales).
+__device__ __forceinline__ void ReduceMin(float* v, int* idx) {
+  for (int off = 16; off > 0; off >>= 1) {
+    const float ov = __shfl_xor_sync(0xffffffffu, *v, off);
+    const int oi = __shfl_xor_sync(0xffffffffu, *idx, off);
+    if (ov < *v || (ov == *v && oi < *idx)) {
+      *v = ov;
+      *idx = oi;
+    }
+  }
+}
+__device__ __forceinline__ void ReduceMax(float* v, int* idx) {
+  for (int off = 16; off > 0; off >>= 1) {
+    const float ov = __shfl_xor_sync(0xffffffffu, *v, off);
+    const int oi = __shfl_xor_sync(0xffffffffu, *idx, off);
+    if (ov > *v || (ov == *v && oi < *idx)) {
+      *v = ov;
+      *idx = oi;
+    }
+  }
+}
+
+constexpr int kPreloadPerLane = 4;  // head size <= 128 (Note [Resolved update preload])
+
+// RowScales (codecs.h) of a row of D values held by a warp, lane l's pre[k] = element l + 32 k (all lanes call it;
+// the result is every lane's): min and max with RowScales' tie order (the first element wins, -0.0 vs 0.0), so that
+// the scales written are the CPU's; on kOk sc holds them (scale, and the minimum for the asymmetric formats).
+__device__ __forceinline__ codecs::RowResult PreloadedRowScales(PageFormat f, const float* pre, int64_t D, int lane,
+                                                                uint16_t* sc) {
+  float lo = INFINITY, hi = -INFINITY, amax = 0.0f;
+  int ilo = 0x7fffffff, ihi = 0x7fffffff;
+  bool bad = false;
+#pragma unroll
+  for (int k = 0; k < kPreloadPerLane; ++k) {
+    const int c = lane + 32 * k;
+    if (c >= D) continue;
+    const float x = pre[k];
+    bad |= !(x - x == 0.0f);
+    if (x < lo || ilo == 0x7fffffff) {
+      lo = x;
+      ilo = c;
+    }
+    if (x > hi || ihi == 0x7fffffff) {
+      hi = x;
+      ihi = c;
+    }
+    amax = fmaxf(amax, fabsf(x));
+  }
+  if (__any_sync(0xffffffffu, bad)) return codecs::RowResult::kNonFinite;
+  ReduceMin(&lo, &ilo);
+  ReduceMax(&hi, &ihi);
+  for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+  const codecs::RowResult r = ScalesFit(f, lo, hi, amax);
+  if (r == codecs::RowResult::kOk && sc != nullptr) {
+    if (codecs::ScalesPerRow(f) == 1) {
+      sc[0] = codecs::F16Ceil(amax / codecs::QMax(f));
+    } else {
+      sc[1] = codecs::F16Floor(lo);
+      sc[0] = codecs::F16Ceil((hi - codecs::F16BitsToF32(sc[1])) / codecs::QMax(f));
+    }
+  }
+  return r;
+}
+
 // Row job i's checks once its token u has a valid page `id` (row prow, layer bytes `base`, directory format fmt,
 // position tok): a (page, row) written twice (repeats(): a unit w < u writes the same page row), a write-protected
 // or uncommitted page, a row its page's format cannot encode; by a whole warp (Note [Resolved update check]), every
 // lane with the same job: lane 0 the repeat and range checks, every lane the encode check.
+// (pre: when not null, the row's values held by the warp's lanes, Note [Resolved update preload]; the row's scales,
+// when it has some and they fit, are then left in sc.)
 template <typename Repeats>
 __device__ __forceinline__ void CheckJobWarp(const PagedUpdateCudaView& v, int64_t i, int64_t u, const uint8_t* base,
                                              int fmt, int64_t tok, int lane, unsigned long long* flag,
-                                             const Repeats& repeats) {
+                                             const Repeats& repeats, const float* pre = nullptr,
+                                             uint16_t* sc = nullptr) {
   const int64_t Hkv = v.p.shape.kv_heads;
   const int64_t h = i % Hkv, kv = (i / Hkv) % 2;
   if (lane == 0 && kv == 0 && h == 0) {
@@ -484,8 +551,10 @@ __device__ __forceinline__ void CheckJobWarp(const PagedUpdateCudaView& v, int64
   }
   const PageFormat f = static_cast<PageFormat>(fmt);
   if (codecs::ScalesPerRow(f) == 0) return;  // warp-uniform
-  const codecs::RowResult r = SourceRowScalesWarp(codecs::RowFormat(f), SourceRow(v, kv, u, h, tok),
-                                                  static_cast<int32_t>(v.p.shape.head_size), lane);
+  const codecs::RowResult r =
+      pre != nullptr ? PreloadedRowScales(codecs::RowFormat(f), pre, v.p.shape.head_size, lane, sc)
+                     : SourceRowScalesWarp(codecs::RowFormat(f), SourceRow(v, kv, u, h, tok),
+                                           static_cast<int32_t>(v.p.shape.head_size), lane);
   if (lane == 0 && r != codecs::RowResult::kOk) atomicMin(flag, Key(kClassEncode, static_cast<unsigned long long>(i)));
 }
 
@@ -595,28 +664,6 @@ __device__ void ReportUpdate(const PagedUpdateCudaView& v, unsigned long long ke
   const int hit = RangeHit(v.ranges, first, last);
   const int code = hit && v.ranges.kind[hit - 1] == ORTKV_RANGE_UNCOMMITTED ? ORTKV_DERR_UNCOMMITTED : ORTKV_DERR_READONLY;
   WriteReport(err, v.label, code, u / v.T, tok, v.T, cap, hit ? v.ranges.lo[hit - 1] : 0, first, last);
-}
-
-// Warp reductions with the CPU's tie order (the first channel wins a tie: -0.0 vs 0.0 as RowScales).
-__device__ __forceinline__ void ReduceMin(float* v, int* idx) {
-  for (int off = 16; off > 0; off >>= 1) {
-    const float ov = __shfl_xor_sync(0xffffffffu, *v, off);
-    const int oi = __shfl_xor_sync(0xffffffffu, *idx, off);
-    if (ov < *v || (ov == *v && oi < *idx)) {
-      *v = ov;
-      *idx = oi;
-    }
-  }
-}
-__device__ __forceinline__ void ReduceMax(float* v, int* idx) {
-  for (int off = 16; off > 0; off >>= 1) {
-    const float ov = __shfl_xor_sync(0xffffffffu, *v, off);
-    const int oi = __shfl_xor_sync(0xffffffffu, *idx, off);
-    if (ov > *v || (ov == *v && oi < *idx)) {
-      *v = ov;
-      *idx = oi;
-    }
-  }
 }
 
 constexpr int kStoreWarps = 4;
@@ -895,7 +942,6 @@ static_assert(kResolvedMaxUnits <= kResolvedThreads, "one token per thread");
 // H200 (a package with and without it, one lease): the kernel 7.0 -> 6.0 us a layer (CUPTI, plain launches), the
 // paged decode step at batch 1 1.085 -> 1.041 ms (1.22 -> 1.15x the dense step), batch 8 unchanged (1.20x: there every
 // warp, the resolving ones too, has a job) (bench_paged_generate_cuda.py --batch 1 8 --max-length 2048).
-constexpr int kPreloadPerLane = 4;  // head size <= 128
 
 // The source values lane `lane` stores for job j (a row job below `rows`, else a q job) at position tok.
 __device__ __forceinline__ void PreloadJob(const PagedUpdateCudaView& v, int64_t j, int64_t rows, int64_t u,
@@ -916,6 +962,35 @@ __device__ __forceinline__ void StorePreloaded16(uint16_t* out, const float* pre
     const int64_t c = lane + 32 * k;
     if (c < D) out[c] = f16 ? codecs::F32ToF16Bits(pre[k]) : codecs::F32ToBF16Bits(pre[k]);
   }
+}
+
+// The preloaded values of lane `lane` into a row of scaled format f (a RowFormat) whose scales sc the check computed
+// (PreloadedRowScales): StoreUpdateJobAt's arithmetic, a lane per element; INT4 / INT2 codes gathered into their byte
+// by shuffles within groups of 8 / bits lanes (32 is a multiple of every group, so a byte's elements share k).
+__device__ __forceinline__ void StorePreloadedScaled(PageFormat f, const float* pre, const uint16_t* sc, int lane,
+                                                     int64_t D, uint8_t* payload, uint16_t* scales) {
+  const float s = codecs::F16BitsToF32(sc[0]), mn = codecs::F16BitsToF32(sc[1]);
+  const int bits = codecs::PayloadBits(f), per_byte = 8 / bits;
+  const float qmax = codecs::QMax(f);
+#pragma unroll
+  for (int k = 0; k < kPreloadPerLane; ++k) {
+    const int64_t c = lane + 32 * k;
+    if (32 * k >= D) break;  // warp-uniform
+    if (f == PageFormat::kInt8) {
+      float q = s > 0.0f ? rintf(__fdiv_rn(pre[k], s)) : 0.0f;
+      q = q > 127.0f ? 127.0f : (q < -127.0f ? -127.0f : q);
+      if (c < D) payload[c] = static_cast<uint8_t>(static_cast<int8_t>(q));
+    } else if (f == PageFormat::kFp8E4M3) {
+      if (c < D) payload[c] = s > 0.0f ? codecs::F32ToE4M3(__fdiv_rn(pre[k], s)) : 0u;
+    } else {  // INT4, INT2
+      float q = s > 0.0f ? rintf(__fdiv_rn(__fsub_rn(pre[k], mn), s)) : 0.0f;
+      q = q > qmax ? qmax : (q < 0.0f ? 0.0f : q);
+      uint32_t byte = static_cast<uint32_t>(q) << (bits * (lane % per_byte));
+      for (int off = 1; off < per_byte; off <<= 1) byte |= __shfl_xor_sync(0xffffffffu, byte, off);
+      if (lane % per_byte == 0 && c / per_byte < D / per_byte) payload[c / per_byte] = static_cast<uint8_t>(byte);
+    }
+  }
+  if (lane < codecs::ScalesPerRow(f)) scales[lane] = sc[lane];
 }
 
 // EARLY: launched as a programmatic dependent of the kernel before it (Note [Paged CUDA resolved update]).
@@ -944,6 +1019,7 @@ __global__ void __launch_bounds__(kResolvedThreads, 1) PagedUpdateResolvedKernel
     if (PosOk(v, b, pos)) ptok = pos + pu % v.T;
   }
   float pre[kPreloadPerLane] = {};
+  uint16_t psc[2] = {0, 0};  // the scales of the preloaded row (scaled formats), from its check
   UnitRead read;
   if (ur < units) ResolveUnit(v, ur, s, &s_key, &read);
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -962,11 +1038,15 @@ __global__ void __launch_bounds__(kResolvedThreads, 1) PagedUpdateResolvedKernel
     const int64_t u = i / (2 * Hkv), id = s.id[u];
     if (id < 0) continue;  // warp-uniform
     const int32_t prow = s.prow[u];
-    CheckJobWarp(v, i, u, s.base[u], s.fmt[u], s.tok[u], lane, &s_key, [&]() {
-      for (int64_t w = 0; w < u; ++w)
-        if (s.id[w] == id && s.prow[w] == prow) return true;
-      return false;
-    });
+    const bool own = ptok >= 0 && i == jw && s.tok[u] == ptok;  // this warp's preloaded row (warp-uniform)
+    CheckJobWarp(
+        v, i, u, s.base[u], s.fmt[u], s.tok[u], lane, &s_key,
+        [&]() {
+          for (int64_t w = 0; w < u; ++w)
+            if (s.id[w] == id && s.prow[w] == prow) return true;
+          return false;
+        },
+        own ? pre : nullptr, psc);
   }
   __syncthreads();
   const unsigned long long key = s_key;
@@ -980,12 +1060,18 @@ __global__ void __launch_bounds__(kResolvedThreads, 1) PagedUpdateResolvedKernel
     if (j < rows) {
       const int64_t u = j / (2 * Hkv);
       const PageFormat f = codecs::RowFormat(static_cast<PageFormat>(s.fmt[u]));
-      if (use_pre && (f == PageFormat::kF16 || f == PageFormat::kBF16)) {  // as StoreUpdateJobAt's 16-bit case
+      if (use_pre) {  // as StoreUpdateJobAt
         const codecs::PageLayout& lay = v.p.layouts[s.fmt[u]];
         const int64_t h = j % Hkv, kv = (j / Hkv) % 2;
         const uint64_t row = static_cast<uint64_t>(h) * v.p.shape.page_size + static_cast<uint64_t>(s.prow[u]);
         uint8_t* payload = s.base[u] + (kv ? lay.v_payload : lay.k_payload) + row * lay.row_bytes;
-        StorePreloaded16(reinterpret_cast<uint16_t*>(payload), pre, f == PageFormat::kF16, lane, D);
+        if (f == PageFormat::kF16 || f == PageFormat::kBF16) {
+          StorePreloaded16(reinterpret_cast<uint16_t*>(payload), pre, f == PageFormat::kF16, lane, D);
+        } else {  // the scales are those the check computed from the same values
+          StorePreloadedScaled(f, pre, psc, lane, D, payload,
+                               reinterpret_cast<uint16_t*>(s.base[u] + (kv ? lay.v_scales : lay.k_scales) +
+                                                           row * lay.scale_row_bytes));
+        }
       } else {
         StoreUpdateJobAt(v, j, lane, s.base[u], s.fmt[u], s.prow[u], s.tok[u]);
       }
