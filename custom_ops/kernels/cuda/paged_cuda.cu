@@ -938,10 +938,17 @@ static_assert(kResolvedMaxUnits <= kResolvedThreads, "one token per thread");
 // griddepcontrol.wait, EARLY, speculatively), qkv and the rotary rows after the wait, before the block's barriers;
 // the threads that resolve the tokens are the block's last ones (warp 15 at a decode step of one row, which has 15
 // jobs), so that no warp does both. A job whose token's position turned out different (the kernel before wrote
-// it), or whose page is not 16-bit, loads again as before; the bytes written are the same either way.
+// it) loads again as before; the bytes written are the same either way.
 // H200 (a package with and without it, one lease): the kernel 7.0 -> 6.0 us a layer (CUPTI, plain launches), the
 // paged decode step at batch 1 1.085 -> 1.041 ms (1.22 -> 1.15x the dense step), batch 8 unchanged (1.20x: there every
 // warp, the resolving ones too, has a job) (bench_paged_generate_cuda.py --batch 1 8 --max-length 2048).
+// Rows of scaled pages (INT8, FP8, INT4, INT2, the _KC values) first loaded the row again for the encode check and
+// a third time for the store; the warp that preloaded a row job also checks it (job jw is checked by warp jw % 16 of
+// every block, the warp that stores it in block jw / 16), so it now checks and stores from its registers:
+// PreloadedRowScales (the least and greatest value with RowScales' tie order, -0.0 vs 0.0, so the scales are the
+// CPU's) and StorePreloadedScaled (a lane an element, INT4 / INT2 codes gathered into bytes by shuffles). H100
+// (CUPTI as above, two packages in one lease): the kernel with INT4 pages 10.0 -> 8.7 us a layer, INT8 9.1 -> 7.8
+// (F16 6.0); the decode step's change (~4 %) is within the runs' spread.
 
 // The source values lane `lane` stores for job j (a row job below `rows`, else a q job) at position tok.
 __device__ __forceinline__ void PreloadJob(const PagedUpdateCudaView& v, int64_t j, int64_t rows, int64_t u,
