@@ -135,7 +135,7 @@ def test_prefill_across_blocks(rng, seq_axis):
 @pytest.mark.parametrize("seq_axis", [1, 2])
 @pytest.mark.parametrize("T", [2, 11, 45])
 def test_prefill_in_query_tiles(rng, seq_axis, T):
-    """Note [Paged CPU query tiles] over a dense cache: tiles of 10 tokens (G = 3) and 16 (G = 2), the last one
+    """Note [Paged CPU query tiles] over a dense cache: tiles of up to 21 tokens (G = 3) and 32 (G = 2), the last one
     partial, in a cache exactly as long as the keys (no row past the last is read); two rows, one starting at 0."""
     _run_and_check(rng, 9, 3, 64, 37 + T, [37, 0], T=T, seq_axis=seq_axis)
     _run_and_check(rng, 4, 2, 32, 5 + T, [5, 3], T=T, seq_axis=seq_axis)

@@ -419,16 +419,27 @@ def test_attention_pages_read_in_place_heads_in_the_key_loop(rng, G, D, fmt):
 @pytest.mark.parametrize("T", [2, 8, 13, 40])
 @pytest.mark.parametrize("D,G", [(64, 3), (32, 2), (20, 2)])
 def test_attention_query_tiles(rng, T, D, G):
-    """Note [Paged CPU query tiles]: T >= 2 tokens a row, several tokens a unit (8 at most: T = 13 is a tile of 8
-    and one of 5), each key block decoded once for the tile and read by every token up to its own causal limit
-    (starts that leave a block partly seen), every format mixed in shuffled pages; head size 20 takes BlockAny."""
+    """Note [Paged CPU query tiles]: T >= 2 tokens a row, up to 64 / G tokens a unit (G = 3: T = 40 is a tile of
+    21 and one of 19, each with rows in both 32-lane parts; T = 13 one of 39 rows; G = 2: 32 and 8), each key block
+    decoded once for the tile and read by every token up to its own causal limit (starts that leave a block partly
+    seen), every format mixed in shuffled pages; head size 20 takes BlockAny."""
     _attn_case(rng, ALL if D % 4 == 0 else [PageFormat.F16], B=2, T=T, lengths=[T + 77, T + 3], PS=16, D=D, H=2, G=G)
+
+
+@pytest.mark.parametrize("fmts", [[PageFormat.F16], ALL], ids=["F16", "all"])
+def test_attention_query_tiles_of_32_lanes_where_64_are_too_few(rng, fmts):
+    """CpuQueryTile: 100 tokens of one row at G = 3 over 620 keys would make 3 x 5 tiles of 64 lanes, too few to
+    keep the threads busy without split-K (24 tasks), so the node takes tiles of 32 lanes (10 tokens: 30 units);
+    then two rows of 60 tokens over 600 and 60 keys (18 units of 64 lanes, 36 of 32); F16 pages, then every format
+    mixed."""
+    _attn_case(rng, fmts, B=1, T=100, lengths=[620], PS=16, D=64, H=3, G=3)
+    _attn_case(rng, fmts, B=2, T=60, lengths=[600, 60], PS=16, D=64, H=3, G=3)
 
 
 def test_attention_query_tiles_keep_a_later_tokens_values_out(rng):
     """Note [Paged CPU query tiles]: a tile's tokens share each block, but a token's row never reads a later
     token's key or value: an inf in token 12's value leaves tokens 0-11 finite and equal to the reference (one
-    tile of 10 tokens and one of 10 over a 20-token prefill, G = 3), and reaches the later tokens of that head."""
+    tile of all 20 tokens, 60 rows over both 32-lane parts, G = 3), and reaches the later tokens of that head."""
     NL, H, G, D, PS, T = 1, 2, 3, 64, 16, 20
     pool, directory = build_pool(rng, [PageFormat.F16] * 2, num_layers=NL, kv_heads=H, page_size=PS, head_size=D)
     vals = rng.standard_normal((2, H, PS, D)).astype(np.float32)

@@ -33,6 +33,7 @@ namespace ortkv {
 constexpr int64_t kAttnBlockKeys = 64;    // keys per block: 16 KiB of K + 16 KiB of V at D = 64
 constexpr int64_t kAttnMinSplitKeys = 256;  // a split-K chunk reads at least this many keys
 constexpr int64_t kAttnTargetTasks = 24;    // split until there are this many tasks (divides 2, 3, 4, 6, 8)
+constexpr int64_t kCpuTileLanes = 64;       // a CPU query tile's rows at most (Note [Paged CPU query tiles])
 
 struct CacheAttentionView {
   const float* q = nullptr;    // [B, T, Hq * D]
@@ -54,7 +55,7 @@ struct CacheAttentionView {
   int64_t group() const { return Hq / Hkv; }
   int64_t partial_floats() const { return splits > 1 ? tasks() * group() * (D + 2) : 0; }
   int64_t scratch_floats() const {  // scores, scaled q, acc, m, l; a tile's qt, ot, scores and an output row
-    return tile > 1 ? 32 * (2 * D + kAttnBlockKeys) + D : group() * (kAttnBlockKeys + 2 * D + 2);
+    return tile > 1 ? kCpuTileLanes * (2 * D + kAttnBlockKeys) + D : group() * (kAttnBlockKeys + 2 * D + 2);
   }
 };
 

@@ -461,17 +461,21 @@ inline int64_t CpuSplits(int64_t units, int64_t max_keys) {
 #define ORTKV_CPU_QUERY_TILES 1
 #endif
 // Query tokens per unit of a CPU attention node (Note [Paged CPU query tiles] in paged_attention_task.inc), 1 for
-// none: tiles run in the AVX-512 and AVX2 copies at head sizes 16..128 (multiples of 16), with up to 32 / G tokens a
-// tile, where the tile's rows fill at least half of the lanes its kernel computes together (all 32 in the AVX-512
-// copy; 16, two ymm, in the AVX2 one: fewer rows compute them anyway, and a decode of 2 tokens at G = 3 would do ~5x
-// the FMAs of the per-token path) and the tiles alone keep the threads busy (no split-K).
+// none: tiles run in the AVX-512 and AVX2 copies at head sizes 16..128 (multiples of 16), with up to 64 / G tokens a
+// tile (kCpuTileLanes; 32 / G where 64 / G would leave too few tiles), where the tile's rows fill at least half of
+// the lanes its kernel computes together (a part: 32 in the AVX-512 copy; 16, two ymm, in the AVX2 one: fewer rows
+// compute them anyway, and a decode of 2 tokens at G = 3 would do ~5x the FMAs of the per-token path) and the tiles
+// alone keep the threads busy (no split-K).
 inline int64_t CpuQueryTile(int64_t B, int64_t Hkv, int64_t T, int64_t G, int64_t D, int64_t max_keys) {
   const CpuIsa isa = CpuIsaOnce().isa;
   if (!ORTKV_CPU_QUERY_TILES || isa == CpuIsa::kBaseline || D % 16 != 0 || D > 128 || G > 16) return 1;
   if (max_keys >= std::numeric_limits<int32_t>::max() - 1) return 1;  // the lanes' key limits are int32 (TileStart)
-  const int64_t tile = std::min<int64_t>(T, 32 / G), part = isa == CpuIsa::kAvx512 ? 32 : 16;
-  if (tile < 2 || 2 * tile * G < part || CpuSplits(B * Hkv * ((T + tile - 1) / tile), max_keys) != 1) return 1;
-  return tile;
+  const int64_t part = isa == CpuIsa::kAvx512 ? 32 : 16;
+  for (const int64_t lanes : {kCpuTileLanes, kCpuTileLanes / 2}) {  // the wider tile where it keeps the threads busy
+    const int64_t tile = std::min<int64_t>(T, lanes / G);
+    if (tile >= 2 && 2 * tile * G >= part && CpuSplits(B * Hkv * ((T + tile - 1) / tile), max_keys) == 1) return tile;
+  }
+  return 1;
 }
 
 // Split-K merge (Note [CacheAttention CPU split-K]) of head g of one unit: its S chunk partials

@@ -221,7 +221,7 @@ constexpr int kLanes = 4;  // Note [CPU attention native width]
 
 int64_t PagedAttentionView::scratch_floats() const {
   const int64_t KB = kAttnBlockKeys;
-  if (tile > 1) return 2 * KB * D + 32 * (2 * D + KB) + D;  // kbuf, vbuf, qt, ot, S, a row (Note [Paged CPU query tiles])
+  if (tile > 1) return 2 * KB * D + kCpuTileLanes * (2 * D + KB) + D;  // kbuf, vbuf, qt, ot, S, a row (Note [Paged CPU query tiles])
   return group() * (KB + 2 * D + 2) + 2 * KB * D;
 }
 
