@@ -802,8 +802,9 @@ def test_update_all_direct_formats_mixed(rng, PS, D, T):
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("fmts", [DIRECT, [PageFormat.INT4], [PageFormat.INT8]], ids=["mixed", "INT4", "INT8"])
 def test_update_zero_rows_and_signed_zero_minimum_match_cpu(rng, fmts, dtype, path):
-    """Rows of zeros (both signs), a row's least or greatest value both -0.0 and 0.0 (either first), and constant
-    rows: the warp reductions keep the CPU's tie order (the first element wins), on every path; 16-bit sources take
+    """Rows of zeros (both signs), a row's least or greatest value both -0.0 and 0.0 (either first), constant rows
+    and a row of values ~1e-6 (float16 subnormal scales and minima: ScalesOf's directed conversions against the
+    CPU's): the warp reductions keep the CPU's tie order (the first element wins), on every path; 16-bit sources take
     the resolved kernel's preloaded rows (Note [Resolved update preload]: each warp's first job checked and stored
     from its registers)."""
     pool, directory, table, key, value, pos, kw = _update_case(rng, fmts, B=2, T=3, positions=[0, 5], dtype=dtype)
@@ -811,6 +812,7 @@ def test_update_zero_rows_and_signed_zero_minimum_match_cpu(rng, fmts, dtype, pa
     key[0, 1] = -0.0
     key[0, 1, ::3] = 0.0
     value[1, 2] = 1.5
+    key[1, 2] = (rng.standard_normal(key.shape[-1]) * 1e-6).astype(key.dtype)  # scales among float16's subnormals
     for t, (first, second) in enumerate([(-0.0, 0.0), (0.0, -0.0)]):  # elements 5 and 40 of every head (64 each)
         value[0, t] = np.abs(value[0, t])  # the least value: zero of either sign
         value[1, t] = -np.abs(value[1, t])  # the greatest

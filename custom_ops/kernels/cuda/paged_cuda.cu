@@ -388,18 +388,29 @@ __device__ __forceinline__ RowSrc SourceRow(const PagedUpdateCudaView& v, int64_
   return RowAt(v, kv ? v.value : v.key, u, h, kv == 0 && v.cos != nullptr, tok);
 }
 
-// Whether RowScales (codecs.h) encodes a row of finite values whose least, greatest and largest magnitude are lo, hi
-// and amax in format f (a scaled row format): kOk or kScaleOverflow.
-__device__ __forceinline__ codecs::RowResult ScalesFit(PageFormat f, float lo, float hi, float amax) {
-  const int ns = codecs::ScalesPerRow(f);
-  if (ns == 1) return codecs::F16IsFinite(codecs::F16Ceil(amax / codecs::QMax(f))) ? codecs::RowResult::kOk
-                                                                                      : codecs::RowResult::kScaleOverflow;
-  const uint16_t m = codecs::F16Floor(lo);
-  if (!codecs::F16IsFinite(m)) return codecs::RowResult::kScaleOverflow;
-  const float range = hi - codecs::F16BitsToF32(m);
+// RowScales (codecs.h) of a row of finite values whose least, greatest and largest magnitude are lo, hi and amax in
+// format f (a scaled row format): kOk with the scales in sc (scale, and the minimum for the asymmetric formats), or
+// kScaleOverflow.
+// codecs::F16Ceil / F16Floor (float16 round-to-nearest, then a step toward v) are the directed roundings that the
+// conversion instructions do in one: the same bits for every float (+-0 and the overflow to +-inf or +-65504 alike).
+__device__ __forceinline__ uint16_t F16CeilDev(float v) { return __half_as_ushort(__float2half_ru(v)); }
+__device__ __forceinline__ uint16_t F16FloorDev(float v) { return __half_as_ushort(__float2half_rd(v)); }
+__device__ __forceinline__ codecs::RowResult ScalesOf(PageFormat f, float lo, float hi, float amax, uint16_t* sc) {
+  if (codecs::ScalesPerRow(f) == 1) {
+    sc[0] = F16CeilDev(__fdiv_rn(amax, codecs::QMax(f)));
+    return codecs::F16IsFinite(sc[0]) ? codecs::RowResult::kOk : codecs::RowResult::kScaleOverflow;
+  }
+  sc[1] = F16FloorDev(lo);
+  if (!codecs::F16IsFinite(sc[1])) return codecs::RowResult::kScaleOverflow;
+  const float range = __fsub_rn(hi, __half2float(__ushort_as_half(sc[1])));
   if (!(range - range == 0.0f)) return codecs::RowResult::kScaleOverflow;
-  return codecs::F16IsFinite(codecs::F16Ceil(range / codecs::QMax(f))) ? codecs::RowResult::kOk
-                                                                        : codecs::RowResult::kScaleOverflow;
+  sc[0] = F16CeilDev(__fdiv_rn(range, codecs::QMax(f)));
+  return codecs::F16IsFinite(sc[0]) ? codecs::RowResult::kOk : codecs::RowResult::kScaleOverflow;
+}
+// Whether RowScales encodes such a row: kOk or kScaleOverflow.
+__device__ __forceinline__ codecs::RowResult ScalesFit(PageFormat f, float lo, float hi, float amax) {
+  uint16_t sc[2];
+  return ScalesOf(f, lo, hi, amax, sc);
 }
 
 // RowScales (codecs.h) over a row of the source, loaded element by element (one thread).
@@ -490,7 +501,7 @@ constexpr int kPreloadPerLane = 4;  // head size <= 128 (Note [Resolved update p
 
 // RowScales (codecs.h) of a row of D values held by a warp, lane l's pre[k] = element l + 32 k (all lanes call it;
 // the result is every lane's): min and max with RowScales' tie order (the first element wins, -0.0 vs 0.0), so that
-// the scales written are the CPU's; on kOk sc holds them (scale, and the minimum for the asymmetric formats).
+// the scales written are the CPU's; on kOk sc holds them (ScalesOf).
 __device__ __forceinline__ codecs::RowResult PreloadedRowScales(PageFormat f, const float* pre, int64_t D, int lane,
                                                                 uint16_t* sc) {
   float lo = INFINITY, hi = -INFINITY, amax = 0.0f;
@@ -516,16 +527,7 @@ __device__ __forceinline__ codecs::RowResult PreloadedRowScales(PageFormat f, co
   ReduceMin(&lo, &ilo);
   ReduceMax(&hi, &ihi);
   for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
-  const codecs::RowResult r = ScalesFit(f, lo, hi, amax);
-  if (r == codecs::RowResult::kOk && sc != nullptr) {
-    if (codecs::ScalesPerRow(f) == 1) {
-      sc[0] = codecs::F16Ceil(amax / codecs::QMax(f));
-    } else {
-      sc[1] = codecs::F16Floor(lo);
-      sc[0] = codecs::F16Ceil((hi - codecs::F16BitsToF32(sc[1])) / codecs::QMax(f));
-    }
-  }
-  return r;
+  return ScalesOf(f, lo, hi, amax, sc);
 }
 
 // Row job i's checks once its token u has a valid page `id` (row prow, layer bytes `base`, directory format fmt,
@@ -533,7 +535,7 @@ __device__ __forceinline__ codecs::RowResult PreloadedRowScales(PageFormat f, co
 // or uncommitted page, a row its page's format cannot encode; by a whole warp (Note [Resolved update check]), every
 // lane with the same job: lane 0 the repeat and range checks, every lane the encode check.
 // (pre: when not null, the row's values held by the warp's lanes, Note [Resolved update preload]; the row's scales,
-// when it has some and they fit, are then left in sc.)
+// when it has some and they fit, are then left in sc, which must be given with pre.)
 template <typename Repeats>
 __device__ __forceinline__ void CheckJobWarp(const PagedUpdateCudaView& v, int64_t i, int64_t u, const uint8_t* base,
                                              int fmt, int64_t tok, int lane, unsigned long long* flag,
@@ -705,12 +707,7 @@ __device__ __forceinline__ void StoreUpdateJobAt(const PagedUpdateCudaView& v, i
     for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
   }
   uint16_t sc[2] = {0, 0};
-  if (ns == 1) {
-    sc[0] = codecs::F16Ceil(amax / codecs::QMax(f));
-  } else if (ns == 2) {
-    sc[1] = codecs::F16Floor(lo);
-    sc[0] = codecs::F16Ceil((hi - codecs::F16BitsToF32(sc[1])) / codecs::QMax(f));
-  }
+  if (ns > 0) ScalesOf(f, lo, hi, amax, sc);  // kOk: the check passed
   const float s = codecs::F16BitsToF32(sc[0]), mn = codecs::F16BitsToF32(sc[1]);
   switch (f) {
     case PageFormat::kF16:
@@ -749,7 +746,8 @@ __device__ __forceinline__ void StoreUpdateJobAt(const PagedUpdateCudaView& v, i
       break;
     }
   }
-  if (lane < ns) scales[lane] = sc[lane];
+  if (lane == 0 && ns > 0) scales[0] = sc[0];  // sc indexed by constants: it stays in registers
+  if (lane == 1 && ns > 1) scales[1] = sc[1];
 }
 // The store job of the check kernel's path: the chain walked again.
 __device__ void StoreUpdateJob(const PagedUpdateCudaView& v, int64_t i, int lane) {
@@ -948,7 +946,9 @@ static_assert(kResolvedMaxUnits <= kResolvedThreads, "one token per thread");
 // PreloadedRowScales (the least and greatest value with RowScales' tie order, -0.0 vs 0.0, so the scales are the
 // CPU's) and StorePreloadedScaled (a lane an element, INT4 / INT2 codes gathered into bytes by shuffles). H100
 // (CUPTI as above, two packages in one lease): the kernel with INT4 pages 10.0 -> 8.7 us a layer, INT8 9.1 -> 7.8
-// (F16 6.0); the decode step's change (~4 %) is within the runs' spread.
+// (F16 6.0); the decode step's change (~4 %) is within the runs' spread. Then the scales by the conversion
+// instructions (ScalesOf: codecs::F16Ceil / F16Floor in software were ~30 dependent instructions each, three of them
+// in a row's chain): INT4 8.5 -> 7.4 us, INT8 7.6 -> 6.7 (another H100 lease, alternated twice).
 
 // The source values lane `lane` stores for job j (a row job below `rows`, else a q job) at position tok.
 __device__ __forceinline__ void PreloadJob(const PagedUpdateCudaView& v, int64_t j, int64_t rows, int64_t u,
@@ -997,7 +997,8 @@ __device__ __forceinline__ void StorePreloadedScaled(PageFormat f, const float* 
       if (lane % per_byte == 0 && c / per_byte < D / per_byte) payload[c / per_byte] = static_cast<uint8_t>(byte);
     }
   }
-  if (lane < codecs::ScalesPerRow(f)) scales[lane] = sc[lane];
+  if (lane == 0) scales[0] = sc[0];  // sc indexed by constants: it stays in registers
+  if (lane == 1 && codecs::ScalesPerRow(f) > 1) scales[1] = sc[1];
 }
 
 // EARLY: launched as a programmatic dependent of the kernel before it (Note [Paged CUDA resolved update]).
