@@ -497,22 +497,13 @@ __device__ __forceinline__ void ReduceMax(float* v, int* idx) {
   }
 }
 
-constexpr int kPreloadPerLane = 4;  // head size <= 128 (Note [Resolved update preload])
-
-// RowScales (codecs.h) of a row of D values held by a warp, lane l's pre[k] = element l + 32 k (all lanes call it;
-// the result is every lane's): min and max with RowScales' tie order (the first element wins, -0.0 vs 0.0), so that
-// the scales written are the CPU's; on kOk sc holds them (ScalesOf).
-__device__ __forceinline__ codecs::RowResult PreloadedRowScales(PageFormat f, const float* pre, int64_t D, int lane,
-                                                                uint16_t* sc) {
+// A row's least and greatest element with RowScales' tie order (the first wins: -0.0 vs 0.0) and its largest
+// magnitude, over a warp: each lane adds its elements (channel c) in increasing order, Reduce combines the lanes
+// (every lane then holds the row's).
+struct WarpRowStats {
   float lo = INFINITY, hi = -INFINITY, amax = 0.0f;
   int ilo = 0x7fffffff, ihi = 0x7fffffff;
-  bool bad = false;
-#pragma unroll
-  for (int k = 0; k < kPreloadPerLane; ++k) {
-    const int c = lane + 32 * k;
-    if (c >= D) continue;
-    const float x = pre[k];
-    bad |= !(x - x == 0.0f);
+  __device__ __forceinline__ void Add(float x, int c) {
     if (x < lo || ilo == 0x7fffffff) {
       lo = x;
       ilo = c;
@@ -523,11 +514,32 @@ __device__ __forceinline__ codecs::RowResult PreloadedRowScales(PageFormat f, co
     }
     amax = fmaxf(amax, fabsf(x));
   }
+  __device__ __forceinline__ void Reduce() {
+    ReduceMin(&lo, &ilo);
+    ReduceMax(&hi, &ihi);
+    for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+  }
+};
+
+constexpr int kPreloadPerLane = 4;  // head size <= 128 (Note [Resolved update preload])
+
+// RowScales (codecs.h) of a row of D values held by a warp, lane l's pre[k] = element l + 32 k (all lanes call it;
+// the result is every lane's): min and max with RowScales' tie order (the first element wins, -0.0 vs 0.0), so that
+// the scales written are the CPU's; on kOk sc holds them (ScalesOf).
+__device__ __forceinline__ codecs::RowResult PreloadedRowScales(PageFormat f, const float* pre, int64_t D, int lane,
+                                                                uint16_t* sc) {
+  WarpRowStats r;
+  bool bad = false;
+#pragma unroll
+  for (int k = 0; k < kPreloadPerLane; ++k) {
+    const int c = lane + 32 * k;
+    if (c >= D) continue;
+    bad |= !(pre[k] - pre[k] == 0.0f);
+    r.Add(pre[k], c);
+  }
   if (__any_sync(0xffffffffu, bad)) return codecs::RowResult::kNonFinite;
-  ReduceMin(&lo, &ilo);
-  ReduceMax(&hi, &ihi);
-  for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
-  return ScalesOf(f, lo, hi, amax, sc);
+  r.Reduce();
+  return ScalesOf(f, r.lo, r.hi, r.amax, sc);
 }
 
 // Row job i's checks once its token u has a valid page `id` (row prow, layer bytes `base`, directory format fmt,
@@ -686,28 +698,13 @@ __device__ __forceinline__ void StoreUpdateJobAt(const PagedUpdateCudaView& v, i
   const RowSrc src = SourceRow(v, kv, u, h, tok);
   // scales (the check proved them finite); none for the 16-bit formats (warp-uniform)
   const int ns = codecs::ScalesPerRow(f);
-  float lo = INFINITY, hi = -INFINITY, amax = 0.0f;
-  int ilo = 0x7fffffff, ihi = 0x7fffffff;
-  for (int c = ns > 0 ? lane : D; c < D; c += 32) {
-    const float x = src(c);
-    if (x < lo || ilo == 0x7fffffff) {
-      lo = x;
-      ilo = c;
-    }
-    if (x > hi || ihi == 0x7fffffff) {
-      hi = x;
-      ihi = c;
-    }
-    const float a = x < 0.0f ? -x : x;
-    amax = a > amax ? a : amax;
-  }
-  if (ns > 0) {
-    ReduceMin(&lo, &ilo);
-    ReduceMax(&hi, &ihi);
-    for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
-  }
   uint16_t sc[2] = {0, 0};
-  if (ns > 0) ScalesOf(f, lo, hi, amax, sc);  // kOk: the check passed
+  if (ns > 0) {
+    WarpRowStats r;
+    for (int c = lane; c < D; c += 32) r.Add(src(c), c);
+    r.Reduce();
+    ScalesOf(f, r.lo, r.hi, r.amax, sc);  // kOk: the check passed
+  }
   const float s = codecs::F16BitsToF32(sc[0]), mn = codecs::F16BitsToF32(sc[1]);
   switch (f) {
     case PageFormat::kF16:
