@@ -682,6 +682,21 @@ __device__ void ReportUpdate(const PagedUpdateCudaView& v, unsigned long long ke
 
 constexpr int kStoreWarps = 4;
 
+// The code of x in scaled row format f (a RowFormat) with scale s and minimum mn, codecs::EncodeRow's arithmetic:
+// the INT8 or E4M3 byte, or the INT4 / INT2 level (not yet shifted to its place in the byte).
+__device__ __forceinline__ uint32_t ScaledCode(PageFormat f, float x, float s, float mn) {
+  if (f == PageFormat::kFp8E4M3) return s > 0.0f ? codecs::F32ToE4M3(__fdiv_rn(x, s)) : 0u;
+  if (f == PageFormat::kInt8) {
+    float q = s > 0.0f ? rintf(__fdiv_rn(x, s)) : 0.0f;
+    q = q > 127.0f ? 127.0f : (q < -127.0f ? -127.0f : q);
+    return static_cast<uint8_t>(static_cast<int8_t>(q));
+  }
+  const float qmax = codecs::QMax(f);
+  float q = s > 0.0f ? rintf(__fdiv_rn(__fsub_rn(x, mn), s)) : 0.0f;
+  q = q > qmax ? qmax : (q < 0.0f ? 0.0f : q);
+  return static_cast<uint32_t>(q);
+}
+
 // One warp, row job i (the check's index), every check passed: codecs::EncodeRow's arithmetic, lanes over the
 // payload bytes.
 // (base: the page's layer bytes, fi its directory format, prow / tok the token's page row and position).
@@ -717,27 +732,14 @@ __device__ __forceinline__ void StoreUpdateJobAt(const PagedUpdateCudaView& v, i
       break;
     }
     case PageFormat::kInt8:
-      for (int c = lane; c < D; c += 32) {
-        float q = s > 0.0f ? rintf(__fdiv_rn(src(c), s)) : 0.0f;
-        q = q > 127.0f ? 127.0f : (q < -127.0f ? -127.0f : q);
-        payload[c] = static_cast<uint8_t>(static_cast<int8_t>(q));
-      }
-      break;
     case PageFormat::kFp8E4M3:
-      for (int c = lane; c < D; c += 32)
-        payload[c] = s > 0.0f ? codecs::F32ToE4M3(__fdiv_rn(src(c), s)) : 0u;
+      for (int c = lane; c < D; c += 32) payload[c] = static_cast<uint8_t>(ScaledCode(f, src(c), s, mn));
       break;
     default: {  // INT4, INT2 (and the V rows of the *_KC formats, RowFormat above)
       const int bits = codecs::PayloadBits(f), per_byte = 8 / bits;
-      const float qmax = codecs::QMax(f);
       for (int bb = lane; bb < D / per_byte; bb += 32) {
         uint32_t byte = 0;
-        for (int j = 0; j < per_byte; ++j) {
-          float q = s > 0.0f ? rintf(__fdiv_rn(__fsub_rn(src(bb * per_byte + j), mn), s))
-                             : 0.0f;
-          q = q > qmax ? qmax : (q < 0.0f ? 0.0f : q);
-          byte |= static_cast<uint32_t>(q) << (bits * j);
-        }
+        for (int j = 0; j < per_byte; ++j) byte |= ScaledCode(f, src(bb * per_byte + j), s, mn) << (bits * j);
         payload[bb] = static_cast<uint8_t>(byte);
       }
       break;
@@ -975,24 +977,13 @@ __device__ __forceinline__ void StorePreloadedScaled(PageFormat f, const float* 
                                                      int64_t D, uint8_t* payload, uint16_t* scales) {
   const float s = codecs::F16BitsToF32(sc[0]), mn = codecs::F16BitsToF32(sc[1]);
   const int bits = codecs::PayloadBits(f), per_byte = 8 / bits;
-  const float qmax = codecs::QMax(f);
 #pragma unroll
   for (int k = 0; k < kPreloadPerLane; ++k) {
     const int64_t c = lane + 32 * k;
     if (32 * k >= D) break;  // warp-uniform
-    if (f == PageFormat::kInt8) {
-      float q = s > 0.0f ? rintf(__fdiv_rn(pre[k], s)) : 0.0f;
-      q = q > 127.0f ? 127.0f : (q < -127.0f ? -127.0f : q);
-      if (c < D) payload[c] = static_cast<uint8_t>(static_cast<int8_t>(q));
-    } else if (f == PageFormat::kFp8E4M3) {
-      if (c < D) payload[c] = s > 0.0f ? codecs::F32ToE4M3(__fdiv_rn(pre[k], s)) : 0u;
-    } else {  // INT4, INT2
-      float q = s > 0.0f ? rintf(__fdiv_rn(__fsub_rn(pre[k], mn), s)) : 0.0f;
-      q = q > qmax ? qmax : (q < 0.0f ? 0.0f : q);
-      uint32_t byte = static_cast<uint32_t>(q) << (bits * (lane % per_byte));
-      for (int off = 1; off < per_byte; off <<= 1) byte |= __shfl_xor_sync(0xffffffffu, byte, off);
-      if (lane % per_byte == 0 && c / per_byte < D / per_byte) payload[c / per_byte] = static_cast<uint8_t>(byte);
-    }
+    uint32_t byte = ScaledCode(f, pre[k], s, mn) << (bits * (lane % per_byte));  // per_byte 1: the byte itself
+    for (int off = 1; off < per_byte; off <<= 1) byte |= __shfl_xor_sync(0xffffffffu, byte, off);
+    if (lane % per_byte == 0 && c / per_byte < D / per_byte) payload[c / per_byte] = static_cast<uint8_t>(byte);
   }
   if (lane == 0) scales[0] = sc[0];  // sc indexed by constants: it stays in registers
   if (lane == 1 && codecs::ScalesPerRow(f) > 1) scales[1] = sc[1];
