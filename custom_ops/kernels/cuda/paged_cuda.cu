@@ -3937,6 +3937,24 @@ cudaError_t Launch(const AttnArgs& a, cudaStream_t stream) {
 // every-format kernel's INT4: 1.86 / 1.64 / 1.36 / 1.40, 0.81, 1.03, 0.56). The single-row nodes stay
 // latency-bound: at 8K x 1 a block streams 256 keys either way (one step, or 4 F16 tiles, a warp), so 4x fewer
 // bytes do not shorten it.
+//
+// Note [Uniform INT4 group copies]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A step's NT tiles are copied into the ring by groups of 32 / NT lanes, one group a tile (8 lanes at NT = 4: 4 + 4
+// cp.async of 16 bytes of its K and V codes, 1 of its scales), where every tile used to be copied by the whole warp
+// (IssueNarrow: its page pointer shuffled to all lanes, its row and addresses in 64 bits, the prologue's pending
+// test, all once per tile: ~60 instructions a tile, ~250 of a 64-key step's ~1,000). Now a lane reads its group's
+// page pointer and row (kr, worked out by the lane that resolved the tile) in three shuffles a step, and its copies
+// take immediate offsets from two addresses: the loop's code 1,251 -> 981 instructions (sm_90, the early ring of 4
+// steps; the kernel 7,616 -> 4,632), the same stage layout and bytes, every L2 line still whole (8 lanes x 16
+// bytes). The prologue's tiles that hold the step's rows (`pending`) are deferred per tile as before. H100 harness
+// (`paged_sweep 20 3,14,1,0,2 4`, three alternated rounds; us, INT4 v3us of the last round, before / after): 8K x 1
+// 6.55 / 6.35, 8K x 8 12.52 / 11.96, 16K x 8 17.68 / 15.74, 32K x 1 11.31 / 10.85, 32K x 8 28.32 / 24.57 (24.57 in
+// the second round too); `paged_sweep 20 4,9,5 4`, two rounds: 16 / 128 / 1K keys x 1 row 3.43-3.46 /
+// 3.32-3.34 / 5.40-5.41 -> 3.16-3.17 / 3.06 / 5.15-5.16; outputs against v2 unchanged (max |diff| 0.001-0.008).
+// ncu at 32K x 8 (its locked clocks): 42.5 -> 34.6 us, 0.42 -> 0.46 instructions issued per scheduler-cycle; the
+// top stall is now the wait for the ring's copies (long scoreboard 1.48 cycles an instruction), then issue (1.00)
+// and fixed latency (0.98).
 namespace pu4 {
 
 using pv3::FormatInfo;
@@ -4014,6 +4032,7 @@ __global__ void __launch_bounds__(kThreads) PagedAttentionU4(const AttnArgs args
   // of step k * kBatchSteps + i / NT: `kp`, its page's layer bytes (nullptr: a bad page, recorded in s_key). EARLY:
   // what it read of its page (rpi, rid, rf, roff) for Note [Paged CUDA late pages].
   const uint8_t* kp = nullptr;
+  uint32_t kr = 0;  // the tile's first row in its page's layer (hrow + the row of its first key in the page)
   bool res = false;
   int64_t rpi = -1, rid = -1, rf = -1, roff = 0;
   const auto resolve = [&](int batch) {
@@ -4028,16 +4047,34 @@ __global__ void __launch_bounds__(kThreads) PagedAttentionU4(const AttnArgs args
       return;
     }
     kp = a.p.pool + off + layer_off;
+    kr = hrow + static_cast<uint32_t>(k0 - pi * ps);
   };
   uint8_t* wring = dsm + warp * RG::kWarpBytes;
-  // tile h of step s (slot x = s * NT + h of its batch) into stage `stage`, from the page its lane resolved
-  const auto copy_tile = [&](int stage, int s, int h, int x) {
-    const unsigned long long pv = __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(kp), x & 31);
-    const int64_t k0 = j0 + static_cast<int64_t>((warp + s * NW) * NT + h) * kTile;
-    const uint32_t row = static_cast<uint32_t>(ps_shift >= 0 ? k0 & (ps - 1) : k0 % ps);
-    if (pv != 0)
-      pv3::IssueNarrow<kInt4F, kD>(wring + stage * kStep + h * R::kStageBytes, reinterpret_cast<const uint8_t*>(pv),
-                                   fi, hrow + row, lane);
+  // Tile gt of a step is copied by lanes [gt * kLpt, (gt + 1) * kLpt) (Note [Uniform INT4 group copies]).
+  constexpr int kLpt = 32 / NT;                  // lanes a tile
+  const int gt = lane / kLpt, gj = lane % kLpt;  // this lane's tile of a step, its place in the tile's group
+  const uint32_t sc_off = (gj & 7) < 4 ? fi.k_scales + (gj & 3) * 16 : fi.v_scales + (gj & 3) * 16;
+  static_assert(R::kS == 2 * R::kV && pv2::ScaleBytes(kInt4F) == 4 && 32 / NT >= 8, "a group copies 8 scale pieces");
+  // this group's tile of step s into stage `stage` (if `want`), from the page its lane resolved; every lane calls it
+  const auto group_copy = [&](int stage, int s, bool want) {
+    const int src = (s % kBatchSteps) * NT + gt;  // the lane that resolved this group's tile (resolve)
+    const unsigned long long pv = __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(kp), src & 31);
+    const uint32_t r = __shfl_sync(0xffffffffu, kr, src & 31);
+    const int tile = (warp + s * NW) * NT + gt;
+    if (want && gt < NT && tile < n_tiles && pv != 0) {
+      const uint8_t* pg = reinterpret_cast<const uint8_t*>(pv);
+      const uint8_t* ks = pg + r * R::kRB + gj * 16;  // rows r .. r + 15 of the layer's K codes, V codes
+      const uint8_t* vs = ks + fi.v_payload;
+      uint8_t* d = wring + stage * kStep + gt * R::kStageBytes;  // IssueNarrow's stage layout
+#pragma unroll
+      for (int c = 0; c < R::kV; c += 16 * kLpt) {
+        if (R::kV % (16 * kLpt) != 0 && gj * 16 + c >= R::kV) break;
+        CpAsync<16>(d + gj * 16 + c, ks + c);
+        CpAsync<16>(d + R::kV + gj * 16 + c, vs + c);
+      }
+      if (gj < 8)  // the tile's 64 bytes of K scales (pieces 0..3), then of V scales (4..7)
+        CpAsync<16>(d + R::kS + gj * 16, pg + sc_off + r * 4u);
+    }
   };
   // step `next` into the ring (an empty group past the warp's steps), its tiles that end at or below `lim`: EARLY's
   // prologue (before the wait) stops at row st0, a tile with this step's rows is copied after the wait (`pending`)
@@ -4049,16 +4086,16 @@ __global__ void __launch_bounds__(kThreads) PagedAttentionU4(const AttnArgs args
         res = false;
         resolve(next / kBatchSteps);
       }
+      uint32_t defer = 0;  // warp-uniform: the step's tiles that end above lim
+      if (lim < j1) {
 #pragma unroll
-      for (int h = 0; h < NT; ++h) {
-        const int tile = (warp + next * NW) * NT + h;
-        if (tile < n_tiles) {  // warp-uniform
-          if (j0 + static_cast<int64_t>(tile + 1) * kTile > lim && lim < j1)
-            pending |= 1u << (next * NT + h);
-          else
-            copy_tile(stage_in, next, h, next * NT + h);
+        for (int h = 0; h < NT; ++h) {
+          const int tile = (warp + next * NW) * NT + h;
+          if (tile < n_tiles && j0 + static_cast<int64_t>(tile + 1) * kTile > lim) defer |= 1u << h;
         }
+        pending |= defer << (next * NT);
       }
+      group_copy(stage_in, next, ((defer >> gt) & 1u) == 0);
     }
     CpAsyncCommit();  // one group per step, empty ones included: the waits count groups
     ++next;
@@ -4084,9 +4121,7 @@ __global__ void __launch_bounds__(kThreads) PagedAttentionU4(const AttnArgs args
     if (pending != 0) {  // warp-uniform: the prologue's tiles with this step's rows, whole
 #pragma unroll
       for (int s = 0; s < ST - 1; ++s)
-#pragma unroll
-        for (int h = 0; h < NT; ++h)
-          if ((pending >> (s * NT + h)) & 1u) copy_tile(s, s, h, s * NT + h);
+        if ((pending >> (s * NT)) & ((1u << NT) - 1u)) group_copy(s, s, ((pending >> (s * NT + gt)) & 1u) != 0);
       CpAsyncCommit();
     }
     bool again = st2 != st0 || bad2 != bad_start;  // block-uniform
