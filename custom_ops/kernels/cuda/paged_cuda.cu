@@ -2819,17 +2819,22 @@ struct RegCfg {
 };
 static_assert(RegCfg<kInt4F, 64>::kStageBytes == 1152 && RegCfg<kInt8F, 64>::kStageBytes == 2176, "");
 
-// The tile's raw K rows, V rows and their scales (rows row0 .. row0 + 15 of the page) into a narrow stage.
-template <int F, int D>
+// The tile's raw K rows, V rows and their scales (rows row0 .. row0 + 15 of the page) into a narrow stage, by LPT
+// lanes (`lane` < LPT): the whole warp, or a tile's group of a step (Note [Uniform INT4 group copies]).
+template <int F, int D, int LPT = 32>
 __device__ __forceinline__ void IssueNarrow(uint8_t* st, const uint8_t* pg, const FormatInfo& fi, uint32_t row0,
                                             int lane) {
   using R = RegCfg<F, D>;
-  const uint8_t* ks = pg + row0 * R::kRB;
-  const uint8_t* vs = pg + fi.v_payload + row0 * R::kRB;
+  static_assert(LPT >= 8 && LPT <= 32, "lanes 0 .. 7 copy the scales");
+  const uint8_t* ks = pg + row0 * R::kRB + lane * 16;
+  const uint8_t* vs = ks + fi.v_payload;
+  uint8_t* d = st + lane * 16;
 #pragma unroll
-  for (int c = lane * 16; c < R::kV; c += 512) {
-    CpAsync<16>(st + c, ks + c);
-    CpAsync<16>(st + R::kV + c, vs + c);
+  for (int c = 0; c < R::kV; c += 16 * LPT) {
+    if (R::kV % (16 * LPT) == 0 || lane * 16 + c < R::kV) {
+      CpAsync<16>(d + c, ks + c);
+      CpAsync<16>(d + R::kV + c, vs + c);
+    }
   }
   constexpr int kSc = ScaleBytes(F) * kTile / 16;  // 16-byte pieces of one tile's K (or V) scales: 2 or 4
   const int which = lane >> 2, piece = lane & 3;    // lanes 0 .. 3: K scales, 4 .. 7: V scales
@@ -3258,18 +3263,15 @@ __device__ __forceinline__ void WindowTilesReg(const PageWindow& sh, uint8_t* wr
   const int mine = n_steps > warp ? (n_steps - warp + kWarps - 1) / kWarps : 0;
   const FormatInfo fi = sh.fi[F];
   int next = 0, stage_in = 0;
+  constexpr int kLpt = 32 / NT;                  // tile gt of a step is copied by lanes [gt * kLpt, (gt + 1) * kLpt)
+  const int gt = lane / kLpt, gj = lane % kLpt;  // (Note [Uniform INT4 group copies])
   auto issue = [&]() {
-    if (next < mine) {
-#pragma unroll
-      for (int h = 0; h < NT; ++h) {
-        const int tile = (warp + next * kWarps) * NT + h;
-        if (tile < n_tiles) {
-          const int o0 = base_off + tile * kTile;
-          const int lp = page_of(o0);
-          IssueNarrow<F, D>(wring + stage_in * kStep + h * R::kStageBytes, sh.page[lp], fi,
-                            hrow + static_cast<uint32_t>(o0 - lp * ps), lane);
-        }
-      }
+    const int tile = (warp + next * kWarps) * NT + gt;
+    if (next < mine && gt < NT && tile < n_tiles) {
+      const int o0 = base_off + tile * kTile;
+      const int lp = page_of(o0);
+      IssueNarrow<F, D, kLpt>(wring + stage_in * kStep + gt * R::kStageBytes, sh.page[lp], fi,
+                              hrow + static_cast<uint32_t>(o0 - lp * ps), gj);
     }
     CpAsyncCommit();
     ++next;
@@ -3954,7 +3956,12 @@ cudaError_t Launch(const AttnArgs& a, cudaStream_t stream) {
 // 3.32-3.34 / 5.40-5.41 -> 3.16-3.17 / 3.06 / 5.15-5.16; outputs against v2 unchanged (max |diff| 0.001-0.008).
 // ncu at 32K x 8 (its locked clocks): 42.5 -> 34.6 us, 0.42 -> 0.46 instructions issued per scheduler-cycle; the
 // top stall is now the wait for the ring's copies (long scoreboard 1.48 cycles an instruction), then issue (1.00)
-// and fixed latency (0.98).
+// and fixed latency (0.98). The every-format kernel's register windows (WindowTilesReg: INT8, INT4) copy by groups
+// too, through the same IssueNarrow<F, D, LPT> (its page pointers come from the block's page window): its
+// transposed INT4 loop 931 -> 746 instructions; on another H100, three alternated rounds, us, before / after: INT4
+// (every format) 8K x 1 8.65-8.70 / 8.46-8.56, 8K x 8 13.98-14.04 / 13.40-13.47, 32K x 1 13.93-13.95 / 13.61-13.68,
+// 32K x 8 31.18-31.60 / 30.29-30.40; INT8 (NT = 2, 16 lanes a tile; its loop 327 -> 317) within -2 / +1 %: 8.76-8.81
+// / 8.76-8.82, 16.98-17.10 / 17.20-17.28, 15.32-15.41 / 15.04-15.13, 45.18-45.40 / 45.37-45.80; F16 unchanged.
 namespace pu4 {
 
 using pv3::FormatInfo;
@@ -4053,28 +4060,15 @@ __global__ void __launch_bounds__(kThreads) PagedAttentionU4(const AttnArgs args
   // Tile gt of a step is copied by lanes [gt * kLpt, (gt + 1) * kLpt) (Note [Uniform INT4 group copies]).
   constexpr int kLpt = 32 / NT;                  // lanes a tile
   const int gt = lane / kLpt, gj = lane % kLpt;  // this lane's tile of a step, its place in the tile's group
-  const uint32_t sc_off = (gj & 7) < 4 ? fi.k_scales + (gj & 3) * 16 : fi.v_scales + (gj & 3) * 16;
-  static_assert(R::kS == 2 * R::kV && pv2::ScaleBytes(kInt4F) == 4 && 32 / NT >= 8, "a group copies 8 scale pieces");
   // this group's tile of step s into stage `stage` (if `want`), from the page its lane resolved; every lane calls it
   const auto group_copy = [&](int stage, int s, bool want) {
     const int src = (s % kBatchSteps) * NT + gt;  // the lane that resolved this group's tile (resolve)
     const unsigned long long pv = __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(kp), src & 31);
     const uint32_t r = __shfl_sync(0xffffffffu, kr, src & 31);
     const int tile = (warp + s * NW) * NT + gt;
-    if (want && gt < NT && tile < n_tiles && pv != 0) {
-      const uint8_t* pg = reinterpret_cast<const uint8_t*>(pv);
-      const uint8_t* ks = pg + r * R::kRB + gj * 16;  // rows r .. r + 15 of the layer's K codes, V codes
-      const uint8_t* vs = ks + fi.v_payload;
-      uint8_t* d = wring + stage * kStep + gt * R::kStageBytes;  // IssueNarrow's stage layout
-#pragma unroll
-      for (int c = 0; c < R::kV; c += 16 * kLpt) {
-        if (R::kV % (16 * kLpt) != 0 && gj * 16 + c >= R::kV) break;
-        CpAsync<16>(d + gj * 16 + c, ks + c);
-        CpAsync<16>(d + R::kV + gj * 16 + c, vs + c);
-      }
-      if (gj < 8)  // the tile's 64 bytes of K scales (pieces 0..3), then of V scales (4..7)
-        CpAsync<16>(d + R::kS + gj * 16, pg + sc_off + r * 4u);
-    }
+    if (want && gt < NT && tile < n_tiles && pv != 0)
+      pv3::IssueNarrow<kInt4F, kD, kLpt>(wring + stage * kStep + gt * R::kStageBytes,
+                                         reinterpret_cast<const uint8_t*>(pv), fi, r, gj);
   };
   // step `next` into the ring (an empty group past the warp's steps), its tiles that end at or below `lim`: EARLY's
   // prologue (before the wait) stops at row st0, a tile with this step's rows is copied after the wait (`pending`)
