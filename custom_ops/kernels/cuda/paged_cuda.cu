@@ -3948,8 +3948,11 @@ cudaError_t Launch(const AttnArgs& a, cudaStream_t stream) {
 // test, all once per tile: ~60 instructions a tile, ~250 of a 64-key step's ~1,000). Now a lane reads its group's
 // page pointer and row (kr, worked out by the lane that resolved the tile) in three shuffles a step, and its copies
 // take immediate offsets from two addresses: the loop's code 1,251 -> 981 instructions (sm_90, the early ring of 4
-// steps; the kernel 7,616 -> 4,632), the same stage layout and bytes, every L2 line still whole (8 lanes x 16
-// bytes). The prologue's tiles that hold the step's rows (`pending`) are deferred per tile as before. H100 harness
+// steps; the kernel 7,616 -> 4,632; 987 and 4,704 now that it copies through IssueNarrow<F, D, LPT>, shared with the
+// every-format kernel below: the scales' source is no longer hoisted out of the loop, and the harness times the two
+// alike, e.g. 32K x 8 25.11-25.35 / 25.19-25.44 us, 8K x 1 6.24-6.29 / 6.23-6.29), the same stage layout and
+// bytes, every L2 line still whole (8 lanes x 16 bytes). The prologue's tiles that hold the step's rows
+// (`pending`) are deferred per tile as before. H100 harness
 // (`paged_sweep 20 3,14,1,0,2 4`, three alternated rounds; us, INT4 v3us of the last round, before / after): 8K x 1
 // 6.55 / 6.35, 8K x 8 12.52 / 11.96, 16K x 8 17.68 / 15.74, 32K x 1 11.31 / 10.85, 32K x 8 28.32 / 24.57 (24.57 in
 // the second round too); `paged_sweep 20 4,9,5 4`, two rounds: 16 / 128 / 1K keys x 1 row 3.43-3.46 /
