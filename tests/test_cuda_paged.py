@@ -246,15 +246,34 @@ def test_attention_uniform_pages(rng, kind, PS, D, T, dtype):
     _attn_case(rng, [fmt], B=2, T=T, lengths=[301, 64], PS=PS, D=D, H=2, G=8, dtype=dtype, page_format=fmt.name)
 
 
-@pytest.mark.parametrize("fmt", [PageFormat.F16, PageFormat.INT4], ids=lambda f: f.name)
+@pytest.mark.parametrize("fmt", [PageFormat.F16, PageFormat.INT4, PageFormat.INT8], ids=lambda f: f.name)
 @pytest.mark.parametrize("T", [1, 8])
-def test_attention_uniform_pages_many_tiles_per_warp(rng, fmt, T):
+def test_attention_uniform_pages_many_tiles_per_warp(rng, monkeypatch, fmt, T):
     """Enough (row, head, token) units that a node does not split (>= 4 blocks per SM), so each warp of a block
     walks more than 32 tiles of one long chunk: its page pointers are resolved in batches of 32 (Note [Paged CUDA
-    uniform 16-bit]); T = 8: three batches."""
+    uniform 16-bit]); T = 8: three batches. INT8: the uniform INT8 kernel (ORTKV_PAGED_UNIFORM_INT8=1)."""
+    monkeypatch.setenv("ORTKV_PAGED_UNIFORM_INT8", "1")
     B, L = (66, 2100) if T == 1 else (9, 4100)
     _attn_case(rng, [fmt], B=B, T=T, lengths=[L - 5 * b for b in range(B)], H=8, G=1, PS=16, NL=1, layer=0,
                page_format=fmt.name)
+
+
+@pytest.mark.parametrize("PS", [16, 48])
+@pytest.mark.parametrize("T", [1, 5])
+@pytest.mark.parametrize("early", ["1", "0"], ids=["early", "plain"])
+@pytest.mark.parametrize("static", [None, 1], ids=["tables", "static_tables"])
+def test_attention_uniform_int8_kernel(rng, monkeypatch, PS, T, early, static):
+    """Note [Paged CUDA uniform INT8] (opt-in, ORTKV_PAGED_UNIFORM_INT8=1): INT8 pages promised under float16 queries
+    at head size 64, against the reference: rows ending inside a tile, a row of 8K keys (split, chunk edges inside
+    tiles), single rows of 37 / 600 / 2000 keys (one launch, 4 and 7 splits merged in a cluster), a page size that
+    is not a power of two, G = 3 and 8, launched early and plainly, with and without static tables."""
+    monkeypatch.setenv("ORTKV_PAGED_UNIFORM_INT8", "1")
+    monkeypatch.setenv("ORTKV_CUDA_EARLY", early)
+    kw = dict(D=64, dtype="float16", page_format="INT8", static_tables=static)
+    _attn_case(rng, [PageFormat.INT8], B=3, T=T, lengths=[8203, 37, PS + T], PS=PS, NL=1, layer=0, **kw)
+    _attn_case(rng, [PageFormat.INT8], B=2, T=T, lengths=[301, 64], PS=PS, H=2, G=8, **kw)
+    for L in (37, 600, 2000):
+        _attn_case(rng, [PageFormat.INT8], B=1, T=T, lengths=[L], PS=16, NL=1, layer=0, **kw)
 
 
 def _single_row_kind(kind, dtype, mixed):
@@ -497,14 +516,16 @@ def _early_run_matches(sess, rng, pool, ref_pool, directory, table, lengths, wha
     np.testing.assert_allclose(got, want, rtol=2e-3, atol=2e-3, err_msg=what)
 
 
-@pytest.mark.parametrize("uniform", [None, PageFormat.F16, PageFormat.INT4], ids=["mixed", "uniform_f16", "uniform_int4"])
-def test_attention_early_launch_rereads_start_written_by_the_node_before(rng, uniform):
+@pytest.mark.parametrize("uniform", [None, PageFormat.F16, PageFormat.INT4, PageFormat.INT8],
+                         ids=["mixed", "uniform_f16", "uniform_int4", "uniform_int8"])
+def test_attention_early_launch_rereads_start_written_by_the_node_before(rng, monkeypatch, uniform):
     """`start` computed on the GPU by the node right before PagedCacheAttention (an Add: the kernel an early
     launch overlaps; Note [CUDA attention early start]). Each run's start differs from the last one's in the same
     ORT buffer, so a block that resolved pages (and issued their tiles) for the stale value before its wait must
     start over from the new one: every run reads exactly its own keys (the rest poisoned) and matches the oracle.
     uniform: pages of that one format and page_format naming it (Note [Paged CUDA uniform 16-bit]: the dense-shaped
-    kernel's prologue)."""
+    kernel's prologue; INT8: the uniform INT8 kernel, ORTKV_PAGED_UNIFORM_INT8=1)."""
+    monkeypatch.setenv("ORTKV_PAGED_UNIFORM_INT8", "1")
     H, G, PS, NL, D = 3, 3, 16, 1, 64
     lengths_max = 8200
     kinds = [uniform] if uniform else [PageFormat.F16, PageFormat.INT8, PageFormat.INT4]
@@ -520,12 +541,15 @@ def test_attention_early_launch_rereads_start_written_by_the_node_before(rng, un
                            NL=NL, D=D, bound_start=np.array(lengths) - 2, start_name="start_in")
 
 
-@pytest.mark.parametrize("uniform", [None, PageFormat.F16, PageFormat.INT4], ids=["mixed", "uniform_f16", "uniform_int4"])
-def test_attention_early_launch_page_table_written_by_the_node_before(rng, uniform):
+@pytest.mark.parametrize("uniform", [None, PageFormat.F16, PageFormat.INT4, PageFormat.INT8],
+                         ids=["mixed", "uniform_f16", "uniform_int4", "uniform_int8"])
+def test_attention_early_launch_page_table_written_by_the_node_before(rng, monkeypatch, uniform):
     """The page table computed on the GPU by the node right before PagedCacheAttention (an Add), `start` the
     same in every run. Each run maps the page that holds `start` to another page, and the page the run before
     used there is filled with NaN: the page holding `start` must be resolved after the wait (Note [CUDA attention
-    early start]: what the kernel before writes of it is read after the wait), never from the last run's entry."""
+    early start]: what the kernel before writes of it is read after the wait), never from the last run's entry.
+    INT8: the uniform INT8 kernel (ORTKV_PAGED_UNIFORM_INT8=1)."""
+    monkeypatch.setenv("ORTKV_PAGED_UNIFORM_INT8", "1")
     H, G, PS, NL, D, B = 3, 3, 16, 1, 64, 2
     lengths = [8200, 300]
     n = -(-max(lengths) // PS)
@@ -552,13 +576,16 @@ def test_attention_early_launch_page_table_written_by_the_node_before(rng, unifo
                            NL=NL, D=D, table_name="page_table_in")
 
 
-@pytest.mark.parametrize("uniform", [None, PageFormat.F16, PageFormat.INT4], ids=["mixed", "uniform_f16", "uniform_int4"])
+@pytest.mark.parametrize("uniform", [None, PageFormat.F16, PageFormat.INT4, PageFormat.INT8],
+                         ids=["mixed", "uniform_f16", "uniform_int4", "uniform_int8"])
 @pytest.mark.parametrize("lengths", [[8200, 300], [16, 33]], ids=["long", "short"])
-def test_attention_early_launch_directory_written_by_the_node_before(rng, uniform, lengths):
+def test_attention_early_launch_directory_written_by_the_node_before(rng, monkeypatch, uniform, lengths):
     """The directory computed on the GPU by the node right before PagedCacheAttention (an Add), the page table and
     `start` the same in every run. Each run moves the page that holds `start` to another slot (a copy of its
     bytes) and fills the slot the run before used with NaN: what the attention resolved of that page before its
-    wait must be checked after it (Note [CUDA attention early start]), never kept from the last run's row."""
+    wait must be checked after it (Note [CUDA attention early start]), never kept from the last run's row. INT8: the
+    uniform INT8 kernel (ORTKV_PAGED_UNIFORM_INT8=1)."""
+    monkeypatch.setenv("ORTKV_PAGED_UNIFORM_INT8", "1")
     H, G, PS, NL, D, B = 3, 3, 16, 1, 64, 2
     n = -(-max(lengths) // PS)
     kinds = [uniform] if uniform else [PageFormat.F16, PageFormat.INT8, PageFormat.INT4]
@@ -693,17 +720,20 @@ def test_attention_refusals_are_reported(rng, case):
 
 
 @pytest.mark.parametrize("static", [None, 1], ids=["tables", "static_tables"])
-@pytest.mark.parametrize("kernel", ["uniform", "v3_int4", "v3", "v1"])
-def test_attention_page_format_attribute_refuses_another_format(rng, kernel, static):
+@pytest.mark.parametrize("kernel", ["uniform", "v3_int4", "uniform_int8", "v3_int8", "v3", "v1"])
+def test_attention_page_format_attribute_refuses_another_format(rng, monkeypatch, kernel, static):
     """A page of another format than the node's page_format promises is reported by every kernel (uniform: F16
     promised under float16 queries, an INT8 page; v3: INT4 or FP8_E4M3 promised, an F16 page; v1 (pages of 1
     token): INT4 promised, an F16 page), with the row, the page and the remedy; the pool untouched; the rows whose
     pages keep the promise right. A missing page under the uniform kernel is reported as by the others. The bad
     page holds the row's last keys (`start`'s page, resolved before the wait): with static_tables (Note [Paged
-    CUDA static tables]) what was seen there is the report, with no second look."""
+    CUDA static tables]) what was seen there is the report, with no second look. uniform_int8 / v3_int8: INT8
+    promised, an F16 page, with and without ORTKV_PAGED_UNIFORM_INT8=1 (Note [Paged CUDA uniform INT8])."""
+    monkeypatch.setenv("ORTKV_PAGED_UNIFORM_INT8", "1" if kernel == "uniform_int8" else "0")
     NL, H, D = 1, 2, 64
     PS = 1 if kernel == "v1" else 16
     good, bad = {"uniform": (PageFormat.F16, PageFormat.INT8), "v3_int4": (PageFormat.INT4, PageFormat.F16),
+                 "uniform_int8": (PageFormat.INT8, PageFormat.F16), "v3_int8": (PageFormat.INT8, PageFormat.F16),
                  "v3": (PageFormat.FP8_E4M3, PageFormat.F16), "v1": (PageFormat.INT4, PageFormat.F16)}[kernel]
     n = -(-40 // PS)  # pages per row for 40 tokens
     pool, directory = build_pool(rng, [good] * (2 * n) + [bad], num_layers=NL, kv_heads=H, page_size=PS, head_size=D)
@@ -723,7 +753,7 @@ def test_attention_page_format_attribute_refuses_another_format(rng, kernel, sta
     want = paged_cache_attention_ref(q[:1], before, directory, table[:1], start[:1], num_heads=H, kv_num_heads=H,
                                      layer=0, num_layers=NL, page_size=PS)
     np.testing.assert_allclose(out[:1], want, rtol=2e-3, atol=2e-3)
-    if kernel == "uniform":
+    if kernel in ("uniform", "uniform_int8"):
         table[1, n - 1] = -1
         out, after, err = cuda_attention(q, pool, directory, table, start, **kw)
         assert err is not None and "row 1" in err and "the entry is -1 (no page)" in err, err

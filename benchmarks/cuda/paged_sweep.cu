@@ -133,6 +133,8 @@ int Main(int argc, char** argv) {
   CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   int sms = 0;
   CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  // INT8 v3u / v3us: the uniform INT8 kernel (opt-in, Note [Paged CUDA uniform INT8]) unless the caller set it
+  setenv("ORTKV_PAGED_UNIFORM_INT8", "1", 0);
   const Case cases[] = {{8192, 1}, {8192, 8}, {32768, 1}, {32768, 8}, {16, 1}, {1024, 1}, {16, 8},  // 4-6: short rows
                         {16, 1, 2048}, {128, 1, 2048},  // 7-8: a short row in a table of 2K keys
                         {128, 1},  // 9
@@ -175,7 +177,7 @@ int Main(int argc, char** argv) {
         CK(cudaStreamSynchronize(s));
         float worst = 0, worst_u = 0;
         for (size_t i = 0; i < o2.size(); ++i) worst = std::max(worst, std::fabs(__half2float(o2[i]) - __half2float(o3[i])));
-        if (f != PageFormat::kInt8) {  // Note [Paged CUDA uniform 16-bit] / [... uniform INT4]: page_format set
+        {  // Note [Paged CUDA uniform 16-bit] / [... uniform INT4] / [... uniform INT8]: page_format set
           nodes[0].v.page_format = static_cast<int32_t>(f);
           OK(PagedCacheAttentionCuda(nodes[0].v, s));
           CK(cudaMemcpyAsync(o3.data(), out, o3.size() * 2, cudaMemcpyDeviceToHost, s));
@@ -188,7 +190,6 @@ int Main(int argc, char** argv) {
         for (const char* level : {"v3u", "v3us", "v3", "v3s", "v2"}) {
           if (!shuffled && std::strcmp(level, "v2") == 0) continue;
           const bool u = std::strncmp(level, "v3u", 3) == 0, st = level[std::strlen(level) - 1] == 's';
-          if (u && f == PageFormat::kInt8) continue;  // no uniform INT8 kernel (v3u: the every-format one)
           for (auto& n : nodes) {
             n.v.page_format = u ? static_cast<int32_t>(f) : -1;
             n.v.static_tables = st;

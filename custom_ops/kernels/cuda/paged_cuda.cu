@@ -2803,8 +2803,16 @@ constexpr int kInt4F = static_cast<int>(PageFormat::kInt4), kInt8F = static_cast
 __host__ __device__ constexpr int RegMode(int f) { return f == kInt4F ? 1 : f == kInt8F ? 2 : 0; }
 // The layout of o after a register-decoded window at head size D: INT4 at head size 64 merges its transposed state
 // into layout 0 (Note [Paged CUDA v3 transposed INT4]).
+#ifndef ORTKV_PAGED_V3_INT8T  // 1: INT8 windows at head size 64 take the transposed form too (Note [Paged CUDA v3
+#define ORTKV_PAGED_V3_INT8T 0  // transposed INT8]; an A/B knob for paged_sweep.cu until it has run on a GPU)
+#endif
+// Whether a register-decoded window of format f at head size D runs the transposed form.
 template <int D>
-__host__ __device__ constexpr int RegModeD(int f) { return D == 64 && f == kInt4F ? 0 : RegMode(f); }
+__host__ __device__ constexpr bool RegTransposed(int f) {
+  return D == 64 && (f == kInt4F || (ORTKV_PAGED_V3_INT8T != 0 && f == kInt8F));
+}
+template <int D>
+__host__ __device__ constexpr int RegModeD(int f) { return RegTransposed<D>(f) ? 0 : RegMode(f); }
 __device__ __forceinline__ int DimOf(int mode, int nt, int n) {
   return mode == 1 ? 64 * (nt >> 3) + 8 * n + (nt & 7) : mode == 2 ? 32 * (nt >> 2) + 4 * n + (nt & 3) : nt * 8 + n;
 }
@@ -3096,13 +3104,32 @@ __device__ __forceinline__ uint32_t Transpose8x8(uint32_t x) {
   return y;
 }
 
-// One step of NT raw INT4 tiles (head size 64) in the transposed form: S^T, the per-column online softmax,
-// O^T += V^T (P s_v)^T, mv += P m_v (Note [Paged CUDA v3 transposed INT4]).
-template <int NT>
-__device__ __forceinline__ void Int4TilesT(const uint8_t* st, const uint32_t (*qa)[2], const float* qs,
-                                           const float* k0, int lane, KeyMask<NT * kTile> valid, float* m, float* l, float* mv,
-                                           float (*o)[4]) {
-  using R = RegCfg<kInt4F, 64>;
+// Note [Paged CUDA v3 transposed INT8]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// INT8 pages at head size 64 in the transposed form of Note [Paged CUDA v3 transposed INT4] (NarrowTilesT<kInt8F>):
+//   * S^T: A = the raw K codes of key rows kappa(g) and 8 + kappa(g), the lane's quarter of each (16 bytes: word ks
+//     is k-step ks, bytes 0, 1 its k-indices 2c, 2c + 1 and bytes 2, 3 its 2c + 8, 2c + 9, the elements RegQuery
+//     <kInt8F> pairs in the query fragments), each byte ^ 0x80 under the exponent of 1024.0h (Int8PairRaw: 1152 +
+//     code, the offset k0 taken out of the scores as before). Four HMMA a 16-key tile, as INT4; the register
+//     decode's INT8 loop (RegTiles) spent eight on its padded query rows.
+//   * INT8 has one scale per key and no minimum: s = s_k (raw - k0), and no sum p m_v (mv stays 0).
+//   * V^T as A: lane (g, c) reads bytes 8 g .. 8 g + 7 (dims) of key rows c, c + 4, 8 + c and 12 + c; one PRMT pairs
+//     two rows' bytes of two dims and Int8Pair makes each pair exact (code, not offset: o sums over thousands of
+//     keys). Dim 8 g + i sits in rows g (i < 4) and g + 8 (i >= 4) of m-tile i % 4: INT4's map, so MergeWindowT
+//     merges either format's window.
+// The uniform INT8 kernel (Note [Paged CUDA uniform INT8]) runs it. In the every-format kernel INT8 windows keep
+// the register decode (RegTiles) unless built with ORTKV_PAGED_V3_INT8T=1: an A/B knob for paged_sweep.cu until
+// the form has run on a GPU (written and compiled in the twenty-second session, which had no GPU machine).
+// One step of NT raw INT4 or INT8 tiles (head size 64) in the transposed form: S^T, the per-column online softmax,
+// O^T += V^T (P s_v)^T, mv += P m_v (Note [Paged CUDA v3 transposed INT4]; INT8: Note [Paged CUDA v3 transposed
+// INT8], which has no minimum, so mv stays 0).
+template <int F, int NT>
+__device__ __forceinline__ void NarrowTilesT(const uint8_t* st, const uint32_t (*qa)[2], const float* qs,
+                                             const float* k0, int lane, KeyMask<NT * kTile> valid, float* m, float* l,
+                                             float* mv, float (*o)[4]) {
+  static_assert(F == kInt4F || F == kInt8F, "");
+  using R = RegCfg<F, 64>;
+  constexpr bool k4 = F == kInt4F;
   const int g = lane >> 2, c = lane & 3;
   const int kg = (g >> 1) + 4 * (g & 1);  // kappa(g): the key of row g of S^T
   float s[NT][4];
@@ -3110,20 +3137,35 @@ __device__ __forceinline__ void Int4TilesT(const uint8_t* st, const uint32_t (*q
   for (int h = 0; h < NT; ++h) {
     s[h][0] = s[h][1] = s[h][2] = s[h][3] = 0.0f;
     const uint8_t* t = st + h * R::kStageBytes;
-    const uint2 wl = *reinterpret_cast<const uint2*>(t + kg * R::kRB + c * 8);
-    const uint2 wh = *reinterpret_cast<const uint2*>(t + (8 + kg) * R::kRB + c * 8);
-    uint32_t rl[2][4], rh[2][4];  // per word: k-steps 2 j, 2 j + 1 (as RegTiles' kb)
-    Int4QuadRaw(wl.x, rl[0]);
-    Int4QuadRaw(wl.y, rl[1]);
-    Int4QuadRaw(wh.x, rh[0]);
-    Int4QuadRaw(wh.y, rh[1]);
+    uint32_t ka[4][4];  // k-step ks: the A fragments a0 .. a3 (rows kappa(g), 8 + kappa(g); k 2c, 2c + 8)
+    if constexpr (k4) {
+      const uint2 wl = *reinterpret_cast<const uint2*>(t + kg * R::kRB + c * 8);
+      const uint2 wh = *reinterpret_cast<const uint2*>(t + (8 + kg) * R::kRB + c * 8);
+      uint32_t rl[2][4], rh[2][4];  // per word: k-steps 2 j, 2 j + 1 (as RegTiles' kb)
+      Int4QuadRaw(wl.x, rl[0]);
+      Int4QuadRaw(wl.y, rl[1]);
+      Int4QuadRaw(wh.x, rh[0]);
+      Int4QuadRaw(wh.y, rh[1]);
 #pragma unroll
-    for (int ks = 0; ks < 4; ++ks) {
-      const int j = ks >> 1, i = 2 * (ks & 1);
-      MmaRows16(s[h], rl[j][i], rh[j][i], rl[j][i + 1], rh[j][i + 1], qa[ks][0], qa[ks][1]);
+      for (int ks = 0; ks < 4; ++ks) {
+        const int j = ks >> 1, i = 2 * (ks & 1);
+        ka[ks][0] = rl[j][i], ka[ks][1] = rh[j][i], ka[ks][2] = rl[j][i + 1], ka[ks][3] = rh[j][i + 1];
+      }
+    } else {  // word ks of the lane's quarter: elements 4 ks .. 4 ks + 3, as RegQuery<kInt8F> pairs them
+      const uint4 wl = *reinterpret_cast<const uint4*>(t + kg * R::kRB + c * 16);
+      const uint4 wh = *reinterpret_cast<const uint4*>(t + (8 + kg) * R::kRB + c * 16);
+      const uint32_t xl[4] = {wl.x, wl.y, wl.z, wl.w}, xh[4] = {wh.x, wh.y, wh.z, wh.w};
+#pragma unroll
+      for (int ks = 0; ks < 4; ++ks) {
+        const uint32_t ul = xl[ks] ^ 0x80808080u, uh = xh[ks] ^ 0x80808080u;
+        ka[ks][0] = Int8PairRaw(ul, false), ka[ks][1] = Int8PairRaw(uh, false);
+        ka[ks][2] = Int8PairRaw(ul, true), ka[ks][3] = Int8PairRaw(uh, true);
+      }
     }
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) MmaRows16(s[h], ka[ks][0], ka[ks][1], ka[ks][2], ka[ks][3], qa[ks][0], qa[ks][1]);
   }
-  float vs[NT][2], vm[NT][2];
+  float vs[NT][2], vm[NT][2];  // vm: INT4's minima only
   float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
   for (int h = 0; h < NT; ++h)
@@ -3131,18 +3173,31 @@ __device__ __forceinline__ void Int4TilesT(const uint8_t* st, const uint32_t (*q
     for (int hi = 0; hi < 2; ++hi) {
       const int k = 8 * hi + kg;
       const uint8_t* sc = st + h * R::kStageBytes + R::kS;
-      const uint32_t kw = *reinterpret_cast<const uint32_t*>(sc + k * 4);
-      const uint32_t vw = *reinterpret_cast<const uint32_t*>(sc + 64 + k * 4);
-      const float sk = H(kw & 0xFFFFu), mk = H(kw >> 16);
-      const bool ok = (valid >> (16 * h + k)) & 1u;
+      if constexpr (k4) {
+        const uint32_t kw = *reinterpret_cast<const uint32_t*>(sc + k * 4);
+        const uint32_t vw = *reinterpret_cast<const uint32_t*>(sc + 64 + k * 4);
+        const float sk = H(kw & 0xFFFFu), mk = H(kw >> 16);
+        const bool ok = (valid >> (16 * h + k)) & 1u;
 #pragma unroll
-      for (int e = 0; e < 2; ++e) {  // s = sk (raw - k0) + mk qsum: the raw score carries k0 (RegOffset)
-        float& x = s[h][2 * hi + e];
-        x = ok ? fmaf(x, sk, fmaf(-sk, k0[e], mk * qs[e])) : -INFINITY;
-        mx[e] = fmaxf(mx[e], x);
+        for (int e = 0; e < 2; ++e) {  // s = sk (raw - k0) + mk qsum: the raw score carries k0 (RegOffset)
+          float& x = s[h][2 * hi + e];
+          x = ok ? fmaf(x, sk, fmaf(-sk, k0[e], mk * qs[e])) : -INFINITY;
+          mx[e] = fmaxf(mx[e], x);
+        }
+        vs[h][hi] = ok ? H(vw & 0xFFFFu) : 0.0f;
+        vm[h][hi] = ok ? H(vw >> 16) : 0.0f;
+      } else {  // one scale a key, no minimum: s = sk (raw - k0)
+        const float sk = H(*reinterpret_cast<const uint16_t*>(sc + k * 2));
+        const uint32_t vb = *reinterpret_cast<const uint16_t*>(sc + 64 + k * 2);
+        const bool ok = (valid >> (16 * h + k)) & 1u;
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          float& x = s[h][2 * hi + e];
+          x = ok ? fmaf(x, sk, -sk * k0[e]) : -INFINITY;
+          mx[e] = fmaxf(mx[e], x);
+        }
+        vs[h][hi] = ok ? H(vb) : 0.0f;
       }
-      vs[h][hi] = ok ? H(vw & 0xFFFFu) : 0.0f;
-      vm[h][hi] = ok ? H(vw >> 16) : 0.0f;
     }
 #pragma unroll
   for (int e = 0; e < 2; ++e) {
@@ -3151,7 +3206,7 @@ __device__ __forceinline__ void Int4TilesT(const uint8_t* st, const uint32_t (*q
     if (mx[e] > m[e]) {
       const float corr = Exp2(m[e] - mx[e]);
       l[e] *= corr;
-      mv[e] *= corr;
+      if constexpr (k4) mv[e] *= corr;
 #pragma unroll
       for (int mt = 0; mt < 4; ++mt) o[mt][e] *= corr, o[mt][e + 2] *= corr;
       m[e] = mx[e];
@@ -3166,23 +3221,41 @@ __device__ __forceinline__ void Int4TilesT(const uint8_t* st, const uint32_t (*q
       for (int e = 0; e < 2; ++e) {
         const float p = Exp2(s[h][2 * hi + e] - m[e]);  // 0 for a key outside the window
         l[e] += p;
-        mv[e] = fmaf(p, vm[h][hi], mv[e]);
+        if constexpr (k4) mv[e] = fmaf(p, vm[h][hi], mv[e]);
         pv[hi][e] = p * vs[h][hi];
       }
     const uint32_t b0 = Transpose8x8(Pack2<false>(pv[0][0], pv[0][1]));  // keys c, c + 4; column g
     const uint32_t b1 = Transpose8x8(Pack2<false>(pv[1][0], pv[1][1]));  // keys 8 + c, 12 + c
-    const uint8_t* v = st + h * R::kStageBytes + R::kV + 4 * g;
-    const uint32_t wa = *reinterpret_cast<const uint32_t*>(v + c * R::kRB);
-    const uint32_t wb = *reinterpret_cast<const uint32_t*>(v + (c + 4) * R::kRB);
-    const uint32_t wc = *reinterpret_cast<const uint32_t*>(v + (c + 8) * R::kRB);
-    const uint32_t wd = *reinterpret_cast<const uint32_t*>(v + (c + 12) * R::kRB);
-    uint32_t a0[4], a1[4], a2[4], a3[4];
-    Int4Quad(__byte_perm(wa, wb, 0x5410), a0);  // dims 8 g + i: keys (c, c + 4)
-    Int4Quad(__byte_perm(wa, wb, 0x7632), a1);  // dims 8 g + 4 + i
-    Int4Quad(__byte_perm(wc, wd, 0x5410), a2);  // keys (8 + c, 12 + c)
-    Int4Quad(__byte_perm(wc, wd, 0x7632), a3);
+    // a[hf][dh][i]: dim 8 g + 4 dh + i of keys (c, c + 4) (hf 0) or (8 + c, 12 + c) (hf 1), m-tile i's rows g
+    // (dh 0) and g + 8 (dh 1), as Int4Quad gives them
+    uint32_t a[2][2][4];
+    if constexpr (k4) {
+      const uint8_t* v = st + h * R::kStageBytes + R::kV + 4 * g;
+      const uint32_t wa = *reinterpret_cast<const uint32_t*>(v + c * R::kRB);
+      const uint32_t wb = *reinterpret_cast<const uint32_t*>(v + (c + 4) * R::kRB);
+      const uint32_t wc = *reinterpret_cast<const uint32_t*>(v + (c + 8) * R::kRB);
+      const uint32_t wd = *reinterpret_cast<const uint32_t*>(v + (c + 12) * R::kRB);
+      Int4Quad(__byte_perm(wa, wb, 0x5410), a[0][0]);  // dims 8 g + i: keys (c, c + 4)
+      Int4Quad(__byte_perm(wa, wb, 0x7632), a[0][1]);  // dims 8 g + 4 + i
+      Int4Quad(__byte_perm(wc, wd, 0x5410), a[1][0]);  // keys (8 + c, 12 + c)
+      Int4Quad(__byte_perm(wc, wd, 0x7632), a[1][1]);
+    } else {  // bytes 8 g .. 8 g + 7 of the four key rows
+      const uint8_t* v = st + h * R::kStageBytes + R::kV + 8 * g;
 #pragma unroll
-    for (int mt = 0; mt < 4; ++mt) MmaRows16(o[mt], a0[mt], a1[mt], a2[mt], a3[mt], b0, b1);
+      for (int hf = 0; hf < 2; ++hf) {
+        const uint2 x0 = *reinterpret_cast<const uint2*>(v + (8 * hf + c) * R::kRB);
+        const uint2 x1 = *reinterpret_cast<const uint2*>(v + (8 * hf + c + 4) * R::kRB);
+#pragma unroll
+        for (int dh = 0; dh < 2; ++dh) {
+          const uint32_t p = dh ? x0.y : x0.x, q = dh ? x1.y : x1.x;
+          const uint32_t lo = __byte_perm(p, q, 0x5140) ^ 0x80808080u, hi = __byte_perm(p, q, 0x7362) ^ 0x80808080u;
+          a[hf][dh][0] = Int8Pair(lo, false), a[hf][dh][1] = Int8Pair(lo, true);
+          a[hf][dh][2] = Int8Pair(hi, false), a[hf][dh][3] = Int8Pair(hi, true);
+        }
+      }
+    }
+#pragma unroll
+    for (int mt = 0; mt < 4; ++mt) MmaRows16(o[mt], a[0][0][mt], a[0][1][mt], a[1][0][mt], a[1][1][mt], b0, b1);
   }
 }
 
@@ -3249,7 +3322,7 @@ __device__ __forceinline__ void WindowTilesReg(const PageWindow& sh, uint8_t* wr
                                                const __half* qrow, int gn, float qscale, float& m, float& l,
                                                float (*o)[4]) {
   using R = RegCfg<F, D>;
-  constexpr bool kT = F == kInt4F && D == 64;  // Note [Paged CUDA v3 transposed INT4]
+  constexpr bool kT = RegTransposed<D>(F);  // Note [Paged CUDA v3 transposed INT4]
   constexpr int NT = RegStepTiles<F, D>();
   constexpr int kStep = NT * R::kStageBytes;
   constexpr int kStages0 = Cfg<D>::kWarpBytes / kStep;
@@ -3306,7 +3379,7 @@ __device__ __forceinline__ void WindowTilesReg(const PageWindow& sh, uint8_t* wr
     const int off = (warp + it * kWarps) * NT * kTile;  // from a0
     const auto valid = KeysInWindow<NT * kTile>(off, lo, win);
     if constexpr (kT)
-      Int4TilesT<NT>(wring + stage * kStep, qa, qs, kc, lane, valid, mw, lw, mvw, ow);
+      NarrowTilesT<F, NT>(wring + stage * kStep, qa, qs, kc, lane, valid, mw, lw, mvw, ow);
     else
       RegTiles<F, D, NT>(wring + stage * kStep, qa, qsum, k0, lane, valid, m, l, mv, o);
   }
@@ -3965,40 +4038,65 @@ cudaError_t Launch(const AttnArgs& a, cudaStream_t stream) {
 // (every format) 8K x 1 8.65-8.70 / 8.46-8.56, 8K x 8 13.98-14.04 / 13.40-13.47, 32K x 1 13.93-13.95 / 13.61-13.68,
 // 32K x 8 31.18-31.60 / 30.29-30.40; INT8 (NT = 2, 16 lanes a tile; its loop 327 -> 317) within -2 / +1 %: 8.76-8.81
 // / 8.76-8.82, 16.98-17.10 / 17.20-17.28, 15.32-15.41 / 15.04-15.13, 45.18-45.40 / 45.37-45.80; F16 unchanged.
+// Note [Paged CUDA uniform INT8]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A node whose `page_format` attribute is INT8, under float16 queries at head size 64, may run the uniform INT4
+// kernel's INT8 twin: PagedAttentionU4<kInt8F, ST> (the same resolution of a tile's page by one lane, the same
+// prologue before griddepcontrol.wait, late-page checks, reports and merges) around the transposed INT8 step (Note
+// [Paged CUDA v3 transposed INT8]). An INT8 tile is twice an INT4 tile's bytes (2,176-byte stages), so a step is
+// ORTKV_PAGED_U8_NT = 2 tiles (32 keys, copied by groups of 16 lanes: Note [Uniform INT4 group copies]) and a
+// batch of page resolutions covers 16 steps; the rings are INT4's rule (3 steps, 4 from 32K keys a row: 13 / 17
+// KB a warp, about INT4's bytes in flight). 96-100 registers at sm_90 (the clustered instance 6 bytes of spill).
+// Why: INT8 pages promised ran the every-format kernel, 1.03-1.06x the uniform F16 kernel's time at 8K keys x 1
+// row on an H100 (a single-row node is latency: its page window, format switch and 16-key register-decode steps
+// are what INT4's uniform kernel dropped to reach 0.92x there). The twenty-second session wrote it with no GPU
+// machine lent, so it has never run: the launch takes it only under ORTKV_PAGED_UNIFORM_INT8=1 (PagedUniformInt8),
+// tests/test_cuda_paged.py runs it that way (test_attention_uniform_int8_kernel, the early-launch and refusal
+// tests), and paged_sweep.cu's INT8 v3u / v3us and bench_paged_attention_cuda.py's "INT8 uniform" time it. It
+// becomes the default for INT8 promises once those pass on a GPU and it is faster than the every-format kernel.
 namespace pu4 {
 
 using pv3::FormatInfo;
 using pv3::kInt4F;
+using pv3::kInt8F;
 using pv3::KeysInWindow;
 using tile16::kTile;
 using tile16::MergeWarpTiles;
 
-constexpr int kD = 64, kNT = ORTKV_PAGED_V3_INT4T_NT;
-using R = pv3::RegCfg<kInt4F, kD>;
-constexpr int kStep = kNT * R::kStageBytes;  // one step: kNT tiles' K and V codes and scales
+#ifndef ORTKV_PAGED_U8_NT  // tiles per step of the uniform INT8 kernel (an A/B knob for paged_sweep.cu)
+#define ORTKV_PAGED_U8_NT 2
+#endif
+constexpr int kD = 64;
+// Format F's tiles per step (Note [Paged CUDA uniform INT8]: INT8's tiles are twice INT4's bytes).
+template <int F>
+__host__ __device__ constexpr int StepTiles() { return F == kInt4F ? ORTKV_PAGED_V3_INT4T_NT : ORTKV_PAGED_U8_NT; }
+template <int F>
+__host__ __device__ constexpr int StepBytes() { return StepTiles<F>() * pv3::RegCfg<F, kD>::kStageBytes; }  // one step's codes, scales
 #ifndef ORTKV_PAGED_U4_STAGES  // ring depth (an A/B knob for benchmarks/cuda/paged_sweep.cu)
 #define ORTKV_PAGED_U4_STAGES 3
 #endif
 #ifndef ORTKV_PAGED_U4_LONG_STAGES  // the ring of long nodes (ORTKV_PAGED_U4_LONG_KEYS)
 #define ORTKV_PAGED_U4_LONG_STAGES 4
 #endif
-constexpr int kBatchSteps = 32 / kNT;  // a lane resolves one tile: 32 tiles per batch
 using Merge = WarpMerge<kWarps, 8>;
-// A ring of ST steps per warp.
-template <int ST>
+// A ring of ST steps of format F per warp.
+template <int F, int ST>
 struct Ring {
-  static constexpr int kWarpBytes = ST * kStep;
+  static constexpr int kWarpBytes = ST * StepBytes<F>();
   static constexpr int kRingBytes = kWarps * kWarpBytes;
   static constexpr size_t kSmem = kRingBytes + 16;  // + the block's first failure key, then the key it reports
-  static_assert(ST >= 2 && 32 % kNT == 0 && (ST - 1) * kNT <= 32, "");
+  static_assert(ST >= 2 && 32 % StepTiles<F>() == 0 && (ST - 1) * StepTiles<F>() <= 32, "");
   static_assert(sizeof(Merge) <= kRingBytes && (8 * (kD + 1) + 16) * 4 <= kWarpBytes, "merge buffers fit the ring");
 };
 
-// CLUSTER: Note [Paged CUDA cluster merge] (instantiated with EARLY only).
-template <int ST, bool EARLY = false, bool CLUSTER = false>
+// F: kInt4F, or kInt8F (Note [Paged CUDA uniform INT8]). CLUSTER: Note [Paged CUDA cluster merge] (instantiated
+// with EARLY only).
+template <int F, int ST, bool EARLY = false, bool CLUSTER = false>
 __global__ void __launch_bounds__(kThreads) PagedAttentionU4(const AttnArgs args) {
-  using RG = Ring<ST>;
-  constexpr int NW = kWarps, NT = kNT;
+  using RG = Ring<F, ST>;
+  using R = pv3::RegCfg<F, kD>;
+  constexpr int NW = kWarps, NT = StepTiles<F>(), kStep = StepBytes<F>();
+  constexpr int kBatchSteps = 32 / NT;  // a lane resolves one tile: 32 tiles per batch
   extern __shared__ __align__(128) unsigned char dsm[];
   unsigned long long& s_key = *reinterpret_cast<unsigned long long*>(dsm + RG::kRingBytes);
   unsigned long long& s_rep = *reinterpret_cast<unsigned long long*>(dsm + RG::kRingBytes + 8);
@@ -4013,7 +4111,7 @@ __global__ void __launch_bounds__(kThreads) PagedAttentionU4(const AttnArgs args
   const int ps_shift = (ps & (ps - 1)) == 0 ? __ffs(ps) - 1 : -1;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, c = lane & 3;
-  const codecs::PageLayout& lay = a.p.layouts[kInt4F];
+  const codecs::PageLayout& lay = a.p.layouts[F];
   FormatInfo fi;
   fi.v_payload = static_cast<uint32_t>(lay.v_payload);
   fi.k_scales = static_cast<uint32_t>(lay.k_scales);
@@ -4052,7 +4150,7 @@ __global__ void __launch_bounds__(kThreads) PagedAttentionU4(const AttnArgs args
     const int64_t k0 = j0 + static_cast<int64_t>(tile) * kTile;
     const int64_t pi = ps_shift >= 0 ? k0 >> ps_shift : k0 / ps;
     int64_t off;
-    if (!pu::UniformPage<EARLY>(a, b, pi, kInt4F, &s_key, &rpi, &rid, &rf, &roff, &off, &res)) {
+    if (!pu::UniformPage<EARLY>(a, b, pi, F, &s_key, &rpi, &rid, &rf, &roff, &off, &res)) {
       kp = nullptr;
       return;
     }
@@ -4070,7 +4168,7 @@ __global__ void __launch_bounds__(kThreads) PagedAttentionU4(const AttnArgs args
     const uint32_t r = __shfl_sync(0xffffffffu, kr, src & 31);
     const int tile = (warp + s * NW) * NT + gt;
     if (want && gt < NT && tile < n_tiles && pv != 0)
-      pv3::IssueNarrow<kInt4F, kD, kLpt>(wring + stage * kStep + gt * R::kStageBytes,
+      pv3::IssueNarrow<F, kD, kLpt>(wring + stage * kStep + gt * R::kStageBytes,
                                          reinterpret_cast<const uint8_t*>(pv), fi, r, gj);
   };
   // step `next` into the ring (an empty group past the warp's steps), its tiles that end at or below `lim`: EARLY's
@@ -4140,7 +4238,7 @@ __global__ void __launch_bounds__(kThreads) PagedAttentionU4(const AttnArgs args
   float qs[2], kc[2];
   {
     float qsum, k0;
-    pv3::RegQuery<kInt4F, kD>(qc, a.scale * 1.4426950408889634f, qa, &qsum, &k0);  // base-2 scores
+    pv3::RegQuery<F, kD>(qc, a.scale * 1.4426950408889634f, qa, &qsum, &k0);  // base-2 scores
     qs[0] = __shfl_sync(0xffffffffu, qsum, 8 * c), qs[1] = __shfl_sync(0xffffffffu, qsum, 8 * c + 4);
     kc[0] = __shfl_sync(0xffffffffu, k0, 8 * c), kc[1] = __shfl_sync(0xffffffffu, k0, 8 * c + 4);
   }
@@ -4152,7 +4250,7 @@ __global__ void __launch_bounds__(kThreads) PagedAttentionU4(const AttnArgs args
     __syncwarp();  // this step's copies landed for the whole warp; the slot refilled next was read
     issue();
     const auto valid = KeysInWindow<NT * kTile>((warp + it * NW) * NT * kTile, 0, win);
-    pv3::Int4TilesT<NT>(wring + stage * kStep, qa, qs, kc, lane, valid, mw, lw, mvw, ow);
+    pv3::NarrowTilesT<F, NT>(wring + stage * kStep, qa, qs, kc, lane, valid, mw, lw, mvw, ow);
   }
   float m = -INFINITY, l = 0.0f, o[kD / 8][4];
 #pragma unroll
@@ -4170,21 +4268,25 @@ __global__ void __launch_bounds__(kThreads) PagedAttentionU4(const AttnArgs args
 #ifndef ORTKV_PAGED_U4_LONG_KEYS  // the page table's keys (per row) from which a node takes the long ring
 #define ORTKV_PAGED_U4_LONG_KEYS 32768
 #endif
-template <int ST>
+template <int F, int ST>
 const AttnKernels& KernelsOf() {
   static const AttnKernels k = [] {
-    AttnKernels x = MakeKernels(PagedAttentionU4<ST>, PagedAttentionU4<ST, true>, PagedAttentionU4<ST, true, true>,
-                                Ring<ST>::kSmem, Ring<ST>::kSmem + kFinBytes<kD>,
+    AttnKernels x = MakeKernels(PagedAttentionU4<F, ST>, PagedAttentionU4<F, ST, true>,
+                                PagedAttentionU4<F, ST, true, true>, Ring<F, ST>::kSmem,
+                                Ring<F, ST>::kSmem + kFinBytes<kD>,
                                 tile16::kMaxClusterRanks);  // Note [Paged CUDA cluster merge]
     x.per_sm = std::min(x.per_sm, ORTKV_PAGED_U4_MAX_PER_SM);
     return x;
   }();
   return k;
 }
+// F: kInt4F or kInt8F (the same ring rule: Note [Paged CUDA uniform INT8]).
+template <int F>
 cudaError_t Launch(const AttnArgs& a, cudaStream_t stream) {
   const int64_t keys = a.v.p.max_pages * a.v.p.shape.page_size;  // Note [Paged CUDA uniform INT4]
-  return keys >= ORTKV_PAGED_U4_LONG_KEYS ? LaunchOneWave<__half>(KernelsOf<ORTKV_PAGED_U4_LONG_STAGES>(), a, stream)
-                                          : LaunchOneWave<__half>(KernelsOf<ORTKV_PAGED_U4_STAGES>(), a, stream);
+  return keys >= ORTKV_PAGED_U4_LONG_KEYS
+             ? LaunchOneWave<__half>(KernelsOf<F, ORTKV_PAGED_U4_LONG_STAGES>(), a, stream)
+             : LaunchOneWave<__half>(KernelsOf<F, ORTKV_PAGED_U4_STAGES>(), a, stream);
 }
 
 }  // namespace pu4
@@ -4192,6 +4294,14 @@ cudaError_t Launch(const AttnArgs& a, cudaStream_t stream) {
 Status LaunchError(const char* op, cudaError_t e) {
   return Status(Code::kRuntime, std::string(op) + " CUDA launch failed: " + cudaGetErrorName(e) + ": " +
                                     cudaGetErrorString(e));
+}
+
+// ORTKV_PAGED_UNIFORM_INT8: "1" runs the uniform INT8 kernel for nodes that promise INT8 pages (Note [Paged CUDA
+// uniform INT8]); unset or anything else, the every-format kernel. Opt-in until the kernel has passed the CUDA
+// tests and its timings on a GPU. Read at every launch (a captured CUDA graph keeps the kernel of its capture).
+bool PagedUniformInt8() {
+  const char* e = std::getenv("ORTKV_PAGED_UNIFORM_INT8");
+  return e != nullptr && std::strcmp(e, "1") == 0;
 }
 
 }  // namespace
@@ -4276,6 +4386,9 @@ Status PagedCacheAttentionCuda(const PagedAttentionCudaView& v, void* stream_ptr
   const bool u16 = v3 && v.page_format == static_cast<int32_t>(v.elem_type == kFloat16 ? PageFormat::kF16 : PageFormat::kBF16);
   // Note [Paged CUDA uniform INT4]: INT4 pages promised under float16 queries at head size 64
   const bool u4 = v3 && v.elem_type == kFloat16 && v.D == 64 && v.page_format == static_cast<int32_t>(PageFormat::kInt4);
+  // Note [Paged CUDA uniform INT8]: INT8 pages promised likewise, while ORTKV_PAGED_UNIFORM_INT8 opts in
+  const bool u8 = v3 && v.elem_type == kFloat16 && v.D == 64 && v.page_format == static_cast<int32_t>(PageFormat::kInt8) &&
+                  PagedUniformInt8();
   cudaError_t e = cudaSuccess;
   if (!v2) {  // the first kernel's blocks atomicMin into one flag: cleared first
     e = cudaMemsetAsync(v.flag, 0xFF, sizeof(unsigned long long), stream);
@@ -4290,7 +4403,8 @@ Status PagedCacheAttentionCuda(const PagedAttentionCudaView& v, void* stream_ptr
   switch (v.elem_type) {
     case kFloat16:
       e = u16  ? pu::Launch<__half>(a, stream)
-          : u4 ? pu4::Launch(a, stream)
+          : u4 ? pu4::Launch<pv3::kInt4F>(a, stream)
+          : u8 ? pu4::Launch<pv3::kInt8F>(a, stream)
           : v3 ? pv3::Launch<__half>(a, stream)
           : v2 ? pv2::Launch<__half>(a, gm, stream)
                : LaunchAttn<__half>(a, gm, blocks, stream);
