@@ -2801,8 +2801,6 @@ constexpr int kInt4F = static_cast<int>(PageFormat::kInt4), kInt8F = static_cast
 
 // The layout of o after a window of format f (-1: mixed): 0 the 16-bit tiles' (dim nt * 8 + n), 1 INT4's, 2 INT8's.
 __host__ __device__ constexpr int RegMode(int f) { return f == kInt4F ? 1 : f == kInt8F ? 2 : 0; }
-// The layout of o after a register-decoded window at head size D: INT4 at head size 64 merges its transposed state
-// into layout 0 (Note [Paged CUDA v3 transposed INT4]).
 #ifndef ORTKV_PAGED_V3_INT8T  // 1: INT8 windows at head size 64 take the transposed form too (Note [Paged CUDA v3
 #define ORTKV_PAGED_V3_INT8T 0  // transposed INT8]; an A/B knob for paged_sweep.cu until it has run on a GPU)
 #endif
@@ -2811,6 +2809,8 @@ template <int D>
 __host__ __device__ constexpr bool RegTransposed(int f) {
   return D == 64 && (f == kInt4F || (ORTKV_PAGED_V3_INT8T != 0 && f == kInt8F));
 }
+// The layout of o after a register-decoded window at head size D: the transposed form (INT4 at head size 64, and
+// INT8 there under ORTKV_PAGED_V3_INT8T) merges its state into layout 0 (Note [Paged CUDA v3 transposed INT4]).
 template <int D>
 __host__ __device__ constexpr int RegModeD(int f) { return RegTransposed<D>(f) ? 0 : RegMode(f); }
 __device__ __forceinline__ int DimOf(int mode, int nt, int n) {
@@ -3110,8 +3110,8 @@ __device__ __forceinline__ uint32_t Transpose8x8(uint32_t x) {
 //   * S^T: A = the raw K codes of key rows kappa(g) and 8 + kappa(g), the lane's quarter of each (16 bytes: word ks
 //     is k-step ks, bytes 0, 1 its k-indices 2c, 2c + 1 and bytes 2, 3 its 2c + 8, 2c + 9, the elements RegQuery
 //     <kInt8F> pairs in the query fragments), each byte ^ 0x80 under the exponent of 1024.0h (Int8PairRaw: 1152 +
-//     code, the offset k0 taken out of the scores as before). Four HMMA a 16-key tile, as INT4; the register
-//     decode's INT8 loop (RegTiles) spent eight on its padded query rows.
+//     code, the offset k0 taken out of the scores as before). A 16-key tile takes four HMMA for its scores and four
+//     for its values, as INT4's; the register decode (RegTiles) takes sixteen, half of them on padded query rows.
 //   * INT8 has one scale per key and no minimum: s = s_k (raw - k0), and no sum p m_v (mv stays 0).
 //   * V^T as A: lane (g, c) reads bytes 8 g .. 8 g + 7 (dims) of key rows c, c + 4, 8 + c and 12 + c; one PRMT pairs
 //     two rows' bytes of two dims and Int8Pair makes each pair exact (code, not offset: o sums over thousands of
@@ -3119,7 +3119,10 @@ __device__ __forceinline__ uint32_t Transpose8x8(uint32_t x) {
 //     merges either format's window.
 // The uniform INT8 kernel (Note [Paged CUDA uniform INT8]) runs it. In the every-format kernel INT8 windows keep
 // the register decode (RegTiles) unless built with ORTKV_PAGED_V3_INT8T=1: an A/B knob for paged_sweep.cu until
-// the form has run on a GPU (written and compiled in the twenty-second session, which had no GPU machine).
+// the form has run on a GPU (written and compiled in the twenty-second session, which had no GPU machine). sm_90
+// SASS (`python benchmarks/cuda/sass_loops.py`): that kernel's INT8 loop 317 -> 284 instructions per 16-key step
+// (293 -> 260 for page sizes that are not powers of two), 224 registers either way.
+//
 // One step of NT raw INT4 or INT8 tiles (head size 64) in the transposed form: S^T, the per-column online softmax,
 // O^T += V^T (P s_v)^T, mv += P m_v (Note [Paged CUDA v3 transposed INT4]; INT8: Note [Paged CUDA v3 transposed
 // INT8], which has no minimum, so mv stays 0).
@@ -4046,7 +4049,9 @@ cudaError_t Launch(const AttnArgs& a, cudaStream_t stream) {
 // [Paged CUDA v3 transposed INT8]). An INT8 tile is twice an INT4 tile's bytes (2,176-byte stages), so a step is
 // ORTKV_PAGED_U8_NT = 2 tiles (32 keys, copied by groups of 16 lanes: Note [Uniform INT4 group copies]) and a
 // batch of page resolutions covers 16 steps; the rings are INT4's rule (3 steps, 4 from 32K keys a row: 13 / 17
-// KB a warp, about INT4's bytes in flight). 96-100 registers at sm_90 (the clustered instance 6 bytes of spill).
+// KB a warp, about INT4's bytes in flight). 100-102 registers at sm_90, no spills. Its loop is 680 instructions
+// a 32-key step as laid out (sass_loops.py), ~200 of them the page resolution that runs once every 16 steps; the
+// every-format kernel's INT8 loop is 317 a 16-key step.
 // Why: INT8 pages promised ran the every-format kernel, 1.03-1.06x the uniform F16 kernel's time at 8K keys x 1
 // row on an H100 (a single-row node is latency: its page window, format switch and 16-key register-decode steps
 // are what INT4's uniform kernel dropped to reach 0.92x there). The twenty-second session wrote it with no GPU
