@@ -3122,6 +3122,9 @@ __device__ __forceinline__ uint32_t Transpose8x8(uint32_t x) {
 // the form has run on a GPU (written and compiled in the twenty-second session, which had no GPU machine). sm_90
 // SASS (`python benchmarks/cuda/sass_loops.py`): that kernel's INT8 loop 317 -> 284 instructions per 16-key step
 // (293 -> 260 for page sizes that are not powers of two), 224 registers either way.
+// Its index maps (each lane's fragments, kappa, the dim map MergeWindowT reads) are checked without a GPU by a
+// lane-level numpy model, benchmarks/cuda/int8_transposed_model.py (tests/test_int8_transposed_model.py); the code
+// itself only by the CUDA tests.
 //
 // One step of NT raw INT4 or INT8 tiles (head size 64) in the transposed form: S^T, the per-column online softmax,
 // O^T += V^T (P s_v)^T, mv += P m_v (Note [Paged CUDA v3 transposed INT4]; INT8: Note [Paged CUDA v3 transposed
