@@ -279,10 +279,10 @@ def test_paged_cache_on_cuda_is_refused_only_without_cuda_kernels(monkeypatch):
 
 
 def test_uniform_page_format_promised_only_where_pages_never_change_format(monkeypatch, slice_paths):
-    """uniform_page_format: the decoder's attention nodes promise F16 or INT4 pages (Note [Paged CUDA uniform
-    16-bit] / [Paged CUDA uniform INT4] in custom_ops/kernels/cuda/paged_cuda.cu) on CUDA for a float16 model with
-    one format, F16 or INT4, for every page; not on the CPU, not for another format, a recency policy, explicit
-    formats, demotion or the page_fill model.
+    """uniform_page_format: the decoder's attention nodes promise F16, INT8 or INT4 pages (Note [Paged CUDA uniform
+    16-bit] / [... uniform INT4] / [... uniform INT8] in custom_ops/kernels/cuda/paged_cuda.cu) on CUDA for a float16
+    model with one format, F16, INT8 or INT4, for every page; not on the CPU, not for another format, a recency
+    policy, explicit formats, demotion or the page_fill model.
     to_paged writes it into every PagedCacheAttention node."""
     from ortkv.generate import config as config_module
     from ortkv.generate.config import set_device
@@ -302,13 +302,17 @@ def test_uniform_page_format_promised_only_where_pages_never_change_format(monke
     assert uniform_page_format(cfg_for("cuda:0")) == "F16"
     assert uniform_page_format(cfg_for("cuda:0", kv_format="f16")) == "F16"
     assert uniform_page_format(cfg_for("cuda:0", kv_format="int4")) == "INT4"
+    assert uniform_page_format(cfg_for("cuda:0", kv_format="int8")) == "INT8"
+    assert uniform_page_format(cfg_for("cuda:0", kv_format="int8"), page_fill=True) is None
+    assert uniform_page_format(cfg_for("cpu", kv_format="int8")) is None
     assert uniform_page_format(cfg_for("cuda:0"), page_fill=True) is None
     assert uniform_page_format(cfg_for("cuda:0", kv_format="int4"), page_fill=True) is None
     assert uniform_page_format(cfg_for("cpu")) is None
     assert uniform_page_format(cfg_for("cpu", kv_format="int4")) is None
-    for keys in ({"kv_format": "int8"}, {"kv_format": "int4_kc"}, {"kv_policy": {"sink_pages": 1}},
+    for keys in ({"kv_format": "fp8_e4m3"}, {"kv_format": "int4_kc"}, {"kv_policy": {"sink_pages": 1}},
                  {"kv_page_formats": ["f16"]}, {"kv_demote_on_refusal": True},
-                 {"kv_format": "int4", "kv_demote_on_refusal": True}):
+                 {"kv_format": "int4", "kv_demote_on_refusal": True},
+                 {"kv_format": "int8", "kv_demote_on_refusal": True}):
         assert uniform_page_format(cfg_for("cuda:0", **keys)) is None, keys
     w, _ = weights.load(smollm2_gguf(), layers=2)
     model = to_paged(builder.build(w, "ortkv", max_positions=64, cache_layout="BSNH"), 9, 3, 4, page_format="F16")
