@@ -4078,8 +4078,8 @@ constexpr int kD = 64;
 // Format F's tiles per step (Note [Paged CUDA uniform INT8]: INT8's tiles are twice INT4's bytes).
 template <int F>
 __host__ __device__ constexpr int StepTiles() { return F == kInt4F ? ORTKV_PAGED_V3_INT4T_NT : ORTKV_PAGED_U8_NT; }
-template <int F>
-__host__ __device__ constexpr int StepBytes() { return StepTiles<F>() * pv3::RegCfg<F, kD>::kStageBytes; }  // one step's codes, scales
+template <int F>  // one step's codes and scales
+__host__ __device__ constexpr int StepBytes() { return StepTiles<F>() * pv3::RegCfg<F, kD>::kStageBytes; }
 #ifndef ORTKV_PAGED_U4_STAGES  // ring depth (an A/B knob for benchmarks/cuda/paged_sweep.cu)
 #define ORTKV_PAGED_U4_STAGES 3
 #endif
@@ -4177,7 +4177,7 @@ __global__ void __launch_bounds__(kThreads) PagedAttentionU4(const AttnArgs args
     const int tile = (warp + s * NW) * NT + gt;
     if (want && gt < NT && tile < n_tiles && pv != 0)
       pv3::IssueNarrow<F, kD, kLpt>(wring + stage * kStep + gt * R::kStageBytes,
-                                         reinterpret_cast<const uint8_t*>(pv), fi, r, gj);
+                                    reinterpret_cast<const uint8_t*>(pv), fi, r, gj);
   };
   // step `next` into the ring (an empty group past the warp's steps), its tiles that end at or below `lim`: EARLY's
   // prologue (before the wait) stops at row st0, a tile with this step's rows is copied after the wait (`pending`)
@@ -4395,8 +4395,8 @@ Status PagedCacheAttentionCuda(const PagedAttentionCudaView& v, void* stream_ptr
   // Note [Paged CUDA uniform INT4]: INT4 pages promised under float16 queries at head size 64
   const bool u4 = v3 && v.elem_type == kFloat16 && v.D == 64 && v.page_format == static_cast<int32_t>(PageFormat::kInt4);
   // Note [Paged CUDA uniform INT8]: INT8 pages promised likewise, while ORTKV_PAGED_UNIFORM_INT8 opts in
-  const bool u8 = v3 && v.elem_type == kFloat16 && v.D == 64 && v.page_format == static_cast<int32_t>(PageFormat::kInt8) &&
-                  PagedUniformInt8();
+  const bool u8 = v3 && v.elem_type == kFloat16 && v.D == 64 &&
+                  v.page_format == static_cast<int32_t>(PageFormat::kInt8) && PagedUniformInt8();
   cudaError_t e = cudaSuccess;
   if (!v2) {  // the first kernel's blocks atomicMin into one flag: cleared first
     e = cudaMemsetAsync(v.flag, 0xFF, sizeof(unsigned long long), stream);
