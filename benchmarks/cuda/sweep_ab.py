@@ -21,6 +21,10 @@ import re
 import statistics
 import subprocess
 import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the scripts' shared report helper
+from _report import emit  # noqa: E402
 
 ROW = re.compile(r"^(?P<cell>[^|]*\S)\s*\|\s(?P<name>.+?)\s+(?P<us>\d+\.\d+)\s+\d")
 
@@ -99,11 +103,7 @@ def main(argv=None) -> int:
         return 1
     text = (f"`sweep_ab.py --rounds {a.rounds} {' '.join(a.builds)} -- {' '.join(sweep_args)}`: medians of "
             f"{a.rounds} alternated rounds (min-max)\n\n" + table([n for n, _ in builds], times, order, a.match))
-    print(text)
-    if a.out:
-        with open(a.out, "w") as fh:
-            fh.write(text)
-    return 0
+    return emit(text, a.out)
 
 
 if __name__ == "__main__":
