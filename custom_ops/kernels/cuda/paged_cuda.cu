@@ -2886,6 +2886,15 @@ __device__ __forceinline__ void Int4Quad(uint32_t t, uint32_t* r) {
 }
 // INT8 codes from bytes 0, 1 (hi: 2, 3) of u (the stored bytes ^ 0x80: code + 128) as float16: exact.
 __device__ __forceinline__ uint32_t Int8Pair(uint32_t u, bool hi) { return HSub2(Int8PairRaw(u, hi), 0x64806480u); }
+// The stored INT8 codes of bytes i = 0..3 of two key rows' words p, q as float16 pairs r[i] = (p's, q's): exact
+// (the B / A fragments that pair two keys of one dim, Note [Paged CUDA v3 register decode]).
+__device__ __forceinline__ void Int8KeyPairs(uint32_t p, uint32_t q, uint32_t* r) {
+  const uint32_t x = __byte_perm(p, q, 0x5140) ^ 0x80808080u, y = __byte_perm(p, q, 0x7362) ^ 0x80808080u;
+  r[0] = Int8Pair(x, false);
+  r[1] = Int8Pair(x, true);
+  r[2] = Int8Pair(y, false);
+  r[3] = Int8Pair(y, true);
+}
 
 // This lane's D / 4 consecutive query elements (quarter lane % 4 of row g; zeros for padding rows g >= gn).
 template <int D>
@@ -3042,11 +3051,10 @@ __device__ __forceinline__ void RegTiles(const uint8_t* st, const uint32_t (*qa)
         for (int j = 0; j < D / 32; ++j) {
           const uint32_t wa = *reinterpret_cast<const uint32_t*>(ra + 4 * (g + 8 * j));
           const uint32_t wb = *reinterpret_cast<const uint32_t*>(rb + 4 * (g + 8 * j));
-          const uint32_t x = __byte_perm(wa, wb, 0x5140) ^ 0x80808080u, y = __byte_perm(wa, wb, 0x7362) ^ 0x80808080u;
-          vb[4 * j][hf] = Int8Pair(x, false);
-          vb[4 * j + 1][hf] = Int8Pair(x, true);
-          vb[4 * j + 2][hf] = Int8Pair(y, false);
-          vb[4 * j + 3][hf] = Int8Pair(y, true);
+          uint32_t r[4];
+          Int8KeyPairs(wa, wb, r);
+#pragma unroll
+          for (int i = 0; i < 4; ++i) vb[4 * j + i][hf] = r[i];
         }
       }
     }
@@ -3251,13 +3259,8 @@ __device__ __forceinline__ void NarrowTilesT(const uint8_t* st, const uint32_t (
       for (int hf = 0; hf < 2; ++hf) {
         const uint2 x0 = *reinterpret_cast<const uint2*>(v + (8 * hf + c) * R::kRB);
         const uint2 x1 = *reinterpret_cast<const uint2*>(v + (8 * hf + c + 4) * R::kRB);
-#pragma unroll
-        for (int dh = 0; dh < 2; ++dh) {
-          const uint32_t p = dh ? x0.y : x0.x, q = dh ? x1.y : x1.x;
-          const uint32_t lo = __byte_perm(p, q, 0x5140) ^ 0x80808080u, hi = __byte_perm(p, q, 0x7362) ^ 0x80808080u;
-          a[hf][dh][0] = Int8Pair(lo, false), a[hf][dh][1] = Int8Pair(lo, true);
-          a[hf][dh][2] = Int8Pair(hi, false), a[hf][dh][3] = Int8Pair(hi, true);
-        }
+        Int8KeyPairs(x0.x, x1.x, a[hf][0]);
+        Int8KeyPairs(x0.y, x1.y, a[hf][1]);
       }
     }
 #pragma unroll
