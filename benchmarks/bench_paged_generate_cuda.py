@@ -76,7 +76,11 @@ def main(argv=None) -> int:
     variants += ["paged f16 page-by-page commits"] if a.page_commits else []
     shipped_ahead = paged_module.COMMIT_AHEAD_TOKENS
     shipped_steps = PagedKVCache.reserve, PagedKVCache.advance
-    update_env = {"plain update": "plain", "one-block update": "one", "two-kernel update": "two"}
+    # the variables a variant sets while it runs (read at each launch: the capture keeps them)
+    variant_env = {"plain update": ("ORTKV_CUDA_PAGED_UPDATE", "plain"),
+                   "one-block update": ("ORTKV_CUDA_PAGED_UPDATE", "one"),
+                   "two-kernel update": ("ORTKV_CUDA_PAGED_UPDATE", "two"),
+                   "uniform kernel": ("ORTKV_PAGED_UNIFORM_INT8", "1")}
     shipped_min = paged_module.TABLE_BUCKET_MIN
 
     def config(variant: str, ml: int) -> GenAIConfig:
@@ -111,15 +115,12 @@ def main(argv=None) -> int:
                         steps = (walk_reserve, walk_advance) if walk else shipped_steps
                         PagedKVCache.reserve, PagedKVCache.advance = steps
                         paged_module.COMMIT_AHEAD_TOKENS = 0 if v.endswith("page-by-page commits") else shipped_ahead
-                        for suffix, value in update_env.items():  # read at each launch: the capture keeps it
-                            if v.endswith(suffix):
-                                os.environ["ORTKV_CUDA_PAGED_UPDATE"] = value
-                        if v.endswith("uniform kernel"):  # read at each launch: the capture keeps it
-                            os.environ["ORTKV_PAGED_UNIFORM_INT8"] = "1"
+                        env = [var for suffix, var in variant_env.items() if v.endswith(suffix)]
+                        os.environ.update(env)
                         cfg = runners[v].cfg
                         g = generate(runners[v], ids, cfg.search, a.new_tokens, -1, 2)
-                        os.environ.pop("ORTKV_CUDA_PAGED_UPDATE", None)
-                        os.environ.pop("ORTKV_PAGED_UNIFORM_INT8", None)
+                        for name, _ in env:
+                            os.environ.pop(name, None)
                         if r > 0:
                             runs[v].append(g.median_step_ms)
                             prefill[v].append(g.prefill_s * 1e3)
