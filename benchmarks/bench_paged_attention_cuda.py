@@ -14,9 +14,9 @@ with ORT only (no torch, no cupy). SmolLM2-135M heads (9 query / 3 KV heads of 6
   INT4 static : INT4 pages (every-format kernel) with static_tables = 1.
   INT4 uniform : INT4 static, and the nodes' page_format = "INT4" (what ortkv's single-format INT4 policy builds on
           CUDA): the uniform INT4 kernel at head size 64 (Note [Paged CUDA uniform INT4]).
-  INT8 promised : INT8 pages, the nodes' page_format = "INT8" and static_tables = 1: the every-format kernel.
-  INT8 uniform : INT8 promised, captured with ORTKV_PAGED_UNIFORM_INT8=1: the uniform INT8 kernel (opt-in until it
-          has run on a GPU; Note [Paged CUDA uniform INT8]).
+  INT8 uniform : INT8 pages, the nodes' page_format = "INT8" and static_tables = 1 (what ortkv's single-format INT8
+          policy builds on CUDA): the uniform INT8 kernel at head size 64 (Note [Paged CUDA uniform INT8]).
+  INT8 promised : INT8 uniform captured with ORTKV_PAGED_UNIFORM_INT8=0: the every-format kernel, for the A/B.
   F16 v2 / INT4 v2 : the same, captured with ORTKV_CUDA_ATTENTION=v2 (Note [Paged CUDA v2]), for the A/B.
 R nodes of one kind in one model, each over its own cache / pool, so one call reads R caches one after the
 other (R chosen so that they hold >= 256 MiB of F16 bytes: K/V come from HBM, not from L2; at least 8). Sessions run
@@ -288,14 +288,14 @@ def main():
         if "INT4 uniform" in want:
             runners["INT4 uniform"] = Runner(*paged_case(rng, B, L, R, PageFormat.INT4, promise=True, C=C,
                                                          static=True))
-        if "INT8 promised" in want:
-            runners["INT8 promised"] = Runner(*paged_case(rng, B, L, R, PageFormat.INT8, promise=True, C=C,
-                                                          static=True))
         if "INT8 uniform" in want:
-            os.environ["ORTKV_PAGED_UNIFORM_INT8"] = "1"  # read when the graph is captured (in Runner())
+            runners["INT8 uniform"] = Runner(*paged_case(rng, B, L, R, PageFormat.INT8, promise=True, C=C,
+                                                         static=True))
+        if "INT8 promised" in want:
+            os.environ["ORTKV_PAGED_UNIFORM_INT8"] = "0"  # read when the graph is captured (in Runner())
             try:
-                runners["INT8 uniform"] = Runner(*paged_case(rng, B, L, R, PageFormat.INT8, promise=True, C=C,
-                                                             static=True))
+                runners["INT8 promised"] = Runner(*paged_case(rng, B, L, R, PageFormat.INT8, promise=True, C=C,
+                                                              static=True))
             finally:
                 del os.environ["ORTKV_PAGED_UNIFORM_INT8"]
         if "F16 in order" in want:

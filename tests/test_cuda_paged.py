@@ -263,16 +263,18 @@ def test_attention_uniform_pages_many_tiles_per_warp(rng, monkeypatch, fmt, T):
 @pytest.mark.parametrize("early", ["1", "0"], ids=["early", "plain"])
 @pytest.mark.parametrize("static", [None, 1], ids=["tables", "static_tables"])
 def test_attention_uniform_int8_kernel(rng, monkeypatch, PS, T, early, static):
-    """Note [Paged CUDA uniform INT8] (opt-in, ORTKV_PAGED_UNIFORM_INT8=1): INT8 pages promised under float16 queries
-    at head size 64, against the reference: rows ending inside a tile, a row of 8K keys (split, chunk edges inside
-    tiles), single rows of 37 / 600 / 2000 keys (one launch, 4 and 7 splits merged in a cluster), a page size that
-    is not a power of two, G = 3 and 8, launched early and plainly, with and without static tables."""
+    """Note [Paged CUDA uniform INT8]: INT8 pages promised under float16 queries at head size 64, against the
+    reference: rows ending inside a tile, a row of 8K keys (split, chunk edges inside tiles), single rows of 37 /
+    600 / 2000 keys (one launch, 4 and 7 splits merged in a cluster), of 8K keys and of 32,800 keys (a table past
+    32K keys: the long ring), a page size that is not a power of two, G = 3 and 8, launched early and plainly, with
+    and without static tables. T = 1's single rows run the kernel's 64-key steps, every other node its 32-key
+    steps."""
     monkeypatch.setenv("ORTKV_PAGED_UNIFORM_INT8", "1")
     monkeypatch.setenv("ORTKV_CUDA_EARLY", early)
     kw = dict(D=64, dtype="float16", page_format="INT8", static_tables=static)
     _attn_case(rng, [PageFormat.INT8], B=3, T=T, lengths=[8203, 37, PS + T], PS=PS, NL=1, layer=0, **kw)
     _attn_case(rng, [PageFormat.INT8], B=2, T=T, lengths=[301, 64], PS=PS, H=2, G=8, **kw)
-    for L in (37, 600, 2000):
+    for L in (37, 600, 2000, 8203, 32800):
         _attn_case(rng, [PageFormat.INT8], B=1, T=T, lengths=[L], PS=16, NL=1, layer=0, **kw)
 
 
@@ -284,7 +286,7 @@ def _single_row_kind(kind, dtype, mixed):
     return [fmt], fmt.name
 
 
-@pytest.mark.parametrize("kind", ["mixed", "16bit", "INT4"])
+@pytest.mark.parametrize("kind", ["mixed", "16bit", "INT4", "INT8"])
 @pytest.mark.parametrize("L", [37, 600, 2000], ids=["one_split", "cluster4", "cluster7"])
 @pytest.mark.parametrize("T", [1, 5])
 @pytest.mark.parametrize("dtype,D", [("float16", 64), ("bfloat16", 128)])
@@ -296,7 +298,8 @@ def test_attention_single_row_one_launch_and_cluster_merge(rng, monkeypatch, kin
     both kernels cluster 2..8 splits;
     before sm_90, or where the cluster launch is refused, the partials and the combine). Against the reference:
     every format in the row ("mixed", the every-format kernel), the queries' own 16-bit pages promised (the uniform
-    kernel) or INT4 pages promised; launched early
+    kernel) or INT4 / INT8 pages promised (the uniform INT4 / INT8 kernels under float16 queries; T = 1: the INT8
+    kernel's 64-key steps); launched early
     (Note [CUDA attention early start]) or plainly (ORTKV_CUDA_EARLY=0: the cluster launch without the programmatic
     attribute, whose griddepcontrol.wait then returns at once)."""
     monkeypatch.setenv("ORTKV_CUDA_EARLY", early)
@@ -305,14 +308,14 @@ def test_attention_single_row_one_launch_and_cluster_merge(rng, monkeypatch, kin
 
 
 @pytest.mark.parametrize("static", [None, 1], ids=["tables", "static_tables"])
-@pytest.mark.parametrize("kind", ["mixed", "16bit", "INT4"])
+@pytest.mark.parametrize("kind", ["mixed", "16bit", "INT4", "INT8"])
 @pytest.mark.parametrize("L,B", [(37, 1), (600, 1), (2000, 1), (8203, 3)])
 @pytest.mark.parametrize("T", [1, 5])
 def test_attention_static_tables(rng, static, kind, L, B, T):
     """Note [Paged CUDA static tables]: with static_tables = 1 the kernels keep the pages they resolved before
     griddepcontrol.wait (no second look at the late pages). Against the reference and byte for byte the node
     without the attribute, on one split, 4 / 7 splits in a cluster and 8K-key rows: every format in the rows (the
-    every-format kernel), F16 promised (the uniform kernel), INT4 pages."""
+    every-format kernel), F16 promised (the uniform kernel), INT4 and INT8 pages."""
     fmts, page_format = _single_row_kind(kind, "float16", ALL)
     lengths = [L - 7 * b for b in range(B)]
     seed = int(rng.integers(1 << 30))
@@ -322,7 +325,7 @@ def test_attention_static_tables(rng, static, kind, L, B, T):
 
 
 @pytest.mark.parametrize("static", [None, 1], ids=["tables", "static_tables"])
-@pytest.mark.parametrize("kind", ["mixed", "16bit", "INT4"])
+@pytest.mark.parametrize("kind", ["mixed", "16bit", "INT4", "INT8"])
 @pytest.mark.parametrize("W", [3, 40, 128], ids=["one_split", "cluster4", "cluster8"])
 @pytest.mark.parametrize("T", [1, 5])
 def test_attention_single_row_reports_the_first_failure(rng, kind, W, T, static):
@@ -420,7 +423,7 @@ def _check_rows_run(where, out, err, want_row, q, pool, dirs, tab, st, kw, B, PS
 
 
 @pytest.mark.parametrize("static", [None, 1], ids=["tables", "static_tables"])
-@pytest.mark.parametrize("kind", ["mixed", "16bit", "INT4"])
+@pytest.mark.parametrize("kind", ["mixed", "16bit", "INT4", "INT8"])
 @pytest.mark.parametrize("T", [1, 5])
 @pytest.mark.parametrize("early", ["1", "0"], ids=["early", "plain"])
 def test_attention_several_rows_one_split_last_block_reports(rng, monkeypatch, kind, T, static, early):
@@ -429,7 +432,7 @@ def test_attention_several_rows_one_split_last_block_reports(rng, monkeypatch, k
     reports]; before, a second kernel scanned the blocks' keys). One session (one node, its words reused), run after
     run: each refusal reported once, naming the smallest bad row (the CPU plan's order), the pool untouched and the
     output finite; a clean run after a refused one reports nothing and matches the reference (the words were reset);
-    launched early and plainly, every kernel (mixed formats, the uniform 16-bit kernel, INT4)."""
+    launched early and plainly, every kernel (mixed formats, the uniform 16-bit kernel, INT4, INT8)."""
     monkeypatch.setenv("ORTKV_CUDA_EARLY", early)
     B, W, PS = 4, 3, 16
     pool, directory, table, start, q, page_format, kw = _rows_case(rng, kind, B, W, T)
@@ -728,7 +731,8 @@ def test_attention_page_format_attribute_refuses_another_format(rng, monkeypatch
     pages keep the promise right. A missing page under the uniform kernel is reported as by the others. The bad
     page holds the row's last keys (`start`'s page, resolved before the wait): with static_tables (Note [Paged
     CUDA static tables]) what was seen there is the report, with no second look. uniform_int8 / v3_int8: INT8
-    promised, an F16 page, with and without ORTKV_PAGED_UNIFORM_INT8=1 (Note [Paged CUDA uniform INT8])."""
+    promised, an F16 page, on the uniform INT8 kernel and, under ORTKV_PAGED_UNIFORM_INT8=0, on the every-format
+    kernel (Note [Paged CUDA uniform INT8])."""
     monkeypatch.setenv("ORTKV_PAGED_UNIFORM_INT8", "1" if kernel == "uniform_int8" else "0")
     NL, H, D = 1, 2, 64
     PS = 1 if kernel == "v1" else 16

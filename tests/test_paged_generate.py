@@ -598,20 +598,22 @@ def test_cuda_int8_pages_run_and_stay_close_to_f16_pages():
 
 @pytest.mark.cuda
 @pytest.mark.skipif(_cuda_why_not() is not None, reason=f"paged CUDA generation skipped: {_cuda_why_not()}")
-def test_cuda_int4_pages_promised_match_the_every_format_kernel(monkeypatch):
-    """kv_format = int4 on CUDA: the decoder promises INT4 pages (uniform_page_format; Note [Paged CUDA uniform
-    INT4]), and its logits over the prompt and 4 greedy steps equal those of the same decoder without the promise
-    (the every-format kernel) within float16 rounding, as long as the two pick the same tokens."""
+@pytest.mark.parametrize("fmt", ["INT4", "INT8"])
+def test_cuda_narrow_pages_promised_match_the_every_format_kernel(monkeypatch, fmt):
+    """kv_format = int4 / int8 on CUDA: the decoder promises INT4 / INT8 pages (uniform_page_format; Note [Paged
+    CUDA uniform INT4], Note [Paged CUDA uniform INT8]), and its logits over the prompt and 4 greedy steps equal
+    those of the same decoder without the promise (the every-format kernel) within float16 rounding, as long as
+    the two pick the same tokens."""
     from ortkv.generate import paged as paged_module
     from ortkv.generate.models import tokenizer_for
 
     tok = tokenizer_for(_cuda_cfg(False))
     ids = [tok.encode(README_PROMPT)]
     logits = {}
-    for promise in ("INT4", None):
+    for promise in (fmt, None):
         if promise is None:
             monkeypatch.setattr(paged_module, "uniform_page_format", lambda cfg, page_fill=False: None)
-        cfg = _cuda_cfg(False, kv_format="int4")
+        cfg = _cuda_cfg(False, kv_format=fmt.lower())
         path = paged_module.paged_model_path(cfg)
         model = onnx.load(str(path), load_external_data=False)
         att = [n for n in model.graph.node if n.op_type == "PagedCacheAttention"]
@@ -624,8 +626,8 @@ def test_cuda_int4_pages_promised_match_the_every_format_kernel(monkeypatch):
         finally:
             r.close()
         want = -(-(len(ids[0]) + 4) // 16)
-        assert stats["pages"]["INT4"] == want and sum(stats["pages"].values()) == want
-    a, b = logits["INT4"], logits[None]
+        assert stats["pages"][fmt] == want and sum(stats["pages"].values()) == want
+    a, b = logits[fmt], logits[None]
     assert np.isfinite(a).all()
     for k in range(len(a)):  # step k's input is step k - 1's pick
         np.testing.assert_allclose(a[k], b[k], rtol=0, atol=0.05, err_msg=f"step {k}")

@@ -4058,13 +4058,18 @@ cudaError_t Launch(const AttnArgs& a, cudaStream_t stream) {
 // KB a warp, about INT4's bytes in flight). 100-102 registers at sm_90, no spills. Its loop is 680 instructions
 // a 32-key step as laid out (sass_loops.py), ~200 of them the page resolution that runs once every 16 steps; the
 // every-format kernel's INT8 loop is 317 a 16-key step.
-// Why: INT8 pages promised ran the every-format kernel, 1.03-1.06x the uniform F16 kernel's time at 8K keys x 1
-// row on an H100 (a single-row node is latency: its page window, format switch and 16-key register-decode steps
-// are what INT4's uniform kernel dropped to reach 0.92x there). The twenty-second session wrote it with no GPU
-// machine lent, so it has never run: the launch takes it only under ORTKV_PAGED_UNIFORM_INT8=1 (PagedUniformInt8),
-// tests/test_cuda_paged.py runs it that way (test_attention_uniform_int8_kernel, the early-launch and refusal
-// tests), and paged_sweep.cu's INT8 v3u / v3us and bench_paged_attention_cuda.py's "INT8 uniform" time it. It
-// becomes the default for INT8 promises once those pass on a GPU and it is faster than the every-format kernel.
+// A node of one row (B x T = 1) runs it in steps of ORTKV_PAGED_U8_ROW_NT = 4 tiles (64 keys, groups of 8 lanes
+// as INT4's; 1,005 instructions a step, 120-124 registers, a 104 / 139 KB ring a block at 3 / 4 steps: pu4::
+// LaunchInt8). Measured on an H100 (harness, five alternated rounds, benchmarks/results/
+// paged_attention_cuda_h200.md, twenty-third session), us, 32-key / 64-key steps: 8K keys x 1 row 7.45 / 6.43 (the
+// uniform F16 kernel 7.01), 32K x 1 13.15 / 12.59; 8K x 8 rows 14.23 / 14.81, 32K x 8 40.63 / 44.73 (fewer
+// blocks an SM for the larger ring), 16K x 8 24.82 / 23.98 (not taken: one rule, rows, measured at 1 and 8).
+// Why: INT8 pages promised ran the every-format kernel, 1.25x the uniform F16 kernel's time at 8K keys x 1 row on
+// an H100 (a single-row node is latency: its page window, format switch and 16-key register-decode steps are what
+// INT4's uniform kernel dropped to reach 0.89x there); this kernel takes 0.85-0.92x the every-format kernel's time
+// in every cell measured, and 0.92x F16's at 8K x 1. It is the default for INT8 promises; ORTKV_PAGED_UNIFORM_INT8=0
+// keeps them on the every-format kernel (PagedUniformInt8; the benchmarks' A/B). Written in the twenty-second
+// session without a GPU; first run in the twenty-third (tests/test_cuda_paged.py: 482 passed on an H100).
 namespace pu4 {
 
 using pv3::FormatInfo;
@@ -4077,12 +4082,15 @@ using tile16::MergeWarpTiles;
 #ifndef ORTKV_PAGED_U8_NT  // tiles per step of the uniform INT8 kernel (an A/B knob for paged_sweep.cu)
 #define ORTKV_PAGED_U8_NT 2
 #endif
+#ifndef ORTKV_PAGED_U8_ROW_NT  // ... and of its single-row nodes (Note [Paged CUDA uniform INT8])
+#define ORTKV_PAGED_U8_ROW_NT 4
+#endif
 constexpr int kD = 64;
 // Format F's tiles per step (Note [Paged CUDA uniform INT8]: INT8's tiles are twice INT4's bytes).
 template <int F>
 __host__ __device__ constexpr int StepTiles() { return F == kInt4F ? ORTKV_PAGED_V3_INT4T_NT : ORTKV_PAGED_U8_NT; }
-template <int F>  // one step's codes and scales
-__host__ __device__ constexpr int StepBytes() { return StepTiles<F>() * pv3::RegCfg<F, kD>::kStageBytes; }
+template <int F, int NT>  // one step's codes and scales
+__host__ __device__ constexpr int StepBytes() { return NT * pv3::RegCfg<F, kD>::kStageBytes; }
 #ifndef ORTKV_PAGED_U4_STAGES  // ring depth (an A/B knob for benchmarks/cuda/paged_sweep.cu)
 #define ORTKV_PAGED_U4_STAGES 3
 #endif
@@ -4090,23 +4098,23 @@ __host__ __device__ constexpr int StepBytes() { return StepTiles<F>() * pv3::Reg
 #define ORTKV_PAGED_U4_LONG_STAGES 4
 #endif
 using Merge = WarpMerge<kWarps, 8>;
-// A ring of ST steps of format F per warp.
-template <int F, int ST>
+// A ring of ST steps of NT tiles of format F per warp.
+template <int F, int ST, int NT>
 struct Ring {
-  static constexpr int kWarpBytes = ST * StepBytes<F>();
+  static constexpr int kWarpBytes = ST * StepBytes<F, NT>();
   static constexpr int kRingBytes = kWarps * kWarpBytes;
   static constexpr size_t kSmem = kRingBytes + 16;  // + the block's first failure key, then the key it reports
-  static_assert(ST >= 2 && 32 % StepTiles<F>() == 0 && (ST - 1) * StepTiles<F>() <= 32, "");
+  static_assert(ST >= 2 && 32 % NT == 0 && (ST - 1) * NT <= 32, "");
   static_assert(sizeof(Merge) <= kRingBytes && (8 * (kD + 1) + 16) * 4 <= kWarpBytes, "merge buffers fit the ring");
 };
 
-// F: kInt4F, or kInt8F (Note [Paged CUDA uniform INT8]). CLUSTER: Note [Paged CUDA cluster merge] (instantiated
-// with EARLY only).
-template <int F, int ST, bool EARLY = false, bool CLUSTER = false>
+// F: kInt4F, or kInt8F (Note [Paged CUDA uniform INT8]); NT tiles a step. CLUSTER: Note [Paged CUDA cluster merge]
+// (instantiated with EARLY only).
+template <int F, int ST, int NT, bool EARLY = false, bool CLUSTER = false>
 __global__ void __launch_bounds__(kThreads) PagedAttentionU4(const AttnArgs args) {
-  using RG = Ring<F, ST>;
+  using RG = Ring<F, ST, NT>;
   using R = pv3::RegCfg<F, kD>;
-  constexpr int NW = kWarps, NT = StepTiles<F>(), kStep = StepBytes<F>();
+  constexpr int NW = kWarps, kStep = StepBytes<F, NT>();
   constexpr int kBatchSteps = 32 / NT;  // a lane resolves one tile: 32 tiles per batch
   extern __shared__ __align__(128) unsigned char dsm[];
   unsigned long long& s_key = *reinterpret_cast<unsigned long long*>(dsm + RG::kRingBytes);
@@ -4279,25 +4287,30 @@ __global__ void __launch_bounds__(kThreads) PagedAttentionU4(const AttnArgs args
 #ifndef ORTKV_PAGED_U4_LONG_KEYS  // the page table's keys (per row) from which a node takes the long ring
 #define ORTKV_PAGED_U4_LONG_KEYS 32768
 #endif
-template <int F, int ST>
+template <int F, int ST, int NT = StepTiles<F>()>
 const AttnKernels& KernelsOf() {
   static const AttnKernels k = [] {
-    AttnKernels x = MakeKernels(PagedAttentionU4<F, ST>, PagedAttentionU4<F, ST, true>,
-                                PagedAttentionU4<F, ST, true, true>, Ring<F, ST>::kSmem,
-                                Ring<F, ST>::kSmem + kFinBytes<kD>,
+    AttnKernels x = MakeKernels(PagedAttentionU4<F, ST, NT>, PagedAttentionU4<F, ST, NT, true>,
+                                PagedAttentionU4<F, ST, NT, true, true>, Ring<F, ST, NT>::kSmem,
+                                Ring<F, ST, NT>::kSmem + kFinBytes<kD>,
                                 tile16::kMaxClusterRanks);  // Note [Paged CUDA cluster merge]
     x.per_sm = std::min(x.per_sm, ORTKV_PAGED_U4_MAX_PER_SM);
     return x;
   }();
   return k;
 }
-// F: kInt4F or kInt8F (the same ring rule: Note [Paged CUDA uniform INT8]).
-template <int F>
+// F: kInt4F or kInt8F (the same ring rule: Note [Paged CUDA uniform INT8]), in NT-tile steps.
+template <int F, int NT = StepTiles<F>()>
 cudaError_t Launch(const AttnArgs& a, cudaStream_t stream) {
   const int64_t keys = a.v.p.max_pages * a.v.p.shape.page_size;  // Note [Paged CUDA uniform INT4]
   return keys >= ORTKV_PAGED_U4_LONG_KEYS
-             ? LaunchOneWave<__half>(KernelsOf<F, ORTKV_PAGED_U4_LONG_STAGES>(), a, stream)
-             : LaunchOneWave<__half>(KernelsOf<F, ORTKV_PAGED_U4_STAGES>(), a, stream);
+             ? LaunchOneWave<__half>(KernelsOf<F, ORTKV_PAGED_U4_LONG_STAGES, NT>(), a, stream)
+             : LaunchOneWave<__half>(KernelsOf<F, ORTKV_PAGED_U4_STAGES, NT>(), a, stream);
+}
+// INT8: a node of one row (one sequence, one query) in steps of ORTKV_PAGED_U8_ROW_NT tiles, others in steps of
+// ORTKV_PAGED_U8_NT (Note [Paged CUDA uniform INT8]: measured on an H100).
+cudaError_t LaunchInt8(const AttnArgs& a, cudaStream_t stream) {
+  return a.v.B * a.v.T == 1 ? Launch<kInt8F, ORTKV_PAGED_U8_ROW_NT>(a, stream) : Launch<kInt8F>(a, stream);
 }
 
 }  // namespace pu4
@@ -4307,12 +4320,12 @@ Status LaunchError(const char* op, cudaError_t e) {
                                     cudaGetErrorString(e));
 }
 
-// ORTKV_PAGED_UNIFORM_INT8: "1" runs the uniform INT8 kernel for nodes that promise INT8 pages (Note [Paged CUDA
-// uniform INT8]); unset or anything else, the every-format kernel. Opt-in until the kernel has passed the CUDA
-// tests and its timings on a GPU. Read at every launch (a captured CUDA graph keeps the kernel of its capture).
+// ORTKV_PAGED_UNIFORM_INT8: nodes that promise INT8 pages run the uniform INT8 kernel (Note [Paged CUDA uniform
+// INT8]) unless it is "0", which keeps them on the every-format kernel (an A/B switch for the benchmarks and the
+// tests). Read at every launch (a captured CUDA graph keeps the kernel of its capture).
 bool PagedUniformInt8() {
   const char* e = std::getenv("ORTKV_PAGED_UNIFORM_INT8");
-  return e != nullptr && std::strcmp(e, "1") == 0;
+  return e == nullptr || std::strcmp(e, "0") != 0;
 }
 
 }  // namespace
@@ -4397,7 +4410,7 @@ Status PagedCacheAttentionCuda(const PagedAttentionCudaView& v, void* stream_ptr
   const bool u16 = v3 && v.page_format == static_cast<int32_t>(v.elem_type == kFloat16 ? PageFormat::kF16 : PageFormat::kBF16);
   // Note [Paged CUDA uniform INT4]: INT4 pages promised under float16 queries at head size 64
   const bool u4 = v3 && v.elem_type == kFloat16 && v.D == 64 && v.page_format == static_cast<int32_t>(PageFormat::kInt4);
-  // Note [Paged CUDA uniform INT8]: INT8 pages promised likewise, while ORTKV_PAGED_UNIFORM_INT8 opts in
+  // Note [Paged CUDA uniform INT8]: INT8 pages promised likewise (unless ORTKV_PAGED_UNIFORM_INT8=0)
   const bool u8 = v3 && v.elem_type == kFloat16 && v.D == 64 &&
                   v.page_format == static_cast<int32_t>(PageFormat::kInt8) && PagedUniformInt8();
   cudaError_t e = cudaSuccess;
@@ -4415,7 +4428,7 @@ Status PagedCacheAttentionCuda(const PagedAttentionCudaView& v, void* stream_ptr
     case kFloat16:
       e = u16  ? pu::Launch<__half>(a, stream)
           : u4 ? pu4::Launch<pv3::kInt4F>(a, stream)
-          : u8 ? pu4::Launch<pv3::kInt8F>(a, stream)
+          : u8 ? pu4::LaunchInt8(a, stream)
           : v3 ? pv3::Launch<__half>(a, stream)
           : v2 ? pv2::Launch<__half>(a, gm, stream)
                : LaunchAttn<__half>(a, gm, blocks, stream);

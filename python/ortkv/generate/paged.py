@@ -135,9 +135,9 @@ def uniform_page_format(cfg: GenAIConfig, page_fill: bool = False) -> str | None
     float16 model whose policy is one format, F16, INT8 or INT4, for every page (kv_format; no demotion, no
     page_fill), so that the attention runs the uniform 16-bit kernel (Note [Paged CUDA uniform 16-bit] in
     custom_ops/kernels/cuda/paged_cuda.cu) or its INT4 twin (Note [Paged CUDA uniform INT4]; at head size 64, the
-    every-format kernel elsewhere); INT8 pages run the every-format kernel, which checks the promise, or under
-    ORTKV_PAGED_UNIFORM_INT8=1 the uniform INT8 kernel (Note [Paged CUDA uniform INT8]). A page of another format
-    would be refused, so nothing that changes formats gets the promise."""
+    every-format kernel elsewhere) or its INT8 twin (Note [Paged CUDA uniform INT8]; ORTKV_PAGED_UNIFORM_INT8=0
+    keeps INT8 pages on the every-format kernel, which checks the promise too). A page of another format would be
+    refused, so nothing that changes formats gets the promise."""
     o = cfg.ortkv
     if cfg.device == "cpu" or cfg.dtype != "float16" or page_fill or o.kv_demote_on_refusal:
         return None
