@@ -31,6 +31,14 @@ def test_parse_reads_both_sweeps_rows():
     assert sweep_ab.parse(ATTN) == {("9/3/64 8192 8 24.0", "v3 cl S=4 fits 1"): 12.50}
 
 
+def test_parse_diffs_reads_the_checks_on_the_row_or_the_line_after():
+    assert sweep_ab.parse_diffs(PAGED) == {("8192 1 256", "F16 v3us"): 0.00098, ("8192 1 256", "F16 v3us in order"):
+                                           0.00098, ("8192 1 256", "INT8 v3us"): 0.3125, ("32768 8 16", "INT8 v3"):
+                                           0.875}
+    assert sweep_ab.parse_diffs(ATTN) == {("9/3/64 8192 8 24.0", "v3 cl S=4 fits 1"): 0.00049}
+    assert sweep_ab.parse_diffs("max |diff| 9.0\n") == {}  # before any row: nobody's
+
+
 def test_rounds_alternate_and_rotate_and_medians_give_ratios():
     calls = []
     us = {"a": [10.0, 11.0, 30.0], "b": [5.0, 6.0, 5.5]}  # per build, per round: a's third round an outlier
@@ -38,19 +46,24 @@ def test_rounds_alternate_and_rotate_and_medians_give_ratios():
     def runner(path, args):
         calls.append((path, tuple(args)))
         t = us[path].pop(0)
-        return f"  8192   1 256 | INT8 v3us {t:12.2f}      370\n" + ("" if path == "b" else
+        d = {10.0: 1.0, 11.0: 3.0, 30.0: 2.0}.get(t, 0.25)
+        return f"  8192   1 256 | INT8 v3us {t:12.2f}      370  max |diff| {d}\n" + ("" if path == "b" else
                                                                      f"  8192   1 256 | F16 v3us {1.0:12.2f}  1\n")
 
-    times, order = sweep_ab.run_rounds([("main", "a"), ("new", "b")], ["20", "0"], 3, runner,
+    times, order, diffs = sweep_ab.run_rounds([("main", "a"), ("new", "b")], ["20", "0"], 3, runner,
                                        log=lambda *x, **k: None)
     assert [c[0] for c in calls] == ["a", "b", "b", "a", "a", "b"]  # the first build does not always go first
     assert all(c[1] == ("20", "0") for c in calls)
     assert order == [("8192 1 256", "INT8 v3us"), ("8192 1 256", "F16 v3us")]
+    assert diffs == {("8192 1 256", "INT8 v3us"): {"main": 3.0, "new": 0.25}}  # the largest of the rounds
     text = sweep_ab.table(["main", "new"], times, order)
     assert "| 8192 1 256 | INT8 v3us | 11.00 (10.00-30.00) | 5.50 (5.00-6.00) | 0.500 |" in text, text
     assert "| 8192 1 256 | F16 v3us | 1.00 (1.00-1.00) | - | - |" in text, text  # a row one build lacks
     only = sweep_ab.table(["main", "new"], times, order, match="INT8")
     assert "INT8 v3us" in only and "F16 v3us" not in only
+    checked = sweep_ab.table(["main", "new"], times, order, diffs=diffs)
+    assert "| 8192 1 256 | INT8 v3us | 11.00 (10.00-30.00) | 5.50 (5.00-6.00) | 0.500 | 3.00000 / 0.25000 |" in checked
+    assert "| 8192 1 256 | F16 v3us | 1.00 (1.00-1.00) | - | - | - / - |" in checked, checked
 
 
 def _fake(tmp_path, name, us):
@@ -66,7 +79,7 @@ def test_main_runs_the_builds_with_the_sweep_arguments(tmp_path, capsys):
     out = tmp_path / "ab.md"
     assert sweep_ab.main(["--rounds", "2", "--out", str(out), f"main={a}", f"u8={b}", "--", "20", "0", "8"]) == 0
     text = out.read_text()
-    assert "| 8192 1 256 | INT8 v3us | 8.00 (8.00-8.00) | 6.00 (6.00-6.00) | 0.750 |" in text, text
+    assert "| 8192 1 256 | INT8 v3us | 8.00 (8.00-8.00) | 6.00 (6.00-6.00) | 0.750 | 0.10000 / 0.10000 |" in text, text
     assert "-- 20 0 8" in text and text in capsys.readouterr().out
 
 

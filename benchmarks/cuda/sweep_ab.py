@@ -39,29 +39,54 @@ def parse(text: str) -> dict[tuple[str, str], float]:
     return rows
 
 
+DIFF = re.compile(r"max \|diff\| (?P<d>\d+(\.\d+)?)")
+
+
+def parse_diffs(text: str) -> dict[tuple[str, str], float]:
+    """The outputs' checks of one run: (cell, kernel name) -> the largest "max |diff| X" printed on its row or on
+    the lines after it before the next row (paged_sweep prints it on the row, attention_sweep on the next line)."""
+    diffs: dict[tuple[str, str], float] = {}
+    key = None
+    for line in text.splitlines():
+        m = ROW.match(line)
+        if m:
+            key = (" ".join(m["cell"].split()), m["name"].strip())
+        d = DIFF.search(line)
+        if d and key is not None:
+            diffs[key] = max(diffs.get(key, 0.0), float(d["d"]))
+    return diffs
+
+
 def run_rounds(builds: list[tuple[str, str]], args: list[str], rounds: int, runner=None, log=print):
     """Each round runs every build once, in turn (the order rotated each round so that no build always runs
-    first); returns {key: {build: [us of each round]}} and the keys in first-seen order."""
+    first); returns {key: {build: [us of each round]}}, the keys in first-seen order and {key: {build: the
+    largest max |diff| of its rounds}}."""
     runner = runner or (lambda path, a: subprocess.run([path, *a], capture_output=True, text=True, check=True).stdout)
     times: dict[tuple[str, str], dict[str, list[float]]] = {}
     order: list[tuple[str, str]] = []
+    diffs: dict[tuple[str, str], dict[str, float]] = {}
     for r in range(rounds):
         for i in range(len(builds)):
             name, path = builds[(i + r) % len(builds)]
             log(f"round {r + 1}/{rounds}: {name}", file=sys.stderr)
-            for key, us in parse(runner(path, args)).items():
+            out = runner(path, args)
+            for key, us in parse(out).items():
                 if key not in times:
                     times[key] = {}
                     order.append(key)
                 times[key].setdefault(name, []).append(us)
-    return times, order
+            for key, d in parse_diffs(out).items():
+                diffs.setdefault(key, {})[name] = max(diffs.get(key, {}).get(name, 0.0), d)
+    return times, order, diffs
 
 
-def table(builds: list[str], times, order, match: str | None = None) -> str:
+def table(builds: list[str], times, order, match: str | None = None, diffs=None) -> str:
+    """diffs ({key: {build: max |diff|}}, run_rounds'): a last column, each build's largest output check."""
     pat = re.compile(match) if match else None
     head = "| cell | kernel | " + " | ".join(f"{b} us" for b in builds) + " | " + \
-        " | ".join(f"{b} / {builds[0]}" for b in builds[1:]) + " |"
-    lines = [head, "|" + "---|" * (2 + 2 * len(builds) - 1)]
+        " | ".join(f"{b} / {builds[0]}" for b in builds[1:]) + " |" + \
+        (f" max \\|diff\\| {' / '.join(builds)} |" if diffs else "")
+    lines = [head, "|" + "---|" * (2 + 2 * len(builds) - 1 + (1 if diffs else 0))]
     for cell, kernel in order:
         if pat and not pat.search(kernel):
             continue
@@ -69,7 +94,11 @@ def table(builds: list[str], times, order, match: str | None = None) -> str:
         med = {b: statistics.median(per[b]) for b in builds if b in per}
         cols = [f"{med[b]:.2f} ({min(per[b]):.2f}-{max(per[b]):.2f})" if b in med else "-" for b in builds]
         ratios = [f"{med[b] / med[builds[0]]:.3f}" if b in med and builds[0] in med else "-" for b in builds[1:]]
-        lines.append(f"| {cell} | {kernel} | " + " | ".join(cols) + " | " + " | ".join(ratios) + " |")
+        row = f"| {cell} | {kernel} | " + " | ".join(cols) + " | " + " | ".join(ratios) + " |"
+        if diffs:
+            d = diffs.get((cell, kernel), {})
+            row += " " + " / ".join(f"{d[b]:.5f}" if b in d else "-" for b in builds) + " |"
+        lines.append(row)
     return "\n".join(lines) + "\n"
 
 
@@ -96,13 +125,14 @@ def main(argv=None) -> int:
     if a.rounds < 1:
         p.error("--rounds must be >= 1")
     try:
-        times, order = run_rounds(builds, sweep_args, a.rounds)
+        times, order, diffs = run_rounds(builds, sweep_args, a.rounds)
     except subprocess.CalledProcessError as e:
         print(f"sweep_ab: {' '.join(map(str, e.cmd))} exited with {e.returncode}; no table (a failed build has no "
               f"times to compare):\n{e.stderr or ''}", file=sys.stderr)
         return 1
     text = (f"`sweep_ab.py --rounds {a.rounds} {' '.join(a.builds)} -- {' '.join(sweep_args)}`: medians of "
-            f"{a.rounds} alternated rounds (min-max)\n\n" + table([n for n, _ in builds], times, order, a.match))
+            f"{a.rounds} alternated rounds (min-max); the outputs' checks, largest over the rounds\n\n" +
+            table([n for n, _ in builds], times, order, a.match, diffs))
     return emit(text, a.out)
 
 
