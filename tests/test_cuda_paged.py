@@ -262,14 +262,16 @@ def test_attention_uniform_pages_many_tiles_per_warp(rng, monkeypatch, fmt, T):
 @pytest.mark.parametrize("T", [1, 5])
 @pytest.mark.parametrize("early", ["1", "0"], ids=["early", "plain"])
 @pytest.mark.parametrize("static", [None, 1], ids=["tables", "static_tables"])
-def test_attention_uniform_int8_kernel(rng, monkeypatch, PS, T, early, static):
+@pytest.mark.parametrize("row_step", ["32", "64"], ids=["row32", "row64"])
+def test_attention_uniform_int8_kernel(rng, monkeypatch, PS, T, early, static, row_step):
     """Note [Paged CUDA uniform INT8]: INT8 pages promised under float16 queries at head size 64, against the
     reference: rows ending inside a tile, a row of 8K keys (split, chunk edges inside tiles), single rows of 37 /
     600 / 2000 keys (one launch, 4 and 7 splits merged in a cluster), of 8K keys and of 32,800 keys (a table past
     32K keys: the long ring), a page size that is not a power of two, G = 3 and 8, launched early and plainly, with
-    and without static tables. T = 1's single rows run the kernel's 64-key steps, every other node its 32-key
-    steps."""
+    and without static tables. row64 (ORTKV_PAGED_INT8_ROW_STEP=64): T = 1's single rows run the kernel's 64-key
+    steps; every other node, and every node under row32, its 32-key steps."""
     monkeypatch.setenv("ORTKV_PAGED_UNIFORM_INT8", "1")
+    monkeypatch.setenv("ORTKV_PAGED_INT8_ROW_STEP", row_step)
     monkeypatch.setenv("ORTKV_CUDA_EARLY", early)
     kw = dict(D=64, dtype="float16", page_format="INT8", static_tables=static)
     _attn_case(rng, [PageFormat.INT8], B=3, T=T, lengths=[8203, 37, PS + T], PS=PS, NL=1, layer=0, **kw)
@@ -286,7 +288,16 @@ def _single_row_kind(kind, dtype, mixed):
     return [fmt], fmt.name
 
 
-@pytest.mark.parametrize("kind", ["mixed", "16bit", "INT4", "INT8"])
+def _row_step(monkeypatch, kind):
+    """A single-row test's kind "INT8_row64": INT8 pages promised, the uniform INT8 kernel's single rows in 64-key
+    steps (ORTKV_PAGED_INT8_ROW_STEP=64, Note [Paged CUDA uniform INT8]); the kind without that suffix."""
+    if kind.endswith("_row64"):
+        monkeypatch.setenv("ORTKV_PAGED_INT8_ROW_STEP", "64")
+        return kind[: -len("_row64")]
+    return kind
+
+
+@pytest.mark.parametrize("kind", ["mixed", "16bit", "INT4", "INT8", "INT8_row64"])
 @pytest.mark.parametrize("L", [37, 600, 2000], ids=["one_split", "cluster4", "cluster7"])
 @pytest.mark.parametrize("T", [1, 5])
 @pytest.mark.parametrize("dtype,D", [("float16", 64), ("bfloat16", 128)])
@@ -298,24 +309,26 @@ def test_attention_single_row_one_launch_and_cluster_merge(rng, monkeypatch, kin
     both kernels cluster 2..8 splits;
     before sm_90, or where the cluster launch is refused, the partials and the combine). Against the reference:
     every format in the row ("mixed", the every-format kernel), the queries' own 16-bit pages promised (the uniform
-    kernel) or INT4 / INT8 pages promised (the uniform INT4 / INT8 kernels under float16 queries; T = 1: the INT8
-    kernel's 64-key steps); launched early
+    kernel) or INT4 / INT8 pages promised (the uniform INT4 / INT8 kernels under float16 queries; INT8 row64: T = 1
+    in the INT8 kernel's 64-key steps, ORTKV_PAGED_INT8_ROW_STEP=64); launched early
     (Note [CUDA attention early start]) or plainly (ORTKV_CUDA_EARLY=0: the cluster launch without the programmatic
     attribute, whose griddepcontrol.wait then returns at once)."""
+    kind = _row_step(monkeypatch, kind)
     monkeypatch.setenv("ORTKV_CUDA_EARLY", early)
     fmts, page_format = _single_row_kind(kind, dtype, ALL)
     _attn_case(rng, fmts, B=1, T=T, lengths=[L], PS=16, D=D, NL=1, layer=0, dtype=dtype, page_format=page_format)
 
 
 @pytest.mark.parametrize("static", [None, 1], ids=["tables", "static_tables"])
-@pytest.mark.parametrize("kind", ["mixed", "16bit", "INT4", "INT8"])
+@pytest.mark.parametrize("kind", ["mixed", "16bit", "INT4", "INT8", "INT8_row64"])
 @pytest.mark.parametrize("L,B", [(37, 1), (600, 1), (2000, 1), (8203, 3)])
 @pytest.mark.parametrize("T", [1, 5])
-def test_attention_static_tables(rng, static, kind, L, B, T):
+def test_attention_static_tables(rng, monkeypatch, static, kind, L, B, T):
     """Note [Paged CUDA static tables]: with static_tables = 1 the kernels keep the pages they resolved before
     griddepcontrol.wait (no second look at the late pages). Against the reference and byte for byte the node
     without the attribute, on one split, 4 / 7 splits in a cluster and 8K-key rows: every format in the rows (the
     every-format kernel), F16 promised (the uniform kernel), INT4 and INT8 pages."""
+    kind = _row_step(monkeypatch, kind)
     fmts, page_format = _single_row_kind(kind, "float16", ALL)
     lengths = [L - 7 * b for b in range(B)]
     seed = int(rng.integers(1 << 30))
@@ -325,10 +338,10 @@ def test_attention_static_tables(rng, static, kind, L, B, T):
 
 
 @pytest.mark.parametrize("static", [None, 1], ids=["tables", "static_tables"])
-@pytest.mark.parametrize("kind", ["mixed", "16bit", "INT4", "INT8"])
+@pytest.mark.parametrize("kind", ["mixed", "16bit", "INT4", "INT8", "INT8_row64"])
 @pytest.mark.parametrize("W", [3, 40, 128], ids=["one_split", "cluster4", "cluster8"])
 @pytest.mark.parametrize("T", [1, 5])
-def test_attention_single_row_reports_the_first_failure(rng, kind, W, T, static):
+def test_attention_single_row_reports_the_first_failure(rng, monkeypatch, kind, W, T, static):
     """One batch row over a table of W pages of 16 keys, all used: the last query token reaches the first key of the
     last page, the others stop before it. With one split (W = 3) the block of the last token reports (Note [Paged CUDA
     one-launch report]); with 4 / 8 splits (W = 40 / 128) the last page lies in the last split of a cluster and
@@ -337,6 +350,7 @@ def test_attention_single_row_reports_the_first_failure(rng, kind, W, T, static)
     the page, the smallest first (the CPU plan's order); the pool is untouched and the output finite; with nothing
     wrong the output is the reference's. The last page holds `start`'s row, resolved before the wait: with
     static_tables (Note [Paged CUDA static tables]) that first look is the report."""
+    kind = _row_step(monkeypatch, kind)
     NL, H, G, PS, D = 1, 3, 3, 16, 64
     fmts, page_format = _single_row_kind(kind, "float16", [PageFormat.F16, PageFormat.INT8, PageFormat.INT4])
     pool, directory = build_pool(rng, [fmts[i % len(fmts)] for i in range(W)], num_layers=NL, kv_heads=H,
