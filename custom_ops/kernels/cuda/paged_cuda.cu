@@ -4069,7 +4069,7 @@ cudaError_t Launch(const AttnArgs& a, cudaStream_t stream) {
 // default (issue 11: INT8 faster than F16 at 8K keys x 1 row).
 // Why: INT8 pages promised ran the every-format kernel, 1.25x the uniform F16 kernel's time at 8K keys x 1 row on
 // an H100 (a single-row node is latency: its page window, format switch and 16-key register-decode steps are what
-// INT4's uniform kernel dropped to reach 0.89x there); this kernel takes 0.85-0.92x the every-format kernel's time
+// INT4's uniform kernel dropped to reach 0.89x there); this kernel takes 0.83-0.92x the every-format kernel's time
 // in every cell measured, and with 64-key steps 0.92x F16's at 8K x 1 (32-key steps: 1.06x). It is the default
 // for INT8 promises; ORTKV_PAGED_UNIFORM_INT8=0 keeps them on the every-format kernel (PagedUniformInt8; the
 // benchmarks' A/B). Written in the twenty-second session without a GPU; first run in the twenty-third
