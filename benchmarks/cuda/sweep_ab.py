@@ -76,7 +76,8 @@ def run_rounds(builds: list[tuple[str, str]], args: list[str], rounds: int, runn
                     order.append(key)
                 times[key].setdefault(name, []).append(us)
             for key, d in parse_diffs(out).items():
-                diffs.setdefault(key, {})[name] = max(diffs.get(key, {}).get(name, 0.0), d)
+                per = diffs.setdefault(key, {})
+                per[name] = max(per.get(name, 0.0), d)
     return times, order, diffs
 
 
