@@ -15,10 +15,11 @@ with ORT only (no torch, no cupy). SmolLM2-135M heads (9 query / 3 KV heads of 6
   INT4 uniform : INT4 static, and the nodes' page_format = "INT4" (what ortkv's single-format INT4 policy builds on
           CUDA): the uniform INT4 kernel at head size 64 (Note [Paged CUDA uniform INT4]).
   INT8 uniform : INT8 pages, the nodes' page_format = "INT8" and static_tables = 1 (what ortkv's single-format INT8
-          policy builds on CUDA): the uniform INT8 kernel at head size 64 (Note [Paged CUDA uniform INT8]).
+          policy builds on CUDA): the uniform INT8 kernel at head size 64 (Note [Paged CUDA uniform INT8]), a node
+          of one row (cells LxB with B = 1) in its 64-key steps, every other node in 32-key steps.
   INT8 promised : INT8 uniform captured with ORTKV_PAGED_UNIFORM_INT8=0: the every-format kernel, for the A/B.
-  INT8 row64 : INT8 uniform captured with ORTKV_PAGED_INT8_ROW_STEP=64: a node of one row (cells LxB with B = 1) in
-          the kernel's 64-key steps (opt-in until the CUDA tests have run them).
+  INT8 row32 : INT8 uniform captured with ORTKV_PAGED_INT8_ROW_STEP=32: every node in the kernel's 32-key steps
+          (single rows too; the A/B for the 64-key single-row steps).
   F16 v2 / INT4 v2 : the same, captured with ORTKV_CUDA_ATTENTION=v2 (Note [Paged CUDA v2]), for the A/B.
 R nodes of one kind in one model, each over its own cache / pool, so one call reads R caches one after the
 other (R chosen so that they hold >= 256 MiB of F16 bytes: K/V come from HBM, not from L2; at least 8). Sessions run
@@ -246,7 +247,7 @@ def main():
     rng = np.random.default_rng(0)
     kinds = (["dense"] + [f.name for f in FORMATS] +
              ["F16 promised", "F16 static", "INT4 static", "INT4 uniform", "INT8 promised", "INT8 uniform",
-              "INT8 row64", "F16 in order"] +
+              "INT8 row32", "F16 in order"] +
              [f"{f.name} v2" for f in V2_FORMATS] + ["dense plain", "F16 plain", "INT4 plain", "ORT-PA"])
     if a.kinds:
         wanted = a.kinds.split(",")
@@ -257,8 +258,8 @@ def main():
     ratios = [("F16", "dense"), ("F16 promised", "dense"), ("F16 static", "dense"), ("F16 in order", "dense"),
               ("INT8", "F16"), ("INT4", "F16"), ("INT4", "F16 promised"), ("INT4 static", "F16 static"),
               ("INT4 uniform", "F16 static"), ("INT4 uniform", "INT4 static"), ("INT8 promised", "F16 static"),
-              ("INT8 uniform", "F16 static"), ("INT8 uniform", "INT8 promised"), ("INT8 row64", "F16 static"),
-              ("INT8 row64", "INT8 uniform"),
+              ("INT8 uniform", "F16 static"), ("INT8 uniform", "INT8 promised"), ("INT8 row32", "F16 static"),
+              ("INT8 uniform", "INT8 row32"),
               ("F16", "F16 v2"), ("INT4", "INT4 v2"),
               ("F16 plain", "dense plain"), ("INT4 plain", "F16 plain"), ("F16", "F16 plain"), ("F16", "ORT-PA"),
               ("F16 promised", "ORT-PA")]
@@ -295,7 +296,7 @@ def main():
             runners["INT8 uniform"] = Runner(*paged_case(rng, B, L, R, PageFormat.INT8, promise=True, C=C,
                                                          static=True))
         for kind, var, value in (("INT8 promised", "ORTKV_PAGED_UNIFORM_INT8", "0"),
-                                 ("INT8 row64", "ORTKV_PAGED_INT8_ROW_STEP", "64")):
+                                 ("INT8 row32", "ORTKV_PAGED_INT8_ROW_STEP", "32")):
             if kind in want:
                 os.environ[var] = value  # read when the graph is captured (in Runner())
                 try:

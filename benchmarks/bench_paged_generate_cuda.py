@@ -12,8 +12,8 @@ granule, as before Note [Paged decoder on CUDA]'s commit-ahead; compare the mean
 int8,int4 the paged runner with every page of that format (kv_format; INT4 pages run the uniform INT4 kernel,
 Note [Paged CUDA uniform INT4]; INT8 pages the uniform INT8 kernel, Note [Paged CUDA uniform INT8]), and with
 --every-format-int8 the paged runner with INT8 pages on the every-format kernel (ORTKV_PAGED_UNIFORM_INT8=0 while
-it captures), with --int8-row64 on the uniform INT8 kernel whose single rows take 64-key steps
-(ORTKV_PAGED_INT8_ROW_STEP=64).
+it captures), with --int8-row32 on the uniform INT8 kernel whose single rows take 32-key steps as every other
+node (ORTKV_PAGED_INT8_ROW_STEP=32; as shipped they take 64-key steps).
 SmolLM2-135M float16, CUDA graph, greedy. One process; per cell the variants alternate, --rounds times, and the
 table holds each one's median ms per decode step and its ratio to the dense runner's, the prefill's ms, the mean ms
 per step over all steps (a step that captures a new CUDA graph, after the pool or the arena committed, counts
@@ -62,9 +62,9 @@ def main(argv=None) -> int:
                    help="comma-separated page formats, each also run as a paged runner (e.g. int8,int4)")
     p.add_argument("--every-format-int8", action="store_true",
                    help="also the paged runner with INT8 pages on the every-format kernel (ORTKV_PAGED_UNIFORM_INT8=0)")
-    p.add_argument("--int8-row64", action="store_true",
-                   help="also the paged runner with INT8 pages, single rows in 64-key steps "
-                        "(ORTKV_PAGED_INT8_ROW_STEP=64)")
+    p.add_argument("--int8-row32", action="store_true",
+                   help="also the paged runner with INT8 pages, single rows in 32-key steps "
+                        "(ORTKV_PAGED_INT8_ROW_STEP=32)")
     p.add_argument("--no-update-variants", action="store_true",
                    help="leave out the plain and two-kernel update variants")
     p.add_argument("--out", help="append the table to this markdown file")
@@ -74,7 +74,7 @@ def main(argv=None) -> int:
     variants += [] if a.no_update_variants else ["paged f16 plain update", "paged f16 two-kernel update"]
     variants += [f"paged {f.strip().lower()}" for f in a.kv_formats.split(",") if f.strip()]
     variants += ["paged int8 every-format kernel"] if a.every_format_int8 else []
-    variants += ["paged int8 row64"] if a.int8_row64 else []
+    variants += ["paged int8 row32"] if a.int8_row32 else []
     variants += ["paged f16 one-block update"] if a.one_block else []
     variants += ["paged f16 unfused rotary"] if a.unfused else []
     variants += ["paged f16 full table"] if a.full_table else []
@@ -87,7 +87,7 @@ def main(argv=None) -> int:
                    "one-block update": ("ORTKV_CUDA_PAGED_UPDATE", "one"),
                    "two-kernel update": ("ORTKV_CUDA_PAGED_UPDATE", "two"),
                    "every-format kernel": ("ORTKV_PAGED_UNIFORM_INT8", "0"),
-                   "row64": ("ORTKV_PAGED_INT8_ROW_STEP", "64")}
+                   "row32": ("ORTKV_PAGED_INT8_ROW_STEP", "32")}
     shipped_min = paged_module.TABLE_BUCKET_MIN
 
     def config(variant: str, ml: int) -> GenAIConfig:

@@ -268,8 +268,9 @@ def test_attention_uniform_int8_kernel(rng, monkeypatch, PS, T, early, static, r
     reference: rows ending inside a tile, a row of 8K keys (split, chunk edges inside tiles), single rows of 37 /
     600 / 2000 keys (one launch, 4 and 7 splits merged in a cluster), of 8K keys and of 32,800 keys (a table past
     32K keys: the long ring), a page size that is not a power of two, G = 3 and 8, launched early and plainly, with
-    and without static tables. row64 (ORTKV_PAGED_INT8_ROW_STEP=64): T = 1's single rows run the kernel's 64-key
-    steps; every other node, and every node under row32, its 32-key steps."""
+    and without static tables. row64 (the default, ORTKV_PAGED_INT8_ROW_STEP=64): T = 1's single rows run the
+    kernel's 64-key steps; every other node, and every node under row32 (ORTKV_PAGED_INT8_ROW_STEP=32), its 32-key
+    steps."""
     monkeypatch.setenv("ORTKV_PAGED_UNIFORM_INT8", "1")
     monkeypatch.setenv("ORTKV_PAGED_INT8_ROW_STEP", row_step)
     monkeypatch.setenv("ORTKV_CUDA_EARLY", early)
@@ -289,15 +290,17 @@ def _single_row_kind(kind, dtype, mixed):
 
 
 def _row_step(monkeypatch, kind):
-    """A single-row test's kind "INT8_row64": INT8 pages promised, the uniform INT8 kernel's single rows in 64-key
-    steps (ORTKV_PAGED_INT8_ROW_STEP=64, Note [Paged CUDA uniform INT8]); the kind without that suffix."""
-    if kind.endswith("_row64"):
-        monkeypatch.setenv("ORTKV_PAGED_INT8_ROW_STEP", "64")
-        return kind[: -len("_row64")]
+    """A single-row test's kind "INT8_row32": INT8 pages promised, the uniform INT8 kernel's single rows in 32-key
+    steps (ORTKV_PAGED_INT8_ROW_STEP=32, Note [Paged CUDA uniform INT8]; "INT8": their default 64-key steps); the
+    kind without that suffix."""
+    monkeypatch.delenv("ORTKV_PAGED_INT8_ROW_STEP", raising=False)
+    if kind.endswith("_row32"):
+        monkeypatch.setenv("ORTKV_PAGED_INT8_ROW_STEP", "32")
+        return kind[: -len("_row32")]
     return kind
 
 
-@pytest.mark.parametrize("kind", ["mixed", "16bit", "INT4", "INT8", "INT8_row64"])
+@pytest.mark.parametrize("kind", ["mixed", "16bit", "INT4", "INT8", "INT8_row32"])
 @pytest.mark.parametrize("L", [37, 600, 2000], ids=["one_split", "cluster4", "cluster7"])
 @pytest.mark.parametrize("T", [1, 5])
 @pytest.mark.parametrize("dtype,D", [("float16", 64), ("bfloat16", 128)])
@@ -309,8 +312,8 @@ def test_attention_single_row_one_launch_and_cluster_merge(rng, monkeypatch, kin
     both kernels cluster 2..8 splits;
     before sm_90, or where the cluster launch is refused, the partials and the combine). Against the reference:
     every format in the row ("mixed", the every-format kernel), the queries' own 16-bit pages promised (the uniform
-    kernel) or INT4 / INT8 pages promised (the uniform INT4 / INT8 kernels under float16 queries; INT8 row64: T = 1
-    in the INT8 kernel's 64-key steps, ORTKV_PAGED_INT8_ROW_STEP=64); launched early
+    kernel) or INT4 / INT8 pages promised (the uniform INT4 / INT8 kernels under float16 queries; INT8: T = 1 in the
+    INT8 kernel's 64-key steps, INT8 row32: in its 32-key steps, ORTKV_PAGED_INT8_ROW_STEP=32); launched early
     (Note [CUDA attention early start]) or plainly (ORTKV_CUDA_EARLY=0: the cluster launch without the programmatic
     attribute, whose griddepcontrol.wait then returns at once)."""
     kind = _row_step(monkeypatch, kind)
@@ -320,7 +323,7 @@ def test_attention_single_row_one_launch_and_cluster_merge(rng, monkeypatch, kin
 
 
 @pytest.mark.parametrize("static", [None, 1], ids=["tables", "static_tables"])
-@pytest.mark.parametrize("kind", ["mixed", "16bit", "INT4", "INT8", "INT8_row64"])
+@pytest.mark.parametrize("kind", ["mixed", "16bit", "INT4", "INT8", "INT8_row32"])
 @pytest.mark.parametrize("L,B", [(37, 1), (600, 1), (2000, 1), (8203, 3)])
 @pytest.mark.parametrize("T", [1, 5])
 def test_attention_static_tables(rng, monkeypatch, static, kind, L, B, T):
@@ -338,7 +341,7 @@ def test_attention_static_tables(rng, monkeypatch, static, kind, L, B, T):
 
 
 @pytest.mark.parametrize("static", [None, 1], ids=["tables", "static_tables"])
-@pytest.mark.parametrize("kind", ["mixed", "16bit", "INT4", "INT8", "INT8_row64"])
+@pytest.mark.parametrize("kind", ["mixed", "16bit", "INT4", "INT8", "INT8_row32"])
 @pytest.mark.parametrize("W", [3, 40, 128], ids=["one_split", "cluster4", "cluster8"])
 @pytest.mark.parametrize("T", [1, 5])
 def test_attention_single_row_reports_the_first_failure(rng, monkeypatch, kind, W, T, static):

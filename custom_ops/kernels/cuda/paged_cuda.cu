@@ -4058,15 +4058,17 @@ cudaError_t Launch(const AttnArgs& a, cudaStream_t stream) {
 // KB a warp, about INT4's bytes in flight). 100-102 registers at sm_90, no spills. Its loop is 680 instructions
 // a 32-key step as laid out (sass_loops.py), ~200 of them the page resolution that runs once every 16 steps; the
 // every-format kernel's INT8 loop is 317 a 16-key step.
-// Under ORTKV_PAGED_INT8_ROW_STEP=64 a node of one row (B x T = 1) runs it in steps of ORTKV_PAGED_U8_ROW_NT = 4
+// A node of one row (B x T = 1) runs it in steps of ORTKV_PAGED_U8_ROW_NT = 4
 // tiles (64 keys, groups of 8 lanes as INT4's; 1,005 instructions a step, 120-124 registers, a 104 / 139 KB ring a
 // block at 3 / 4 steps: pu4::LaunchInt8). Measured on an H100 (harness, five alternated rounds, benchmarks/results/
 // paged_attention_cuda_h200.md, twenty-third session), us, 32-key / 64-key steps: 8K keys x 1 row 7.45 / 6.43 (the
 // uniform F16 kernel 7.01), 32K x 1 13.15 / 12.59; 8K x 8 rows 14.23 / 14.81, 32K x 8 40.63 / 44.73 (fewer
 // blocks an SM for the larger ring), 16K x 8 24.82 / 23.98 (not taken: one rule, rows, measured at 1 and 8). The
-// 64-key instances are the harness's, instruction for instruction (cuobjdump), but no GPU machine came again before
-// the CUDA tests had run them through ORT, so they are opt-in until those pass; then they become single rows'
-// default (issue 11: INT8 faster than F16 at 8K keys x 1 row).
+// 64-key instances are the harness's, instruction for instruction (cuobjdump). They were opt-in until the CUDA tests
+// ran them through ORT (twenty-fourth session, H100: tests/test_cuda_paged.py 610 passed with them on for every
+// single row, test_paged_generate.py's CUDA cases 13 passed); through ORT (bench_paged_attention_cuda.py, 15
+// rounds) 8K x 1 6.6 us against F16's 7.1 (0.93x; 32-key steps 1.07x), 16K x 1 0.84x, 32K x 1 0.84x. Now single
+// rows' default; ORTKV_PAGED_INT8_ROW_STEP=32 keeps every node in 32-key steps (PagedInt8RowSteps64; the A/B).
 // Why: INT8 pages promised ran the every-format kernel, 1.25x the uniform F16 kernel's time at 8K keys x 1 row on
 // an H100 (a single-row node is latency: its page window, format switch and 16-key register-decode steps are what
 // INT4's uniform kernel dropped to reach 0.89x there); this kernel takes 0.83-0.92x the every-format kernel's time
@@ -4332,11 +4334,11 @@ bool PagedUniformInt8() {
   const char* e = std::getenv("ORTKV_PAGED_UNIFORM_INT8");
   return e == nullptr || std::strcmp(e, "0") != 0;
 }
-// ORTKV_PAGED_INT8_ROW_STEP=64: that kernel runs a node of one row in 64-key steps (Note [Paged CUDA uniform
-// INT8]: faster in the harness, not yet run through the CUDA tests, so opt-in). Read at every launch.
+// ORTKV_PAGED_INT8_ROW_STEP: that kernel runs a node of one row in 64-key steps (Note [Paged CUDA uniform INT8])
+// unless it is "32", which keeps every node in 32-key steps (the A/B). Read at every launch.
 bool PagedInt8RowSteps64() {
   const char* e = std::getenv("ORTKV_PAGED_INT8_ROW_STEP");
-  return e != nullptr && std::strcmp(e, "64") == 0;
+  return e == nullptr || std::strcmp(e, "32") != 0;
 }
 
 }  // namespace
