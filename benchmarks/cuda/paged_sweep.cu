@@ -134,7 +134,8 @@ int Main(int argc, char** argv) {
   int sms = 0;
   CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   // INT8 v3u / v3us: the uniform INT8 kernel (Note [Paged CUDA uniform INT8]), unless ORTKV_PAGED_UNIFORM_INT8=0;
-  // its single rows (8192 1, 32768 1, ...) in 64-key steps under ORTKV_PAGED_INT8_ROW_STEP=64
+  // its single rows (8192 1, 32768 1, ...) in 64-key steps unless ORTKV_PAGED_INT8_ROW_STEP=32 (builds before
+  // a4265bd: only under ORTKV_PAGED_INT8_ROW_STEP=64)
   const Case cases[] = {{8192, 1}, {8192, 8}, {32768, 1}, {32768, 8}, {16, 1}, {1024, 1}, {16, 8},  // 4-6: short rows
                         {16, 1, 2048}, {128, 1, 2048},  // 7-8: a short row in a table of 2K keys
                         {128, 1},  // 9
