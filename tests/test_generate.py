@@ -151,9 +151,10 @@ def test_check_types_the_real_model_and_plans_one_cache_less_than_copy(cfg, caps
     assert b.plan.peak_bytes - a.plan.peak_bytes >= cache * (cap - 1) // cap  # the past inputs: the extra cache
     assert cli_main(["check", "--variant", "ortkv", "--dims", "batch=1", "seq=1", "capacity=2048"]) == 0
     out = capsys.readouterr().out
-    # 302: 362 before Note [Norm in the projection] (60 normalized activations no longer a value), 392 before Note
-    # [Linear SwiGLU epilogue] (30 gate / up products), 757 before Note [Fused ortkv layer]
-    assert "values typed: 302/302" in out and "in-place updates: 60" in out and "caches 90.00 MiB" in out
+    # 304: 302 before Note [Logits from logits_start] (the LM head's two inputs from logits_start on), 362 before Note
+    # [Norm in the projection] (60 normalized activations no longer a value), 392 before Note [Linear SwiGLU
+    # epilogue] (30 gate / up products), 757 before Note [Fused ortkv layer]
+    assert "values typed: 304/304" in out and "in-place updates: 60" in out and "caches 90.00 MiB" in out
 
 
 @pytest.fixture(scope="session")

@@ -207,6 +207,15 @@ class MutableCacheSession:
         self._session = ort.InferenceSession(source, so, providers=providers)
         self._whole_readers = _whole_tensor_readers(graph, self._caches)
         self._feed_types = {i.name: _ORT_TYPE_STRINGS.get(i.type) for i in self._session.get_inputs()}
+        # Note [Overridable initializers]
+        # An input that is also an initializer (ir_version >= 4) is an overridable default: ORT lists it apart from
+        # the inputs (get_overridable_initializers), never requires it (nor does the missing-feed check below), and
+        # takes a feed of it. Its declared type checks such a feed as any input's. IOBinding's bind_cpu_input binds a
+        # numpy array only to a required input ("Failed to find NodeArg ... in the def list", onnxruntime 1.32), so a
+        # numpy feed of one is bound as an OrtValue over the array (no copy). E.g. the decoders' logits_start (Note
+        # [Logits from logits_start] in generate/builder.py).
+        self._default_types = {i.name: _ORT_TYPE_STRINGS.get(i.type)
+                               for i in self._session.get_overridable_initializers()}
         self._onnx_types: dict = {}  # (numpy dtype, declared ONNX type) -> numpy_onnx_type's answer
         # only a session with the CUDA provider can leave a deferred CUDA kernel error (take_cuda_error)
         self._cuda = "CUDAExecutionProvider" in self._session.get_providers()
@@ -364,6 +373,8 @@ class MutableCacheSession:
                 # or unbind drops it), so the type and overlap checks would find what they found then
                 continue
             declared = self._feed_types.get(name)
+            if declared is None:
+                declared = self._default_types.get(name)
             if hasattr(value, "data_ptr") and hasattr(value, "device_name"):  # OrtValue
                 self._check_feed_type(name, value.element_type() if value.is_tensor() else None, declared)
                 if value.is_tensor():
@@ -384,7 +395,13 @@ class MutableCacheSession:
                 self._check_feed_type(name, given, declared)
                 self._check_feed_overlap(name, ("cpu", 0), arr.ctypes.data, arr.nbytes, overlap)
                 keep.append(arr)
-                if given == BFLOAT16:  # numpy has no bfloat16: ORT cannot map ml_dtypes' dtype itself
+                if name in self._default_types:  # Note [Overridable initializers]: as an OrtValue over arr, no copy
+                    import onnxruntime as ort
+
+                    value = ort.OrtValue.ortvalue_from_numpy(arr)
+                    keep.append(value)
+                    io.bind_ortvalue_input(name, value)
+                elif given == BFLOAT16:  # numpy has no bfloat16: ORT cannot map ml_dtypes' dtype itself
                     io.bind_input(name, "cpu", 0, BFLOAT16, list(arr.shape), arr.ctypes.data)
                 else:
                     io.bind_cpu_input(name, arr)

@@ -2,11 +2,13 @@
 
 * ``ortkv``: per layer K and V caches [B, kv_heads, capacity, head_size] (BNSH; BSNH on request) are
   READ_WRITE graph inputs; CacheUpdate writes the new tokens at each row's position and CacheAttention reads the
-  valid prefix in place. Inputs: input_ids [B, T], positions [B] (each row's length before the block).
+  valid prefix in place. Inputs: input_ids [B, T], positions [B] (each row's length before the block), and
+  optionally logits_start [1] (default 0): logits [B, T - logits_start, V] (Note [Logits from logits_start]).
 * ``genai``: onnxruntime-genai's decoder format (input_ids, attention_mask, position_ids,
   past_key_values.N.key/value -> logits, present.N.key/value, BNSH) with com.microsoft
   GroupQueryAttention, which writes in place when past and present share a buffer.
-* ``copy``: the same interface as ``genai``, attention in plain ONNX ops with present = Concat(past, new).
+* ``copy``: the same interface as ``genai``, attention in plain ONNX ops with present = Concat(past, new), and
+  the ortkv decoder's optional logits_start.
 
 Shared by all three: Gather embedding, SimplifiedLayerNormalization, MatMul projections,
 com.microsoft RotaryEmbedding (interleaved: llama.cpp's Q/K row order), SwiGLU MLP, tied LM head.
@@ -32,6 +34,8 @@ from .config import MAX_POSITIONS
 from .weights import LlamaWeights, Q4Weight, concat_n, pack_matmul_q4
 
 VARIANTS = ("ortkv", "genai", "copy")
+LOGITS_START = "logits_start"  # Note [Logits from logits_start]
+LOGITS_SEQ = "logits_seq"      # the logits' position dim: seq - logits_start
 IR_VERSION = 10
 ACCURACY_LEVEL = 4  # MatMulNBits: int8 activations (Note [Fast 4-bit path] in weights.py)
 ACCURACY_LEVEL_DOWN = 0  # ffn_down: float activations (Note [Accuracy levels])
@@ -238,7 +242,47 @@ def build(weights: LlamaWeights, variant: str, max_positions: int | None = None,
     g.init("axis1", np.array([1], np.int64))
 
     inputs = [helper.make_tensor_value_info("input_ids", TP.INT64, ["batch", "seq"])]
-    outputs = [helper.make_tensor_value_info("logits", TP.FLOAT, ["batch", "seq", cfg.vocab])]  # float32 always
+    # Note [Logits from logits_start]
+    # A prefill needs the logits of one position per row, its last prompt token, and the LM head computed them for
+    # every position: SmolLM2's tied head (V = 49,152 x E = 576) is 2 E V = 56.6 MFLOP a position against ~270 MFLOP
+    # for the whole token's weights (~21 % of a short prompt's FLOPs; less at long prompts, where attention grows),
+    # and on CUDA its outputs are the run's largest tensors. llama.cpp computes only the logits asked for. So the
+    # decoders our runners execute (ortkv in every dtype / layout / fused form, the paged decoder built from it, the
+    # copy baseline; the genai variant stays onnxruntime-genai's format) take an optional input
+    #     logits_start  int64 [1], default 0:   logits [B, seq - logits_start, V],
+    # logits[:, j] being position logits_start + j's: a Slice of the hidden state on axis 1 right before the head
+    # (with norm_linear before the final RMSNorm, which the head's Linear applies: its two inputs are sliced; both
+    # are per position, nothing else changes). The default comes from an initializer of the same name: ORT
+    # (ir_version >= 4; these models are IR_VERSION 10) takes an initializer that is also a graph input as an
+    # overridable default, never folds it as a constant (the Slice stays: tested with a fed value) and does not
+    # require the feed, so every caller that does not feed it gets every position, bit for bit what the graph
+    # without the Slice computes (tests/test_logits_start.py): teacher forcing, perplexity, logits_all, reference
+    # agreement, MultiRunner.forward(all_logits=True), and each decode step (T = 1). Note [Greedy in the decoder]
+    # slices the last position of these logits, the same one whatever logits_start is.
+    # The runners' prefills (runners.head_start) feed min(lengths) - 1 for right-padded rows (each row's last token
+    # is at lengths[b] - 1 >= that; row b's logits at lengths[b] - 1 - logits_start; equal lengths: one position a
+    # row), T - 1 for the copy model's left-padded rows and for MultiRunner's runs (rows of one token count). On this
+    # CPU the picked logits equal the full run's bit for bit: the head's kernels (ortkv.Linear's tiles, MLAS SGEMM,
+    # the 8-bit MatMulNBits head with int8 activations per row) sum each (row, column) in an order set by K, not by
+    # the number of rows (tested; a kernel that picked its order by M would differ by rounding only).
+    # Cost: one Slice node (two with norm_linear) in every run, decode steps included, copying [B, T - logits_start,
+    # E] floats (a decode step's [B, 1, 576]: one more small kernel of ORT's per-node overhead).
+    # Measured (2-core AVX-512 VM, float32 SmolLM2 with ortkv.Linear, OrtkvRunner.prefill against the same decoder
+    # without the Slice, alternated, median of 3; same logits bit for bit): 1 x 1,024 tokens 1,644 -> 1,313 ms
+    # (0.80x), 1 x 2,048 3,329 -> 2,720 ms (0.82x), 4 rows of 512 / 400 / 300 / 200 tokens (logits_start 199: 313 of
+    # 512 positions still computed) 2,955 -> 2,796 ms (0.95x); the decode step 18.3 ms both.
+    # Memory (from the shapes, not measured): a float16 CUDA prefill of batch 8 x 4,000 tokens held the head's
+    # float16 logits [8, 4000, 49152], 3.15 GB, and the float32 logits the Cast writes into the output the runner
+    # binds, 6.29 GB: 9.44 GB (8.8 GiB) per session; now [8, 1, 49152] with equal lengths, 0.79 + 1.57 MB, and at
+    # most [8, 4000 - min(lengths) + 1, 49152] with right padding. A float32 CPU prefill's logits: [B, T, V] float32
+    # before (1 x 4,000: 786 MB), [B, 1, V] after.
+    # The model check (ortkv check, ShapesContext) reads the initializer as the input's value, so its shapes and
+    # memory plan are those of the default run (every position: the largest logits). ORT logs a warning at load
+    # that the initializer is a graph input and no constant (the runners log errors only). ortkv.MutableCacheSession
+    # binds a numpy feed of it as an OrtValue (Note [Overridable initializers] in session.py).
+    head_from = variant != "genai"
+    logits_seq = LOGITS_SEQ if head_from else "seq"
+    outputs = [helper.make_tensor_value_info("logits", TP.FLOAT, ["batch", logits_seq, cfg.vocab])]  # float32 always
     if variant == "ortkv":
         inputs.append(helper.make_tensor_value_info("positions", TP.INT64, ["batch"]))
         pos_ids = None
@@ -274,6 +318,11 @@ def build(weights: LlamaWeights, variant: str, max_positions: int | None = None,
             g.init("shape_bhtd", np.array([0, H, -1, D], np.int64))
             g.init("shape_q", np.array([0, 0, H, D], np.int64))
             g.init("shape_e", np.array([0, 0, E], np.int64))
+
+    if head_from:  # Note [Logits from logits_start]: an optional input, 0 unless fed (an initializer that is an input)
+        inputs.append(helper.make_tensor_value_info(LOGITS_START, TP.INT64, [1]))
+        g.init(LOGITS_START, np.zeros(1, np.int64))
+        g.init("logits_end", np.array([np.iinfo(np.int64).max], np.int64))
 
     block_sums = {}  # (x, K, block) -> x summed per block, shared by the matrices reading the same x
     g.init("split_qkv", np.array([H * D, Hkv * D, Hkv * D], np.int64))
@@ -455,6 +504,17 @@ def build(weights: LlamaWeights, variant: str, max_positions: int | None = None,
         norm_next = "final_norm" if last else f"l{i + 1}_attn_norm"
         h, x = add_norm(x, down, norm_next, p + "out_norm", need_sum=not last)
     xn = h if weights.layers else g.op("SimplifiedLayerNormalization", [x, "final_norm"], axis=-1, epsilon=cfg.rms_eps)
+    value_info = []
+    if head_from:  # Note [Logits from logits_start]: the head (and a norm it applies) sees positions logits_start..
+
+        def from_start(t):
+            out = g.op("Slice", [t, LOGITS_START, "logits_end", "axis1"])
+            # declared, so that ORT's shape inference hands the head named dims (unnamed ones made the Linear's
+            # output [-1, -1, V] fixed dims: a VerifyOutputSizes warning on every run)
+            value_info.append(helper.make_tensor_value_info(out, FT, ["batch", LOGITS_SEQ, E]))
+            return out
+
+        xn = xn._replace(x=from_start(xn.x), y=from_start(xn.y)) if isinstance(xn, _PendingNorm) else from_start(xn)
     # the tied LM head: Linear on the embedding table itself, or MatMul on its transposed copy
     head = (lambda out: linear(xn, "embed", [out])) if use_linear else \
         (lambda out: g.op("MatMul", [xn, "lm_head"], [out]))
@@ -484,7 +544,7 @@ def build(weights: LlamaWeights, variant: str, max_positions: int | None = None,
         g.op("Concat", [pick, nan], ["greedy"], axis=1)
         outputs.append(helper.make_tensor_value_info("greedy", TP.INT64, ["batch", 2]))
     name = f"smollm2_{variant}" if dtype == "float32" else f"smollm2_{variant}_{dtype}"
-    graph = helper.make_graph(g.nodes, name, inputs, outputs, g.inits)
+    graph = helper.make_graph(g.nodes, name, inputs, outputs, g.inits, value_info=value_info)
     model = helper.make_model(graph, opset_imports=OPSETS, ir_version=IR_VERSION, producer_name="ortkv.generate")
     if variant == "ortkv":
         for i in range(cfg.layers):

@@ -61,6 +61,7 @@ from ..cache.pool_store import PoolPageStore
 from ..cache.scheduler import Event
 from ..errors import OrtkvError
 from ..reference.codecs import KEYS_PER_CHANNEL
+from .builder import LOGITS_START
 from .config import GenAIConfig, Search
 from .loop import Sampler
 
@@ -95,7 +96,7 @@ class MultiRunner:
         from ..session import MutableCacheSession
         from ..vmm import Governor
         from .paged import POOL, _session_options
-        from .runners import providers_for, weights_resident
+        from .runners import providers_for, takes_logits_start, weights_resident
 
         import onnx
 
@@ -116,6 +117,7 @@ class MultiRunner:
         self.sess = MutableCacheSession(str(path), sess_options=_session_options(cfg, path, self),
                                         providers=providers_for(cfg))
         weights_resident(cfg, path)
+        self._head_from = takes_logits_start(self.sess.session)  # Note [Logits from logits_start] in builder.py
         self.pool = PagePool(self.layers, d.num_key_value_heads, d.head_size, ps,
                              {"float32": np.float32, "float16": np.float16}[cfg.dtype], cfg.device,
                              Governor(budget_bytes or o.arena_budget_bytes),
@@ -148,11 +150,15 @@ class MultiRunner:
             out = [None] * placement.batch
             for rows, t in placement.runs():
                 ids = np.stack([placement.tokens[r] for r in rows]).astype(np.int64)
+                # Note [Logits from logits_start] in builder.py: the rows of a run have one token count, so only its
+                # last position's logits are computed unless every position's are asked for
+                head = {LOGITS_START: np.array([ids.shape[1] - 1], np.int64)} \
+                    if self._head_from and not all_logits else {}
                 (logits,) = self.sess.run(["logits"], {
                     "input_ids": ids, "positions": placement.start[rows],
                     "directory": self.pool.directory_input(),  # Note [Page pool on CUDA]
                     "page_table": np.ascontiguousarray(placement.page_table[rows]),
-                    "page_fill": np.ascontiguousarray(placement.page_fill[rows])})
+                    "page_fill": np.ascontiguousarray(placement.page_fill[rows]), **head})
                 self.runs += 1
                 self.tokens_computed += ids.size
                 for j, r in enumerate(rows):

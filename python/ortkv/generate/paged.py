@@ -13,8 +13,10 @@ output 0 <- input 0 through GetAliasMap (Note [Aliasing CacheUpdate output]), so
 ``present_pool.l`` the pool's own buffer; only the last layer's is a graph output, annotated ``alias_of
 pool``, which MutableCacheSession binds to the same buffer (and the kernel's pointer check enforces).
 Layer l's attention is ordered before layer l+1's update by data (the update's k and v come from the
-attention's output), as the checker's alias-hazard rule requires. Inputs: input_ids [B, T], positions [B], pool uint8 [pool_bytes] (READ_WRITE), directory int64
-[num_pages, 2], page_table int32 [B, max_pages], and with ``page_fill=True`` page_fill int32 [B, max_pages]
+attention's output), as the checker's alias-hazard rule requires. Inputs: input_ids [B, T], positions [B], the
+optional logits_start [1] (kept from the base: Note [Logits from logits_start] in builder.py), pool uint8
+[pool_bytes] (READ_WRITE), directory int64 [num_pages, 2], page_table int32 [B, max_pages], and with
+``page_fill=True`` page_fill int32 [B, max_pages]
 (the ops' optional last input, Note [Page fill]: what the many-sequence path binds so that forks and beam
 reorders copy nothing; that model is saved apart, ``paged4-fill-ps{N}``). Rewriting the built graph (instead of a
 second builder) keeps the weights, rotary and MLP code in one place. The base is built as the dense ortkv
@@ -232,7 +234,8 @@ class PagedRunner:
 
     def __init__(self, path, cfg: GenAIConfig):
         from ..session import MutableCacheSession
-        from .runners import GreedyToken, LastToken, has_greedy_output, providers_for, weights_resident
+        from .runners import (GreedyToken, LastToken, has_greedy_output, providers_for, takes_logits_start,
+                              weights_resident)
 
         if cfg.device == "cpu" and cfg.dtype != "float32":
             raise OrtkvError(f"ortkv.cache = 'paged' on the CPU runs float32 models; got dtype {cfg.dtype}: use "
@@ -265,6 +268,7 @@ class PagedRunner:
         # Note [Greedy in the decoder] (builder.py): to_paged keeps the float16 decoder's greedy output, so the
         # decode step picks its token inside its own run (and CUDA graph), as OrtkvRunner's
         self._greedy_out = self.device != "cpu" and has_greedy_output(self.sess)
+        self._head_from = takes_logits_start(self.sess.session)  # Note [Logits from logits_start] in builder.py
         self.pool = self.cache = None
         self._io = None
 
@@ -344,12 +348,24 @@ class PagedRunner:
             entry[1] = table
         return entry[0]
 
-    def _run(self, ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        """Logits [B, T, V] on the host (CPU, or teacher forcing / logits_all on CUDA)."""
+    def _head_feeds(self, lengths: np.ndarray) -> tuple[dict, int]:
+        """A prefill's logits_start feed and value: head_start(lengths) where the model takes it (Note [Logits from
+        logits_start] in builder.py), else nothing and 0."""
+        from .builder import LOGITS_START
+        from .runners import head_start
+
+        if not self._head_from:
+            return {}, 0
+        start = head_start(lengths)
+        return {LOGITS_START: np.array([start], np.int64)}, start
+
+    def _run(self, ids: np.ndarray, positions: np.ndarray, head: dict | None = None) -> np.ndarray:
+        """Logits [B, T, V] on the host (CPU, or teacher forcing / logits_all on CUDA); [B, T - logits_start, V]
+        with ``head``, _head_feeds' feed."""
         self._reserve(positions + ids.shape[1])
         table = self.cache.page_table if self.device == "cpu" else self._table(positions.max() + ids.shape[1])
         feeds = {"input_ids": np.ascontiguousarray(ids, np.int64), "positions": np.ascontiguousarray(positions),
-                 "directory": self.pool.directory_input(), "page_table": table}
+                 "directory": self.pool.directory_input(), "page_table": table, **(head or {})}
         ro = self._prefill_ro if self.device != "cpu" else None
         (logits,) = self.sess.run(["logits"], feeds, run_options=ro)
         return logits
@@ -360,31 +376,35 @@ class PagedRunner:
         return self._run(ids, np.zeros(len(ids), np.int64))
 
     def _prefill_device(self, ids: np.ndarray, lengths: np.ndarray):
+        """CUDA: the prompt's run; (its logits [B, T - start, V] in a bound device OrtValue, each row's index in
+        them: lengths - 1 - start; Note [Logits from logits_start] in builder.py)."""
         import onnxruntime as ort
 
         B, T = ids.shape
         self._reserve(np.full(B, T, np.int64))
-        out = ort.OrtValue.ortvalue_from_shape_and_type([B, T, self.cfg.model.vocab_size], np.float32, "cuda",
+        head, start = self._head_feeds(lengths)
+        out = ort.OrtValue.ortvalue_from_shape_and_type([B, T - start, self.cfg.model.vocab_size], np.float32, "cuda",
                                                         self.pool.device_index)
         self.sess.run(["logits"], {"input_ids": np.ascontiguousarray(ids, np.int64),
                                    "positions": np.zeros(B, np.int64), "directory": self.pool.directory_input(),
-                                   "page_table": self._table(T)},
+                                   "page_table": self._table(T), **head},
                       run_options=self._prefill_ro, bound_outputs={"logits": out})
         self.lengths = lengths.astype(np.int64).copy()
         self._advance(self.lengths)
-        return out
+        return out, lengths - 1 - start
 
     def prefill(self, ids: np.ndarray, lengths: np.ndarray) -> np.ndarray:
         if self.device != "cpu":
-            return self.last_token(self._prefill_device(ids, lengths), lengths - 1)
-        logits = self.logits_all(ids)
+            return self.last_token(*self._prefill_device(ids, lengths))
+        head, start = self._head_feeds(lengths)
+        logits = self._run(ids, np.zeros(len(ids), np.int64), head)  # [B, T - start, V]
         self.lengths = lengths.astype(np.int64).copy()
         self._advance(self.lengths)
-        return logits[np.arange(len(ids)), lengths - 1]
+        return logits[np.arange(len(ids)), lengths - 1 - start]
 
     def prefill_tokens(self, ids: np.ndarray, lengths: np.ndarray) -> np.ndarray:
         """Greedy (CUDA): each row's next token [B] from the prompt, chosen on the device."""
-        return self.greedy_token(self._prefill_device(ids, lengths), lengths - 1)
+        return self.greedy_token(*self._prefill_device(ids, lengths))
 
     def _step_device(self, next_ids: np.ndarray):
         self._reserve(self.lengths + 1)

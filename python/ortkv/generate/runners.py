@@ -29,7 +29,7 @@ from .. import get_library_path
 from .._memory import HugePageWeights, huge_page_weights_enabled, populate_file_mappings
 from ..errors import OrtkvError
 from ..vmm import ArenaKVCache, CacheGeometry, Governor, live_bytes
-from .builder import genai_names, ortkv_names
+from .builder import LOGITS_START, genai_names, ortkv_names
 from .config import GenAIConfig
 
 NP_FLOAT = {"float32": np.float32, "float16": np.float16}
@@ -74,6 +74,19 @@ def providers_for(cfg: GenAIConfig, cuda_graph: bool = False) -> list:
     opts["device_id"] = cfg.device.split(":")[1]
     opts["enable_cuda_graph"] = "1" if cuda_graph else "0"
     return [("CUDAExecutionProvider", opts), "CPUExecutionProvider"]
+
+
+def head_start(lengths: np.ndarray) -> int:
+    """Note [Logits from logits_start] in builder.py: the first position whose logits a prefill of right-padded rows
+    of these lengths needs, min(lengths) - 1 (0 at least); row b's logits are then at lengths[b] - 1 - that."""
+    return max(int(np.min(lengths)) - 1, 0) if len(lengths) else 0
+
+
+def takes_logits_start(sess) -> bool:
+    """Whether an onnxruntime.InferenceSession's model has the logits_start input (Note [Logits from logits_start] in
+    builder.py; a decoder built before it, or the genai variant, has not)."""
+    names = [i.name for i in sess.get_inputs()] + [i.name for i in sess.get_overridable_initializers()]
+    return LOGITS_START in names
 
 
 def _device_id(cfg: GenAIConfig) -> int:
@@ -122,7 +135,8 @@ def _last_token_model(greedy: bool = False):
 
 class LastToken:
     """Gathers each row's last-token logits on the device, so that only [B, V] floats cross to the host
-    after a prefill (its full logits are [B, T, V]: 6.4 GB at batch 32 x 1024 tokens)."""
+    after a prefill (its logits are [B, T - logits_start, V]: Note [Logits from logits_start] in builder.py; all T
+    positions were 6.4 GB at batch 32 x 1024 tokens)."""
 
     def __init__(self, cfg: GenAIConfig):
         import onnxruntime as ort
@@ -330,6 +344,7 @@ class OrtkvRunner:
         self.greedy_token = GreedyToken(cfg) if self.device != "cpu" else None
         # Note [Greedy in the decoder] (builder.py): the float16 decoders pick the decode step's token themselves
         self._greedy_out = self.device != "cpu" and has_greedy_output(self.sess)
+        self._head_from = takes_logits_start(self.sess.session)  # Note [Logits from logits_start] in builder.py
         _check_layers(cfg, path, len(self.sess.caches) // 2)
 
     @property
@@ -401,28 +416,40 @@ class OrtkvRunner:
         (logits,) = self.sess.run(["logits"], {"input_ids": ids, "positions": np.zeros(len(ids), np.int64)})
         return logits
 
+    def _prefill_feeds(self, ids, lengths: np.ndarray) -> tuple[dict, int]:
+        """A prefill's feeds from position 0 and the first position whose logits it computes, head_start(lengths)
+        where the model takes logits_start (Note [Logits from logits_start] in builder.py), else 0."""
+        feeds = {"input_ids": ids, "positions": np.zeros(len(ids), np.int64)}
+        start = head_start(lengths) if self._head_from else 0
+        if self._head_from:
+            feeds[LOGITS_START] = np.array([start], np.int64)
+        return feeds, start
+
     def prefill(self, ids: np.ndarray, lengths: np.ndarray) -> np.ndarray:
         if self.device == "cpu":
-            logits = self.logits_all(ids)
+            self._ensure(ids.shape[1])
+            feeds, start = self._prefill_feeds(ids, lengths)
+            (logits,) = self.sess.run(["logits"], feeds)  # [B, T - start, V]
             self.lengths = lengths.astype(np.int64).copy()
-            return logits[np.arange(len(ids)), lengths - 1]
-        return self.last_token(self._prefill_device(ids, lengths), lengths - 1)
+            return logits[np.arange(len(ids)), lengths - 1 - start]
+        return self.last_token(*self._prefill_device(ids, lengths))
 
     def _prefill_device(self, ids: np.ndarray, lengths: np.ndarray):
+        """CUDA: the prompt's run; (its logits [B, T - start, V] in a bound device OrtValue, each row's index in
+        them: lengths - 1 - start; Note [Logits from logits_start] in builder.py)."""
         import onnxruntime as ort
 
         self._ensure(ids.shape[1])
-        out = ort.OrtValue.ortvalue_from_shape_and_type([ids.shape[0], ids.shape[1], self.cfg.model.vocab_size],
+        feeds, start = self._prefill_feeds(np.ascontiguousarray(ids, np.int64), lengths)
+        out = ort.OrtValue.ortvalue_from_shape_and_type([ids.shape[0], ids.shape[1] - start, self.cfg.model.vocab_size],
                                                         np.float32, "cuda", _device_id(self.cfg))
-        self.sess.run(["logits"], {"input_ids": np.ascontiguousarray(ids, np.int64),
-                                   "positions": np.zeros(len(ids), np.int64)},
-                      run_options=self._prefill_ro, bound_outputs={"logits": out})
+        self.sess.run(["logits"], feeds, run_options=self._prefill_ro, bound_outputs={"logits": out})
         self.lengths = lengths.astype(np.int64).copy()
-        return out
+        return out, lengths - 1 - start
 
     def prefill_tokens(self, ids: np.ndarray, lengths: np.ndarray) -> np.ndarray:
         """Greedy: each row's next token [B] from the prompt, chosen on the device."""
-        return self.greedy_token(self._prefill_device(ids, lengths), lengths - 1)
+        return self.greedy_token(*self._prefill_device(ids, lengths))
 
     def step(self, next_ids: np.ndarray) -> np.ndarray:
         if self.device == "cpu":
@@ -547,6 +574,7 @@ class CopyRunner:
         self.sess = ort.InferenceSession(str(path), so, providers=providers_for(cfg))
         weights_resident(cfg, path)
         self.out_names = [o.name for o in self.sess.get_outputs()]
+        self._head_from = takes_logits_start(self.sess)  # Note [Logits from logits_start] in builder.py
         self.last_token = LastToken(cfg) if self.device != "cpu" else None
         self.greedy_token = GreedyToken(cfg) if self.device != "cpu" else None
         _check_layers(cfg, path, sum(i.name.startswith("past_key_values.") for i in self.sess.get_inputs()) // 2)
@@ -596,7 +624,13 @@ class CopyRunner:
     def prefill(self, ids, lengths, greedy: bool = False):
         ids, self.mask, pos = _left_pad(ids, lengths, self.pad)
         self.lengths = lengths.astype(np.int64).copy()
-        return self._run({"input_ids": ids, "attention_mask": self.mask, "position_ids": pos}, greedy)
+        feeds = {"input_ids": ids, "attention_mask": self.mask, "position_ids": pos}
+        if self._head_from:  # left-padded: every row ends at T - 1, the one position computed (_run reads the last)
+            # (an OrtValue: IOBinding binds a numpy array only to a required input, not to an initializer's name)
+            import onnxruntime as ort
+
+            feeds[LOGITS_START] = ort.OrtValue.ortvalue_from_numpy(np.array([ids.shape[1] - 1], np.int64))
+        return self._run(feeds, greedy)
 
     def step(self, next_ids, greedy: bool = False):
         self.mask = np.concatenate([self.mask, np.ones((len(next_ids), 1), np.int64)], axis=1)
