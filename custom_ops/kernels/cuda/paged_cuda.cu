@@ -2185,8 +2185,9 @@ __host__ __device__ __forceinline__ bool LastBlockReports(const PagedAttentionCu
 // are launched as clusters of the unit's split blocks and merge through distributed shared memory (Note [Cluster
 // merge] in tile_mma.cuh, as dense CacheAttention v3), with no partials and no combine launch. Between the cluster
 // barriers rank 0 also takes the smallest of its ranks' failure keys (all ranks' keys loaded together, Note [Cluster
-// merge loads]): the unit's key over all its pages, the same in every cluster of the last token, whose (KV head 0,
-// head block 0) cluster reports it (Note [Paged CUDA one-launch report]). Only the early instantiation is
+// merge loads]; only when a rank flagged a failure or `start` is bad: Note [Cluster merge flag]): the unit's key over
+// all its pages, the same in every cluster of the last token, whose (KV head 0, head block 0) cluster reports it
+// (Note [Paged CUDA one-launch report]). Only the early instantiation is
 // clustered: its griddepcontrol.wait returns at once when the launch is not programmatic (ORTKV_CUDA_EARLY=0).
 // H200, paged_sweep, cluster vs combine, us (2026-12-03 fifth session, when rank 0 read its ranks one after the
 // other): one row in a table of 2K keys (8 splits), every-format F16 5.97 vs 5.88, INT8 6.39 vs 6.77, INT4 7.52 vs
@@ -2305,6 +2306,8 @@ __device__ __forceinline__ void ReportBlockKey(const PagedAttentionCudaView& a, 
 
 // Thread 0 of a cluster's rank 0 between the cluster barriers (Note [Paged CUDA cluster merge]): the smallest of the
 // ranks' failure keys (`key`: each block's in its shared memory), reported by the cluster that holds the node's.
+// Called only where a rank flagged a failure or `start` is bad (Note [Cluster merge flag] in tile_mma.cuh).
+__device__ __forceinline__ float NanL() { return __int_as_float(0x7fc00000); }  // a failed block's l in `fin`
 template <typename Cluster>
 __device__ __forceinline__ void ClusterReport(const PagedAttentionCudaView& a, const BlockUnit& bu,
                                               unsigned long long* key, Cluster& cl) {
@@ -3610,12 +3613,16 @@ __global__ void __launch_bounds__(kThreads, ORTKV_PAGED_V3_MIN_BLOCKS) PagedAtte
   float* fin = CLUSTER ? reinterpret_cast<float*>(ring + C::kRingBytes) : nullptr;  // at SmemBytes<D>()
   MergeWarpTiles<kWarps, D>(
       *reinterpret_cast<Merge*>(ring), m, l, o, gn,
-      [&](int gg, int d, float mb, float lb, float ab) { EmitMerged<T>(a, bu, gg, d, mb, lb, ab, fin); },
+      [&](int gg, int d, float mb, float lb, float ab) {
+        EmitMerged<T>(a, bu, gg, d, mb, CLUSTER && skip ? NanL() : lb, ab, fin);  // Note [Cluster merge flag]
+      },
       [mode](int nt, int n) { return DimOf(mode, nt, n); });
   if constexpr (CLUSTER)  // Note [Paged CUDA cluster merge]
     tile16::ClusterMerge<T, D>(
-        fin, static_cast<int>(S), gn, tid, kThreads, [&](int gg) { return OutRow<T>(a, bu, gg); },
-        [&](auto& cl) { ClusterReport(a, bu, &sh.key, cl); });
+        fin, static_cast<int>(S), gn, tid, kThreads, [&](int gg) { return OutRow<T>(a, bu, gg); }, [](auto&) {},
+        [&](auto& cl, bool flagged) {
+          if (flagged || bad_start) ClusterReport(a, bu, &sh.key, cl);
+        });
   else if (tid == 0)
     ReportBlockKey(a, bu, sh.key, counted);  // Note [Paged CUDA one-launch report]
 }
@@ -3788,14 +3795,18 @@ __device__ __forceinline__ void FinishUniform(const PagedAttentionCudaView& a, c
     s_rep = rep;
     if constexpr (!CLUSTER) counted = StoreBlockKey(a, rep);
   }
+  // CLUSTER: a block with a bad page leaves l = NaN in `fin` for rank 0 (Note [Cluster merge flag])
+  const bool nan_l = CLUSTER && key != kNoError;
   tile16::MergeWarpTiles<NW, D>(*reinterpret_cast<WarpMerge<NW, 8>*>(dsm), m, l, o, bu.gn,
                                 [&](int gg, int d, float mb, float lb, float ab) {
-                                  EmitMerged<T>(a, bu, gg, d, mb, lb, ab, fin);
+                                  EmitMerged<T>(a, bu, gg, d, mb, nan_l ? NanL() : lb, ab, fin);
                                 });
   if constexpr (CLUSTER)
     tile16::ClusterMerge<T, D>(
         fin, static_cast<int>(a.splits), bu.gn, tid, kThreads, [&](int gg) { return OutRow<T>(a, bu, gg); },
-        [&](auto& cl) { ClusterReport(a, bu, &s_rep, cl); });
+        [](auto&) {}, [&](auto& cl, bool flagged) {
+          if (flagged || bad_start) ClusterReport(a, bu, &s_rep, cl);
+        });
   else if (tid == kThreads - 1)
     ReportBlockKey(a, bu, rep, counted);
 }
