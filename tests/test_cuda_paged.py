@@ -392,6 +392,36 @@ def test_attention_single_row_reports_the_first_failure(rng, monkeypatch, kind, 
     assert err is not None and f"exceeds the page table's capacity of {W * PS} tokens ('page_table')" in err, err
 
 
+@pytest.mark.parametrize("kind", ["mixed", "16bit", "INT4", "INT8"])
+@pytest.mark.parametrize("W", [40, 128], ids=["cluster4", "cluster8"])
+def test_attention_cluster_nan_is_no_failure(rng, monkeypatch, kind, W):
+    """Note [Cluster merge flag]: a clustered block with a bad page leaves l = NaN for rank 0, which then reads its
+    ranks' failure keys. A NaN that comes from the data (here query head 0, whose l is NaN in every rank) takes the
+    same path and must report nothing: no deferred error, the pool untouched, every other head's output the
+    reference's (head 0's follows from NaN scores and is not checked). With one row of W pages of 16 keys (4 / 8
+    splits in a cluster)."""
+    kind = _row_step(monkeypatch, kind)
+    NL, H, G, PS, D = 1, 3, 3, 16, 64
+    fmts, page_format = _single_row_kind(kind, "float16", [PageFormat.F16, PageFormat.INT8, PageFormat.INT4])
+    pool, directory = build_pool(rng, [fmts[i % len(fmts)] for i in range(W)], num_layers=NL, kv_heads=H,
+                                 page_size=PS, head_size=D)
+    table = table_for([list(range(W))], W)
+    start = W * PS - 1
+    q = _rand(rng, (1, 1, H * G * D), "float16")
+    q[0, 0, 5] = np.nan  # query head 0 (KV head 0's first): every rank of that cluster sees its l NaN
+    before = pool.copy()
+    out, after, err = cuda_attention(q, pool, directory, table, start, num_heads=H * G, kv_heads=H, layer=0,
+                                     num_layers=NL, page_size=PS, dtype="float16", page_format=page_format,
+                                     static_tables=1)
+    assert err is None, err
+    assert _ortkv.cuda_take_error() is None
+    assert after.tobytes() == before.tobytes()
+    heads = out.reshape(H * G, D)
+    want = paged_cache_attention_ref(np.nan_to_num(q), before, directory, table, [start], num_heads=H * G,
+                                     kv_num_heads=H, layer=0, num_layers=NL, page_size=PS).reshape(H * G, D)
+    np.testing.assert_allclose(heads[1:], want[1:], rtol=2e-3, atol=2e-3)
+
+
 def _rows_case(rng, kind, B, W, T, NL=1, H=3, G=3, PS=16, D=64):
     """B rows over their own W pages of 16 keys each (a table of W entries: one split), every key used by the last
     token; the pool, directory, table, start (one per row) and queries."""
