@@ -300,7 +300,15 @@ def build(weights: LlamaWeights, variant: str, max_positions: int | None = None,
             total = g.op("Gather", [g.op("Shape", ["attention_mask"]), "one"], axis=0)
             g.op("Cast", [total], ["total_seq_len"], to=TP.INT32)
         else:  # copy: additive mask [B, 1, 1, T, P+T] from padding and causality
-            g.init("neg_inf", np.array(-np.inf, np.float32))  # float16 models: cast by g.init
+            # Note [Copy mask is finite]
+            # A hidden key gets -1e4, not -inf. A left-padded row's pad queries see no key at all (the pads before
+            # them are masked too): with -inf their softmax was 0 / 0 = NaN, their hidden states NaN from the first
+            # layer on, and in the next layer the row's real tokens, which give those keys weight exp(-inf) = 0,
+            # still multiplied 0 by NaN values: a batch of prompts of different lengths had NaN logits in every row
+            # but the longest. With -1e4 a pad query averages finite values (never read: a real query's weight on a
+            # hidden key is exp(-1e4 + s - max) = 0 exactly in float16 and float32 while its scores s stay within
+            # ~1e4 of each other), and a row without pads computes the same bits as with -inf. -1e4 fits float16.
+            g.init("neg_inf", np.array(-1e4, np.float32))  # float16 models: cast by g.init
             g.init("zero_f", np.array(0, np.float32))
             total = g.op("Gather", [g.op("Shape", ["attention_mask"]), "one"], axis=0)
             seq = g.op("Gather", [g.op("Shape", ["input_ids"]), "one"], axis=0)

@@ -1,7 +1,7 @@
 """Build-once cache of the three decoders of the default model (large files stay outside git):
 
-    <cache>/models/smollm2-135m-f32ln-v5/{ortkv,genai,copy}/model.onnx (+ model.onnx.data)
-    <cache>/models/smollm2-135m-f32ln-v5/genai/genai_config.json, tokenizer.json, tokenizer_config.json
+    <cache>/models/smollm2-135m-f32ln-v6/{ortkv,genai,copy}/model.onnx (+ model.onnx.data)
+    <cache>/models/smollm2-135m-f32ln-v6/genai/genai_config.json, tokenizer.json, tokenizer_config.json
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from .builder import VARIANTS, build
 from .config import MAX_POSITIONS, GenAIConfig, to_dict
 from .weights import load, load_tokenizer
 
-BUILD_TAG = "smollm2-135m-{weights}-v5"  # bump when the graphs change; + "-bsnh" / "-sbnh" for those layouts;
+BUILD_TAG = "smollm2-135m-{weights}-v6"  # bump when the graphs change; + "-bsnh" / "-sbnh" for those layouts;
+# v6: the copy decoder's mask hides a key with -1e4, not -inf (Note [Copy mask is finite] in builder.py)
 # v5: the ortkv and copy decoders take logits_start (Note [Logits from logits_start] in builder.py); the runners feed
 # it only to a model that has it, so a v4 model given by path still runs, computing every position's logits
 # v4: RotaryCacheUpdate and SwiGLU in the ortkv decoder (Note [Fused ortkv layer] in builder.py)
