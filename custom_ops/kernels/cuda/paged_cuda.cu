@@ -2304,10 +2304,11 @@ __device__ __forceinline__ void ReportBlockKey(const PagedAttentionCudaView& a, 
     ReportAttention(a, key);
 }
 
+// A failed block's l in a clustered launch's `fin` (Note [Cluster merge flag] in tile_mma.cuh).
+__device__ __forceinline__ float NanL() { return __int_as_float(0x7fc00000); }
 // Thread 0 of a cluster's rank 0 between the cluster barriers (Note [Paged CUDA cluster merge]): the smallest of the
 // ranks' failure keys (`key`: each block's in its shared memory), reported by the cluster that holds the node's.
-// Called only where a rank flagged a failure or `start` is bad (Note [Cluster merge flag] in tile_mma.cuh).
-__device__ __forceinline__ float NanL() { return __int_as_float(0x7fc00000); }  // a failed block's l in `fin`
+// Called only where a rank flagged a failure or `start` is bad (Note [Cluster merge flag]).
 template <typename Cluster>
 __device__ __forceinline__ void ClusterReport(const PagedAttentionCudaView& a, const BlockUnit& bu,
                                               unsigned long long* key, Cluster& cl) {
