@@ -340,6 +340,16 @@ def test_attention_static_tables(rng, monkeypatch, static, kind, L, B, T):
     assert outs[0].tobytes() == outs[1].tobytes()
 
 
+def _single_row_table(rng, monkeypatch, kind, W, NL, H, PS, D):
+    """One batch row over a table of W pages of PS keys, all used, of the kind's formats (_row_step's variable set):
+    the pool, directory, table and the node's page_format."""
+    kind = _row_step(monkeypatch, kind)
+    fmts, page_format = _single_row_kind(kind, "float16", [PageFormat.F16, PageFormat.INT8, PageFormat.INT4])
+    pool, directory = build_pool(rng, [fmts[i % len(fmts)] for i in range(W)], num_layers=NL, kv_heads=H,
+                                 page_size=PS, head_size=D)
+    return pool, directory, table_for([list(range(W))], W), page_format
+
+
 @pytest.mark.parametrize("static", [None, 1], ids=["tables", "static_tables"])
 @pytest.mark.parametrize("kind", ["mixed", "16bit", "INT4", "INT8", "INT8_row32"])
 @pytest.mark.parametrize("W", [3, 40, 128], ids=["one_split", "cluster4", "cluster8"])
@@ -353,12 +363,8 @@ def test_attention_single_row_reports_the_first_failure(rng, monkeypatch, kind, 
     the page, the smallest first (the CPU plan's order); the pool is untouched and the output finite; with nothing
     wrong the output is the reference's. The last page holds `start`'s row, resolved before the wait: with
     static_tables (Note [Paged CUDA static tables]) that first look is the report."""
-    kind = _row_step(monkeypatch, kind)
     NL, H, G, PS, D = 1, 3, 3, 16, 64
-    fmts, page_format = _single_row_kind(kind, "float16", [PageFormat.F16, PageFormat.INT8, PageFormat.INT4])
-    pool, directory = build_pool(rng, [fmts[i % len(fmts)] for i in range(W)], num_layers=NL, kv_heads=H,
-                                 page_size=PS, head_size=D)
-    table = table_for([list(range(W))], W)
+    pool, directory, table, page_format = _single_row_table(rng, monkeypatch, kind, W, NL, H, PS, D)
     start = (W - 1) * PS - (T - 1)
     q = _rand(rng, (1, T, H * G * D), "float16")
     kw = dict(num_heads=H * G, kv_heads=H, layer=0, num_layers=NL, page_size=PS, dtype="float16",
@@ -400,12 +406,8 @@ def test_attention_cluster_nan_is_no_failure(rng, monkeypatch, kind, W):
     same path and must report nothing: no deferred error, the pool untouched, every other head's output the
     reference's (head 0's follows from NaN scores and is not checked). With one row of W pages of 16 keys (4 / 8
     splits in a cluster)."""
-    kind = _row_step(monkeypatch, kind)
     NL, H, G, PS, D = 1, 3, 3, 16, 64
-    fmts, page_format = _single_row_kind(kind, "float16", [PageFormat.F16, PageFormat.INT8, PageFormat.INT4])
-    pool, directory = build_pool(rng, [fmts[i % len(fmts)] for i in range(W)], num_layers=NL, kv_heads=H,
-                                 page_size=PS, head_size=D)
-    table = table_for([list(range(W))], W)
+    pool, directory, table, page_format = _single_row_table(rng, monkeypatch, kind, W, NL, H, PS, D)
     start = W * PS - 1
     q = _rand(rng, (1, 1, H * G * D), "float16")
     q[0, 0, 5] = np.nan  # query head 0 (KV head 0's first): every rank of that cluster sees its l NaN
