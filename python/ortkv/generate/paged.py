@@ -348,20 +348,9 @@ class PagedRunner:
             entry[1] = table
         return entry[0]
 
-    def _head_feeds(self, lengths: np.ndarray) -> tuple[dict, int]:
-        """A prefill's logits_start feed and value: head_start(lengths) where the model takes it (Note [Logits from
-        logits_start] in builder.py), else nothing and 0."""
-        from .builder import LOGITS_START
-        from .runners import head_start
-
-        if not self._head_from:
-            return {}, 0
-        start = head_start(lengths)
-        return {LOGITS_START: np.array([start], np.int64)}, start
-
     def _run(self, ids: np.ndarray, positions: np.ndarray, head: dict | None = None) -> np.ndarray:
         """Logits [B, T, V] on the host (CPU, or teacher forcing / logits_all on CUDA); [B, T - logits_start, V]
-        with ``head``, _head_feeds' feed."""
+        with ``head``, runners.head_feed's feed."""
         self._reserve(positions + ids.shape[1])
         table = self.cache.page_table if self.device == "cpu" else self._table(positions.max() + ids.shape[1])
         feeds = {"input_ids": np.ascontiguousarray(ids, np.int64), "positions": np.ascontiguousarray(positions),
@@ -380,9 +369,11 @@ class PagedRunner:
         them: lengths - 1 - start; Note [Logits from logits_start] in builder.py)."""
         import onnxruntime as ort
 
+        from .runners import head_feed
+
         B, T = ids.shape
         self._reserve(np.full(B, T, np.int64))
-        head, start = self._head_feeds(lengths)
+        head, start = head_feed(self._head_from, lengths)
         out = ort.OrtValue.ortvalue_from_shape_and_type([B, T - start, self.cfg.model.vocab_size], np.float32, "cuda",
                                                         self.pool.device_index)
         self.sess.run(["logits"], {"input_ids": np.ascontiguousarray(ids, np.int64),
@@ -394,9 +385,11 @@ class PagedRunner:
         return out, lengths - 1 - start
 
     def prefill(self, ids: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        from .runners import head_feed
+
         if self.device != "cpu":
             return self.last_token(*self._prefill_device(ids, lengths))
-        head, start = self._head_feeds(lengths)
+        head, start = head_feed(self._head_from, lengths)
         logits = self._run(ids, np.zeros(len(ids), np.int64), head)  # [B, T - start, V]
         self.lengths = lengths.astype(np.int64).copy()
         self._advance(self.lengths)

@@ -82,6 +82,15 @@ def head_start(lengths: np.ndarray) -> int:
     return max(int(np.min(lengths)) - 1, 0) if len(lengths) else 0
 
 
+def head_feed(takes: bool, lengths: np.ndarray) -> tuple[dict, int]:
+    """A prefill's logits_start feed and value: ({logits_start: [head_start(lengths)]}, that) for a model that takes
+    it (takes_logits_start), else ({}, 0): every position computed."""
+    if not takes:
+        return {}, 0
+    start = head_start(lengths)
+    return {LOGITS_START: np.array([start], np.int64)}, start
+
+
 def takes_logits_start(sess) -> bool:
     """Whether an onnxruntime.InferenceSession's model has the logits_start input (Note [Logits from logits_start] in
     builder.py; a decoder built before it, or the genai variant, has not)."""
@@ -419,11 +428,8 @@ class OrtkvRunner:
     def _prefill_feeds(self, ids, lengths: np.ndarray) -> tuple[dict, int]:
         """A prefill's feeds from position 0 and the first position whose logits it computes, head_start(lengths)
         where the model takes logits_start (Note [Logits from logits_start] in builder.py), else 0."""
-        feeds = {"input_ids": ids, "positions": np.zeros(len(ids), np.int64)}
-        start = head_start(lengths) if self._head_from else 0
-        if self._head_from:
-            feeds[LOGITS_START] = np.array([start], np.int64)
-        return feeds, start
+        head, start = head_feed(self._head_from, lengths)
+        return {"input_ids": ids, "positions": np.zeros(len(ids), np.int64), **head}, start
 
     def prefill(self, ids: np.ndarray, lengths: np.ndarray) -> np.ndarray:
         if self.device == "cpu":
