@@ -22,9 +22,18 @@ with ORT only (no torch, no cupy). SmolLM2-135M heads (9 query / 3 KV heads of 6
           (single rows too; the A/B for the 64-key single-row steps).
   F16 v2 / INT4 v2 : the same, captured with ORTKV_CUDA_ATTENTION=v2 (Note [Paged CUDA v2]), for the A/B.
 R nodes of one kind in one model, each over its own cache / pool, so one call reads R caches one after the
-other (R chosen so that they hold >= 256 MiB of F16 bytes: K/V come from HBM, not from L2; at least 8). Sessions run
-with enable_cuda_graph=1. Each figure is the median over --rounds rounds (the kinds alternate inside a
-round) of the median of --reps timed calls after a warm-up; the time per node is the call time / R.
+other. R: as many nodes as 2 GiB of F16 caches hold, up to --max-nodes (256; at least 8): >= 256 MiB of caches (K/V
+come from HBM, not from L2) except in nodes of < 1 MiB, which stay in L2 either way. Many nodes spread the fixed
+cost of an ORT run (the call, the graph launch, the synchronization; ~10-17 us on an H100, from dense 16 x 1 at 64
+and 256 nodes: 2.3 and 2.1-2.2 us a node). Until 2026-12-06 R was at most 64 (and >= 256 MiB of caches): that cost
+added ~0.2 us to every short node and pulled their ratios toward 1 (F16 static / dense at 128 / 512 keys x 1 row
+1.08 / 1.09 with 64 nodes, 1.10-1.11 / 1.10-1.11 with 256, one H100 lease). Sessions run with enable_cuda_graph=1.
+Each figure is the median over --rounds rounds (the kinds alternate inside a round) of the median of --reps timed
+calls after a warm-up; the time per node is the call time / R.
+Cache contents: the dense caches are random float16 values; a pool holds --distinct-pages (64) pages encoded from
+random values, repeated through it, so that a row's tiles differ as in a generation. Until 2026-12-06 every page of
+a pool was the same page (--distinct-pages 1): every key tile of a row alike, the online softmax's maximum set by
+the first tile. Measured, that moved F16 static / dense by <= 0.01 (64 nodes both ways, same lease).
   ORT-PA : onnxruntime's own com.microsoft.PagedAttention (CUDA, one float16 block cache [blocks, 16, Hkv, D] per
           node, same shuffled block tables); it also writes the step's one new key / value row into its cache
           (past_seqlens = L - 1), which ortkv's figure leaves to PagedCacheUpdate. It runs in a CUDA graph when
@@ -63,6 +72,8 @@ CELLS = "8192x1,8192x8,32768x1,32768x8"  # keys L x rows B
 FORMATS = [PageFormat.F16, PageFormat.INT8, PageFormat.INT4]
 V2_FORMATS = [PageFormat.F16, PageFormat.INT4]  # also timed with the previous kernel (ORTKV_CUDA_ATTENTION=v2)
 TARGET_BYTES = 256 << 20
+KIND_BYTES = 2 << 30  # F16 cache bytes a kind may hold (every kind of a cell is alive at once)
+DISTINCT_PAGES = 64
 
 
 def _model(nodes, inputs, outputs):
@@ -88,11 +99,13 @@ def _dev(arr):
     return ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(arr), "cuda", 0)
 
 
-def _reps(B, L):
-    """Nodes per model: enough F16 bytes to come from HBM, and at least 8 nodes so that the per-call cost of
-    a run (ORT, the graph launch, the synchronization: ~20 us) is spread and the kernels' differences show."""
+def _reps(B, L, max_nodes=256):
+    """Nodes per model: as many as KIND_BYTES of F16 caches hold, up to max_nodes (at least 8), so that the fixed
+    cost of a run (ORT, the graph launch, the synchronization: ~10-20 us) is spread over many nodes and the kernels'
+    differences show. Below max_nodes the caches hold KIND_BYTES >= TARGET_BYTES (from HBM, not from L2); nodes of
+    less than TARGET_BYTES / max_nodes (1 MiB: < ~1.4K key-rows at SmolLM2's heads) stay in L2 either way."""
     per = 2 * B * L * HKV * D * 2
-    return max(8, min(64, TARGET_BYTES // per))
+    return max(8, min(max_nodes, KIND_BYTES // per))
 
 
 def dense_case(rng, B, L, R, C=None):
@@ -113,9 +126,9 @@ def dense_case(rng, B, L, R, C=None):
     return _model(nodes, inputs, outs), feeds, [o.name for o in outs]
 
 
-def paged_case(rng, B, L, R, fmt, shuffled=True, promise=False, C=None, static=False):
+def paged_case(rng, B, L, R, fmt, shuffled=True, promise=False, C=None, static=False, distinct=None):
     """One pool per node; every row L tokens over shuffled pages of `fmt` (in pool order when not `shuffled`;
-    the pages' bytes are one encoded random page repeated: the decode work is the same for any bytes); `promise`:
+    the pool holds `distinct` pages encoded from random values, repeated); `promise`:
     the nodes' page_format attribute names `fmt`; C: the page table's width in tokens (default L; entries past the
     row's pages are -1); `static`: the nodes' static_tables = 1."""
     W = (C or L) // PS
@@ -123,7 +136,11 @@ def paged_case(rng, B, L, R, fmt, shuffled=True, promise=False, C=None, static=F
     vi = helper.make_tensor_value_info
     n_pages = B * (L // PS)
     pb = layout(fmt, HKV, PS, D).page_bytes
-    page = encode_page(fmt, rng.standard_normal((2, HKV, PS, D)).astype(np.float32))
+    # `distinct` pages of random values, repeated through the pool (the docstring: cache contents)
+    n_distinct = max(1, min(distinct or DISTINCT_PAGES, n_pages))
+    block = np.concatenate([encode_page(fmt, rng.standard_normal((2, HKV, PS, D)).astype(np.float32))
+                            for _ in range(n_distinct)])
+    pool = np.tile(block, -(-n_pages // n_distinct))[: n_pages * pb]
     directory = np.stack([np.full(n_pages, int(fmt), np.int64), np.arange(n_pages, dtype=np.int64) * pb], axis=1)
     order = rng.permutation(n_pages) if shuffled else np.arange(n_pages)
     table = np.full((B, W), -1, np.int32)
@@ -136,7 +153,7 @@ def paged_case(rng, B, L, R, fmt, shuffled=True, promise=False, C=None, static=F
                                       num_layers=1, page_size=PS, **extra))
         inputs.append(vi(f"pool{r}", TP.UINT8, [n_pages * pb]))
         outs.append(vi(f"o{r}", TP.FLOAT16, [B, 1, HQ * D]))
-        feeds[f"pool{r}"] = np.tile(page, n_pages)
+        feeds[f"pool{r}"] = pool
     feeds.update(q=rng.standard_normal((B, 1, HQ * D)).astype(np.float16), start=np.full(B, L - 1, np.int64),
                  directory=directory, table=table)
     return _model(nodes, inputs, outs), feeds, [o.name for o in outs]
@@ -214,7 +231,7 @@ def ort_paged_runner(rng, B, L, R):
 
 
 def main():
-    global HQ, HKV, D
+    global HQ, HKV, D, DISTINCT_PAGES
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--reps", type=int, default=20)
@@ -224,8 +241,15 @@ def main():
                    "kinds were not run print -")
     p.add_argument("--heads", default=f"{HQ}/{HKV}/{D}",
                    help="query heads / KV heads / head size (default SmolLM2-135M's; e.g. 32/8/128 for Llama-3-8B's)")
+    p.add_argument("--max-nodes", type=int, default=256,
+                   help="the most nodes a model (default 256; at most 64 before 2026-12-06)")
+    p.add_argument("--distinct-pages", type=int, default=DISTINCT_PAGES,
+                   help=f"distinct random pages repeated through each pool (default {DISTINCT_PAGES}; 1: one page everywhere)")
     p.add_argument("--out", default="benchmarks/results/paged_attention_cuda.md")
     a = p.parse_args()
+    if a.max_nodes < 1 or a.distinct_pages < 1:
+        p.error("--max-nodes and --distinct-pages must be >= 1")
+    DISTINCT_PAGES = a.distinct_pages
     try:
         HQ, HKV, D = (int(x) for x in a.heads.split("/"))
     except ValueError:
@@ -268,14 +292,15 @@ def main():
     lines = ["# PagedCacheAttention (CUDA) vs dense CacheAttention, decode", "",
              f"Heads {HQ}/{HKV}/{D} (query / KV / size), float16 queries, pages of {PS} tokens, CUDA graphs; microseconds per "
              f"node (median of {a.rounds} rounds x median of {a.reps} calls). `python "
-             f"benchmarks/bench_paged_attention_cuda.py --cells {a.cells} --heads {a.heads}"
+             f"benchmarks/bench_paged_attention_cuda.py --cells {a.cells} --heads {a.heads} --max-nodes {a.max_nodes} "
+             f"--distinct-pages {a.distinct_pages}"
              + (f" --kinds '{a.kinds}'" if a.kinds else "") + "`", "",
              "| L | B | R | " + " | ".join(f"{k} us" for k in kinds) + " | " +
              " | ".join(names.get(r, f"{r[0]} / {r[1]}") for r in ratios) + " | ORT-PA graph |",
              "|---|---|---|" + "---|" * (len(kinds) + len(ratios) + 1)]
     pa_note = None
     for L, B, C in cells:
-        R = _reps(B, L)
+        R = _reps(B, L, a.max_nodes)
         runners = {}
         want = set(kinds)
         if "dense" in want:
