@@ -3668,7 +3668,8 @@ cudaError_t Launch(const AttnArgs& a, cudaStream_t stream) {
 // 9,063 / 10,164 after it (the prologue's late copies and the block's end: ~90 more a warp). Two changes aimed at
 // them gained nothing in the harness (within +-1 % at 16-1K keys): each lane's first table entry read beside
 // `start` (one round trip fewer before the first copy) and the tile copies' row tests in 32 bits with a test-free
-// path for whole tiles.
+// path for whole tiles; nor, through ORT, `start` clamped without RowTotal's page_fill branch in the v3 kernels
+// (F16 pages unchanged, the uniform INT4 / INT8 kernels 2-5 % slower).
 // Note [Paged CUDA late pages]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // Launched early (Note [CUDA attention early start]), both v3 kernels resolve the first window of pages before
