@@ -22,8 +22,10 @@ with ORT only (no torch, no cupy). SmolLM2-135M heads (9 query / 3 KV heads of 6
           (single rows too; the A/B for the 64-key single-row steps).
   F16 v2 / INT4 v2 : the same, captured with ORTKV_CUDA_ATTENTION=v2 (Note [Paged CUDA v2]), for the A/B.
 R nodes of one kind in one model, each over its own cache / pool, so one call reads R caches one after the
-other. R: as many nodes as 2 GiB of F16 caches hold, up to --max-nodes (256; at least 8): >= 256 MiB of caches (K/V
-come from HBM, not from L2) except in nodes of < 1 MiB, which stay in L2 either way. Many nodes spread the fixed
+other. R: as many nodes as --kind-gib (2) GiB of F16 caches hold, up to --max-nodes (256; at least 8): >= 256 MiB
+of caches (K/V come from HBM, not from L2) except in nodes of < 1 MiB, which stay in L2 either way. Every kind of a
+cell is alive at once: all 18 kinds at 8K x 8 come to ~27 GB of caches by their sizes, so a smaller GPU needs a
+lower --kind-gib or fewer --kinds. Many nodes spread the fixed
 cost of an ORT run (the call, the graph launch, the synchronization; ~10-17 us on an H100, from dense 16 x 1 at 64
 and 256 nodes: 2.3 and 2.1-2.2 us a node). Until 2026-12-06 R was at most 64 (and >= 256 MiB of caches): that cost
 added ~0.2 us to every short node and pulled their ratios toward 1 (F16 static / dense at 128 / 512 keys x 1 row
@@ -99,13 +101,13 @@ def _dev(arr):
     return ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(arr), "cuda", 0)
 
 
-def _reps(B, L, max_nodes=256):
+def _reps(B, L, max_nodes=256, kind_bytes=None):
     """Nodes per model: as many as KIND_BYTES of F16 caches hold, up to max_nodes (at least 8), so that the fixed
     cost of a run (ORT, the graph launch, the synchronization: ~10-20 us) is spread over many nodes and the kernels'
     differences show. Below max_nodes the caches hold KIND_BYTES >= TARGET_BYTES (from HBM, not from L2); nodes of
     less than TARGET_BYTES / max_nodes (1 MiB: < ~1.4K key-rows at SmolLM2's heads) stay in L2 either way."""
     per = 2 * B * L * HKV * D * 2
-    return max(8, min(max_nodes, KIND_BYTES // per))
+    return max(8, min(max_nodes, int(kind_bytes or KIND_BYTES) // per))
 
 
 def dense_case(rng, B, L, R, C=None):
@@ -243,12 +245,15 @@ def main():
                    help="query heads / KV heads / head size (default SmolLM2-135M's; e.g. 32/8/128 for Llama-3-8B's)")
     p.add_argument("--max-nodes", type=int, default=256,
                    help="the most nodes a model (default 256; at most 64 before 2026-12-06)")
+    p.add_argument("--kind-gib", type=float, default=KIND_BYTES / 2**30,
+                   help="F16 cache GiB a kind's model may hold (default 2; every kind of a cell is alive at once)")
     p.add_argument("--distinct-pages", type=int, default=DISTINCT_PAGES,
-                   help=f"distinct random pages repeated through each pool (default {DISTINCT_PAGES}; 1: one page everywhere)")
+                   help=f"distinct random pages repeated through each pool (default {DISTINCT_PAGES}; 1: one page "
+                   "everywhere)")
     p.add_argument("--out", default="benchmarks/results/paged_attention_cuda.md")
     a = p.parse_args()
-    if a.max_nodes < 1 or a.distinct_pages < 1:
-        p.error("--max-nodes and --distinct-pages must be >= 1")
+    if a.max_nodes < 1 or a.distinct_pages < 1 or a.kind_gib <= 0:
+        p.error("--max-nodes and --distinct-pages must be >= 1 and --kind-gib > 0")
     DISTINCT_PAGES = a.distinct_pages
     try:
         HQ, HKV, D = (int(x) for x in a.heads.split("/"))
@@ -300,7 +305,7 @@ def main():
              "|---|---|---|" + "---|" * (len(kinds) + len(ratios) + 1)]
     pa_note = None
     for L, B, C in cells:
-        R = _reps(B, L, a.max_nodes)
+        R = _reps(B, L, a.max_nodes, a.kind_gib * 2**30)
         runners = {}
         want = set(kinds)
         if "dense" in want:
