@@ -3662,14 +3662,14 @@ cudaError_t Launch(const AttnArgs& a, cudaStream_t stream) {
 // H200, SmolLM2 heads, pages of 16 (benchmarks/results/paged_attention_cuda_h200.md, 2026-12-03): 124 registers at
 // head size 64, 3 blocks per SM; through ORT F16 pages promised at 0.98 / 1.05 / 1.00 / 1.00x dense v3's time at
 // 8K x 1 / 8K x 8 / 32K x 8 / 128K x 4 keys x rows (the every-format kernel 1.25 / 1.15 / 1.05 / 1.04x).
-// Where a short node's paged-only time goes (H100, twenty-sixth session; benchmarks/results/paged_attention_cuda_h200.md):
-// ncu of 128 keys x 1 row, dense v3 against this kernel, both isolated: 16,638 against 19,467 warp instructions,
-// 7,575 / 9,303 of them before griddepcontrol.wait (the page resolution, which overlaps the kernel before) and
-// 9,063 / 10,164 after it (the prologue's late copies and the block's end: ~90 more a warp). Two changes aimed at
-// them gained nothing in the harness (within +-1 % at 16-1K keys): each lane's first table entry read beside
-// `start` (one round trip fewer before the first copy) and the tile copies' row tests in 32 bits with a test-free
-// path for whole tiles; nor, through ORT, `start` clamped without RowTotal's page_fill branch in the v3 kernels
-// (F16 pages unchanged, the uniform INT4 / INT8 kernels 2-5 % slower).
+// Where a short node's paged-only time goes (H100, twenty-sixth session;
+// benchmarks/results/paged_attention_cuda_h200.md): ncu of 128 keys x 1 row, dense v3 against this kernel, both
+// isolated: 16,638 against 19,467 warp instructions, 7,575 / 9,303 of them before griddepcontrol.wait (the page
+// resolution, which overlaps the kernel before) and 9,063 / 10,164 after it (the prologue's late copies and the block's
+// end: ~90 more a warp). Two changes aimed at them gained nothing in the harness (within +-1 % at 16-1K keys): each
+// lane's first table entry read beside `start` (one round trip fewer before the first copy) and the tile copies' row
+// tests in 32 bits with a test-free path for whole tiles; nor, through ORT, `start` clamped without RowTotal's
+// page_fill branch in the v3 kernels (F16 pages unchanged, the uniform INT4 / INT8 kernels 2-5 % slower).
 // Note [Uniform fin stores]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~
 // A clustered uniform block (16-bit or INT4 / INT8) leaves its merged partial in `fin` for the cluster's rank 0.
