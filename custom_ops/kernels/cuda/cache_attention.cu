@@ -916,8 +916,7 @@ __global__ void __launch_bounds__(NW * 32) AttentionKernelV3(const Args a) {
   if constexpr (CLUSTER)  // the S blocks of this unit and head block form one cluster (split = rank)
     tile16::ClusterMerge<T, D>(
         fin, static_cast<int>(S), gn, tid, NW * 32,
-        [&](int gg) { return static_cast<T*>(a.out) + ((b * a.T + t) * a.Hq + hk * G + g0 + gg) * a.D; },
-        [](auto&) {});
+        [&](int gg) { return static_cast<T*>(a.out) + ((b * a.T + t) * a.Hq + hk * G + g0 + gg) * a.D; });
 }
 
 template <typename T, int D, int NW, int ST>

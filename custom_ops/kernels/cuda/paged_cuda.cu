@@ -3620,7 +3620,7 @@ __global__ void __launch_bounds__(kThreads, ORTKV_PAGED_V3_MIN_BLOCKS) PagedAtte
       [mode](int nt, int n) { return DimOf(mode, nt, n); });
   if constexpr (CLUSTER)  // Note [Paged CUDA cluster merge]
     tile16::ClusterMerge<T, D>(
-        fin, static_cast<int>(S), gn, tid, kThreads, [&](int gg) { return OutRow<T>(a, bu, gg); }, [](auto&) {},
+        fin, static_cast<int>(S), gn, tid, kThreads, [&](int gg) { return OutRow<T>(a, bu, gg); },
         [&](auto& cl, bool flagged) {
           if (flagged || bad_start) ClusterReport(a, bu, &sh.key, cl);
         });
@@ -3835,7 +3835,7 @@ __device__ __forceinline__ void FinishUniform(const PagedAttentionCudaView& a, c
   if constexpr (CLUSTER)
     tile16::ClusterMerge<T, D>(
         fin, static_cast<int>(a.splits), bu.gn, tid, kThreads, [&](int gg) { return OutRow<T>(a, bu, gg); },
-        [](auto&) {}, [&](auto& cl, bool flagged) {
+        [&](auto& cl, bool flagged) {
           if (flagged || bad_start) ClusterReport(a, bu, &s_rep, cl);
         });
   else if (tid == kThreads - 1)

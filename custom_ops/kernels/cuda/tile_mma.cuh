@@ -250,14 +250,14 @@ __device__ __forceinline__ void MergeWarpTiles(WarpMerge<NW, 8>& mg, float m, fl
 // Note [Cluster merge]
 // ~~~~~~~~~~~~~~~~~~~~
 // A decode step's short rows split over 2..8 blocks would need a second launch to merge the splits (a combine over a
-// partial workspace). Launched as one thread-block cluster per unit (split = rank; LaunchEx, sm_90+), the blocks
-// merge through distributed shared memory instead: each leaves its merged (acc[D], m, l) of its gn query heads in
-// `fin` ([8][D + 2] floats of its own shared memory), and rank 0 reads every rank's and writes the output rows
-// (out_row(gg): head gg's row). `rank0(cluster)` runs on rank 0's threads between the two cluster barriers before
-// the merge, `after(cluster, flagged)` after it (Note [Cluster merge flag]), where the other ranks' shared memory may
-// be read too (the paged kernels take the smallest failure key there). A head
-// whose chunks hold no key (m = -inf everywhere: a refused row) gets zeros. Serves dense CacheAttention v3 (Note
-// [CacheAttention CUDA v3]) and PagedCacheAttention v3 / uniform (Note [Paged CUDA cluster merge]).
+// partial workspace). Launched as one thread-block cluster per unit (split = rank; LaunchEx, sm_90+), the blocks merge
+// through distributed shared memory instead: each leaves its merged (acc[D], m, l) of its gn query heads in `fin`
+// ([8][D + 2] floats of its own shared memory), and rank 0 reads every rank's and writes the output rows (out_row(gg):
+// head gg's row). `after(cluster, flagged)` runs on rank 0's threads after that merge, still between the two cluster
+// barriers (Note [Cluster merge flag]), where the other ranks' shared memory may be read too (the paged kernels take
+// the smallest failure key there). A head whose chunks hold no key (m = -inf everywhere: a refused row) gets zeros.
+// Serves dense CacheAttention v3 (Note [CacheAttention CUDA v3]) and PagedCacheAttention v3 / uniform (Note [Paged CUDA
+// cluster merge]).
 //
 // Note [Cluster merge loads]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -271,30 +271,29 @@ __device__ __forceinline__ void MergeWarpTiles(WarpMerge<NW, 8>& mg, float m, fl
 //
 // Note [Cluster merge flag]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~
-// `after(cluster, flagged)` runs on rank 0's threads after its merge, still between the barriers; `flagged` is true
-// in a thread whose first output element saw a NaN l in some rank's `fin` (rank 0's thread 0: head 0). The paged
-// kernels (Note [Paged CUDA cluster merge]) use it to learn, from loads the merge makes anyway, that a rank failed:
-// a block with a bad page leaves m = -inf (the merge skips it) and l = NaN, and only then (or with a bad `start`,
-// which every rank of a row sees alike) does thread 0 read the ranks' failure keys. The keys used to be read in
-// every node, before the merge (`rank0`), a round trip of distributed shared memory on rank 0's thread 0 ahead of
-// its merge loads; loading them together with the merge's instead, and using them after it, was slower still
-// (+0.18 us at 512 / 1K keys x 1 row). H100 harness (`sweep_ab.py --rounds 5 h=... flag=... -- 20 11,5,9,4,8,0
-// F84`, uniform kernels with static tables, us, before -> after): F16 512 x 1 5.07 -> 4.87, 1K x 1 4.96 -> 4.82,
-// 128 keys in a 2K table 4.75 -> 4.56; INT4 5.11 -> 4.93, 5.18 -> 5.06, 4.92 -> 4.75; nodes without a cluster
-// (16 / 128 / 8K keys x 1) unchanged. A harness build without any failure key or report (not a valid kernel: the
-// floor) was 4.77 / 4.71 / 4.46 us for F16. Through ORT (bench_paged_attention_cuda.py --rounds 9, H100), F16 static
-// pages / dense at 512 / 1K keys x 1 row and 1K keys in a 2K table: 1.15 / 1.12 / 1.11 -> 1.09 / 1.08 / 1.08
+// `after(cluster, flagged)` runs on rank 0's threads after its merge, still between the barriers; `flagged` is true in
+// a thread whose first output element saw a NaN l in some rank's `fin` (rank 0's thread 0: head 0). The paged kernels
+// (Note [Paged CUDA cluster merge]) use it to learn, from loads the merge makes anyway, that a rank failed: a block
+// with a bad page leaves m = -inf (the merge skips it) and l = NaN, and only then (or with a bad `start`, which every
+// rank of a row sees alike) does thread 0 read the ranks' failure keys. The keys used to be read in every node, before
+// the merge (a `rank0` hook, since removed), a round trip of distributed shared memory on rank 0's thread 0 ahead of
+// its merge loads; loading them together with the merge's instead, and using them after it, was slower still (+0.18 us
+// at 512 / 1K keys x 1 row). H100 harness (`sweep_ab.py --rounds 5 h=... flag=... -- 20 11,5,9,4,8,0 F84`, uniform
+// kernels with static tables, us, before -> after): F16 512 x 1 5.07 -> 4.87, 1K x 1 4.96 -> 4.82, 128 keys in a 2K
+// table 4.75 -> 4.56; INT4 5.11 -> 4.93, 5.18 -> 5.06, 4.92 -> 4.75; nodes without a cluster (16 / 128 / 8K keys x 1)
+// unchanged. A harness build without any failure key or report (not a valid kernel: the floor) was 4.77 / 4.71 / 4.46
+// us for F16. Through ORT (bench_paged_attention_cuda.py --rounds 9, H100), F16 static pages / dense at 512 / 1K keys x
+// 1 row and 1K keys in a 2K table: 1.15 / 1.12 / 1.11 -> 1.09 / 1.08 / 1.08
 // (benchmarks/results/paged_attention_cuda_h200.md, twenty-fifth session).
 constexpr int kMaxClusterRanks = 8;  // the portable cluster size: every launch's splits are at most this
-template <typename T, int D, typename OutRow, typename Rank0, typename After>
+template <typename T, int D, typename OutRow, typename After>
 __device__ __forceinline__ void ClusterMerge(float* fin, int S, int gn, int tid, int nthreads, OutRow out_row,
-                                             Rank0 rank0, After after) {
+                                             After after) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   namespace cg = cooperative_groups;
   cg::cluster_group cl = cg::this_cluster();
   cl.sync();  // every rank's fin is written
   if (cl.block_rank() == 0) {
-    rank0(cl);
     // every rank's three values are loaded before any is used (Note [Cluster merge loads])
     const float* fr[kMaxClusterRanks];
 #pragma unroll
@@ -333,10 +332,9 @@ __device__ __forceinline__ void ClusterMerge(float* fin, int S, int gn, int tid,
   cl.sync();  // nobody leaves before rank 0 has read its shared memory
 #endif
 }
-template <typename T, int D, typename OutRow, typename Rank0>
-__device__ __forceinline__ void ClusterMerge(float* fin, int S, int gn, int tid, int nthreads, OutRow out_row,
-                                             Rank0 rank0) {
-  ClusterMerge<T, D>(fin, S, gn, tid, nthreads, out_row, rank0, [](auto&, bool) {});
+template <typename T, int D, typename OutRow>
+__device__ __forceinline__ void ClusterMerge(float* fin, int S, int gn, int tid, int nthreads, OutRow out_row) {
+  ClusterMerge<T, D>(fin, S, gn, tid, nthreads, out_row, [](auto&, bool) {});
 }
 
 }  // namespace tile16
