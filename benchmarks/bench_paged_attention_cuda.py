@@ -73,7 +73,6 @@ HQ, HKV, D, PS = 9, 3, 64, 16
 CELLS = "8192x1,8192x8,32768x1,32768x8"  # keys L x rows B
 FORMATS = [PageFormat.F16, PageFormat.INT8, PageFormat.INT4]
 V2_FORMATS = [PageFormat.F16, PageFormat.INT4]  # also timed with the previous kernel (ORTKV_CUDA_ATTENTION=v2)
-TARGET_BYTES = 256 << 20
 KIND_BYTES = 2 << 30  # F16 cache bytes a kind may hold (every kind of a cell is alive at once)
 DISTINCT_PAGES = 64
 
@@ -104,8 +103,8 @@ def _dev(arr):
 def _reps(B, L, max_nodes=256, kind_bytes=None):
     """Nodes per model: as many as KIND_BYTES of F16 caches hold, up to max_nodes (at least 8), so that the fixed
     cost of a run (ORT, the graph launch, the synchronization: ~10-20 us) is spread over many nodes and the kernels'
-    differences show. Below max_nodes the caches hold KIND_BYTES >= TARGET_BYTES (from HBM, not from L2); nodes of
-    less than TARGET_BYTES / max_nodes (1 MiB: < ~1.4K key-rows at SmolLM2's heads) stay in L2 either way."""
+    differences show. Below max_nodes the caches hold KIND_BYTES >= 256 MiB (from HBM, not from L2); nodes of less
+    than 256 MiB / max_nodes (1 MiB: < ~1.4K key-rows at SmolLM2's heads) stay in L2 either way."""
     per = 2 * B * L * HKV * D * 2
     return max(8, min(max_nodes, int(kind_bytes or KIND_BYTES) // per))
 

@@ -290,20 +290,12 @@ def _runner(kind: str, paths):
 RUNNERS = ["ortkv", "copy", pytest.param("paged", marks=paged_kernels)]
 
 
-def _rows(kind: str) -> list:
-    """The test rows, of different lengths (the copy baseline left-pads them: Note [Copy mask is finite] in
-    builder.py keeps its shorter rows' logits finite)."""
-    return ROWS
-
-
 @pytest.mark.parametrize("kind", RUNNERS)
 def test_prefill_of_rows_of_different_lengths_picks_each_rows_last_token(slice_paths, kind):
     """A prefill feeds logits_start = min(lengths) - 1 (the copy model, left-padded: T - 1), gets the shorter logits
     and returns row b's position lengths[b] - 1: the logits the runner returned before (every position computed,
     picked at lengths - 1: _head_from off), bit for bit, and those of each row prefilled alone."""
-    rows = _rows(kind)
-    lengths = np.array([len(r) for r in rows])
-    padded = np.array([r + [2] * (lengths.max() - len(r)) for r in rows], np.int64)
+    # ROWS are of different lengths: the copy baseline left-pads them (Note [Copy mask is finite] in builder.py)
     got, seen = {}, []
     for head_from in (True, False):
         r = _runner(kind, slice_paths)
@@ -311,16 +303,16 @@ def test_prefill_of_rows_of_different_lengths_picks_each_rows_last_token(slice_p
         r._head_from = head_from
         _spy(r.sess, seen)
         r.start(3, 64)
-        got[head_from] = r.prefill(padded, lengths)
+        got[head_from] = r.prefill(PADDED, LENGTHS)
         r.close()
-    T = padded.shape[1]
-    start = T - 1 if kind == "copy" else int(lengths.min()) - 1
+    T = PADDED.shape[1]
+    start = T - 1 if kind == "copy" else int(LENGTHS.min()) - 1
     assert start > 0 and (kind == "copy" or T - start > 1)  # rows of different lengths: several positions computed
     assert seen == [([start], (3, T - start, V)), (None, (3, T, V))]
     assert got[True].shape == (3, V) and np.isfinite(got[True]).all()
     np.testing.assert_array_equal(got[True], got[False])
     # each row alone (its own length: logits_start = its last position) gives its row of the batch
-    for b, row in enumerate(rows):
+    for b, row in enumerate(ROWS):
         r = _runner(kind, slice_paths)
         r.start(1, 64)
         alone = r.prefill(np.array([row], np.int64), np.array([len(row)]))
@@ -337,7 +329,7 @@ def test_generated_tokens_unchanged(slice_paths, kind):
     for head_from in (True, False):
         r = _runner(kind, slice_paths)
         r._head_from = head_from
-        out[head_from] = generate(r, _rows(kind), Search(max_length=64), 12, eos_id=-1, pad_id=2).new_ids
+        out[head_from] = generate(r, ROWS, Search(max_length=64), 12, eos_id=-1, pad_id=2).new_ids
         r.close()
     assert out[True] == out[False] and all(len(t) == 12 for t in out[True])
 
