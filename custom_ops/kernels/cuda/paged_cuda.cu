@@ -2332,19 +2332,18 @@ __device__ __forceinline__ T* OutRow(const PagedAttentionCudaView& a, const Bloc
 template <int D>
 constexpr size_t kFinBytes = 8 * (D + 2) * sizeof(float);
 
-// A block's merged result for query head g0 + gg, element d (MergeWarpTiles' emit, base 2): the output itself when
-// the row has one split, else this split's partial [acc, m, l] for the combine, or with `fin` (a clustered launch)
-// that partial in the block's shared memory for the cluster's rank 0 (Note [Cluster merge]).
+// A block's merged result for query head g0 + gg, element d (MergeWarpTiles' emit, base 2) without a cluster: the
+// output itself when the row has one split, else this split's partial [acc, m, l] for the combine. A clustered
+// block writes its partial to `fin` instead (Note [Uniform fin stores]).
 template <typename T>
 __device__ __forceinline__ void EmitMerged(const PagedAttentionCudaView& a, const BlockUnit& bu, int gg, int d,
-                                           float mb, float lb, float ab, float* fin = nullptr) {
+                                           float mb, float lb, float ab) {
   const int64_t S = a.splits;
-  if (fin == nullptr && S == 1) {
+  if (S == 1) {
     OutRow<T>(a, bu, gg)[d] = FromF<T>(lb > 0.0f ? ab / lb : 0.0f);
     return;
   }
-  float* p = fin != nullptr ? fin + gg * (a.D + 2)
-                             : a.partial + ((bu.unit * bu.G + bu.g0 + gg) * S + bu.split) * (a.D + 2);
+  float* p = a.partial + ((bu.unit * bu.G + bu.g0 + gg) * S + bu.split) * (a.D + 2);
   p[d] = ab;
   if (d == 0) {
     p[a.D] = mb;
@@ -3615,7 +3614,15 @@ __global__ void __launch_bounds__(kThreads, ORTKV_PAGED_V3_MIN_BLOCKS) PagedAtte
   MergeWarpTiles<kWarps, D>(
       *reinterpret_cast<Merge*>(ring), m, l, o, gn,
       [&](int gg, int d, float mb, float lb, float ab) {
-        EmitMerged<T>(a, bu, gg, d, mb, CLUSTER && skip ? NanL() : lb, ab, fin);  // Note [Cluster merge flag]
+        if constexpr (CLUSTER) {  // Note [Uniform fin stores]; a skipped block's l = NaN: Note [Cluster merge flag]
+          fin[gg * (D + 2) + d] = ab;
+          if (d == 0) {
+            fin[gg * (D + 2) + D] = mb;
+            fin[gg * (D + 2) + D + 1] = skip ? NanL() : lb;
+          }
+        } else {
+          EmitMerged<T>(a, bu, gg, d, mb, lb, ab);
+        }
       },
       [mode](int nt, int n) { return DimOf(mode, nt, n); });
   if constexpr (CLUSTER)  // Note [Paged CUDA cluster merge]
@@ -3683,6 +3690,16 @@ cudaError_t Launch(const AttnArgs& a, cudaStream_t stream) {
 // 1024x1@2048,128x1`), F16 static / dense 1.11 -> 1.10 at 512 x 1, 1.09 -> 1.08 at 1K x 1 and 1K keys in a 2K table,
 // 1.09 -> 1.07 at 128 keys in a 2K table, 128 x 1 (unclustered, the control) 1.11 both; INT4 at 512 x 1 5.0 ->
 // 4.8 us. pytest -m cuda tests/test_cuda_paged.py: 618 passed on that wheel.
+// The every-format kernel (PagedAttentionV3) does the same since the twenty-seventh session (clustered, head size 64:
+// 225 -> 221 registers); through ORT on an H100, its wheel against HEAD's alternated twice in one lease
+// (`bench_paged_attention_cuda.py --rounds 5 --reps 20 --kinds dense,F16,INT4 --cells 16x1,128x1,512x1,1024x1,
+// 128x1@2048,8192x1`), its F16 pages / dense 1.35-1.36 -> 1.33 at 512 x 1, 1.33-1.34 -> 1.30-1.31 at 1K x 1,
+// 1.35-1.36 -> 1.33 at 128 keys in a 2K table; INT4 pages 6.3-6.4 -> 6.2 us at 512 x 1, 6.6-6.7 -> 6.5 at 1K x 1;
+// the unclustered cells (16 / 128 / 8K x 1) unchanged. EmitMerged keeps only the unclustered blocks' stores.
+// Measured with it and not kept: those stores from two row bases computed once per block at the compile-time head
+// size (an int offset per element; the single-split store 11 -> 7 instructions in the merge loop of the unclustered
+// 16-bit kernel): F16 static / dense at 128 x 1 1.11 / 1.10 -> 1.11 / 1.11, 16 x 1 1.08 -> 1.09-1.10, 16 x 8 1.01 ->
+// 1.03 (same lease, two alternated rounds; benchmarks/results/paged_attention_cuda_h200.md).
 // Note [Paged CUDA late pages]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // Launched early (Note [CUDA attention early start]), both v3 kernels resolve the first window of pages before
