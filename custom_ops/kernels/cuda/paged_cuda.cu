@@ -3680,6 +3680,9 @@ cudaError_t Launch(const AttnArgs& a, cudaStream_t stream) {
 // What is left is after the wait: ~1 us of spinning added before it (twenty-seventh session, through ORT) left
 // every short node as fast (128 x 1 1.12 -> 1.11x dense), so the page resolution and the prologue's copies are hidden
 // behind the node before with time to spare. An empty asm does not keep arithmetic before the wait (ptxas moves it).
+// Also measured through ORT and not kept: the last thread's key tail (Note [Uniform key thread]) skipped before the
+// merge in blocks that report themselves (F16 pages 0.02 slower at 16 / 128 keys x 1 row; the kernel grew by ~700
+// instructions); and the kernel parameters are not the gap (dense with 640 unused bytes more times the same).
 // Note [Uniform fin stores]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~
 // A clustered uniform block (16-bit or INT4 / INT8) leaves its merged partial in `fin` for the cluster's rank 0.
