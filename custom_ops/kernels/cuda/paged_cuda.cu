@@ -2351,6 +2351,23 @@ __device__ __forceinline__ void EmitMerged(const PagedAttentionCudaView& a, cons
   }
 }
 
+// A v3 / uniform block's merged result for head gg, element d: with a cluster, into `fin` for the cluster's rank 0 at
+// the compile-time head size (Note [Uniform fin stores]), l = NaN in a failed block (Note [Cluster merge flag]);
+// else EmitMerged.
+template <typename T, int D, bool CLUSTER>
+__device__ __forceinline__ void EmitBlock(const PagedAttentionCudaView& a, const BlockUnit& bu, float* fin,
+                                          bool failed, int gg, int d, float mb, float lb, float ab) {
+  if constexpr (CLUSTER) {
+    fin[gg * (D + 2) + d] = ab;
+    if (d == 0) {
+      fin[gg * (D + 2) + D] = mb;
+      fin[gg * (D + 2) + D + 1] = failed ? NanL() : lb;
+    }
+  } else {
+    EmitMerged<T>(a, bu, gg, d, mb, lb, ab);
+  }
+}
+
 // Note [Paged CUDA v3]
 // ~~~~~~~~~~~~~~~~~~~~
 // v2 (Note [Paged CUDA v2]) keeps HBM busy but is bound by instruction issue: for every key row its
@@ -3614,15 +3631,7 @@ __global__ void __launch_bounds__(kThreads, ORTKV_PAGED_V3_MIN_BLOCKS) PagedAtte
   MergeWarpTiles<kWarps, D>(
       *reinterpret_cast<Merge*>(ring), m, l, o, gn,
       [&](int gg, int d, float mb, float lb, float ab) {
-        if constexpr (CLUSTER) {  // Note [Uniform fin stores]; a skipped block's l = NaN: Note [Cluster merge flag]
-          fin[gg * (D + 2) + d] = ab;
-          if (d == 0) {
-            fin[gg * (D + 2) + D] = mb;
-            fin[gg * (D + 2) + D + 1] = skip ? NanL() : lb;
-          }
-        } else {
-          EmitMerged<T>(a, bu, gg, d, mb, lb, ab);
-        }
+        EmitBlock<T, D, CLUSTER>(a, bu, fin, skip, gg, d, mb, lb, ab);  // a skipped block fails in `fin`
       },
       [mode](int nt, int n) { return DimOf(mode, nt, n); });
   if constexpr (CLUSTER)  // Note [Paged CUDA cluster merge]
@@ -3842,18 +3851,10 @@ __device__ __forceinline__ void FinishUniform(const PagedAttentionCudaView& a, c
   }
   // CLUSTER: a block with a bad page leaves l = NaN in `fin` for rank 0 (Note [Cluster merge flag]); the partial
   // goes to `fin` as dense v3 writes it (Note [Uniform fin stores])
-  const bool nan_l = CLUSTER && key != kNoError;
+  const bool failed = key != kNoError;
   tile16::MergeWarpTiles<NW, D>(*reinterpret_cast<WarpMerge<NW, 8>*>(dsm), m, l, o, bu.gn,
                                 [&](int gg, int d, float mb, float lb, float ab) {
-                                  if constexpr (CLUSTER) {
-                                    fin[gg * (D + 2) + d] = ab;
-                                    if (d == 0) {
-                                      fin[gg * (D + 2) + D] = mb;
-                                      fin[gg * (D + 2) + D + 1] = nan_l ? NanL() : lb;
-                                    }
-                                  } else {
-                                    EmitMerged<T>(a, bu, gg, d, mb, lb, ab);
-                                  }
+                                  EmitBlock<T, D, CLUSTER>(a, bu, fin, failed, gg, d, mb, lb, ab);
                                 });
   if constexpr (CLUSTER)
     tile16::ClusterMerge<T, D>(
