@@ -100,13 +100,14 @@ def _dev(arr):
     return ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(arr), "cuda", 0)
 
 
-def _reps(B, L, max_nodes=256, kind_bytes=None):
-    """Nodes per model: as many as KIND_BYTES of F16 caches hold, up to max_nodes (at least 8), so that the fixed
+def _reps(B, L, max_nodes=256, kind_bytes=KIND_BYTES):
+    """Nodes per model: as many as kind_bytes of F16 caches hold, up to max_nodes (at least 8), so that the fixed
     cost of a run (ORT, the graph launch, the synchronization: ~10-20 us) is spread over many nodes and the kernels'
-    differences show. Below max_nodes the caches hold KIND_BYTES >= 256 MiB (from HBM, not from L2); nodes of less
-    than 256 MiB / max_nodes (1 MiB: < ~1.4K key-rows at SmolLM2's heads) stay in L2 either way."""
+    differences show. Below max_nodes the caches hold kind_bytes (default 2 GiB; >= 256 MiB comes from HBM, not
+    from L2); nodes of less than 256 MiB / max_nodes (1 MiB: < ~1.4K key-rows at SmolLM2's heads) stay in L2 either
+    way."""
     per = 2 * B * L * HKV * D * 2
-    return max(8, min(max_nodes, int(kind_bytes or KIND_BYTES) // per))
+    return max(8, min(max_nodes, int(kind_bytes) // per))
 
 
 def dense_case(rng, B, L, R, C=None):
