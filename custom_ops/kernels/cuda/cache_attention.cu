@@ -896,11 +896,7 @@ __global__ void __launch_bounds__(NW * 32) AttentionKernelV3(const Args a) {
   MergeWarpTiles<NW, D>(*reinterpret_cast<WarpMerge<NW, kHeads>*>(dsm), m, l, o, gn,
                         [&](int gg, int d, float mb, float lb, float ab) {
                           if constexpr (CLUSTER) {
-                            fin[gg * (D + 2) + d] = ab;
-                            if (d == 0) {
-                              fin[gg * (D + 2) + D] = mb;
-                              fin[gg * (D + 2) + D + 1] = lb;
-                            }
+                            tile16::StoreFin<D>(fin, gg, d, mb, lb, ab);
                           } else if (S == 1) {
                             T* out = static_cast<T*>(a.out) + ((b * a.T + t) * a.Hq + hk * G + g0 + gg) * a.D;
                             out[d] = FromF<T>(ab / lb);

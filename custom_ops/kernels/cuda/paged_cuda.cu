@@ -2358,11 +2358,7 @@ template <typename T, int D, bool CLUSTER>
 __device__ __forceinline__ void EmitBlock(const PagedAttentionCudaView& a, const BlockUnit& bu, float* fin,
                                           bool failed, int gg, int d, float mb, float lb, float ab) {
   if constexpr (CLUSTER) {
-    fin[gg * (D + 2) + d] = ab;
-    if (d == 0) {
-      fin[gg * (D + 2) + D] = mb;
-      fin[gg * (D + 2) + D + 1] = failed ? NanL() : lb;
-    }
+    tile16::StoreFin<D>(fin, gg, d, mb, failed ? NanL() : lb, ab);
   } else {
     EmitMerged<T>(a, bu, gg, d, mb, lb, ab);
   }

@@ -285,6 +285,16 @@ __device__ __forceinline__ void MergeWarpTiles(WarpMerge<NW, 8>& mg, float m, fl
 // us for F16. Through ORT (bench_paged_attention_cuda.py --rounds 9, H100), F16 static pages / dense at 512 / 1K keys x
 // 1 row and 1K keys in a 2K table: 1.15 / 1.12 / 1.11 -> 1.09 / 1.08 / 1.08
 // (benchmarks/results/paged_attention_cuda_h200.md, twenty-fifth session).
+// A block's merged (acc, m, l) of head gg, element d (MergeWarpTiles' emit) into its `fin`, the layout ClusterMerge
+// reads: [8][D + 2] floats, acc then m, l (at the compile-time head size: shared-memory stores).
+template <int D>
+__device__ __forceinline__ void StoreFin(float* fin, int gg, int d, float mb, float lb, float ab) {
+  fin[gg * (D + 2) + d] = ab;
+  if (d == 0) {
+    fin[gg * (D + 2) + D] = mb;
+    fin[gg * (D + 2) + D + 1] = lb;
+  }
+}
 constexpr int kMaxClusterRanks = 8;  // the portable cluster size: every launch's splits are at most this
 template <typename T, int D, typename OutRow, typename After>
 __device__ __forceinline__ void ClusterMerge(float* fin, int S, int gn, int tid, int nthreads, OutRow out_row,
