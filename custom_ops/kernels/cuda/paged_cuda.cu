@@ -2208,6 +2208,7 @@ struct AttnKernels {
   AttnKernel plain, early, cluster;
   size_t smem, cluster_smem;
   int max_cluster, per_sm;
+  AttnKernel inblock = nullptr;  // the early kernel of nodes that report in their block (Note [Uniform in-block report])
 };
 AttnKernels MakeKernels(AttnKernel plain, AttnKernel early, AttnKernel cluster, size_t smem, size_t cluster_smem,
                         int max_cluster) {
@@ -2238,7 +2239,8 @@ cudaError_t LaunchOneWave(const AttnKernels& k, AttnArgs a, cudaStream_t stream)
       LaunchEx(k.cluster, blocks, kThreads, k.cluster_smem, stream, static_cast<unsigned>(a.v.splits), early, a))
     return cudaSuccess;
   // Note [CUDA attention early start]
-  if (!(early && LaunchProgrammatic(k.early, blocks, kThreads, k.smem, stream, a)))
+  const AttnKernel ek = k.inblock != nullptr && ReportsInBlock(a.v) ? k.inblock : k.early;
+  if (!(early && LaunchProgrammatic(ek, blocks, kThreads, k.smem, stream, a)))
     k.plain<<<blocks, kThreads, k.smem, stream>>>(a);
   cudaError_t e = cudaGetLastError();
   // Note [Paged CUDA one-launch report], Note [Paged CUDA last block reports]
@@ -3768,6 +3770,40 @@ cudaError_t Launch(const AttnArgs& a, cudaStream_t stream) {
 // The key it reports (the block's key with the start's failure) goes into a shared slot of its own (s_rep, which
 // the cluster's rank 0 reads): stored into s_key, as it was, it raced with the other warps' read of s_key after the
 // same barrier (a lagging warp could take a bad start for a bad page and empty its output).
+//
+// Note [Uniform short loop]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A warp whose tiles all went into the ring before the key loop (mine <= ST - 1: every warp of a block of at most
+// 4 (ST - 1) tiles, 192 keys at head size 64, 128 at 128) streams them with an issue() that only commits its empty
+// group: the loop instance with the real issue() has ptxas hoist the copy addresses of later
+// tiles into the loop's preamble (~63 instructions a warp at sm_90, on the critical path of a node of a few tiles:
+// one warp a scheduler, nothing hides an instruction's latency), the commit-only instance ~35. The kernel 4,456 ->
+// 4,752 SASS instructions (the loop twice).
+//
+// Note [Uniform in-block report]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A node that reports in its block (ReportsInBlock: one batch row, one split, so no cluster and no combine) is
+// launched early as its own instantiation (INBLOCK): the last thread's key tail before the merge is the min with
+// the start's failure alone (no s_rep, which only a cluster's rank 0 reads; no StoreBlockKey with its
+// LastBlockReports / ReportsInBlock parameter tests), and after the merge it reports as ReportBlockKey's
+// ReportsInBlock branch does (a failure, from the block of the last token's KV head 0, head block 0): the
+// instantiation 4,376 SASS instructions against the early one's 4,752. The plain launch (no programmatic launch)
+// keeps the general kernel.
+//
+// Both measured on an H100 through ORT (benchmarks/results/paged_attention_cuda_h200.md, twenty-eighth session;
+// `bench_paged_attention_cuda.py --rounds 7 --reps 20 --kinds "dense,F16 static,INT4 uniform"`, wheels alternated
+// in one lease), F16 pages with static tables, us (HEAD -> short loop -> both): 128 keys x 1 row 2.8 (9 runs of 9)
+// -> 2.7-2.8 -> 2.7 (7 of 9), 512 x 1 4.8-4.9 -> 4.7-4.8 -> 4.7-4.8, 8K x 1 6.6-6.7 -> 6.4-6.6 -> 6.4-6.6; 16 x 1
+// 2.3-2.4 throughout; against dense in the same process (whose wheel carried the same commit-only loop in dense v3,
+// below): 16 x 1 1.08-1.09 -> 1.03-1.04 -> 1.05-1.06, 128 x 1 1.11-1.13 -> 1.08-1.09 -> 1.07 (1.09 once), 512 x 1
+// 1.09-1.11 -> 1.08 -> 1.08. The in-block report took 0.01 off 128 x 1 and put 0.01-0.02 on 16 x 1 (there warp 0
+// holds the node's only tile, and warp 3's tail was not on the critical path). The same commit-only loop in dense
+// CacheAttention v3 made dense slower (8K x 1 6.5-6.6 -> 6.6-6.9 us, 16 x 8 2.7-2.8 -> 2.8-3.0, 128 x 1 2.5 -> 2.5-2.6)
+// and in the uniform INT4 / INT8 kernel changed nothing measurable (INT4 128 x 1 3.1 -> 3.0-3.1 us, INT4 / F16 at 8K
+// x 8 0.55-0.56 -> 0.54-0.55); neither was kept, so the ratios above are against a dense kernel a little slower than
+// this build's (128 x 1: 2.6 us in 4 of its 15 runs, HEAD's 2.5 in all 9). This build was not timed as one; its
+// sm_90 SASS is the measured wheels', kernel for kernel (cuobjdump): its 16 uniform 16-bit kernels the short-loop +
+// in-block wheel's, its other 257 kernels (dense v3, the uniform INT4 / INT8 kernels, ...) HEAD 8f85a41's.
 namespace pu {
 
 using tile16::kTile;
@@ -3823,7 +3859,7 @@ __device__ __forceinline__ void RestartKey(int tid, unsigned long long& s_key) {
 // s_rep, a slot of its own, since the other threads read s_key after the same barrier); the warps merge through
 // dsm, then the cluster (Note [Paged CUDA cluster merge]) or the node's report (Note [Paged CUDA one-launch
 // report], Note [Paged CUDA last block reports]).
-template <typename T, int D, int NW, bool CLUSTER, int ZL>
+template <typename T, int D, int NW, bool CLUSTER, int ZL, bool INBLOCK = false>
 __device__ __forceinline__ void FinishUniform(const PagedAttentionCudaView& a, const BlockUnit& bu, unsigned char* dsm,
                                               unsigned long long& s_key, unsigned long long& s_rep, bool bad_start,
                                               float* fin, float m, float l, float (*o)[4]) {
@@ -3842,8 +3878,10 @@ __device__ __forceinline__ void FinishUniform(const PagedAttentionCudaView& a, c
   if (tid == kThreads - 1) {
     const unsigned long long sk = bad_start ? Key(kClassRow, static_cast<unsigned long long>(bu.b) << 28) : kNoError;
     rep = sk < key ? sk : key;
-    s_rep = rep;
-    if constexpr (!CLUSTER) counted = StoreBlockKey(a, rep);
+    if constexpr (!INBLOCK) {  // Note [Uniform in-block report]: nothing to store before the merge
+      s_rep = rep;
+      if constexpr (!CLUSTER) counted = StoreBlockKey(a, rep);
+    }
   }
   // CLUSTER: a block with a bad page leaves l = NaN in `fin` for rank 0 (Note [Cluster merge flag]); the partial
   // goes to `fin` as dense v3 writes it (Note [Uniform fin stores])
@@ -3858,8 +3896,13 @@ __device__ __forceinline__ void FinishUniform(const PagedAttentionCudaView& a, c
         [&](auto& cl, bool flagged) {
           if (flagged || bad_start) ClusterReport(a, bu, &s_rep, cl);
         });
-  else if (tid == kThreads - 1)
-    ReportBlockKey(a, bu, rep, counted);
+  else if (tid == kThreads - 1) {
+    if constexpr (INBLOCK) {  // ReportBlockKey under ReportsInBlock
+      if (rep != kNoError && bu.hk == 0 && bu.g0 == 0 && bu.t == a.T - 1) ReportAttention(a, rep);
+    } else {
+      ReportBlockKey(a, bu, rep, counted);
+    }
+  }
 }
 using tile16::LoadQueryPairs;
 using tile16::MergeWarpTiles;
@@ -3885,8 +3928,9 @@ static_assert(sizeof(Merge) <= Cfg<64>::kRingBytes && sizeof(Merge) <= Cfg<128>:
 // Note [Paged CUDA v3]'s register decode at 8.4 / 15.2 / 34.9 and 8.5 / 13.3 / 27.6
 // (benchmarks/results/paged_attention_cuda_h200.md, 2026-12-03 third session). INT4 pages with that register
 // decode in this kernel's shape: Note [Paged CUDA uniform INT4].
-// CLUSTER: Note [Paged CUDA cluster merge] (instantiated with EARLY only).
-template <typename T, int D, bool EARLY = false, bool CLUSTER = false>
+// CLUSTER: Note [Paged CUDA cluster merge] (instantiated with EARLY only). INBLOCK: Note [Uniform in-block report]
+// (EARLY only, not CLUSTER).
+template <typename T, int D, bool EARLY = false, bool CLUSTER = false, bool INBLOCK = false>
 __global__ void __launch_bounds__(kThreads) PagedAttentionU16(const AttnArgs args) {
   using C = Cfg<D>;
   constexpr bool BF = std::is_same<T, __nv_bfloat16>::value;
@@ -4022,18 +4066,32 @@ __global__ void __launch_bounds__(kThreads) PagedAttentionU16(const AttnArgs arg
   }
 
   float m, l, o[D / 8][4];
-  StreamWarpTiles<BF, D, NW, ST, C::kStageBytes>(wring, qr, a.scale * 1.4426950408889634f, j0, j1, mine, warp, lane,
-                                                 issue, m, l, o);  // base-2 scores
-  FinishUniform<T, D, NW, CLUSTER, 4>(a, bu, dsm, s_key, s_rep, bad_start,
+  if (mine <= ST - 1) {  // every tile of this warp is in the ring already: Note [Uniform short loop]
+    auto commit = []() { CpAsyncCommit(); };
+    StreamWarpTiles<BF, D, NW, ST, C::kStageBytes>(wring, qr, a.scale * 1.4426950408889634f, j0, j1, mine, warp,
+                                                   lane, commit, m, l, o);  // base-2 scores
+  } else {
+    StreamWarpTiles<BF, D, NW, ST, C::kStageBytes>(wring, qr, a.scale * 1.4426950408889634f, j0, j1, mine, warp,
+                                                   lane, issue, m, l, o);  // base-2 scores
+  }
+  FinishUniform<T, D, NW, CLUSTER, 4, INBLOCK>(a, bu, dsm, s_key, s_rep, bad_start,
                                    CLUSTER ? reinterpret_cast<float*>(dsm + C::kSmem) : nullptr, m, l, o);
 }
 
 template <typename T, int D>
 cudaError_t LaunchD(const AttnArgs& a, cudaStream_t stream) {
-  static const AttnKernels k =
-      MakeKernels(PagedAttentionU16<T, D>, PagedAttentionU16<T, D, true>, PagedAttentionU16<T, D, true, true>,
-                  Cfg<D>::kSmem, Cfg<D>::kSmem + kFinBytes<D>,
-                  tile16::kMaxClusterRanks);  // Note [Paged CUDA cluster merge]
+  static const AttnKernels k = [] {
+    AttnKernels x =
+        MakeKernels(PagedAttentionU16<T, D>, PagedAttentionU16<T, D, true>, PagedAttentionU16<T, D, true, true>,
+                    Cfg<D>::kSmem, Cfg<D>::kSmem + kFinBytes<D>,
+                    tile16::kMaxClusterRanks);  // Note [Paged CUDA cluster merge]
+    x.inblock = PagedAttentionU16<T, D, true, false, true>;  // Note [Uniform in-block report]
+    (void)cudaFuncSetAttribute(x.inblock, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(x.smem));
+    (void)cudaFuncSetAttribute(x.inblock, cudaFuncAttributePreferredSharedMemoryCarveout,
+                               cudaSharedmemCarveoutMaxShared);
+    (void)cudaGetLastError();
+    return x;
+  }();
   return LaunchOneWave<T>(k, a, stream);
 }
 
