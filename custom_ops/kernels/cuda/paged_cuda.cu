@@ -2211,9 +2211,10 @@ struct AttnKernels {
   AttnKernel inblock = nullptr;  // the early kernel of nodes that report in their block (Note [Uniform in-block report])
 };
 AttnKernels MakeKernels(AttnKernel plain, AttnKernel early, AttnKernel cluster, size_t smem, size_t cluster_smem,
-                        int max_cluster) {
-  AttnKernels k{plain, early, cluster, smem, cluster_smem, max_cluster, 2};
-  for (AttnKernel f : {plain, early, cluster}) {
+                        int max_cluster, AttnKernel inblock = nullptr) {
+  AttnKernels k{plain, early, cluster, smem, cluster_smem, max_cluster, 2, inblock};
+  for (AttnKernel f : {plain, early, cluster, inblock}) {
+    if (f == nullptr) continue;
     (void)cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                static_cast<int>(f == cluster ? cluster_smem : smem));
     (void)cudaFuncSetAttribute(f, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared);
@@ -4066,32 +4067,26 @@ __global__ void __launch_bounds__(kThreads) PagedAttentionU16(const AttnArgs arg
   }
 
   float m, l, o[D / 8][4];
-  if (mine <= ST - 1) {  // every tile of this warp is in the ring already: Note [Uniform short loop]
-    auto commit = []() { CpAsyncCommit(); };
+  const auto stream = [&](const auto& step_issue) {
     StreamWarpTiles<BF, D, NW, ST, C::kStageBytes>(wring, qr, a.scale * 1.4426950408889634f, j0, j1, mine, warp,
-                                                   lane, commit, m, l, o);  // base-2 scores
-  } else {
-    StreamWarpTiles<BF, D, NW, ST, C::kStageBytes>(wring, qr, a.scale * 1.4426950408889634f, j0, j1, mine, warp,
-                                                   lane, issue, m, l, o);  // base-2 scores
-  }
+                                                   lane, step_issue, m, l, o);  // base-2 scores
+  };
+  const auto commit = []() { CpAsyncCommit(); };
+  if (mine <= ST - 1)  // every tile of this warp is in the ring already: Note [Uniform short loop]
+    stream(commit);
+  else
+    stream(issue);
   FinishUniform<T, D, NW, CLUSTER, 4, INBLOCK>(a, bu, dsm, s_key, s_rep, bad_start,
                                    CLUSTER ? reinterpret_cast<float*>(dsm + C::kSmem) : nullptr, m, l, o);
 }
 
 template <typename T, int D>
 cudaError_t LaunchD(const AttnArgs& a, cudaStream_t stream) {
-  static const AttnKernels k = [] {
-    AttnKernels x =
-        MakeKernels(PagedAttentionU16<T, D>, PagedAttentionU16<T, D, true>, PagedAttentionU16<T, D, true, true>,
-                    Cfg<D>::kSmem, Cfg<D>::kSmem + kFinBytes<D>,
-                    tile16::kMaxClusterRanks);  // Note [Paged CUDA cluster merge]
-    x.inblock = PagedAttentionU16<T, D, true, false, true>;  // Note [Uniform in-block report]
-    (void)cudaFuncSetAttribute(x.inblock, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(x.smem));
-    (void)cudaFuncSetAttribute(x.inblock, cudaFuncAttributePreferredSharedMemoryCarveout,
-                               cudaSharedmemCarveoutMaxShared);
-    (void)cudaGetLastError();
-    return x;
-  }();
+  static const AttnKernels k =
+      MakeKernels(PagedAttentionU16<T, D>, PagedAttentionU16<T, D, true>, PagedAttentionU16<T, D, true, true>,
+                  Cfg<D>::kSmem, Cfg<D>::kSmem + kFinBytes<D>,
+                  tile16::kMaxClusterRanks,                     // Note [Paged CUDA cluster merge]
+                  PagedAttentionU16<T, D, true, false, true>);  // Note [Uniform in-block report]
   return LaunchOneWave<T>(k, a, stream);
 }
 
