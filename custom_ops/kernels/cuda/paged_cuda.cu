@@ -3802,9 +3802,10 @@ cudaError_t Launch(const AttnArgs& a, cudaStream_t stream) {
 // CacheAttention v3 made dense slower (8K x 1 6.5-6.6 -> 6.6-6.9 us, 16 x 8 2.7-2.8 -> 2.8-3.0, 128 x 1 2.5 -> 2.5-2.6)
 // and in the uniform INT4 / INT8 kernel changed nothing measurable (INT4 128 x 1 3.1 -> 3.0-3.1 us, INT4 / F16 at 8K
 // x 8 0.55-0.56 -> 0.54-0.55); neither was kept, so the ratios above are against a dense kernel a little slower than
-// this build's (128 x 1: 2.6 us in 4 of its 15 runs, HEAD's 2.5 in all 9). This build was not timed as one; its
-// sm_90 SASS is the measured wheels', kernel for kernel (cuobjdump): its 16 uniform 16-bit kernels the short-loop +
-// in-block wheel's, its other 257 kernels (dense v3, the uniform INT4 / INT8 kernels, ...) HEAD 8f85a41's.
+// this build's (128 x 1: 2.6 us in 4 of its 15 runs, HEAD's 2.5 in all 9). This build (its 16 uniform 16-bit kernels
+// the short-loop + in-block wheel's, its other 257 HEAD 8f85a41's, by cuobjdump), timed as one on an H100 later that
+// day (two runs, 7 rounds each): F16 static / dense 1.05-1.06 at 16 x 1, 1.07 at 128 x 1 (2.7 / 2.5 us), 1.07 at 512
+// x 1, 1.05-1.06 at 1K x 1, 0.98-1.05 from 8K keys on.
 namespace pu {
 
 using tile16::kTile;
