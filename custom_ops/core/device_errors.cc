@@ -57,6 +57,17 @@ int32_t ortkv_core_register_label(const char* op, const char* node, const char* 
   return static_cast<int32_t>(l.all.size() - 1);
 }
 
+int ortkv_core_device_error_pending(void) {
+  const int n = g_count.load(std::memory_order_acquire);
+  for (int i = 0; i < n; ++i) {
+    const ortkv_device_error* w = g_words[i].load(std::memory_order_acquire);
+    if (*reinterpret_cast<const volatile int32_t*>(&w[0].code) != ORTKV_DERR_NONE ||
+        *reinterpret_cast<const volatile int32_t*>(&w[1].code) != ORTKV_DERR_NONE)
+      return 1;
+  }
+  return 0;
+}
+
 namespace {
 int TakeFrom(ortkv_device_error* words, char* msg, size_t cap);
 }

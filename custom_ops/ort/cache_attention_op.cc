@@ -53,7 +53,7 @@ OrtStatus* Compute(void* op_kernel, OrtKernelContext* ctx) {
 #if defined(ORTKV_WITH_CUDA)
 OrtStatus* ComputeCuda(void* op_kernel, OrtKernelContext* ctx) {
   const auto& k = *static_cast<const CacheAttentionKernel*>(op_kernel);
-  ORTKV_RETURN_IF_ORT_ERROR(TakeDeviceError());  // a previous run's device-side error (Note [CUDA deferred errors])
+  ORTKV_RETURN_IF_ORT_ERROR(TakeDeviceError(ctx));  // a previous run's device-side error (Note [CUDA deferred errors])
   const OrtValue* in[4] = {nullptr, nullptr, nullptr, nullptr};
   thread_local ortkv::TensorArg args[4];  // Note [Input slots]
   ClearArgs(args);

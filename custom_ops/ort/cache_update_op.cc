@@ -196,7 +196,7 @@ OrtStatus* Compute(void* op_kernel, OrtKernelContext* ctx) {
   ORTKV_RETURN_IF_ORT_ERROR(ReadTensor(in[2], k.names.inputs[2], &position, nullptr, nullptr));
 
 #if defined(ORTKV_WITH_CUDA)
-  if (k.cuda) ORTKV_RETURN_IF_ORT_ERROR(TakeDeviceError());  // a previous launch's report (Note [CUDA deferred errors])
+  if (k.cuda) ORTKV_RETURN_IF_ORT_ERROR(TakeDeviceError(ctx));  // a previous launch's report (Note [CUDA deferred errors])
 #endif
   ORTKV_RETURN_IF_ORT_ERROR(ToOrtStatus(UnflattenValues(k, cache, &values)));  // Note [CacheUpdate flat values]
   CacheUpdateView view;

@@ -12,9 +12,14 @@
 namespace ortkv_ort {
 
 // Note [CUDA deferred errors] (ortkv/core.h): an error a kernel found on the device in an earlier
-// launch, as the OrtStatus of this Compute; nullptr when there is none. One pinned-memory read.
-inline OrtStatus* TakeDeviceError() {
-  if (ortkv_core_device_error() == nullptr) return nullptr;
+// launch, as the OrtStatus of this Compute; nullptr when there is none. One pinned-memory read per
+// pair of words; when a code is set, the Compute's stream is synchronized first (Note [Settled reports]).
+inline OrtStatus* TakeDeviceError(OrtKernelContext* ctx) {
+  if (ortkv_core_device_error() == nullptr || ortkv_core_device_error_pending() == 0) return nullptr;
+  void* stream = nullptr;
+  OrtStatus* s = g_api->KernelContext_GetGPUComputeStream(ctx, &stream);
+  if (s != nullptr) return s;
+  if (stream != nullptr) ortkv::CudaSettleReports(stream);
   char msg[1024];
   const int code = ortkv_core_take_device_error(msg, sizeof(msg));
   if (code == ORTKV_DERR_NONE) return nullptr;

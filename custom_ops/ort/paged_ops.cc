@@ -476,7 +476,7 @@ OrtStatus* LaunchUpdateCuda(OrtKernelContext* ctx, const PagedKernel& k, ortkv::
 
 OrtStatus* UpdateComputeCuda(void* op_kernel, OrtKernelContext* ctx) {
   const auto& k = *static_cast<const PagedKernel*>(op_kernel);
-  ORTKV_RETURN_IF_ORT_ERROR(TakeDeviceError());  // a previous launch's report (Note [CUDA deferred errors])
+  ORTKV_RETURN_IF_ORT_ERROR(TakeDeviceError(ctx));  // a previous launch's report (Note [CUDA deferred errors])
   thread_local TensorArg in[6];  // Note [Input slots]
   ClearArgs(in);
   int device_type = ORTKV_DEVICE_CUDA, device_id = 0;
@@ -517,7 +517,7 @@ OrtStatus* LaunchUpdateCuda(OrtKernelContext* ctx, const PagedKernel& k, ortkv::
 
 OrtStatus* RotaryUpdateComputeCuda(void* op_kernel, OrtKernelContext* ctx) {
   const auto& k = *static_cast<const PagedKernel*>(op_kernel);
-  ORTKV_RETURN_IF_ORT_ERROR(TakeDeviceError());  // a previous launch's report (Note [CUDA deferred errors])
+  ORTKV_RETURN_IF_ORT_ERROR(TakeDeviceError(ctx));  // a previous launch's report (Note [CUDA deferred errors])
   thread_local TensorArg in[8];  // Note [Input slots]
   ClearArgs(in);
   int device_type = ORTKV_DEVICE_CUDA, device_id = 0;
@@ -548,7 +548,7 @@ OrtStatus* RotaryUpdateComputeCuda(void* op_kernel, OrtKernelContext* ctx) {
 
 OrtStatus* AttnComputeCuda(void* op_kernel, OrtKernelContext* ctx) {
   const auto& k = *static_cast<const PagedKernel*>(op_kernel);
-  ORTKV_RETURN_IF_ORT_ERROR(TakeDeviceError());
+  ORTKV_RETURN_IF_ORT_ERROR(TakeDeviceError(ctx));
   thread_local TensorArg in[5];  // Note [Input slots]
   ClearArgs(in);
   int device_type = ORTKV_DEVICE_CUDA, device_id = 0;

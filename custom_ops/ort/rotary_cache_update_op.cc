@@ -60,7 +60,7 @@ OrtStatus* ComputeRotary(void* op_kernel, OrtKernelContext* ctx) {
                                          i == 1 ? &device_id : nullptr));
   }
 #if defined(ORTKV_WITH_CUDA)
-  if (k.cuda) ORTKV_RETURN_IF_ORT_ERROR(TakeDeviceError());  // a previous launch's report
+  if (k.cuda) ORTKV_RETURN_IF_ORT_ERROR(TakeDeviceError(ctx));  // a previous launch's report
 #endif
   if (!k.cuda && args[0].elem_type != ortkv::kFloat32) {
     std::ostringstream m;

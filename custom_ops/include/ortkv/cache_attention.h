@@ -179,6 +179,9 @@ int CudaSmCount(int device);
 // mapped in the context of `stream` (a cudaStream_t; Note [CUDA error word lifetime] in
 // kernels/cuda/device.cu); null if that failed (the kernels then report nothing but still refuse).
 void* CudaErrorWord(void* stream);
+// Waits for `stream` (a cudaStream_t) unless it is being captured into a CUDA graph: before a Compute takes a
+// report, so that no kernel launched before it can still write the word (Note [Settled reports] in ortkv/core.h).
+void CudaSettleReports(void* stream);
 #endif
 
 }  // namespace ortkv

@@ -98,10 +98,12 @@ class CoreLease {
 // the CacheUpdate word first (a refused write is the cause; CacheAttention's clamp of the same row is
 // its consequence) and clears both. The host turns it into the usual
 // error message (the same text and tag as the CPU check, plus where it was found) in two places:
-//   * the next Compute of any ortkv CUDA op (an ORT-only application sees the error on its next run),
+//   * the next Compute of any ortkv CUDA op (an ORT-only application sees the error on its next run);
+//     when a code is set there, that Compute first waits for its stream (Note [Settled reports]),
 //   * ortkv.MutableCacheSession after every run (ORT synchronizes the stream at the end of a run, so
 //     the word is final there): the run that failed raises.
-// Cost: one host read of pinned memory per Compute and per session run; no synchronization. What it
+// Cost: one host read of pinned memory per Compute and per session run; no synchronization unless a
+// report is there. What it
 // does not give: the failing run itself does not fail when run through a bare InferenceSession (use
 // ortkv.cuda_take_error() after the run, or MutableCacheSession). Only the first error is kept until
 // it is taken; sessions running concurrently on other streams share the word (best effort: two
@@ -122,6 +124,21 @@ typedef struct ortkv_device_error {
   uint64_t first;     // READONLY / UNCOMMITTED: the write's first address
   uint64_t last;      // ... and one past its last
 } ortkv_device_error;
+// Note [Settled reports]
+// ~~~~~~~~~~~~~~~~~~~~~~~
+// A Compute runs on the host while the kernels launched before it on its stream may still run. Taking
+// the word then raced with a second report of the same step (seen on an H100 in the full CUDA test run:
+// CacheUpdate's key and value kernels both refused row 17; a later node's Compute took the key's report
+// and cleared the word while the value kernel's thread was between its numbers and its code, so the
+// word was left holding code NEGATIVE over zeroed numbers: "position 0 for row 0 of 'cache' is
+// negative", label 0, raised by the next, unrelated take). So a Compute that finds a code set
+// (ortkv_core_device_error_pending: one read per pair, the only cost when nothing is wrong)
+// synchronizes its stream before it takes the word: every kernel launched before it on that stream has
+// finished, and the report it takes is final. Only the error path waits; a stream being captured into a
+// CUDA graph is not synchronized (not allowed there, and no kernel of the capture runs). Sessions on
+// other streams can still race (see above: best effort).
+// Nonzero when some error word holds a report (a code is set); reads the codes only, clears nothing.
+ORTKV_CORE_API int ortkv_core_device_error_pending(void);
 // Adds a pair of error words ([0] CacheUpdate, [1] CacheAttention; one pair per CUDA context); `host`
 // must stay valid for the process lifetime. At most 1024 pairs.
 ORTKV_CORE_API void ortkv_core_add_device_error(ortkv_device_error* host);

@@ -23,6 +23,17 @@ int CudaSmCount(int device) {
   return n;
 }
 
+void CudaSettleReports(void* stream) {
+  const auto s = static_cast<cudaStream_t>(stream);
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(s, &capture) != cudaSuccess) {
+    cudaGetLastError();  // clear it: the word is taken as it is
+    return;
+  }
+  if (capture != cudaStreamCaptureStatusNone) return;
+  if (cudaStreamSynchronize(s) != cudaSuccess) cudaGetLastError();  // a sticky error surfaces at the next launch
+}
+
 // Note [CUDA error word lifetime]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // Seen on the H200: after ORT tore down the CUDA provider of the last session, the next session's
