@@ -103,11 +103,10 @@ class CoreLease {
 //   * ortkv.MutableCacheSession after every run (ORT synchronizes the stream at the end of a run, so
 //     the word is final there): the run that failed raises.
 // Cost: one host read of pinned memory per Compute and per session run; no synchronization unless a
-// report is there. What it
-// does not give: the failing run itself does not fail when run through a bare InferenceSession (use
-// ortkv.cuda_take_error() after the run, or MutableCacheSession). Only the first error is kept until
-// it is taken; sessions running concurrently on other streams share the word (best effort: two
-// reports at the same instant may mix their numbers).
+// report is there. What it does not give: the failing run itself does not fail when run through a bare
+// InferenceSession (use ortkv.cuda_take_error() after the run, or MutableCacheSession). Only the first
+// error is kept until it is taken; sessions running concurrently on other streams share the word (best
+// effort: two reports at the same instant may mix their numbers).
 enum { ORTKV_DERR_NONE = 0, ORTKV_DERR_NEGATIVE = 1, ORTKV_DERR_CAPACITY = 2, ORTKV_DERR_READONLY = 3,
        ORTKV_DERR_UNCOMMITTED = 4,
        // the paged ops only (fields: Note [Paged CUDA] in ortkv/paged_cuda.h)
