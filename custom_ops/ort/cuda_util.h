@@ -15,7 +15,7 @@ namespace ortkv_ort {
 // launch, as the OrtStatus of this Compute; nullptr when there is none. One pinned-memory read per
 // pair of words; when a code is set, the Compute's stream is synchronized first (Note [Settled reports]).
 inline OrtStatus* TakeDeviceError(OrtKernelContext* ctx) {
-  if (ortkv_core_device_error() == nullptr || ortkv_core_device_error_pending() == 0) return nullptr;
+  if (ortkv_core_device_error_pending() == 0) return nullptr;  // also 0 before any word was added
   void* stream = nullptr;
   OrtStatus* s = g_api->KernelContext_GetGPUComputeStream(ctx, &stream);
   if (s != nullptr) return s;
