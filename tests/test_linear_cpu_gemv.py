@@ -58,6 +58,27 @@ def test_float32_kernel_same_bytes_any_thread_count(rng, M):
     check_close(one, x, w, np.float32)
 
 
+@pytest.mark.parametrize("activation", [None, "swiglu"])
+@pytest.mark.parametrize("K", [8, 40, 576, 584, 1536])
+def test_float32_kernel_row_count_same_bytes(rng, K, activation):
+    """Note [Linear row-count invariance]: row m of a call with M rows is the same bytes as that row alone (M = 1,
+    the one-row path this process chose: the tile, or one W row at a time with one accumulator in the tile's order)
+    and as in a call of another M, with and without the SwiGLU epilogue. K below, at and past one 64-float step of the
+    one-row stream, and K = 8 mod 16 (the half tail). What logits_start relies on: the head's last row computed
+    alone equals the last row of all positions."""
+    N = 4 * 97 + 2  # several tasks, and a one-row tail after the 4-row groups
+    w = (rng.standard_normal((N, K)) * 0.1).astype(np.float32)
+    x = rng.standard_normal((9, K)).astype(np.float32)
+    attrs = {} if activation is None else {"activation": activation}
+    sess = {M: session(linear_model(K, N, [M, K], w=w, **attrs)) for M in (1, 2, 5, 9)}
+    full = sess[9].run(None, {"x": x})[0]
+    for m in (0, 4, 8):
+        alone = sess[1].run(None, {"x": x[m:m + 1]})[0]
+        assert alone.tobytes() == full[m:m + 1].tobytes(), (m, float(np.abs(alone - full[m:m + 1]).max()))
+    assert sess[2].run(None, {"x": x[3:5]})[0].tobytes() == full[3:5].tobytes()
+    assert sess[5].run(None, {"x": x[4:]})[0].tobytes() == full[4:].tobytes()
+
+
 def test_float32_kernel_nan_and_inf_propagate(rng):
     """A NaN / inf in W reaches exactly its output column (no lane of another row is mixed in)."""
     K, N = 72, 13

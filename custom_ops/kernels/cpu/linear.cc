@@ -164,6 +164,22 @@ constexpr int64_t kGemvAheadRows = 8;
 // periodic fill the host merged equal pages and "bandwidth" read 48-50 GB/s. Not measured on Intel, where the tile
 // kernel with prefetchnta 8 rows ahead read 4.5-8.8 GB/s (Note [Linear CPU GEMV]): Intel keeps the tile until the
 // stream is measured there.
+// The one-row stream sums into ONE accumulator in the tile kernel's order: Note [Linear row-count invariance].
+//
+// Note [Linear row-count invariance]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Y[m, n] is one sum in one order, set by K alone: kLanes partial sums over k ascending (FMA), the half tail, then
+// Sum; whichever path computes it (the tile at any chunk of rows, the one-row stream, either prefetch), whichever
+// task or thread, whatever M is. So row m of a call with M rows is the same bytes as that row alone, which is what
+// logits_start relies on (Note [Logits from logits_start] in python/ortkv/generate/builder.py: the last position's
+// logits computed alone equal the last row of all positions, so a runner's output does not depend on how many
+// positions it asked for). Until 2026-12-06 the stream kept 4 accumulators (a0..a3 over the 4 vectors of each
+// 64-float step, added at the end): within rounding of the tile, not bit-equal, and on an AMD EPYC CI machine
+// (where the stream is the default) the many-sequence forward's last positions differed from all_logits' in the
+// last bits (tests/test_logits_start.py). One dependent FMA chain per row costs the stream nothing measurable: it
+// allows 64 bytes per FMA latency (4 cycles), ~16 B/cycle per core, where memory gives each of the 2 cores
+// ~17 GB/s (~6 B/cycle). Measured: benchmarks/results/linear_cpu.md (the 2026-12-06 A/B of the two streams).
+// Tested: test_float32_kernel_row_count_same_bytes (every one-row path, in a child each).
 constexpr int64_t kSeqAheadBytes = 256;
 
 #define ORTKV_GEMV_INLINE inline __attribute__((always_inline))

@@ -264,7 +264,9 @@ def build(weights: LlamaWeights, variant: str, max_positions: int | None = None,
     # row), T - 1 for the copy model's left-padded rows and for MultiRunner's runs (rows of one token count). On this
     # CPU the picked logits equal the full run's bit for bit: the head's kernels (ortkv.Linear's tiles, MLAS SGEMM,
     # the 8-bit MatMulNBits head with int8 activations per row) sum each (row, column) in an order set by K, not by
-    # the number of rows (tested; a kernel that picked its order by M would differ by rounding only).
+    # the number of rows (tested; a kernel that picked its order by M would differ by rounding only). ortkv.Linear's
+    # one-row path keeps the tile's order on every CPU (Note [Linear row-count invariance] in linear.cc; on AMD CPUs
+    # its stream differed in the last bits until 2026-12-06).
     # Cost: one Slice node (two with norm_linear) in every run, decode steps included, copying [B, T - logits_start,
     # E] floats (a decode step's [B, 1, 576]: one more small kernel of ORT's per-node overhead).
     # Measured (2-core AVX-512 VM, float32 SmolLM2 with ortkv.Linear, OrtkvRunner.prefill against the same decoder
