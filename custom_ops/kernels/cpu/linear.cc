@@ -168,9 +168,10 @@ constexpr int64_t kGemvAheadRows = 8;
 //
 // Note [Linear row-count invariance]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-// Y[m, n] is one sum in one order, set by K alone: kLanes partial sums over k ascending (FMA), the half tail, then
-// Sum; whichever path computes it (the tile at any chunk of rows, the one-row stream, either prefetch), whichever
-// task or thread, whatever M is. So row m of a call with M rows is the same bytes as that row alone, which is what
+// Y[m, n] is one sum in one order, set by K and the process's instruction set alone: with AVX-512 / AVX2, kLanes
+// partial sums over k ascending (FMA), the half tail, then Sum (the reference path: Dot's 8 partial sums);
+// whichever path computes it (the tile at any chunk of rows, the one-row stream, either prefetch), whichever task
+// or thread, whatever M is. So row m of a call with M rows is the same bytes as that row alone, which is what
 // logits_start relies on (Note [Logits from logits_start] in python/ortkv/generate/builder.py: the last position's
 // logits computed alone equal the last row of all positions, so a runner's output does not depend on how many
 // positions it asked for). Until 2026-12-06 the stream kept 4 accumulators (a0..a3 over the 4 vectors of each
