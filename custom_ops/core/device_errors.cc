@@ -82,12 +82,10 @@ int ortkv_core_take_device_error(char* msg, size_t cap) {
 }
 
 namespace {
+// Clears both words' codes and nothing else (Note [Reports taken by their codes] in ortkv/core.h).
 void ClearWords(ortkv_device_error* words) {
-  // clear both words: the codes first, then the numbers
   for (int i = 0; i < 2; ++i) *reinterpret_cast<volatile int32_t*>(&words[i].code) = 0;
   std::atomic_thread_fence(std::memory_order_seq_cst);
-  for (int i = 0; i < 2; ++i)
-    std::memset(reinterpret_cast<char*>(words + i) + 2 * sizeof(int32_t), 0, sizeof(*words) - 2 * sizeof(int32_t));
 }
 
 // The paged ops' reports (fields: Note [Paged CUDA] in ortkv/paged_cuda.h); label.tensor holds the
@@ -262,11 +260,7 @@ int TakeFrom(ortkv_device_error* words, char* msg, size_t cap) {
     std::memcpy(msg, text.data(), n);
     msg[n] = '\0';
   }
-  // clear both words: the codes first, then the numbers
-  for (int i = 0; i < 2; ++i) *reinterpret_cast<volatile int32_t*>(&words[i].code) = 0;
-  std::atomic_thread_fence(std::memory_order_seq_cst);
-  for (int i = 0; i < 2; ++i)
-    std::memset(reinterpret_cast<char*>(words + i) + 2 * sizeof(int32_t), 0, sizeof(*words) - 2 * sizeof(int32_t));
+  ClearWords(words);
   return code;
 }
 }  // namespace

@@ -48,6 +48,10 @@ def __getattr__(name: str):
         from .session import MutableCacheSession
 
         return MutableCacheSession
+    if name == "take_cuda_error":
+        from .session import take_cuda_error
+
+        return take_cuda_error
     raise AttributeError(f"module 'ortkv' has no attribute {name!r}")
 
 
@@ -68,4 +72,5 @@ __all__ = [
     "OrtkvError",
     "StorageError",
     "get_library_path",
+    "take_cuda_error",
 ]

@@ -588,8 +588,12 @@ class MutableCacheSession:
 def take_cuda_error() -> None:
     """Raise the error an ortkv CUDA kernel found on the device during the last run (a bad position or
     start, a write into a protected range; Note [CUDA deferred errors] in custom_ops/include/ortkv/core.h),
-    as the same typed error the CPU kernels raise. ORT synchronizes the stream at the end of a run, so
-    after a run the report is final. No-op when there is none or the build has no CUDA kernels."""
+    as the same typed error the CPU kernels raise, and clear it; ``ortkv.take_cuda_error()`` for an
+    application that runs a bare InferenceSession (MutableCacheSession calls it after every run). ORT
+    synchronizes the stream at the end of a successful run, so the report is final there. After a run
+    that failed, kernels of that run may still be writing: what this takes is a whole report, and one that
+    lands after it is taken by the next call or the next Compute of an ortkv CUDA node (Note [Reports
+    taken by their codes]). No-op when there is none or the build has no CUDA kernels."""
     from . import _ortkv
 
     msg = _ortkv.cuda_take_error()

@@ -104,7 +104,7 @@ class CoreLease {
 //     the word is final there): the run that failed raises.
 // Cost: one host read of pinned memory per Compute and per session run; no synchronization unless a
 // report is there. What it does not give: the failing run itself does not fail when run through a bare
-// InferenceSession (use ortkv.cuda_take_error() after the run, or MutableCacheSession). Only the first
+// InferenceSession (use ortkv.take_cuda_error() after the run, or MutableCacheSession). Only the first
 // error is kept until it is taken; sessions running concurrently on other streams share the word (best
 // effort: two reports at the same instant may mix their numbers).
 enum { ORTKV_DERR_NONE = 0, ORTKV_DERR_NEGATIVE = 1, ORTKV_DERR_CAPACITY = 2, ORTKV_DERR_READONLY = 3,
@@ -136,6 +136,18 @@ typedef struct ortkv_device_error {
 // finished, and the report it takes is final. Only the error path waits; a stream being captured into a
 // CUDA graph is not synchronized (not allowed there, and no kernel of the capture runs). Sessions on
 // other streams can still race (see above: best effort).
+// Note [Reports taken by their codes]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A take clears the two words' codes and nothing else. It used to zero the numbers as well, and that
+// is what made the report above garbage: a kernel whose numbers landed before the clear and whose code
+// landed after it left a code over zeros. Every writer writes all the fields its code's message reads
+// before it sets the code (WriteReport writes them all; the dense kernels' NEGATIVE / CAPACITY reports
+// write label, row, position, n and capacity, the only fields those messages read), so a code set
+// after a clear always sits over its own kernel's numbers. This holds wherever no stream is settled
+// first: ortkv.take_cuda_error() after a FAILED run (ORT did not reach the end of the run, where it
+// synchronizes, so that run's kernels may still write), and sessions on other streams. What is still
+// best effort: two reports landing between a take's read of the code and of the numbers may give
+// one's code with the other's numbers (both real reports of that step).
 // Nonzero when some error word holds a report (a code is set); reads the codes only, clears nothing.
 ORTKV_CORE_API int ortkv_core_device_error_pending(void);
 // Adds a pair of error words ([0] CacheUpdate, [1] CacheAttention; one pair per CUDA context); `host`

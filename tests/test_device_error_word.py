@@ -1,0 +1,111 @@
+"""The host side of Note [CUDA deferred errors] without a GPU: a pair of error words in plain host memory,
+registered with the core as the op library registers its pinned pages, written as a kernel writes them (numbers,
+then the code), taken through ortkv.take_cuda_error(). Each case runs in a child process: the word registry is
+process-global and a CUDA test in this process may have registered real words."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+PRELUDE = textwrap.dedent(
+    """
+    import ctypes, os
+    import ortkv
+    from ortkv import _ortkv
+
+    class Word(ctypes.Structure):  # ortkv_device_error (ortkv/core.h)
+        _fields_ = [("claim", ctypes.c_int32), ("code", ctypes.c_int32), ("label", ctypes.c_int32),
+                    ("row", ctypes.c_int32), ("position", ctypes.c_int64), ("n", ctypes.c_int64),
+                    ("capacity", ctypes.c_int64), ("hit_addr", ctypes.c_uint64), ("first", ctypes.c_uint64),
+                    ("last", ctypes.c_uint64)]
+
+    assert ctypes.sizeof(Word) == 64
+    core = ctypes.CDLL(os.path.join(os.path.dirname(ortkv.__file__), "libortkv_core.so"))
+    core.ortkv_core_register_label.restype = ctypes.c_int32
+    core.ortkv_core_register_label.argtypes = [ctypes.c_char_p] * 3
+    words = (Word * 2)()  # [0] CacheUpdate, [1] CacheAttention
+    core.ortkv_core_add_device_error(ctypes.byref(words))
+    NEGATIVE, CAPACITY = 1, 2
+
+    def numbers(w, label, row, position, n, capacity):  # what a kernel writes before its code
+        w.label, w.row, w.position, w.n, w.capacity = label, row, position, n, capacity
+    """
+)
+
+
+def run_child(body: str) -> str:
+    proc = subprocess.run(
+        [sys.executable, "-c", PRELUDE + textwrap.dedent(body)], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
+def test_take_cuda_error_raises_the_typed_error_once():
+    out = run_child(
+        """
+        lab = core.ortkv_core_register_label(b"CacheUpdate", b"update_k", b"key_cache")
+        assert ortkv.take_cuda_error() is None  # nothing reported
+        numbers(words[0], lab, 1, 6, 3, 8)
+        words[0].code = CAPACITY
+        try:
+            ortkv.take_cuda_error()
+        except ortkv.CapacityError as e:
+            print("RAISED", e)
+        else:
+            raise SystemExit("no error raised")
+        assert words[0].code == 0 and words[1].code == 0
+        assert ortkv.take_cuda_error() is None  # taken once
+        """
+    )
+    assert "RAISED" in out
+    assert "CacheUpdate node 'update_k'" in out
+    assert "row 1: position 6 + n 3 = 9 exceeds capacity 8 of 'key_cache'" in out
+    assert "Remedy" in out
+
+
+def test_a_report_whose_code_lands_after_a_take_keeps_its_numbers():
+    # Note [Reports taken by their codes]: kernel A reports; kernel B (the value cache's update of the same
+    # step, still running after a failed run) writes its numbers; the application takes (A's code); B's code
+    # lands after the take. The next take must give B's report, not a code over zeroed numbers.
+    out = run_child(
+        """
+        k = core.ortkv_core_register_label(b"CacheUpdate", b"update_k", b"key_cache")
+        v = core.ortkv_core_register_label(b"CacheUpdate", b"update_v", b"value_cache")
+        numbers(words[0], k, 2, -4, 1, 64)
+        words[0].code = NEGATIVE
+        numbers(words[0], v, 5, -9, 1, 64)  # B's numbers, before the take
+        first = _ortkv.cuda_take_error()
+        words[0].code = NEGATIVE  # B's code, after the take
+        second = _ortkv.cuda_take_error()
+        print("FIRST", first)
+        print("SECOND", second)
+        assert _ortkv.cuda_take_error() is None
+        """
+    )
+    lines = dict(line.split(" ", 1) for line in out.splitlines() if line.startswith(("FIRST", "SECOND")))
+    assert "is negative" in lines["FIRST"]
+    assert lines["SECOND"].startswith("[ortkv:E_"), lines["SECOND"]
+    assert "CacheUpdate node 'update_v'" in lines["SECOND"], lines["SECOND"]
+    assert "position -9 for row 5 of 'value_cache' is negative" in lines["SECOND"], lines["SECOND"]
+
+
+def test_a_take_clears_both_words_codes_and_takes_the_update_word_first():
+    out = run_child(
+        """
+        u = core.ortkv_core_register_label(b"CacheUpdate", b"upd", b"cache")
+        a = core.ortkv_core_register_label(b"CacheAttention", b"attn", b"cache")
+        numbers(words[1], a, 0, -1, 1, 16)
+        words[1].code = NEGATIVE
+        numbers(words[0], u, 0, -1, 1, 16)
+        words[0].code = NEGATIVE
+        print("TAKEN", _ortkv.cuda_take_error())
+        print("CODES", words[0].code, words[1].code)
+        print("AFTER", _ortkv.cuda_take_error())
+        """
+    )
+    assert "TAKEN [ortkv:E_" in out and "CacheUpdate node 'upd': position -1 for row 0" in out
+    assert "CODES 0 0" in out
+    assert "AFTER None" in out
