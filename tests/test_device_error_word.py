@@ -31,6 +31,10 @@ PRELUDE = textwrap.dedent(
 
     def numbers(w, label, row, position, n, capacity):  # what a kernel writes before its code
         w.label, w.row, w.position, w.n, w.capacity = label, row, position, n, capacity
+
+    def report(w, code, *fields):  # a whole report: the numbers, then the code
+        numbers(w, *fields)
+        w.code = code
     """
 )
 
@@ -48,8 +52,7 @@ def test_take_cuda_error_raises_the_typed_error_once():
         """
         lab = core.ortkv_core_register_label(b"CacheUpdate", b"update_k", b"key_cache")
         assert ortkv.take_cuda_error() is None  # nothing reported
-        numbers(words[0], lab, 1, 6, 3, 8)
-        words[0].code = CAPACITY
+        report(words[0], CAPACITY, lab, 1, 6, 3, 8)
         try:
             ortkv.take_cuda_error()
         except ortkv.CapacityError as e:
@@ -74,8 +77,7 @@ def test_a_report_whose_code_lands_after_a_take_keeps_its_numbers():
         """
         k = core.ortkv_core_register_label(b"CacheUpdate", b"update_k", b"key_cache")
         v = core.ortkv_core_register_label(b"CacheUpdate", b"update_v", b"value_cache")
-        numbers(words[0], k, 2, -4, 1, 64)
-        words[0].code = NEGATIVE
+        report(words[0], NEGATIVE, k, 2, -4, 1, 64)
         numbers(words[0], v, 5, -9, 1, 64)  # B's numbers, before the take
         first = _ortkv.cuda_take_error()
         words[0].code = NEGATIVE  # B's code, after the take
@@ -97,12 +99,9 @@ def test_a_take_clears_both_words_codes_and_takes_the_update_word_first():
         """
         u = core.ortkv_core_register_label(b"CacheUpdate", b"upd", b"cache")
         a = core.ortkv_core_register_label(b"CacheAttention", b"attn", b"cache")
-        numbers(words[1], a, 0, -1, 1, 16)
-        words[1].code = NEGATIVE
-        numbers(words[0], u, 0, -1, 1, 16)
-        words[0].code = NEGATIVE
-        print("TAKEN", _ortkv.cuda_take_error())
-        print("CODES", words[0].code, words[1].code)
+        report(words[1], NEGATIVE, a, 0, -1, 1, 16)
+        report(words[0], NEGATIVE, u, 0, -1, 1, 16)
+        print("TAKEN", _ortkv.cuda_take_error(), "CODES", words[0].code, words[1].code)
         print("AFTER", _ortkv.cuda_take_error())
         """
     )
