@@ -51,7 +51,7 @@ def test_take_cuda_error_raises_the_typed_error_once():
     out = run_child(
         """
         lab = core.ortkv_core_register_label(b"CacheUpdate", b"update_k", b"key_cache")
-        assert ortkv.take_cuda_error() is None  # nothing reported
+        ortkv.take_cuda_error()  # nothing reported: does not raise
         report(words[0], CAPACITY, lab, 1, 6, 3, 8)
         try:
             ortkv.take_cuda_error()
@@ -60,7 +60,7 @@ def test_take_cuda_error_raises_the_typed_error_once():
         else:
             raise SystemExit("no error raised")
         assert words[0].code == 0 and words[1].code == 0
-        assert ortkv.take_cuda_error() is None  # taken once
+        assert _ortkv.cuda_take_error() is None  # taken once
         """
     )
     assert "RAISED" in out
@@ -108,3 +108,17 @@ def test_a_take_clears_both_words_codes_and_takes_the_update_word_first():
     assert "TAKEN [ortkv:E_" in out and "CacheUpdate node 'upd': position -1 for row 0" in out
     assert "CODES 0 0" in out
     assert "AFTER None" in out
+
+
+def test_a_paged_report_is_taken_with_its_own_message():
+    out = run_child(
+        """
+        p = core.ortkv_core_register_label(b"PagedCacheUpdate", b"pu", b"pool\\ndirectory\\npage_table")
+        report(words[0], NEGATIVE, p, 1, -3, 2, 64)
+        print("TAKEN", _ortkv.cuda_take_error(), "CODES", words[0].code, words[1].code)
+        """
+    )
+    assert "TAKEN [ortkv:E_" in out
+    assert "PagedCacheUpdate node 'pu': position -3 for row 1 is negative; positions start at 0. Nothing was written." in out
+    assert "(found on the device by the CUDA kernel and reported after the run" in out
+    assert "CODES 0 0" in out

@@ -88,6 +88,21 @@ void ClearWords(ortkv_device_error* words) {
   std::atomic_thread_fence(std::memory_order_seq_cst);
 }
 
+// A taken report's end, for the dense and the paged messages alike: the tagged text (`body` and where it was
+// found) into msg (at most cap - 1 characters and a zero), the words' codes cleared; returns `code`.
+int Deliver(ortkv_device_error* words, int code, ortkv::Code c, const std::string& body, char* msg, size_t cap) {
+  const std::string text =
+      ortkv::Status(c, body + " (found on the device by the CUDA kernel and reported after the run; Note [CUDA "
+                              "deferred errors])").Tagged();
+  if (msg != nullptr && cap > 0) {
+    const size_t n = std::min(cap - 1, text.size());
+    std::memcpy(msg, text.data(), n);
+    msg[n] = '\0';
+  }
+  ClearWords(words);
+  return code;
+}
+
 // The paged ops' reports (fields: Note [Paged CUDA] in ortkv/paged_cuda.h); label.tensor holds the
 // pool, directory, page table (and page_fill, when the node has it) names separated by newlines; a
 // PagedRotaryCacheUpdate's also page_fill's (empty when absent) and then qkv's (Note [PagedRotaryCacheUpdate]).
@@ -190,15 +205,7 @@ int FinishPaged(ortkv_device_error* words, const ortkv_device_error& e, int code
       break;
     }
   }
-  m << " (found on the device by the CUDA kernel and reported after the run; Note [CUDA deferred errors])";
-  const std::string text = ortkv::Status(c, m.str()).Tagged();
-  if (msg != nullptr && cap > 0) {
-    const size_t n = std::min(cap - 1, text.size());
-    std::memcpy(msg, text.data(), n);
-    msg[n] = '\0';
-  }
-  ClearWords(words);
-  return code;
+  return Deliver(words, code, c, m.str(), msg, cap);
 }
 
 int TakeFrom(ortkv_device_error* words, char* msg, size_t cap) {
@@ -253,14 +260,6 @@ int TakeFrom(ortkv_device_error* words, char* msg, size_t cap) {
       break;
     }
   }
-  m << " (found on the device by the CUDA kernel and reported after the run; Note [CUDA deferred errors])";
-  const std::string text = ortkv::Status(c, m.str()).Tagged();
-  if (msg != nullptr && cap > 0) {
-    const size_t n = std::min(cap - 1, text.size());
-    std::memcpy(msg, text.data(), n);
-    msg[n] = '\0';
-  }
-  ClearWords(words);
-  return code;
+  return Deliver(words, code, c, m.str(), msg, cap);
 }
 }  // namespace
