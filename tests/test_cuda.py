@@ -142,6 +142,51 @@ def test_cuda_mutable_cache_session_with_dlpack_tensor(rng):
     s.close()
 
 
+def test_cuda_failed_run_raises_its_own_device_report():
+    # Note [A failed run's device report]: three 8K MatMuls (~50-100 ms) hold the stream, so when the Reshape after
+    # the update fails on the host the update's kernel (position -2) has not run yet. The failed run must raise
+    # that report itself, and the next run must not.
+    from onnx import TensorProto as TP
+    from onnx import helper
+
+    from ortkv.graph import make_cache_update, mark_mutable, set_alias_of
+
+    torch = _torch()
+    nodes = [helper.make_node("Expand", ["z", "big"], ["A0"])]
+    nodes += [helper.make_node("MatMul", [f"A{i}", f"A{i}"], [f"A{i + 1}"]) for i in range(3)]
+    nodes += [helper.make_node("ReduceSum", ["A3"], ["s"], keepdims=1),
+              helper.make_node("Add", ["values_in", "s"], ["values"]),
+              make_cache_update("cache", "values", "position", "updated_cache", name="cu", seq_axis=-2),
+              helper.make_node("Reshape", ["updated_cache", "shape"], ["flat"], name="flatten")]
+    dims = ["b", "h", "c", "d"]
+    vi = helper.make_tensor_value_info
+    g = helper.make_graph(
+        nodes, "late_report",
+        [vi("cache", TP.FLOAT, dims), vi("z", TP.FLOAT, [1, 1]), vi("values_in", TP.FLOAT, ["b", "h", "n", "d"]),
+         vi("position", TP.INT64, ["b"]), vi("shape", TP.INT64, [2])],
+        [vi("updated_cache", TP.FLOAT, dims), vi("flat", TP.FLOAT, None)],
+        [helper.make_tensor("big", TP.INT64, [2], [8192, 8192])])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("ortkv", 1)],
+                              ir_version=10)
+    mark_mutable(model, "cache")
+    set_alias_of(model, "updated_cache", "cache")
+    cache_t = torch.zeros((1, 2, 8, 4), device="cuda")
+    feed = lambda pos, shape: {"z": np.zeros((1, 1), np.float32),  # noqa: E731
+                               "values_in": np.ones((1, 2, 1, 4), np.float32),
+                               "position": np.array([pos]), "shape": np.array(shape)}
+    with ortkv.MutableCacheSession(model, providers=["CUDAExecutionProvider"]) as s:
+        s.bind_cache("cache", cache_t)
+        assert s.run(["flat"], feed(0, [8, 8]))[0].shape == (8, 8)  # warm-up (and a position-0 write of ones)
+        for _ in range(3):
+            before = _bytes(cache_t)
+            with pytest.raises(ortkv.CacheInputError, match=r"CacheUpdate node 'cu': position -2 for row 0") as info:
+                s.run(["flat"], feed(-2, [3, 5]))
+            assert "cannot be reshaped" in str(info.value.__context__)
+            assert _bytes(cache_t) == before
+            assert s.run(["flat"], feed(1, [8, 8]))[0].shape == (8, 8)  # no report left for this run
+        assert ortkv.take_cuda_error() is None
+
+
 def test_cuda_cupy_storage_if_available(rng):
     cp = pytest.importorskip("cupy", reason="cupy not installed")
     cache = cp.zeros((1, 2, 8, 4), dtype=cp.float32)

@@ -122,3 +122,59 @@ def test_a_paged_report_is_taken_with_its_own_message():
     assert "PagedCacheUpdate node 'pu': position -3 for row 1 is negative; positions start at 0. Nothing was written." in out
     assert "(found on the device by the CUDA kernel and reported after the run" in out
     assert "CODES 0 0" in out
+
+
+def test_a_failed_run_raises_its_device_report_not_the_next_run():
+    # Note [A failed run's device report]: a run fails on the host (a Reshape after the cache update) while a
+    # kernel of that run has reported. MutableCacheSession raises that report for THIS run, with ORT's error as
+    # its context, and the next run is clean. (The session runs on the CPU here; _cuda marks it as a CUDA session
+    # so the failed-run path takes the registered host words, as it takes the pinned pages of the CUDA kernels.)
+    out = run_child(
+        """
+        import numpy as np
+        from onnx import TensorProto as TP, helper
+        from ortkv.graph import make_cache_update, mark_mutable, set_alias_of
+
+        dims = ["b", "h", "c", "d"]
+        g = helper.make_graph(
+            [make_cache_update("cache", "values", "position", "updated_cache", name="cu", seq_axis=-2),
+             helper.make_node("Reshape", ["updated_cache", "shape"], ["flat"], name="flatten")], "g",
+            [helper.make_tensor_value_info("cache", TP.FLOAT, dims),
+             helper.make_tensor_value_info("values", TP.FLOAT, ["b", "h", "n", "d"]),
+             helper.make_tensor_value_info("position", TP.INT64, ["b"]),
+             helper.make_tensor_value_info("shape", TP.INT64, [2])],
+            [helper.make_tensor_value_info("updated_cache", TP.FLOAT, dims),
+             helper.make_tensor_value_info("flat", TP.FLOAT, None)])
+        m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("ortkv", 1)],
+                              ir_version=10)
+        mark_mutable(m, "cache")
+        set_alias_of(m, "updated_cache", "cache")
+        s = ortkv.MutableCacheSession(m)
+        s._cuda = True
+        s.bind_cache("cache", np.zeros((1, 2, 8, 4), np.float32))
+        lab = core.ortkv_core_register_label(b"CacheUpdate", b"cu", b"cache")
+        feed = lambda shape: {"values": np.ones((1, 2, 1, 4), np.float32), "position": np.array([3]),
+                              "shape": np.array(shape)}
+        report(words[0], NEGATIVE, lab, 0, -2, 1, 8)  # the run's kernel reported; the run then fails on the host
+        try:
+            s.run(["flat"], feed([3, 5]))
+        except ortkv.CacheInputError as e:
+            print("RAISED", e)
+            print("CONTEXT", type(e.__context__).__name__, str(e.__context__).replace("\\n", " ")[:400])
+        else:
+            raise SystemExit("the failed run did not raise its report")
+        print("CODES", words[0].code, words[1].code)
+        print("NEXT", s.run(["flat"], feed([8, 8]))[0].shape)  # clean: the report was this run's
+        try:
+            s.run(["flat"], feed([3, 5]))  # a failed run without a report raises ORT's error
+        except ortkv.OrtkvError as e:
+            raise SystemExit(f"an ortkv error without a report: {e}")
+        except Exception as e:
+            print("PLAIN", type(e).__name__, "cannot be reshaped" in str(e))
+        """
+    )
+    assert "RAISED CacheUpdate node 'cu': position -2 for row 0 of 'cache' is negative" in out, out
+    assert "CONTEXT" in out and "cannot be reshaped" in out.split("CONTEXT", 1)[1].splitlines()[0], out
+    assert "CODES 0 0" in out, out
+    assert "NEXT (8, 8)" in out, out
+    assert "PLAIN" in out and "True" in out.split("PLAIN", 1)[1].splitlines()[0], out

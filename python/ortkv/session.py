@@ -414,6 +414,9 @@ class MutableCacheSession:
             self._session.run_with_iobinding(io, run_options)
         except Exception as exc:  # ORT raises RuntimeError / its own exception types
             self._io_cache = None
+            report = _failed_run_report(io) if self._cuda else None
+            if report is not None:
+                raise report  # ORT's failure stays attached as its __context__
             translated = translate_ort_error(exc)
             if translated is exc:
                 raise
@@ -585,15 +588,41 @@ class MutableCacheSession:
         return f"<MutableCacheSession #{self._id} {state}>"
 
 
+# Note [A failed run's device report]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A run that fails on the host (a later node's shape error, an ortkv node's input check) returns while
+# the kernels it launched before the failure may still be queued on the device, and ORT does not
+# synchronize a failed run. A report such a kernel writes (Note [CUDA deferred errors]) used to land
+# after the run had raised and was then raised by the NEXT run, against inputs it was not about. So a
+# failed run of a CUDA session first synchronizes its outputs' devices (IOBinding's SynchronizeOutputs:
+# the CUDA provider's Sync), then takes the report: when there is one it is raised (it comes from a
+# node that ran before the failure, so it is the first thing that went wrong), with ORT's error as its
+# __context__; otherwise ORT's error is raised as before. A synchronization that fails (a sticky CUDA
+# error) is ignored: ORT's own error says more.
+def _failed_run_report(io) -> Exception | None:
+    try:
+        io.synchronize_outputs()
+    except Exception:  # see the Note
+        pass
+    from . import _ortkv
+
+    msg = _ortkv.cuda_take_error()
+    if msg is None:
+        return None
+    exc = translate_ort_error(RuntimeError(msg))
+    return exc if isinstance(exc, OrtkvError) else RuntimeError(msg)
+
+
 def take_cuda_error() -> None:
     """Raise the error an ortkv CUDA kernel found on the device during the last run (a bad position or
     start, a write into a protected range; Note [CUDA deferred errors] in custom_ops/include/ortkv/core.h),
     as the same typed error the CPU kernels raise, and clear it; ``ortkv.take_cuda_error()`` for an
     application that runs a bare InferenceSession (MutableCacheSession calls it after every run). ORT
     synchronizes the stream at the end of a successful run, so the report is final there. After a run
-    that failed, kernels of that run may still be writing: what this takes is a whole report, and one that
-    lands after it is taken by the next call or the next Compute of an ortkv CUDA node (Note [Reports
-    taken by their codes]). No-op when there is none or the build has no CUDA kernels."""
+    that failed, kernels of that run may still be queued: call ``io.synchronize_outputs()`` first, as
+    MutableCacheSession does (Note [A failed run's device report]); a report that lands after a take is
+    taken whole by the next call or the next Compute of an ortkv CUDA node (Note [Reports taken by their
+    codes]). No-op when there is none or the build has no CUDA kernels."""
     from . import _ortkv
 
     msg = _ortkv.cuda_take_error()
