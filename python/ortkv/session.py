@@ -598,7 +598,10 @@ class MutableCacheSession:
 # the CUDA provider's Sync), then takes the report: when there is one it is raised (it comes from a
 # node that ran before the failure, so it is the first thing that went wrong), with ORT's error as its
 # __context__; otherwise ORT's error is raised as before. A synchronization that fails (a sticky CUDA
-# error) is ignored: ORT's own error says more.
+# error) is ignored: ORT's own error says more. SynchronizeOutputs syncs the providers of the nodes that
+# produce the graph's outputs (the CUDA provider's Sync is cudaDeviceSynchronize on the session's device);
+# a model whose every output comes from a CPU node gets no sync, and a report landing later is then taken
+# whole by the next run (Note [Reports taken by their codes]), as before this Note.
 def _failed_run_report(io) -> Exception | None:
     try:
         io.synchronize_outputs()
