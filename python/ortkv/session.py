@@ -607,6 +607,11 @@ def _failed_run_report(io) -> Exception | None:
         io.synchronize_outputs()
     except Exception:  # see the Note
         pass
+    return _take_report()
+
+
+def _take_report() -> Exception | None:
+    """The CUDA kernels' pending report as the typed error (cleared), or None."""
     from . import _ortkv
 
     msg = _ortkv.cuda_take_error()
@@ -626,9 +631,6 @@ def take_cuda_error() -> None:
     MutableCacheSession does (Note [A failed run's device report]); a report that lands after a take is
     taken whole by the next call or the next Compute of an ortkv CUDA node (Note [Reports taken by their
     codes]). No-op when there is none or the build has no CUDA kernels."""
-    from . import _ortkv
-
-    msg = _ortkv.cuda_take_error()
-    if msg is not None:
-        exc = translate_ort_error(RuntimeError(msg))
-        raise exc if isinstance(exc, OrtkvError) else RuntimeError(msg)
+    exc = _take_report()
+    if exc is not None:
+        raise exc
