@@ -281,6 +281,23 @@ def test_attention_uniform_int8_kernel(rng, monkeypatch, PS, T, early, static, r
         _attn_case(rng, [PageFormat.INT8], B=1, T=T, lengths=[L], PS=16, NL=1, layer=0, **kw)
 
 
+@pytest.mark.parametrize("T", [1, 5])
+@pytest.mark.parametrize("early", ["1", "0"], ids=["early", "plain"])
+@pytest.mark.parametrize("static", [None, 1], ids=["tables", "static_tables"])
+def test_attention_uniform_int4_single_row_warps(rng, monkeypatch, T, early, static):
+    """Note [Uniform INT4 single-row warps] (ORTKV_PAGED_U4_ROW_WARPS=8): INT4 pages promised, one batch row (T = 1:
+    8 warps a block in 32-key steps; T = 5: several query tokens, the 4-warp form) against the reference: rows of 37
+    / 600 / 2000 keys (one launch; 4 and 7 splits merged in a cluster), 8K keys (32 splits and the combine; one
+    32-key step a warp), 8,203 keys (a chunk edge inside a tile) and 32,800 keys (the long ring: several steps a
+    warp), page sizes 16 and 48, G = 3 and 8, launched early and plainly, with and without static tables."""
+    monkeypatch.setenv("ORTKV_PAGED_U4_ROW_WARPS", "8")
+    monkeypatch.setenv("ORTKV_CUDA_EARLY", early)
+    kw = dict(D=64, dtype="float16", page_format="INT4", static_tables=static)
+    for L in (37, 600, 2000, 8192, 8203, 32800):
+        _attn_case(rng, [PageFormat.INT4], B=1, T=T, lengths=[L], PS=16, NL=1, layer=0, **kw)
+    _attn_case(rng, [PageFormat.INT4], B=1, T=T, lengths=[4100], PS=48, H=2, G=8, **kw)
+
+
 def _single_row_kind(kind, dtype, mixed):
     """The page formats and the node's page_format of a single-row test's kind ("mixed": the formats `mixed`)."""
     if kind == "mixed":
@@ -291,16 +308,21 @@ def _single_row_kind(kind, dtype, mixed):
 
 def _row_step(monkeypatch, kind):
     """A single-row test's kind "INT8_row32": INT8 pages promised, the uniform INT8 kernel's single rows in 32-key
-    steps (ORTKV_PAGED_INT8_ROW_STEP=32, Note [Paged CUDA uniform INT8]; "INT8": their default 64-key steps); the
-    kind without that suffix."""
+    steps (ORTKV_PAGED_INT8_ROW_STEP=32, Note [Paged CUDA uniform INT8]; "INT8": their default 64-key steps);
+    "INT4_w8": INT4 pages promised, the uniform INT4 kernel's single rows in 8 warps a block and 32-key steps
+    (ORTKV_PAGED_U4_ROW_WARPS=8, Note [Uniform INT4 single-row warps]); the kind without that suffix."""
     monkeypatch.delenv("ORTKV_PAGED_INT8_ROW_STEP", raising=False)
+    monkeypatch.delenv("ORTKV_PAGED_U4_ROW_WARPS", raising=False)
     if kind.endswith("_row32"):
         monkeypatch.setenv("ORTKV_PAGED_INT8_ROW_STEP", "32")
         return kind[: -len("_row32")]
+    if kind.endswith("_w8"):
+        monkeypatch.setenv("ORTKV_PAGED_U4_ROW_WARPS", "8")
+        return kind[: -len("_w8")]
     return kind
 
 
-@pytest.mark.parametrize("kind", ["mixed", "16bit", "INT4", "INT8", "INT8_row32"])
+@pytest.mark.parametrize("kind", ["mixed", "16bit", "INT4", "INT4_w8", "INT8", "INT8_row32"])
 @pytest.mark.parametrize("L", [37, 600, 2000], ids=["one_split", "cluster4", "cluster7"])
 @pytest.mark.parametrize("T", [1, 5])
 @pytest.mark.parametrize("dtype,D", [("float16", 64), ("bfloat16", 128)])
@@ -323,7 +345,7 @@ def test_attention_single_row_one_launch_and_cluster_merge(rng, monkeypatch, kin
 
 
 @pytest.mark.parametrize("static", [None, 1], ids=["tables", "static_tables"])
-@pytest.mark.parametrize("kind", ["mixed", "16bit", "INT4", "INT8", "INT8_row32"])
+@pytest.mark.parametrize("kind", ["mixed", "16bit", "INT4", "INT4_w8", "INT8", "INT8_row32"])
 @pytest.mark.parametrize("L,B", [(37, 1), (600, 1), (2000, 1), (8203, 3)])
 @pytest.mark.parametrize("T", [1, 5])
 def test_attention_static_tables(rng, monkeypatch, static, kind, L, B, T):
@@ -351,7 +373,7 @@ def _single_row_table(rng, monkeypatch, kind, W, NL, H, PS, D):
 
 
 @pytest.mark.parametrize("static", [None, 1], ids=["tables", "static_tables"])
-@pytest.mark.parametrize("kind", ["mixed", "16bit", "INT4", "INT8", "INT8_row32"])
+@pytest.mark.parametrize("kind", ["mixed", "16bit", "INT4", "INT4_w8", "INT8", "INT8_row32"])
 @pytest.mark.parametrize("W", [3, 40, 128], ids=["one_split", "cluster4", "cluster8"])
 @pytest.mark.parametrize("T", [1, 5])
 def test_attention_single_row_reports_the_first_failure(rng, monkeypatch, kind, W, T, static):

@@ -2209,10 +2209,11 @@ struct AttnKernels {
   size_t smem, cluster_smem;
   int max_cluster, per_sm;
   AttnKernel inblock = nullptr;  // the early kernel of nodes that report in their block (Note [Uniform in-block report])
+  int threads = kThreads;        // a block's threads (Note [Uniform INT4 single-row warps]: 256)
 };
 AttnKernels MakeKernels(AttnKernel plain, AttnKernel early, AttnKernel cluster, size_t smem, size_t cluster_smem,
-                        int max_cluster, AttnKernel inblock = nullptr) {
-  AttnKernels k{plain, early, cluster, smem, cluster_smem, max_cluster, 2, inblock};
+                        int max_cluster, AttnKernel inblock = nullptr, int threads = kThreads) {
+  AttnKernels k{plain, early, cluster, smem, cluster_smem, max_cluster, 2, inblock, threads};
   for (AttnKernel f : {plain, early, cluster, inblock}) {
     if (f == nullptr) continue;
     (void)cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -2221,7 +2222,7 @@ AttnKernels MakeKernels(AttnKernel plain, AttnKernel early, AttnKernel cluster, 
   }
   (void)cudaGetLastError();
   int n = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, plain, kThreads, smem) != cudaSuccess || n < 1) {
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, plain, threads, smem) != cudaSuccess || n < 1) {
     (void)cudaGetLastError();
   } else {
     k.per_sm = n;
@@ -2237,12 +2238,13 @@ cudaError_t LaunchOneWave(const AttnKernels& k, AttnArgs a, cudaStream_t stream)
   const unsigned blocks = static_cast<unsigned>(base * a.v.splits);
   const bool sm90 = pv2::CurrentMajor() >= 9, early = sm90 && CudaEarlyLaunch();
   if (sm90 && ClusterMerges(a.v, blocks, k.max_cluster) &&  // Note [Paged CUDA cluster merge]
-      LaunchEx(k.cluster, blocks, kThreads, k.cluster_smem, stream, static_cast<unsigned>(a.v.splits), early, a))
+      LaunchEx(k.cluster, blocks, static_cast<unsigned>(k.threads), k.cluster_smem, stream,
+               static_cast<unsigned>(a.v.splits), early, a))
     return cudaSuccess;
   // Note [CUDA attention early start]
   const AttnKernel ek = k.inblock != nullptr && ReportsInBlock(a.v) ? k.inblock : k.early;
-  if (!(early && LaunchProgrammatic(ek, blocks, kThreads, k.smem, stream, a)))
-    k.plain<<<blocks, kThreads, k.smem, stream>>>(a);
+  if (!(early && LaunchProgrammatic(ek, blocks, static_cast<unsigned>(k.threads), k.smem, stream, a)))
+    k.plain<<<blocks, k.threads, k.smem, stream>>>(a);
   cudaError_t e = cudaGetLastError();
   // Note [Paged CUDA one-launch report], Note [Paged CUDA last block reports]
   if (e != cudaSuccess || ReportsInBlock(a.v) || LastBlockReports(a.v)) return e;
@@ -3877,7 +3879,7 @@ __device__ __forceinline__ void FinishUniform(const PagedAttentionCudaView& a, c
       for (int z = 0; z < ZL; ++z) o[nt][z] = 0.0f;
   }
   unsigned long long counted = 0, rep = kNoError;
-  if (tid == kThreads - 1) {
+  if (tid == NW * 32 - 1) {
     const unsigned long long sk = bad_start ? Key(kClassRow, static_cast<unsigned long long>(bu.b) << 28) : kNoError;
     rep = sk < key ? sk : key;
     if constexpr (!INBLOCK) {  // Note [Uniform in-block report]: nothing to store before the merge
@@ -3894,11 +3896,11 @@ __device__ __forceinline__ void FinishUniform(const PagedAttentionCudaView& a, c
                                 });
   if constexpr (CLUSTER)
     tile16::ClusterMerge<T, D>(
-        fin, static_cast<int>(a.splits), bu.gn, tid, kThreads, [&](int gg) { return OutRow<T>(a, bu, gg); },
+        fin, static_cast<int>(a.splits), bu.gn, tid, NW * 32, [&](int gg) { return OutRow<T>(a, bu, gg); },
         [&](auto& cl, bool flagged) {
           if (flagged || bad_start) ClusterReport(a, bu, &s_rep, cl);
         });
-  else if (tid == kThreads - 1) {
+  else if (tid == NW * 32 - 1) {
     if constexpr (INBLOCK) {  // ReportBlockKey under ReportsInBlock
       if (rep != kNoError && bu.hk == 0 && bu.g0 == 0 && bu.t == a.T - 1) ReportAttention(a, rep);
     } else {
@@ -4163,6 +4165,23 @@ cudaError_t Launch(const AttnArgs& a, cudaStream_t stream) {
 // (every format) 8K x 1 8.65-8.70 / 8.46-8.56, 8K x 8 13.98-14.04 / 13.40-13.47, 32K x 1 13.93-13.95 / 13.61-13.68,
 // 32K x 8 31.18-31.60 / 30.29-30.40; INT8 (NT = 2, 16 lanes a tile; its loop 327 -> 317) within -2 / +1 %: 8.76-8.81
 // / 8.76-8.82, 16.98-17.10 / 17.20-17.28, 15.32-15.41 / 15.04-15.13, 45.18-45.40 / 45.37-45.80; F16 unchanged.
+// Note [Uniform INT4 single-row warps]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// On the H200 (2026-12-06, benchmarks/results/paged_attention_cuda_h200.md) the INT4 node of one row over 8K keys
+// took 6.3 us against F16 pages' 6.1: not faster, as issue 11 asks. There the grid is 3 KV heads x 32 splits of 256
+// keys, one block an SM, and each of a block's 4 warps runs exactly ONE 64-key step (~980 instructions, its warp
+// alone on its scheduler: a dependent chain), where an F16 warp runs four 16-key tiles. The INT4 node's per-key part
+// is the smaller one (8K x 1 minus 16 x 1: 3.2 against F16's 3.8 us); its fixed part is 0.8 us larger (16 x 1: 3.1
+// against 2.3 us, also on the H100), about one such step. So a node of one row (B x T = 1) may run this kernel with
+// 8 warps a block in 2-tile (32-key) steps: the same blocks, splits, pages and combine, each warp half the chain and
+// two warps a scheduler. Its ring of 3 (4 from ORTKV_PAGED_U4_LONG_KEYS) 32-key steps a warp holds the same bytes a
+// block as the 4-warp form's; the block's merge arrays (WarpMerge<8, 8>, 66 KB) outgrow that ring (55 KB at 3
+// steps), so the failure keys sit past both (Ring::kKeyOff; the 4-warp layout is unchanged). 98-100 registers, no
+// spills (sm_90, ptxas -v; the 4-warp INT4 kernel 127-128): 2 blocks an SM (one wave holds 88 splits of 3 KV
+// heads, more than the 32 of 8K keys). Opt-in, ORTKV_PAGED_U4_ROW_WARPS=8
+// (PagedU4RowWarps8), until it has run on a GPU: written in the thirty-second session with no device time left;
+// compiled for sm_90 here, never run. To try: `ORTKV_PAGED_U4_ROW_WARPS=8 pytest -m cuda tests/test_cuda_paged.py`,
+// then the bench's long cells with and without it, alternated.
 // Note [Paged CUDA uniform INT8]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // A node whose `page_format` attribute is INT8, under float16 queries at head size 64, may run the uniform INT4
@@ -4219,28 +4238,31 @@ __host__ __device__ constexpr int StepBytes() { return NT * pv3::RegCfg<F, kD>::
 #ifndef ORTKV_PAGED_U4_LONG_STAGES  // the ring of long nodes (ORTKV_PAGED_U4_LONG_KEYS)
 #define ORTKV_PAGED_U4_LONG_STAGES 4
 #endif
-using Merge = WarpMerge<kWarps, 8>;
-// A ring of ST steps of NT tiles of format F per warp.
-template <int F, int ST, int NT>
+// A ring of ST steps of NT tiles of format F per warp, NW warps; the block's merge arrays (FinishUniform) reuse it,
+// and the block's first failure key, then the key it reports, follow both (kKeyOff).
+template <int F, int ST, int NT, int NW = kWarps>
 struct Ring {
   static constexpr int kWarpBytes = ST * StepBytes<F, NT>();
-  static constexpr int kRingBytes = kWarps * kWarpBytes;
-  static constexpr size_t kSmem = kRingBytes + 16;  // + the block's first failure key, then the key it reports
+  static constexpr int kRingBytes = NW * kWarpBytes;
+  static constexpr int kMergeBytes = static_cast<int>(sizeof(WarpMerge<NW, 8>));
+  static constexpr int kKeyOff = ((kRingBytes > kMergeBytes ? kRingBytes : kMergeBytes) + 15) / 16 * 16;
+  static constexpr size_t kSmem = kKeyOff + 16;
   static_assert(ST >= 2 && 32 % NT == 0 && (ST - 1) * NT <= 32, "");
-  static_assert(sizeof(Merge) <= kRingBytes && (8 * (kD + 1) + 16) * 4 <= kWarpBytes, "merge buffers fit the ring");
+  static_assert((8 * (kD + 1) + 16) * 4 <= kWarpBytes, "a warp's merge buffers fit its ring (MergeWindowT)");
+  static_assert(NW != kWarps || kKeyOff == kRingBytes, "the 4-warp blocks' layout is the one measured");
 };
 
 // F: kInt4F, or kInt8F (Note [Paged CUDA uniform INT8]); NT tiles a step. CLUSTER: Note [Paged CUDA cluster merge]
-// (instantiated with EARLY only).
-template <int F, int ST, int NT, bool EARLY = false, bool CLUSTER = false>
-__global__ void __launch_bounds__(kThreads) PagedAttentionU4(const AttnArgs args) {
-  using RG = Ring<F, ST, NT>;
+// (instantiated with EARLY only). NW_ warps a block (Note [Uniform INT4 single-row warps]: 8).
+template <int F, int ST, int NT, bool EARLY = false, bool CLUSTER = false, int NW_ = kWarps>
+__global__ void __launch_bounds__(NW_ * 32) PagedAttentionU4(const AttnArgs args) {
+  using RG = Ring<F, ST, NT, NW_>;
   using R = pv3::RegCfg<F, kD>;
-  constexpr int NW = kWarps, kStep = StepBytes<F, NT>();
+  constexpr int NW = NW_, kStep = StepBytes<F, NT>();
   constexpr int kBatchSteps = 32 / NT;  // a lane resolves one tile: 32 tiles per batch
   extern __shared__ __align__(128) unsigned char dsm[];
-  unsigned long long& s_key = *reinterpret_cast<unsigned long long*>(dsm + RG::kRingBytes);
-  unsigned long long& s_rep = *reinterpret_cast<unsigned long long*>(dsm + RG::kRingBytes + 8);
+  unsigned long long& s_key = *reinterpret_cast<unsigned long long*>(dsm + RG::kKeyOff);
+  unsigned long long& s_rep = *reinterpret_cast<unsigned long long*>(dsm + RG::kKeyOff + 8);
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" :::);
 #endif
@@ -4409,25 +4431,32 @@ __global__ void __launch_bounds__(kThreads) PagedAttentionU4(const AttnArgs args
 #ifndef ORTKV_PAGED_U4_LONG_KEYS  // the page table's keys (per row) from which a node takes the long ring
 #define ORTKV_PAGED_U4_LONG_KEYS 32768
 #endif
-template <int F, int ST, int NT = StepTiles<F>()>
+template <int F, int ST, int NT = StepTiles<F>(), int NW = kWarps>
 const AttnKernels& KernelsOf() {
   static const AttnKernels k = [] {
-    AttnKernels x = MakeKernels(PagedAttentionU4<F, ST, NT>, PagedAttentionU4<F, ST, NT, true>,
-                                PagedAttentionU4<F, ST, NT, true, true>, Ring<F, ST, NT>::kSmem,
-                                Ring<F, ST, NT>::kSmem + kFinBytes<kD>,
-                                tile16::kMaxClusterRanks);  // Note [Paged CUDA cluster merge]
+    AttnKernels x = MakeKernels(PagedAttentionU4<F, ST, NT, false, false, NW>,
+                                PagedAttentionU4<F, ST, NT, true, false, NW>,
+                                PagedAttentionU4<F, ST, NT, true, true, NW>, Ring<F, ST, NT, NW>::kSmem,
+                                Ring<F, ST, NT, NW>::kSmem + kFinBytes<kD>,
+                                tile16::kMaxClusterRanks,  // Note [Paged CUDA cluster merge]
+                                nullptr, NW * 32);
     x.per_sm = std::min(x.per_sm, ORTKV_PAGED_U4_MAX_PER_SM);
     return x;
   }();
   return k;
 }
-// F: kInt4F or kInt8F (the same ring rule: Note [Paged CUDA uniform INT8]), in NT-tile steps.
-template <int F, int NT = StepTiles<F>()>
+// F: kInt4F or kInt8F (the same ring rule: Note [Paged CUDA uniform INT8]), in NT-tile steps, NW warps a block.
+template <int F, int NT = StepTiles<F>(), int NW = kWarps>
 cudaError_t Launch(const AttnArgs& a, cudaStream_t stream) {
   const int64_t keys = a.v.p.max_pages * a.v.p.shape.page_size;  // Note [Paged CUDA uniform INT4]
   return keys >= ORTKV_PAGED_U4_LONG_KEYS
-             ? LaunchOneWave<__half>(KernelsOf<F, ORTKV_PAGED_U4_LONG_STAGES, NT>(), a, stream)
-             : LaunchOneWave<__half>(KernelsOf<F, ORTKV_PAGED_U4_STAGES, NT>(), a, stream);
+             ? LaunchOneWave<__half>(KernelsOf<F, ORTKV_PAGED_U4_LONG_STAGES, NT, NW>(), a, stream)
+             : LaunchOneWave<__half>(KernelsOf<F, ORTKV_PAGED_U4_STAGES, NT, NW>(), a, stream);
+}
+// INT4; with `row_warps`, a node of one row (one sequence, one query) in 8 warps a block and 2-tile (32-key) steps
+// (Note [Uniform INT4 single-row warps]).
+cudaError_t LaunchInt4(const AttnArgs& a, bool row_warps, cudaStream_t stream) {
+  return row_warps && a.v.B * a.v.T == 1 ? Launch<kInt4F, 2, 8>(a, stream) : Launch<kInt4F>(a, stream);
 }
 // INT8 in steps of ORTKV_PAGED_U8_NT tiles; with `row_steps`, a node of one row (one sequence, one query) in steps
 // of ORTKV_PAGED_U8_ROW_NT (Note [Paged CUDA uniform INT8]).
@@ -4455,6 +4484,13 @@ bool PagedUniformInt8() {
 bool PagedInt8RowSteps64() {
   const char* e = std::getenv("ORTKV_PAGED_INT8_ROW_STEP");
   return e == nullptr || std::strcmp(e, "32") != 0;
+}
+// ORTKV_PAGED_U4_ROW_WARPS=8: a node of one row that promises INT4 pages runs the uniform INT4 kernel with 8 warps a
+// block in 32-key steps (Note [Uniform INT4 single-row warps]); unset or anything else keeps 4 warps in 64-key steps
+// (the default: the 8-warp form has not run on a GPU yet). Read at every launch.
+bool PagedU4RowWarps8() {
+  const char* e = std::getenv("ORTKV_PAGED_U4_ROW_WARPS");
+  return e != nullptr && std::strcmp(e, "8") == 0;
 }
 
 }  // namespace
@@ -4556,7 +4592,7 @@ Status PagedCacheAttentionCuda(const PagedAttentionCudaView& v, void* stream_ptr
   switch (v.elem_type) {
     case kFloat16:
       e = u16  ? pu::Launch<__half>(a, stream)
-          : u4 ? pu4::Launch<pv3::kInt4F>(a, stream)
+          : u4 ? pu4::LaunchInt4(a, PagedU4RowWarps8(), stream)
           : u8 ? pu4::LaunchInt8(a, PagedInt8RowSteps64(), stream)
           : v3 ? pv3::Launch<__half>(a, stream)
           : v2 ? pv2::Launch<__half>(a, gm, stream)
