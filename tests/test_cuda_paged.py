@@ -262,7 +262,7 @@ def test_attention_uniform_pages_many_tiles_per_warp(rng, monkeypatch, fmt, T):
 @pytest.mark.parametrize("T", [1, 5])
 @pytest.mark.parametrize("early", ["1", "0"], ids=["early", "plain"])
 @pytest.mark.parametrize("static", [None, 1], ids=["tables", "static_tables"])
-@pytest.mark.parametrize("row_step", ["32", "64"], ids=["row32", "row64"])
+@pytest.mark.parametrize("row_step", ["32", "64", "w8"], ids=["row32", "row64", "w8"])
 def test_attention_uniform_int8_kernel(rng, monkeypatch, PS, T, early, static, row_step):
     """Note [Paged CUDA uniform INT8]: INT8 pages promised under float16 queries at head size 64, against the
     reference: rows ending inside a tile, a row of 8K keys (split, chunk edges inside tiles), single rows of 37 /
@@ -270,9 +270,15 @@ def test_attention_uniform_int8_kernel(rng, monkeypatch, PS, T, early, static, r
     32K keys: the long ring), a page size that is not a power of two, G = 3 and 8, launched early and plainly, with
     and without static tables. row64 (the default, ORTKV_PAGED_INT8_ROW_STEP=64): T = 1's single rows run the
     kernel's 64-key steps; every other node, and every node under row32 (ORTKV_PAGED_INT8_ROW_STEP=32), its 32-key
-    steps."""
+    steps; w8 (ORTKV_PAGED_U8_ROW_WARPS=8, Note [Uniform INT4 single-row warps]): the single rows in 8 warps a block
+    and 32-key steps."""
     monkeypatch.setenv("ORTKV_PAGED_UNIFORM_INT8", "1")
-    monkeypatch.setenv("ORTKV_PAGED_INT8_ROW_STEP", row_step)
+    if row_step == "w8":
+        monkeypatch.setenv("ORTKV_PAGED_U8_ROW_WARPS", "8")
+        monkeypatch.delenv("ORTKV_PAGED_INT8_ROW_STEP", raising=False)
+    else:
+        monkeypatch.delenv("ORTKV_PAGED_U8_ROW_WARPS", raising=False)
+        monkeypatch.setenv("ORTKV_PAGED_INT8_ROW_STEP", row_step)
     monkeypatch.setenv("ORTKV_CUDA_EARLY", early)
     kw = dict(D=64, dtype="float16", page_format="INT8", static_tables=static)
     _attn_case(rng, [PageFormat.INT8], B=3, T=T, lengths=[8203, 37, PS + T], PS=PS, NL=1, layer=0, **kw)
@@ -309,20 +315,22 @@ def _single_row_kind(kind, dtype, mixed):
 def _row_step(monkeypatch, kind):
     """A single-row test's kind "INT8_row32": INT8 pages promised, the uniform INT8 kernel's single rows in 32-key
     steps (ORTKV_PAGED_INT8_ROW_STEP=32, Note [Paged CUDA uniform INT8]; "INT8": their default 64-key steps);
-    "INT4_w8": INT4 pages promised, the uniform INT4 kernel's single rows in 8 warps a block and 32-key steps
-    (ORTKV_PAGED_U4_ROW_WARPS=8, Note [Uniform INT4 single-row warps]); the kind without that suffix."""
-    monkeypatch.delenv("ORTKV_PAGED_INT8_ROW_STEP", raising=False)
-    monkeypatch.delenv("ORTKV_PAGED_U4_ROW_WARPS", raising=False)
+    "INT4_w8" / "INT8_w8": INT4 / INT8 pages promised, the uniform kernel's single rows in 8 warps a block and 32-key
+    steps (ORTKV_PAGED_U4_ROW_WARPS=8 / ORTKV_PAGED_U8_ROW_WARPS=8, Note [Uniform INT4 single-row warps]); the kind
+    without that suffix."""
+    for name in ("ORTKV_PAGED_INT8_ROW_STEP", "ORTKV_PAGED_U4_ROW_WARPS", "ORTKV_PAGED_U8_ROW_WARPS"):
+        monkeypatch.delenv(name, raising=False)
     if kind.endswith("_row32"):
         monkeypatch.setenv("ORTKV_PAGED_INT8_ROW_STEP", "32")
         return kind[: -len("_row32")]
     if kind.endswith("_w8"):
-        monkeypatch.setenv("ORTKV_PAGED_U4_ROW_WARPS", "8")
-        return kind[: -len("_w8")]
+        base = kind[: -len("_w8")]
+        monkeypatch.setenv("ORTKV_PAGED_U4_ROW_WARPS" if base == "INT4" else "ORTKV_PAGED_U8_ROW_WARPS", "8")
+        return base
     return kind
 
 
-@pytest.mark.parametrize("kind", ["mixed", "16bit", "INT4", "INT4_w8", "INT8", "INT8_row32"])
+@pytest.mark.parametrize("kind", ["mixed", "16bit", "INT4", "INT4_w8", "INT8", "INT8_row32", "INT8_w8"])
 @pytest.mark.parametrize("L", [37, 600, 2000], ids=["one_split", "cluster4", "cluster7"])
 @pytest.mark.parametrize("T", [1, 5])
 @pytest.mark.parametrize("dtype,D", [("float16", 64), ("bfloat16", 128)])
@@ -345,7 +353,7 @@ def test_attention_single_row_one_launch_and_cluster_merge(rng, monkeypatch, kin
 
 
 @pytest.mark.parametrize("static", [None, 1], ids=["tables", "static_tables"])
-@pytest.mark.parametrize("kind", ["mixed", "16bit", "INT4", "INT4_w8", "INT8", "INT8_row32"])
+@pytest.mark.parametrize("kind", ["mixed", "16bit", "INT4", "INT4_w8", "INT8", "INT8_row32", "INT8_w8"])
 @pytest.mark.parametrize("L,B", [(37, 1), (600, 1), (2000, 1), (8203, 3)])
 @pytest.mark.parametrize("T", [1, 5])
 def test_attention_static_tables(rng, monkeypatch, static, kind, L, B, T):
@@ -373,7 +381,7 @@ def _single_row_table(rng, monkeypatch, kind, W, NL, H, PS, D):
 
 
 @pytest.mark.parametrize("static", [None, 1], ids=["tables", "static_tables"])
-@pytest.mark.parametrize("kind", ["mixed", "16bit", "INT4", "INT4_w8", "INT8", "INT8_row32"])
+@pytest.mark.parametrize("kind", ["mixed", "16bit", "INT4", "INT4_w8", "INT8", "INT8_row32", "INT8_w8"])
 @pytest.mark.parametrize("W", [3, 40, 128], ids=["one_split", "cluster4", "cluster8"])
 @pytest.mark.parametrize("T", [1, 5])
 def test_attention_single_row_reports_the_first_failure(rng, monkeypatch, kind, W, T, static):

@@ -4459,8 +4459,10 @@ cudaError_t LaunchInt4(const AttnArgs& a, bool row_warps, cudaStream_t stream) {
   return row_warps && a.v.B * a.v.T == 1 ? Launch<kInt4F, 2, 8>(a, stream) : Launch<kInt4F>(a, stream);
 }
 // INT8 in steps of ORTKV_PAGED_U8_NT tiles; with `row_steps`, a node of one row (one sequence, one query) in steps
-// of ORTKV_PAGED_U8_ROW_NT (Note [Paged CUDA uniform INT8]).
-cudaError_t LaunchInt8(const AttnArgs& a, bool row_steps, cudaStream_t stream) {
+// of ORTKV_PAGED_U8_ROW_NT (Note [Paged CUDA uniform INT8]); with `row_warps` (before `row_steps`), such a node in
+// 8 warps a block and 2-tile (32-key) steps (Note [Uniform INT4 single-row warps]).
+cudaError_t LaunchInt8(const AttnArgs& a, bool row_steps, bool row_warps, cudaStream_t stream) {
+  if (a.v.B * a.v.T == 1 && row_warps) return Launch<kInt8F, 2, 8>(a, stream);
   return row_steps && a.v.B * a.v.T == 1 ? Launch<kInt8F, ORTKV_PAGED_U8_ROW_NT>(a, stream)
                                          : Launch<kInt8F>(a, stream);
 }
@@ -4490,6 +4492,12 @@ bool PagedInt8RowSteps64() {
 // (the default: the 8-warp form has not run on a GPU yet). Read at every launch.
 bool PagedU4RowWarps8() {
   const char* e = std::getenv("ORTKV_PAGED_U4_ROW_WARPS");
+  return e != nullptr && std::strcmp(e, "8") == 0;
+}
+// ORTKV_PAGED_U8_ROW_WARPS=8: the same for a node of one row that promises INT8 pages (the uniform INT8 kernel, 8
+// warps, 32-key steps, in place of its 4 warps in 64-key steps). Read at every launch.
+bool PagedU8RowWarps8() {
+  const char* e = std::getenv("ORTKV_PAGED_U8_ROW_WARPS");
   return e != nullptr && std::strcmp(e, "8") == 0;
 }
 
@@ -4593,7 +4601,7 @@ Status PagedCacheAttentionCuda(const PagedAttentionCudaView& v, void* stream_ptr
     case kFloat16:
       e = u16  ? pu::Launch<__half>(a, stream)
           : u4 ? pu4::LaunchInt4(a, PagedU4RowWarps8(), stream)
-          : u8 ? pu4::LaunchInt8(a, PagedInt8RowSteps64(), stream)
+          : u8 ? pu4::LaunchInt8(a, PagedInt8RowSteps64(), PagedU8RowWarps8(), stream)
           : v3 ? pv3::Launch<__half>(a, stream)
           : v2 ? pv2::Launch<__half>(a, gm, stream)
                : LaunchAttn<__half>(a, gm, blocks, stream);
