@@ -4181,7 +4181,9 @@ cudaError_t Launch(const AttnArgs& a, cudaStream_t stream) {
 // heads, more than the 32 of 8K keys). Opt-in, ORTKV_PAGED_U4_ROW_WARPS=8
 // (PagedU4RowWarps8), until it has run on a GPU: written in the thirty-second session with no device time left;
 // compiled for sm_90 here, never run. To try: `ORTKV_PAGED_U4_ROW_WARPS=8 pytest -m cuda tests/test_cuda_paged.py`,
-// then the bench's long cells with and without it, alternated.
+// then the bench's long cells with and without it, alternated. The uniform INT8 kernel's single rows (1.00x F16 at
+// 8K x 1 on the H200, in 64-key steps) take the same form under ORTKV_PAGED_U8_ROW_WARPS=8 (thirty-third session:
+// PagedAttentionU4<kInt8F, ST, 2, ..., 8>, 96-102 registers, no spills, a 104 KB ring a block at 3 steps).
 // Note [Paged CUDA uniform INT8]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // A node whose `page_format` attribute is INT8, under float16 queries at head size 64, may run the uniform INT4
