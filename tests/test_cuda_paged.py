@@ -268,17 +268,12 @@ def test_attention_uniform_int8_kernel(rng, monkeypatch, PS, T, early, static, r
     reference: rows ending inside a tile, a row of 8K keys (split, chunk edges inside tiles), single rows of 37 /
     600 / 2000 keys (one launch, 4 and 7 splits merged in a cluster), of 8K keys and of 32,800 keys (a table past
     32K keys: the long ring), a page size that is not a power of two, G = 3 and 8, launched early and plainly, with
-    and without static tables. row64 (the default, ORTKV_PAGED_INT8_ROW_STEP=64): T = 1's single rows run the
+    and without static tables. row64 (the default, ORTKV_PAGED_INT8_ROW_STEP unset): T = 1's single rows run the
     kernel's 64-key steps; every other node, and every node under row32 (ORTKV_PAGED_INT8_ROW_STEP=32), its 32-key
     steps; w8 (ORTKV_PAGED_U8_ROW_WARPS=8, Note [Uniform INT4 single-row warps]): the single rows in 8 warps a block
     and 32-key steps."""
     monkeypatch.setenv("ORTKV_PAGED_UNIFORM_INT8", "1")
-    if row_step == "w8":
-        monkeypatch.setenv("ORTKV_PAGED_U8_ROW_WARPS", "8")
-        monkeypatch.delenv("ORTKV_PAGED_INT8_ROW_STEP", raising=False)
-    else:
-        monkeypatch.delenv("ORTKV_PAGED_U8_ROW_WARPS", raising=False)
-        monkeypatch.setenv("ORTKV_PAGED_INT8_ROW_STEP", row_step)
+    _row_step(monkeypatch, {"32": "INT8_row32", "64": "INT8", "w8": "INT8_w8"}[row_step])
     monkeypatch.setenv("ORTKV_CUDA_EARLY", early)
     kw = dict(D=64, dtype="float16", page_format="INT8", static_tables=static)
     _attn_case(rng, [PageFormat.INT8], B=3, T=T, lengths=[8203, 37, PS + T], PS=PS, NL=1, layer=0, **kw)
