@@ -4476,32 +4476,26 @@ Status LaunchError(const char* op, cudaError_t e) {
                                     cudaGetErrorString(e));
 }
 
+// The A/B switches below are environment variables read at every launch (a captured CUDA graph keeps the kernel of
+// its capture). EnvIs: the variable `name` is set and equals `value`.
+bool EnvIs(const char* name, const char* value) {
+  const char* e = std::getenv(name);
+  return e != nullptr && std::strcmp(e, value) == 0;
+}
 // ORTKV_PAGED_UNIFORM_INT8: nodes that promise INT8 pages run the uniform INT8 kernel (Note [Paged CUDA uniform
 // INT8]) unless it is "0", which keeps them on the every-format kernel (an A/B switch for the benchmarks and the
-// tests). Read at every launch (a captured CUDA graph keeps the kernel of its capture).
-bool PagedUniformInt8() {
-  const char* e = std::getenv("ORTKV_PAGED_UNIFORM_INT8");
-  return e == nullptr || std::strcmp(e, "0") != 0;
-}
+// tests).
+bool PagedUniformInt8() { return !EnvIs("ORTKV_PAGED_UNIFORM_INT8", "0"); }
 // ORTKV_PAGED_INT8_ROW_STEP: that kernel runs a node of one row in 64-key steps (Note [Paged CUDA uniform INT8])
-// unless it is "32", which keeps every node in 32-key steps (the A/B). Read at every launch.
-bool PagedInt8RowSteps64() {
-  const char* e = std::getenv("ORTKV_PAGED_INT8_ROW_STEP");
-  return e == nullptr || std::strcmp(e, "32") != 0;
-}
+// unless it is "32", which keeps every node in 32-key steps (the A/B).
+bool PagedInt8RowSteps64() { return !EnvIs("ORTKV_PAGED_INT8_ROW_STEP", "32"); }
 // ORTKV_PAGED_U4_ROW_WARPS=8: a node of one row that promises INT4 pages runs the uniform INT4 kernel with 8 warps a
 // block in 32-key steps (Note [Uniform INT4 single-row warps]); unset or anything else keeps 4 warps in 64-key steps
-// (the default: the 8-warp form has not run on a GPU yet). Read at every launch.
-bool PagedU4RowWarps8() {
-  const char* e = std::getenv("ORTKV_PAGED_U4_ROW_WARPS");
-  return e != nullptr && std::strcmp(e, "8") == 0;
-}
+// (the default: the 8-warp form has not run on a GPU yet).
+bool PagedU4RowWarps8() { return EnvIs("ORTKV_PAGED_U4_ROW_WARPS", "8"); }
 // ORTKV_PAGED_U8_ROW_WARPS=8: the same for a node of one row that promises INT8 pages (the uniform INT8 kernel, 8
-// warps, 32-key steps, in place of its 4 warps in 64-key steps). Read at every launch.
-bool PagedU8RowWarps8() {
-  const char* e = std::getenv("ORTKV_PAGED_U8_ROW_WARPS");
-  return e != nullptr && std::strcmp(e, "8") == 0;
-}
+// warps, 32-key steps, in place of its 4 warps in 64-key steps).
+bool PagedU8RowWarps8() { return EnvIs("ORTKV_PAGED_U8_ROW_WARPS", "8"); }
 
 }  // namespace
 
