@@ -4178,12 +4178,18 @@ cudaError_t Launch(const AttnArgs& a, cudaStream_t stream) {
 // block as the 4-warp form's; the block's merge arrays (WarpMerge<8, 8>, 66 KB) outgrow that ring (55 KB at 3
 // steps), so the failure keys sit past both (Ring::kKeyOff; the 4-warp layout is unchanged). 98-100 registers, no
 // spills (sm_90, ptxas -v; the 4-warp INT4 kernel 127-128): 2 blocks an SM (one wave holds 88 splits of 3 KV
-// heads, more than the 32 of 8K keys). Opt-in, ORTKV_PAGED_U4_ROW_WARPS=8
-// (PagedU4RowWarps8), until it has run on a GPU: written in the thirty-second session with no device time left;
-// compiled for sm_90 here, never run. To try: `ORTKV_PAGED_U4_ROW_WARPS=8 pytest -m cuda tests/test_cuda_paged.py`,
-// then the bench's long cells with and without it, alternated. The uniform INT8 kernel's single rows (1.00x F16 at
-// 8K x 1 on the H200, in 64-key steps) take the same form under ORTKV_PAGED_U8_ROW_WARPS=8 (thirty-third session:
-// PagedAttentionU4<kInt8F, ST, 2, ..., 8>, 96-102 registers, no spills, a 104 KB ring a block at 3 steps).
+// heads, more than the 32 of 8K keys). Opt-in, ORTKV_PAGED_U4_ROW_WARPS=8 (PagedU4RowWarps8). The uniform INT8
+// kernel's single rows (1.00x F16 at 8K x 1 on the H200, in 64-key steps) take the same form under
+// ORTKV_PAGED_U8_ROW_WARPS=8 (PagedAttentionU4<kInt8F, ST, 2, ..., 8>, 96-102 registers, no spills, a 104 KB ring
+// a block at 3 steps). Written without a GPU (thirty-second / thirty-third sessions); first run on an H100 in the
+// thirty-fourth (benchmarks/results/paged_attention_cuda_h200.md): the CUDA tests pass with both knobs, but at 8K x 1,
+// the cell they were for, both forms are slower (INT4 6.2-6.4 -> 6.5-6.6 us, INT8 6.2-6.3 -> 6.6-6.7; F16 6.9-7.0);
+// they win INT4 at 16K x 1 (9.2-9.4 -> 8.6-8.7) and INT8 at 16 / 1K keys (3.2 -> 2.9, 5.0 -> 4.8), lose INT8 at 16K
+// x 1 (7.9-8.0 -> 8.7-8.8). ncu at 8K x 1: the 8-warp INT4 grid takes the same cycles as the 4-warp one (15,736)
+// with 62 % more instructions, so a warp's one step is not what bounds the node. Kept opt-in, for the A/B on an
+// H200 (not run there yet). Where the single-row INT4 node's extra ~0.8 us over F16 goes (ncu's per-instruction
+// counts, 16 keys x 1 row): after griddepcontrol.wait, RegQuery's 147 instructions a warp against F16's 45 and the
+// transposed window's end (MergeWindowT, ~190 against ~50), both on the chain that follows the query's load.
 // Note [Paged CUDA uniform INT8]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // A node whose `page_format` attribute is INT8, under float16 queries at head size 64, may run the uniform INT4
@@ -4491,7 +4497,7 @@ bool PagedUniformInt8() { return !EnvIs("ORTKV_PAGED_UNIFORM_INT8", "0"); }
 bool PagedInt8RowSteps64() { return !EnvIs("ORTKV_PAGED_INT8_ROW_STEP", "32"); }
 // ORTKV_PAGED_U4_ROW_WARPS=8: a node of one row that promises INT4 pages runs the uniform INT4 kernel with 8 warps a
 // block in 32-key steps (Note [Uniform INT4 single-row warps]); unset or anything else keeps 4 warps in 64-key steps
-// (the default: the 8-warp form has not run on a GPU yet).
+// (the default: on an H100 the 8-warp form is slower at 8K keys x 1 row).
 bool PagedU4RowWarps8() { return EnvIs("ORTKV_PAGED_U4_ROW_WARPS", "8"); }
 // ORTKV_PAGED_U8_ROW_WARPS=8: the same for a node of one row that promises INT8 pages (the uniform INT8 kernel, 8
 // warps, 32-key steps, in place of its 4 warps in 64-key steps).
