@@ -3289,6 +3289,16 @@ __device__ __forceinline__ void NarrowTilesT(const uint8_t* st, const uint32_t (
   }
 }
 
+// A transposed window's column sums: l and sum p m_v of query-head columns 2c, 2c + 1 over the keys of every row g.
+__device__ __forceinline__ void ColumnSumsT(float* lw, float* mvw) {
+#pragma unroll
+  for (int x = 4; x < 32; x <<= 1)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      lw[e] += __shfl_xor_sync(0xffffffffu, lw[e], x);
+      mvw[e] += __shfl_xor_sync(0xffffffffu, mvw[e], x);
+    }
+}
 // The end of a transposed INT4 window (Note [Paged CUDA v3 transposed INT4]): its state (per query-head column
 // m, l, sum p m_v, and O^T) merged into the block's m, l and o of layout 0 through the warp's ring, whose copies
 // have all landed.
@@ -3297,13 +3307,7 @@ __device__ __forceinline__ void MergeWindowT(uint8_t* wring, int lane, const flo
   constexpr int D = 64, kRow = D + 1;  // [8 heads][65] floats: O with sum p m_v on every dim, then m and l per head
   const int g = lane >> 2, c = lane & 3;
   CpAsyncWait<0>();
-#pragma unroll
-  for (int x = 4; x < 32; x <<= 1)
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      lw[e] += __shfl_xor_sync(0xffffffffu, lw[e], x);
-      mvw[e] += __shfl_xor_sync(0xffffffffu, mvw[e], x);
-    }
+  ColumnSumsT(lw, mvw);
   float* buf = reinterpret_cast<float*>(wring);
   float* ml = buf + 8 * kRow;
 #pragma unroll
@@ -3858,26 +3862,18 @@ __device__ __forceinline__ void RestartKey(int tid, unsigned long long& s_key) {
   if (tid == 0) s_key = kNoError;
   __syncthreads();
 }
-// The end of a uniform block, its warps' (m, l, o) of layout 0 final: a bad page empties the block's output (as Note
-// [Paged CUDA v3]); the last thread reports the block's key with the start's failure (Note [Uniform key thread]:
-// s_rep, a slot of its own, since the other threads read s_key after the same barrier); the warps merge through
-// dsm, then the cluster (Note [Paged CUDA cluster merge]) or the node's report (Note [Paged CUDA one-launch
-// report], Note [Paged CUDA last block reports]).
-template <typename T, int D, int NW, bool CLUSTER, int ZL, bool INBLOCK = false>
-__device__ __forceinline__ void FinishUniform(const PagedAttentionCudaView& a, const BlockUnit& bu, unsigned char* dsm,
-                                              unsigned long long& s_key, unsigned long long& s_rep, bool bad_start,
-                                              float* fin, float m, float l, float (*o)[4]) {
+// The end of a uniform block after the barrier that frees the ring and its key `key` (s_key): the last thread
+// reports the block's key with the start's failure (Note [Uniform key thread]: s_rep, a slot of its own, since the
+// other threads read s_key after the same barrier); `merge(mg, failed, emit)` merges the warps' states (a failed
+// block's as m = -inf, l = 0, o = 0) through dsm and emits every (head, element); then the cluster (Note [Paged
+// CUDA cluster merge]) or the node's report (Note [Paged CUDA one-launch report], Note [Paged CUDA last block
+// reports]). FinishUniform's merge is MergeWarpTiles; the uniform INT4 / INT8 kernel's, under
+// ORTKV_PAGED_U4_DIRECT_FINISH, its transposed window's own stores (Note [Uniform transposed finish]).
+template <typename T, int D, int NW, bool CLUSTER, bool INBLOCK, typename Merge>
+__device__ __forceinline__ void FinishUniformAfter(const PagedAttentionCudaView& a, const BlockUnit& bu,
+                                                   unsigned char* dsm, unsigned long long& s_rep, bool bad_start,
+                                                   float* fin, unsigned long long key, Merge merge) {
   const int tid = threadIdx.x;
-  __syncthreads();  // the ring becomes the merge arrays; s_key is final
-  const unsigned long long key = s_key;
-  if (key != kNoError) {
-    m = -INFINITY;
-    l = 0.0f;
-#pragma unroll
-    for (int nt = 0; nt < D / 8; ++nt)
-#pragma unroll
-      for (int z = 0; z < ZL; ++z) o[nt][z] = 0.0f;
-  }
   unsigned long long counted = 0, rep = kNoError;
   if (tid == NW * 32 - 1) {
     const unsigned long long sk = bad_start ? Key(kClassRow, static_cast<unsigned long long>(bu.b) << 28) : kNoError;
@@ -3890,10 +3886,9 @@ __device__ __forceinline__ void FinishUniform(const PagedAttentionCudaView& a, c
   // CLUSTER: a block with a bad page leaves l = NaN in `fin` for rank 0 (Note [Cluster merge flag]); the partial
   // goes to `fin` as dense v3 writes it (Note [Uniform fin stores])
   const bool failed = key != kNoError;
-  tile16::MergeWarpTiles<NW, D>(*reinterpret_cast<WarpMerge<NW, 8>*>(dsm), m, l, o, bu.gn,
-                                [&](int gg, int d, float mb, float lb, float ab) {
-                                  EmitBlock<T, D, CLUSTER>(a, bu, fin, failed, gg, d, mb, lb, ab);
-                                });
+  merge(*reinterpret_cast<WarpMerge<NW, 8>*>(dsm), failed, [&](int gg, int d, float mb, float lb, float ab) {
+    EmitBlock<T, D, CLUSTER>(a, bu, fin, failed, gg, d, mb, lb, ab);
+  });
   if constexpr (CLUSTER)
     tile16::ClusterMerge<T, D>(
         fin, static_cast<int>(a.splits), bu.gn, tid, NW * 32, [&](int gg) { return OutRow<T>(a, bu, gg); },
@@ -3907,6 +3902,27 @@ __device__ __forceinline__ void FinishUniform(const PagedAttentionCudaView& a, c
       ReportBlockKey(a, bu, rep, counted);
     }
   }
+}
+// The end of a uniform block, its warps' (m, l, o) of layout 0 final: a bad page empties the block's output (as Note
+// [Paged CUDA v3]).
+template <typename T, int D, int NW, bool CLUSTER, int ZL, bool INBLOCK = false>
+__device__ __forceinline__ void FinishUniform(const PagedAttentionCudaView& a, const BlockUnit& bu, unsigned char* dsm,
+                                              unsigned long long& s_key, unsigned long long& s_rep, bool bad_start,
+                                              float* fin, float m, float l, float (*o)[4]) {
+  __syncthreads();  // the ring becomes the merge arrays; s_key is final
+  const unsigned long long key = s_key;
+  if (key != kNoError) {
+    m = -INFINITY;
+    l = 0.0f;
+#pragma unroll
+    for (int nt = 0; nt < D / 8; ++nt)
+#pragma unroll
+      for (int z = 0; z < ZL; ++z) o[nt][z] = 0.0f;
+  }
+  FinishUniformAfter<T, D, NW, CLUSTER, INBLOCK>(a, bu, dsm, s_rep, bad_start, fin, key,
+                                                 [&](WarpMerge<NW, 8>& mg, bool, auto emit) {
+                                                   tile16::MergeWarpTiles<NW, D>(mg, m, l, o, bu.gn, emit);
+                                                 });
 }
 using tile16::LoadQueryPairs;
 using tile16::MergeWarpTiles;
@@ -4190,6 +4206,25 @@ cudaError_t Launch(const AttnArgs& a, cudaStream_t stream) {
 // H200 (not run there yet). Where the single-row INT4 node's extra ~0.8 us over F16 goes (ncu's per-instruction
 // counts, 16 keys x 1 row): after griddepcontrol.wait, RegQuery's 147 instructions a warp against F16's 45 and the
 // transposed window's end (MergeWindowT, ~190 against ~50), both on the chain that follows the query's load.
+// Note [Uniform transposed finish]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A warp of the uniform INT4 / INT8 kernel runs one window, transposed (keys in the mma's M dimension, query heads
+// its columns: Note [Paged CUDA v3 transposed INT4]). It used to end it as the every-format kernel ends each of its
+// windows, through MergeWindowT: the window's O^T, m and l stored to the warp's ring, __syncwarp, read back in
+// layout 0 and merged into an empty (m, l, o) (two exp2, an FMA a value), the quad's l summed; then FinishUniform
+// stored that (m, l, o) into the block's merge arrays for the cross-warp merge. ncu's per-instruction counts put
+// ~190 instructions a warp there against F16's ~50, on the chain that follows the query's load, in every
+// single-row node (16 keys x 1 row on an H100: INT4 3.1 us against F16's 2.3). With ORTKV_PAGED_U4_DIRECT_FINISH=1,
+// after the column sums, each lane stores its O^T values (+ sum p m_v of their column), and the g == 0 lanes the
+// columns' m and l, straight into WarpMerge at MergeWindowT's map (head 2c + (e & 1), dim 8g + mt + 4 (e >> 1)); a
+// column without keys or a failed block stores m = -inf, l = 0, o = 0, as the old path left them
+// (FinishUniformAfter's merge functor; the cross-warp merge, emits and reports are FinishUniform's). The values are
+// the same floats: the old merge multiplied them by exp2(0) = 1 and added 0. sm_90 SASS (cuobjdump): 160-180
+// instructions fewer in each INT4 / INT8 uniform kernel (e.g. <4, 3, 4, EARLY> 4,400 -> 4,224), the same
+// registers (96-128), no spills. A compile-time switch, 0 (the MergeWindowT path, as measured) until it has run on
+// a GPU: written in the thirty-fourth session after its device time was spent (the CUDA tests and the A/B against
+// the MergeWindowT build are what to run: benchmarks/results/paged_attention_cuda_h200.md, that session).
+// With the switch at 0 every kernel's SASS is the previous build's, instruction for instruction.
 // Note [Paged CUDA uniform INT8]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // A node whose `page_format` attribute is INT8, under float16 queries at head size 64, may run the uniform INT4
@@ -4262,6 +4297,9 @@ struct Ring {
 
 // F: kInt4F, or kInt8F (Note [Paged CUDA uniform INT8]); NT tiles a step. CLUSTER: Note [Paged CUDA cluster merge]
 // (instantiated with EARLY only). NW_ warps a block (Note [Uniform INT4 single-row warps]: 8).
+#ifndef ORTKV_PAGED_U4_DIRECT_FINISH  // 1: Note [Uniform transposed finish] (not yet run on a GPU); 0: the window
+#define ORTKV_PAGED_U4_DIRECT_FINISH 0   // merged through MergeWindowT first, as measured
+#endif
 template <int F, int ST, int NT, bool EARLY = false, bool CLUSTER = false, int NW_ = kWarps>
 __global__ void __launch_bounds__(NW_ * 32) PagedAttentionU4(const AttnArgs args) {
   using RG = Ring<F, ST, NT, NW_>;
@@ -4423,14 +4461,42 @@ __global__ void __launch_bounds__(NW_ * 32) PagedAttentionU4(const AttnArgs args
     const auto valid = KeysInWindow<NT * kTile>((warp + it * NW) * NT * kTile, 0, win);
     pv3::NarrowTilesT<F, NT>(wring + stage * kStep, qa, qs, kc, lane, valid, mw, lw, mvw, ow);
   }
-  float m = -INFINITY, l = 0.0f, o[kD / 8][4];
+  if constexpr (!ORTKV_PAGED_U4_DIRECT_FINISH) {  // the A/B: the window merged through MergeWindowT first
+    float m = -INFINITY, l = 0.0f, o[kD / 8][4];
 #pragma unroll
-  for (int nt = 0; nt < kD / 8; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.0f;
-  pv3::MergeWindowT(wring, lane, mw, lw, mvw, ow, m, l, o);  // waits for every copy
-  l += __shfl_xor_sync(0xffffffffu, l, 1);
-  l += __shfl_xor_sync(0xffffffffu, l, 2);
-  pu::FinishUniform<__half, kD, NW, CLUSTER, 2>(a, bu, dsm, s_key, s_rep, bad_start,
-                                             CLUSTER ? reinterpret_cast<float*>(dsm + RG::kSmem) : nullptr, m, l, o);
+    for (int nt = 0; nt < kD / 8; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.0f;
+    pv3::MergeWindowT(wring, lane, mw, lw, mvw, ow, m, l, o);  // waits for every copy
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    pu::FinishUniform<__half, kD, NW, CLUSTER, 2>(a, bu, dsm, s_key, s_rep, bad_start,
+                                               CLUSTER ? reinterpret_cast<float*>(dsm + RG::kSmem) : nullptr, m, l, o);
+    return;
+  }
+  // Note [Uniform transposed finish]: the window's state goes straight into the block's merge arrays
+  pv3::ColumnSumsT(lw, mvw);
+  CpAsyncWait<0>();  // every copy landed before the ring becomes the merge arrays (the barrier below)
+  __syncthreads();  // the ring becomes the merge arrays; s_key is final
+  pu::FinishUniformAfter<__half, kD, NW, CLUSTER, false>(
+      a, bu, dsm, s_rep, bad_start, CLUSTER ? reinterpret_cast<float*>(dsm + RG::kSmem) : nullptr, s_key,
+      [&](WarpMerge<NW, 8>& mg, bool failed, auto emit) {
+        // head column 2c + (e & 1), dim 8g + mt + 4 (e >> 1): MergeWindowT's map; a column without keys (m = -inf)
+        // or a failed block stores nothing but m = -inf, l = 0, o = 0, as MergeWindowT leaves it
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const bool none = failed || mw[e] == -INFINITY;
+          if (g == 0) {
+            mg.m[warp][2 * c + e] = none ? -INFINITY : mw[e];
+            mg.l[warp][2 * c + e] = none ? 0.0f : lw[e];
+          }
+#pragma unroll
+          for (int mt = 0; mt < 4; ++mt)
+#pragma unroll
+            for (int hi = 0; hi < 2; ++hi)
+              mg.acc[warp][2 * c + e][8 * g + mt + 4 * hi] = none ? 0.0f : ow[mt][e + 2 * hi] + mvw[e];
+        }
+        __syncthreads();
+        tile16::MergeWarpStates<NW, kD>(mg, bu.gn, emit);
+      });
 }
 
 #ifndef ORTKV_PAGED_U4_MAX_PER_SM  // the blocks per SM the splits assume (an A/B knob for paged_sweep.cu)

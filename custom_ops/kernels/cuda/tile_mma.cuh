@@ -205,6 +205,27 @@ __device__ __forceinline__ void StreamWarpTiles(uint8_t* wring, const uint32_t (
   CpAsyncWait<0>();
 }
 
+// The merge half of MergeWarpTiles (below), for callers that store their warps' states into mg themselves (the paged
+// uniform INT4 / INT8 kernel's transposed windows: Note [Uniform transposed finish]), a barrier after the stores.
+template <int NW, int D, typename Emit>
+__device__ __forceinline__ void MergeWarpStates(const WarpMerge<NW, 8>& mg, int gn, Emit emit) {
+  const int tid = threadIdx.x;
+  for (int x = tid; x < gn * D; x += NW * 32) {
+    const int gg = x / D, d = x % D;
+    float mb = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < NW; ++w) mb = fmaxf(mb, mg.m[w][gg]);
+    float lb = 0.0f, ab = 0.0f;
+#pragma unroll
+    for (int w = 0; w < NW; ++w) {
+      const float mw = mg.m[w][gg];
+      const float f = mw == -INFINITY ? 0.0f : Exp2(mw - mb);
+      lb += mg.l[w][gg] * f;
+      ab += mg.acc[w][gg][d] * f;
+    }
+    emit(gg, d, mb, lb, ab);
+  }
+}
 // The end of a block of NW tile-streaming warps (dense and paged v3): each warp's online-softmax state of the 8
 // query-head rows of its mma tiles (row g = lane / 4: m, l summed over the row's quad, o in the C fragments)
 // goes into mg (shared memory the caller freed with a barrier), then, after one barrier, every (head gg < gn,
@@ -225,21 +246,7 @@ __device__ __forceinline__ void MergeWarpTiles(WarpMerge<NW, 8>& mg, float m, fl
     mg.acc[warp][g][dim(nt, 2 * c + 1)] = o[nt][1];
   }
   __syncthreads();
-  for (int x = tid; x < gn * D; x += NW * 32) {
-    const int gg = x / D, d = x % D;
-    float mb = -INFINITY;
-#pragma unroll
-    for (int w = 0; w < NW; ++w) mb = fmaxf(mb, mg.m[w][gg]);
-    float lb = 0.0f, ab = 0.0f;
-#pragma unroll
-    for (int w = 0; w < NW; ++w) {
-      const float mw = mg.m[w][gg];
-      const float f = mw == -INFINITY ? 0.0f : Exp2(mw - mb);
-      lb += mg.l[w][gg] * f;
-      ab += mg.acc[w][gg][d] * f;
-    }
-    emit(gg, d, mb, lb, ab);
-  }
+  MergeWarpStates<NW, D>(mg, gn, emit);
 }
 template <int NW, int D, typename Emit>
 __device__ __forceinline__ void MergeWarpTiles(WarpMerge<NW, 8>& mg, float m, float l, const float (*o)[4], int gn,
