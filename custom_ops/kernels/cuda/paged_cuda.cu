@@ -4224,7 +4224,8 @@ cudaError_t Launch(const AttnArgs& a, cudaStream_t stream) {
 // registers (96-128), no spills. A compile-time switch, 0 (the MergeWindowT path, as measured) until it has run on
 // a GPU: written in the thirty-fourth session after its device time was spent (the CUDA tests and the A/B against
 // the MergeWindowT build are what to run: benchmarks/results/paged_attention_cuda_h200.md, that session).
-// With the switch at 0 every kernel's SASS is the previous build's, instruction for instruction.
+// With the switch at 0 every kernel holds the previous build's instructions (the same multiset up to register names,
+// cuobjdump; 15 uniform kernels order their end-of-block stores differently after the FinishUniformAfter split).
 // Note [Paged CUDA uniform INT8]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // A node whose `page_format` attribute is INT8, under float16 queries at head size 64, may run the uniform INT4
