@@ -4219,7 +4219,7 @@ cudaError_t Launch(const AttnArgs& a, cudaStream_t stream) {
 // columns' m and l, straight into WarpMerge at MergeWindowT's map (head 2c + (e & 1), dim 8g + mt + 4 (e >> 1)); a
 // column without keys or a failed block stores m = -inf, l = 0, o = 0, as the old path left them
 // (FinishUniformAfter's merge functor; the cross-warp merge, emits and reports are FinishUniform's). The values are
-// the same floats: the old merge multiplied them by exp2(0) = 1 and added 0. sm_90 SASS (cuobjdump): 160-180
+// the same floats: the old merge multiplied them by exp2(0) = 1 and added 0. sm_90 SASS (cuobjdump): 144-184
 // instructions fewer in each INT4 / INT8 uniform kernel (e.g. <4, 3, 4, EARLY> 4,400 -> 4,224), the same
 // registers (96-128), no spills. A compile-time switch, 0 (the MergeWindowT path, as measured) until it has run on
 // a GPU: written in the thirty-fourth session after its device time was spent (the CUDA tests and the A/B against
