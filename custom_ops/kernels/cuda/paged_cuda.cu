@@ -4471,33 +4471,32 @@ __global__ void __launch_bounds__(NW_ * 32) PagedAttentionU4(const AttnArgs args
     l += __shfl_xor_sync(0xffffffffu, l, 2);
     pu::FinishUniform<__half, kD, NW, CLUSTER, 2>(a, bu, dsm, s_key, s_rep, bad_start,
                                                CLUSTER ? reinterpret_cast<float*>(dsm + RG::kSmem) : nullptr, m, l, o);
-    return;
-  }
-  // Note [Uniform transposed finish]: the window's state goes straight into the block's merge arrays
-  pv3::ColumnSumsT(lw, mvw);
-  CpAsyncWait<0>();  // every copy landed before the ring becomes the merge arrays (the barrier below)
-  __syncthreads();  // the ring becomes the merge arrays; s_key is final
-  pu::FinishUniformAfter<__half, kD, NW, CLUSTER, false>(
-      a, bu, dsm, s_rep, bad_start, CLUSTER ? reinterpret_cast<float*>(dsm + RG::kSmem) : nullptr, s_key,
-      [&](WarpMerge<NW, 8>& mg, bool failed, auto emit) {
-        // head column 2c + (e & 1), dim 8g + mt + 4 (e >> 1): MergeWindowT's map; a column without keys (m = -inf)
-        // or a failed block stores nothing but m = -inf, l = 0, o = 0, as MergeWindowT leaves it
+  } else {  // Note [Uniform transposed finish]: the window's state goes straight into the block's merge arrays
+    pv3::ColumnSumsT(lw, mvw);
+    CpAsyncWait<0>();  // every copy landed before the ring becomes the merge arrays (the barrier below)
+    __syncthreads();  // the ring becomes the merge arrays; s_key is final
+    pu::FinishUniformAfter<__half, kD, NW, CLUSTER, false>(
+        a, bu, dsm, s_rep, bad_start, CLUSTER ? reinterpret_cast<float*>(dsm + RG::kSmem) : nullptr, s_key,
+        [&](WarpMerge<NW, 8>& mg, bool failed, auto emit) {
+          // head column 2c + (e & 1), dim 8g + mt + 4 (e >> 1): MergeWindowT's map; a column without keys (m = -inf)
+          // or a failed block stores nothing but m = -inf, l = 0, o = 0, as MergeWindowT leaves it
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const bool none = failed || mw[e] == -INFINITY;
-          if (g == 0) {
-            mg.m[warp][2 * c + e] = none ? -INFINITY : mw[e];
-            mg.l[warp][2 * c + e] = none ? 0.0f : lw[e];
+          for (int e = 0; e < 2; ++e) {
+            const bool none = failed || mw[e] == -INFINITY;
+            if (g == 0) {
+              mg.m[warp][2 * c + e] = none ? -INFINITY : mw[e];
+              mg.l[warp][2 * c + e] = none ? 0.0f : lw[e];
+            }
+#pragma unroll
+            for (int mt = 0; mt < 4; ++mt)
+#pragma unroll
+              for (int hi = 0; hi < 2; ++hi)
+                mg.acc[warp][2 * c + e][8 * g + mt + 4 * hi] = none ? 0.0f : ow[mt][e + 2 * hi] + mvw[e];
           }
-#pragma unroll
-          for (int mt = 0; mt < 4; ++mt)
-#pragma unroll
-            for (int hi = 0; hi < 2; ++hi)
-              mg.acc[warp][2 * c + e][8 * g + mt + 4 * hi] = none ? 0.0f : ow[mt][e + 2 * hi] + mvw[e];
-        }
-        __syncthreads();
-        tile16::MergeWarpStates<NW, kD>(mg, bu.gn, emit);
-      });
+          __syncthreads();
+          tile16::MergeWarpStates<NW, kD>(mg, bu.gn, emit);
+        });
+  }
 }
 
 #ifndef ORTKV_PAGED_U4_MAX_PER_SM  // the blocks per SM the splits assume (an A/B knob for paged_sweep.cu)
