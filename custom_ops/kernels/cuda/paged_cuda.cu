@@ -3867,8 +3867,8 @@ __device__ __forceinline__ void RestartKey(int tid, unsigned long long& s_key) {
 // other threads read s_key after the same barrier); `merge(mg, failed, emit)` merges the warps' states (a failed
 // block's as m = -inf, l = 0, o = 0) through dsm and emits every (head, element); then the cluster (Note [Paged
 // CUDA cluster merge]) or the node's report (Note [Paged CUDA one-launch report], Note [Paged CUDA last block
-// reports]). FinishUniform's merge is MergeWarpTiles; the uniform INT4 / INT8 kernel's, under
-// ORTKV_PAGED_U4_DIRECT_FINISH, its transposed window's own stores (Note [Uniform transposed finish]).
+// reports]). FinishUniform's merge is MergeWarpTiles; the uniform INT4 / INT8 kernel's, its transposed window's own
+// stores (Note [Uniform transposed finish]).
 template <typename T, int D, int NW, bool CLUSTER, bool INBLOCK, typename Merge>
 __device__ __forceinline__ void FinishUniformAfter(const PagedAttentionCudaView& a, const BlockUnit& bu,
                                                    unsigned char* dsm, unsigned long long& s_rep, bool bad_start,
@@ -4214,18 +4214,19 @@ cudaError_t Launch(const AttnArgs& a, cudaStream_t stream) {
 // layout 0 and merged into an empty (m, l, o) (two exp2, an FMA a value), the quad's l summed; then FinishUniform
 // stored that (m, l, o) into the block's merge arrays for the cross-warp merge. ncu's per-instruction counts put
 // ~190 instructions a warp there against F16's ~50, on the chain that follows the query's load, in every
-// single-row node (16 keys x 1 row on an H100: INT4 3.1 us against F16's 2.3). With ORTKV_PAGED_U4_DIRECT_FINISH=1,
-// after the column sums, each lane stores its O^T values (+ sum p m_v of their column), and the g == 0 lanes the
-// columns' m and l, straight into WarpMerge at MergeWindowT's map (head 2c + (e & 1), dim 8g + mt + 4 (e >> 1)); a
-// column without keys or a failed block stores m = -inf, l = 0, o = 0, as the old path left them
-// (FinishUniformAfter's merge functor; the cross-warp merge, emits and reports are FinishUniform's). The values are
-// the same floats: the old merge multiplied them by exp2(0) = 1 and added 0. sm_90 SASS (cuobjdump): 144-184
-// instructions fewer in each INT4 / INT8 uniform kernel (e.g. <4, 3, 4, EARLY> 4,400 -> 4,224), the same
-// registers (96-128), no spills. A compile-time switch, 0 (the MergeWindowT path, as measured) until it has run on
-// a GPU: written in the thirty-fourth session after its device time was spent (the CUDA tests and the A/B against
-// the MergeWindowT build are what to run: benchmarks/results/paged_attention_cuda_h200.md, that session).
-// With the switch at 0 every kernel holds the previous build's instructions (the same multiset up to register names,
-// cuobjdump; 15 uniform kernels order their end-of-block stores differently after the FinishUniformAfter split).
+// single-row node (16 keys x 1 row on an H100: INT4 3.1 us against F16's 2.3). Now, after the column sums, each
+// lane stores its O^T values (+ sum p m_v of their column), and the g == 0 lanes the columns' m and l, straight
+// into WarpMerge at MergeWindowT's map (head 2c + (e & 1), dim 8g + mt + 4 (e >> 1)); a column without keys or a
+// failed block stores m = -inf, l = 0, o = 0, as the old path left them (FinishUniformAfter's merge functor; the
+// cross-warp merge, emits and reports are FinishUniform's). The values are the same floats: the old merge
+// multiplied them by exp2(0) = 1 and added 0. sm_90 SASS (cuobjdump): 144-184 instructions fewer in each INT4 /
+// INT8 uniform kernel (e.g. <4, 3, 4, EARLY> 4,400 -> 4,224), the same registers (96-128), no spills. Written in
+// the thirty-fourth session behind a compile-time switch; run in the thirty-fifth on an H100 (CUDA tests: 1245
+// passed, the 20 failures the model's download, no network there) and measured against the MergeWindowT build,
+// alternated twice (bench_paged_attention_cuda.py, us, MergeWindowT -> direct): INT4 8K x 1 6.2-6.3 -> 5.8,
+// 16 x 1 3.1 -> 2.9-3.0, 4K x 1 7.1 -> 6.4-6.5, 16K x 1 9.1-9.2 -> 8.4, 32K x 1 11.1 -> 10.4-10.5, 2K x 8 7.3-7.4
+// -> 6.7, 8K x 8 11.4 -> 10.8-11.1; INT8 8K x 1 6.2 -> 5.8-5.9, 16K x 1 8.1-8.2 -> 7.7, 2K x 8 8.8 -> 7.6; no cell
+// slower (F16 7.0 at 8K x 1). The switch is gone: this is the only path.
 // Note [Paged CUDA uniform INT8]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // A node whose `page_format` attribute is INT8, under float16 queries at head size 64, may run the uniform INT4
@@ -4262,7 +4263,6 @@ using pv3::kInt4F;
 using pv3::kInt8F;
 using pv3::KeysInWindow;
 using tile16::kTile;
-using tile16::MergeWarpTiles;
 
 #ifndef ORTKV_PAGED_U8_NT  // tiles per step of the uniform INT8 kernel (an A/B knob for paged_sweep.cu)
 #define ORTKV_PAGED_U8_NT 2
@@ -4292,15 +4292,11 @@ struct Ring {
   static constexpr int kKeyOff = ((kRingBytes > kMergeBytes ? kRingBytes : kMergeBytes) + 15) / 16 * 16;
   static constexpr size_t kSmem = kKeyOff + 16;
   static_assert(ST >= 2 && 32 % NT == 0 && (ST - 1) * NT <= 32, "");
-  static_assert((8 * (kD + 1) + 16) * 4 <= kWarpBytes, "a warp's merge buffers fit its ring (MergeWindowT)");
   static_assert(NW != kWarps || kKeyOff == kRingBytes, "the 4-warp blocks' layout is the one measured");
 };
 
 // F: kInt4F, or kInt8F (Note [Paged CUDA uniform INT8]); NT tiles a step. CLUSTER: Note [Paged CUDA cluster merge]
 // (instantiated with EARLY only). NW_ warps a block (Note [Uniform INT4 single-row warps]: 8).
-#ifndef ORTKV_PAGED_U4_DIRECT_FINISH  // 1: Note [Uniform transposed finish] (not yet run on a GPU); 0: the window
-#define ORTKV_PAGED_U4_DIRECT_FINISH 0   // merged through MergeWindowT first, as measured
-#endif
 template <int F, int ST, int NT, bool EARLY = false, bool CLUSTER = false, int NW_ = kWarps>
 __global__ void __launch_bounds__(NW_ * 32) PagedAttentionU4(const AttnArgs args) {
   using RG = Ring<F, ST, NT, NW_>;
@@ -4462,41 +4458,31 @@ __global__ void __launch_bounds__(NW_ * 32) PagedAttentionU4(const AttnArgs args
     const auto valid = KeysInWindow<NT * kTile>((warp + it * NW) * NT * kTile, 0, win);
     pv3::NarrowTilesT<F, NT>(wring + stage * kStep, qa, qs, kc, lane, valid, mw, lw, mvw, ow);
   }
-  if constexpr (!ORTKV_PAGED_U4_DIRECT_FINISH) {  // the A/B: the window merged through MergeWindowT first
-    float m = -INFINITY, l = 0.0f, o[kD / 8][4];
+  // Note [Uniform transposed finish]: the window's state goes straight into the block's merge arrays
+  pv3::ColumnSumsT(lw, mvw);
+  CpAsyncWait<0>();  // every copy landed before the ring becomes the merge arrays (the barrier below)
+  __syncthreads();  // the ring becomes the merge arrays; s_key is final
+  pu::FinishUniformAfter<__half, kD, NW, CLUSTER, false>(
+      a, bu, dsm, s_rep, bad_start, CLUSTER ? reinterpret_cast<float*>(dsm + RG::kSmem) : nullptr, s_key,
+      [&](WarpMerge<NW, 8>& mg, bool failed, auto emit) {
+        // head column 2c + (e & 1), dim 8g + mt + 4 (e >> 1): MergeWindowT's map; a column without keys (m = -inf)
+        // or a failed block stores nothing but m = -inf, l = 0, o = 0, as MergeWindowT leaves it
 #pragma unroll
-    for (int nt = 0; nt < kD / 8; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.0f;
-    pv3::MergeWindowT(wring, lane, mw, lw, mvw, ow, m, l, o);  // waits for every copy
-    l += __shfl_xor_sync(0xffffffffu, l, 1);
-    l += __shfl_xor_sync(0xffffffffu, l, 2);
-    pu::FinishUniform<__half, kD, NW, CLUSTER, 2>(a, bu, dsm, s_key, s_rep, bad_start,
-                                               CLUSTER ? reinterpret_cast<float*>(dsm + RG::kSmem) : nullptr, m, l, o);
-  } else {  // Note [Uniform transposed finish]: the window's state goes straight into the block's merge arrays
-    pv3::ColumnSumsT(lw, mvw);
-    CpAsyncWait<0>();  // every copy landed before the ring becomes the merge arrays (the barrier below)
-    __syncthreads();  // the ring becomes the merge arrays; s_key is final
-    pu::FinishUniformAfter<__half, kD, NW, CLUSTER, false>(
-        a, bu, dsm, s_rep, bad_start, CLUSTER ? reinterpret_cast<float*>(dsm + RG::kSmem) : nullptr, s_key,
-        [&](WarpMerge<NW, 8>& mg, bool failed, auto emit) {
-          // head column 2c + (e & 1), dim 8g + mt + 4 (e >> 1): MergeWindowT's map; a column without keys (m = -inf)
-          // or a failed block stores nothing but m = -inf, l = 0, o = 0, as MergeWindowT leaves it
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const bool none = failed || mw[e] == -INFINITY;
-            if (g == 0) {
-              mg.m[warp][2 * c + e] = none ? -INFINITY : mw[e];
-              mg.l[warp][2 * c + e] = none ? 0.0f : lw[e];
-            }
-#pragma unroll
-            for (int mt = 0; mt < 4; ++mt)
-#pragma unroll
-              for (int hi = 0; hi < 2; ++hi)
-                mg.acc[warp][2 * c + e][8 * g + mt + 4 * hi] = none ? 0.0f : ow[mt][e + 2 * hi] + mvw[e];
+        for (int e = 0; e < 2; ++e) {
+          const bool none = failed || mw[e] == -INFINITY;
+          if (g == 0) {
+            mg.m[warp][2 * c + e] = none ? -INFINITY : mw[e];
+            mg.l[warp][2 * c + e] = none ? 0.0f : lw[e];
           }
-          __syncthreads();
-          tile16::MergeWarpStates<NW, kD>(mg, bu.gn, emit);
-        });
-  }
+#pragma unroll
+          for (int mt = 0; mt < 4; ++mt)
+#pragma unroll
+            for (int hi = 0; hi < 2; ++hi)
+              mg.acc[warp][2 * c + e][8 * g + mt + 4 * hi] = none ? 0.0f : ow[mt][e + 2 * hi] + mvw[e];
+        }
+        __syncthreads();
+        tile16::MergeWarpStates<NW, kD>(mg, bu.gn, emit);
+      });
 }
 
 #ifndef ORTKV_PAGED_U4_MAX_PER_SM  // the blocks per SM the splits assume (an A/B knob for paged_sweep.cu)
