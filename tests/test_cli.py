@@ -116,6 +116,52 @@ def test_sampling_flags_without_do_sample_say_so(tmp_path, capsys):
     assert "note:" not in capsys.readouterr().err
 
 
+def _row(variant, decode, new_ids=(1, 2, 3), peak=1 << 20):
+    return {"variant": variant, "prompt_ids": [[5, 6]], "new_ids": [list(new_ids)], "decode_tok_s": decode,
+            "prefill_tok_s": 2 * decode, "kv_bytes": 3 << 20, "peak_rss_above_load": peak, "peak_rss": 9 << 20}
+
+
+def test_compare_runs_every_variant_in_rotated_rounds_and_prints_medians(monkeypatch, capsys):
+    """--compare --rounds 3: this process's ortkv run is ortkv's first; every other run is a worker, the
+    variants in turn with their order rotated each round; the table gives medians, ranges and ratios of medians."""
+    from ortkv.generate import cli as gen_cli
+
+    speeds = {"ortkv": [60.0, 100.0, 70.0], "genai-share": [36.0, 40.0, 30.0], "genai": [35.0, 35.0, 35.0],
+              "copy": [50.0, 90.0, 55.0]}
+    order = []
+    monkeypatch.setattr(gen_cli, "run_one", lambda cfg, v, prompts, **kw: _row(v, speeds[v][0]))
+
+    def worker(v, cfg_path, overrides, prompts):
+        order.append(v)
+        run = sum(x == v for x in order) - (v != "ortkv")  # this variant's run number, from 0
+        return _row(v, speeds[v][run], new_ids=(1, 2, 4) if (v, run) == ("genai", 2) else (1, 2, 3))
+
+    monkeypatch.setattr(gen_cli, "run_worker", worker)
+    assert gen_cli.main(["--compare", "--rounds", "3"]) == 0
+    assert order == ["genai-share", "genai", "copy",              # round 1 (ortkv ran here, streaming)
+                     "genai-share", "genai", "copy", "ortkv",     # round 2: rotated by one
+                     "genai", "copy", "ortkv", "genai-share"]     # round 3: by two
+    out = capsys.readouterr().out
+    assert "median of 3 runs a variant" in out
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.split()[:1] and
+            line.split()[0] in speeds}
+    assert rows["ortkv"][1:4] == ["70.0", "60.0-100.0", "1.94x"]  # median 70 / GenAI share-buffer's median 36
+    assert rows["genai-share"][1:4] == ["36.0", "30.0-40.0", "1.00x"]
+    assert rows["copy"][1:4] == ["55.0", "50.0-90.0", "1.53x"]
+    assert rows["ortkv"][-1] == "yes" and rows["copy"][-1] == "yes"
+    assert rows["genai"][-1] == "NO"  # one of its three runs picked other tokens
+
+
+def test_rounds_without_compare_says_so(tmp_path, capsys):
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps({"ortkv": {"gguf": str(tmp_path / "absent.gguf")}}))
+    cli_main(["generate", "--config", str(cfg), "--rounds", "2"])
+    assert "note: --rounds takes effect only with --compare" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--rounds", "0"])
+    assert "argument --rounds: must be >= 1, got 0" in capsys.readouterr().err
+
+
 # --- ortkv generate: runs of the real model ----------------------------------------------------------------------
 def test_json_prints_one_object_per_run():
     out = ortkv_cmd("generate", "--json", "--prompt", PROMPT, "--max-new-tokens", "6", "--do-sample", "--top-k", "1",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +16,7 @@ from .config import GenAIConfig, load_config, set_device
 from .runners import RUNNERS
 
 DEFAULT_PROMPT = "The capital of France is"
+COMPARE_ROUNDS = 3  # --compare's runs a variant (Note [Compare rounds])
 
 
 def _mib(x) -> str:
@@ -260,6 +262,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "summary; messages go to stderr (default: off)")
     p.add_argument("--compare", action="store_true", help="also run GenAI share-buffer, GenAI and the copy "
                    "model on the same prompts and weights, each in its own process, and print ratios (default: off)")
+    p.add_argument("--rounds", type=_int_at_least(1), metavar="N",
+                   help=f"--compare: run every variant N times, the variants in turn and their order rotated each "
+                        f"round, and print the medians with each variant's range (default: {COMPARE_ROUNDS})")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--overrides", help=argparse.SUPPRESS)
     p.add_argument("--prompts-json", help=argparse.SUPPRESS)
@@ -313,6 +318,8 @@ def main(argv=None) -> int:
         if unused and not cfg.search.do_sample:
             err(f"ortkv generate: note: {', '.join(unused)} take effect only when sampling; add --do-sample "
                 "(search.do_sample is false: greedy)")
+        if a.rounds is not None and not a.compare:
+            err("ortkv generate: note: --rounds takes effect only with --compare")
         log = err if a.json else print
         if a.compare and (cfg.search.num_beams > 1 or cfg.search.num_return_sequences > 1):
             raise OrtkvError("--compare runs one sequence per prompt in every variant; drop --num-beams / "
@@ -335,15 +342,20 @@ def main(argv=None) -> int:
             else:
                 print(summary(r))
         if a.compare:
-            log("comparing on the same prompts and weights (each variant in its own process) ...")
-            rows = {r["variant"]: r}
-            for v in RUNNERS:
-                if v not in rows:
-                    rows[v] = run_worker(v, a.config, overrides, prompts)
+            rounds = a.rounds or COMPARE_ROUNDS
+            log(f"comparing on the same prompts and weights: {rounds} round{'s' if rounds > 1 else ''} of every "
+                "variant, each run in its own process ...")
+            runs = {v: [] for v in RUNNERS}
+            runs[r["variant"]].append(r)  # this process's run is its variant's first
+            for k in range(rounds):
+                for v in RUNNERS[k % len(RUNNERS):] + RUNNERS[:k % len(RUNNERS)]:  # Note [Compare rounds]
+                    if k == 0 and v == r["variant"]:
+                        continue
+                    runs[v].append(run_worker(v, a.config, overrides, prompts))
                     if a.json:
-                        print(json.dumps(rows[v]), flush=True)
+                        print(json.dumps({**runs[v][-1], "round": k + 1}), flush=True)
             if not a.json:
-                print(compare_table(rows, cfg))
+                print(compare_table(runs, cfg))
         return 0
     except OrtkvError as exc:
         out.end_line()
@@ -355,19 +367,35 @@ def main(argv=None) -> int:
         return 130
 
 
-def compare_table(rows: dict, cfg: GenAIConfig) -> str:
-    base = rows["genai-share"]
-    lines = [f"max_length {cfg.search.max_length}, batch {len(base['prompt_ids'])}, "
-             f"{len(base['new_ids'][0])} new tokens; ratios against GenAI share-buffer",
-             f"{'variant':<13}{'decode tok/s':>14}{'ratio':>8}{'prefill tok/s':>15}{'KV resident':>14}"
+# Note [Compare rounds]
+# ~~~~~~~~~~~~~~~~~~~~~
+# One run of 30 new tokens a variant is ~0.5 s of decoding, and on a shared 2-core machine one such run read
+# ortkv 64 / 98 / 66 tok/s and the copy model 85 / 61 / 61 in three `--compare`s minutes apart: a single run
+# can put any variant ahead. So every variant runs `--rounds` times (3 by default), each run in its own process
+# (the first ortkv run is the one that streamed its text here), the variants in turn and their order rotated
+# each round so that no variant always runs first or last; the table gives each variant's median decode and
+# prefill speed, the range of its decode speeds, ratios of medians, the largest peak RSS above load of its runs,
+# and "same tokens" only where every run of it picked GenAI share-buffer's first run's tokens.
+def compare_table(runs: dict, cfg: GenAIConfig) -> str:
+    """runs: variant -> its runs' result rows (run_one's dicts), GenAI share-buffer's among them."""
+    med = lambda rows, key: statistics.median(float(x[key]) for x in rows)  # noqa: E731
+    base = runs["genai-share"]
+    base_decode = med(base, "decode_tok_s")
+    n = min(len(v) for v in runs.values())
+    lines = [f"max_length {cfg.search.max_length}, batch {len(base[0]['prompt_ids'])}, "
+             f"{len(base[0]['new_ids'][0])} new tokens; median of {n} run{'s' if n > 1 else ''} a variant "
+             f"(in turn, each in its own process); ratios against GenAI share-buffer",
+             f"{'variant':<13}{'decode tok/s':>14}{'range':>15}{'ratio':>8}{'prefill tok/s':>15}{'KV resident':>14}"
              f"{'peak RSS above load':>22}{'same tokens':>13}"]
-    for v, r in rows.items():
-        same = r["new_ids"] == base["new_ids"]
-        lines.append(f"{v:<13}{r['decode_tok_s']:>14.1f}{r['decode_tok_s'] / base['decode_tok_s']:>7.2f}x"
-                     f"{r['prefill_tok_s']:>15.1f}{_mib(r['kv_bytes']):>14}{_mib(r['peak_rss_above_load']):>22}"
+    for v, rows in runs.items():
+        decode = [float(x["decode_tok_s"]) for x in rows]
+        same = all(x["new_ids"] == base[0]["new_ids"] for x in rows)
+        peaks = [x["peak_rss_above_load"] for x in rows if x["peak_rss_above_load"] is not None]
+        lines.append(f"{v:<13}{med(rows, 'decode_tok_s'):>14.1f}{f'{min(decode):.1f}-{max(decode):.1f}':>15}"
+                     f"{med(rows, 'decode_tok_s') / base_decode:>7.2f}x{med(rows, 'prefill_tok_s'):>15.1f}"
+                     f"{_mib(rows[0]['kv_bytes']):>14}{_mib(max(peaks) if peaks else None):>22}"
                      f"{'yes' if same else 'NO':>13}")
     return "\n".join(lines)
-
 
 if __name__ == "__main__":
     sys.exit(main())
