@@ -152,6 +152,18 @@ def test_compare_runs_every_variant_in_rotated_rounds_and_prints_medians(monkeyp
     assert rows["genai"][-1] == "NO"  # one of its three runs picked other tokens
 
 
+def test_compare_json_prints_every_run_with_its_round(monkeypatch, capsys):
+    from ortkv.generate import cli as gen_cli
+
+    monkeypatch.setattr(gen_cli, "run_one", lambda cfg, v, prompts, **kw: _row(v, 10.0))
+    monkeypatch.setattr(gen_cli, "run_worker", lambda v, cfg_path, overrides, prompts: _row(v, 20.0))
+    assert gen_cli.main(["--compare", "--json", "--rounds", "2"]) == 0
+    runs = [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
+    assert [(r["variant"], r["round"]) for r in runs] == [
+        ("ortkv", 1), ("genai-share", 1), ("genai", 1), ("copy", 1),
+        ("genai-share", 2), ("genai", 2), ("copy", 2), ("ortkv", 2)]
+
+
 def test_rounds_without_compare_says_so(tmp_path, capsys):
     cfg = tmp_path / "c.json"
     cfg.write_text(json.dumps({"ortkv": {"gguf": str(tmp_path / "absent.gguf")}}))

@@ -326,7 +326,7 @@ def main(argv=None) -> int:
                              "--num-return-sequences (or set them to 1) to compare")
         r = run_one(cfg, a.variant, prompts, stream=len(prompts) == 1 and not a.json, log=log, out=out)
         if a.json:
-            print(json.dumps(r), flush=True)
+            print(json.dumps({**r, "round": 1} if a.compare else r), flush=True)
         else:
             if "sequences" in r:  # num_return_sequences / num_beams > 1 (generate/multi.py)
                 what = "beam" if cfg.search.num_beams > 1 else "sample"
