@@ -116,9 +116,9 @@ def test_sampling_flags_without_do_sample_say_so(tmp_path, capsys):
     assert "note:" not in capsys.readouterr().err
 
 
-def _row(variant, decode, new_ids=(1, 2, 3), peak=1 << 20):
+def _row(variant, decode, new_ids=(1, 2, 3)):
     return {"variant": variant, "prompt_ids": [[5, 6]], "new_ids": [list(new_ids)], "decode_tok_s": decode,
-            "prefill_tok_s": 2 * decode, "kv_bytes": 3 << 20, "peak_rss_above_load": peak, "peak_rss": 9 << 20}
+            "prefill_tok_s": 2 * decode, "kv_bytes": 3 << 20, "peak_rss_above_load": 1 << 20, "peak_rss": 9 << 20}
 
 
 def test_compare_runs_every_variant_in_rotated_rounds_and_prints_medians(monkeypatch, capsys):

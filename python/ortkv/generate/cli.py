@@ -378,9 +378,8 @@ def main(argv=None) -> int:
 # and "same tokens" only where every run of it picked GenAI share-buffer's first run's tokens.
 def compare_table(runs: dict, cfg: GenAIConfig) -> str:
     """runs: variant -> its runs' result rows (run_one's dicts), GenAI share-buffer's among them."""
-    med = lambda rows, key: statistics.median(float(x[key]) for x in rows)  # noqa: E731
     base = runs["genai-share"]
-    base_decode = med(base, "decode_tok_s")
+    base_decode = statistics.median(float(x["decode_tok_s"]) for x in base)
     n = min(len(v) for v in runs.values())
     lines = [f"max_length {cfg.search.max_length}, batch {len(base[0]['prompt_ids'])}, "
              f"{len(base[0]['new_ids'][0])} new tokens; median of {n} run{'s' if n > 1 else ''} a variant "
@@ -389,13 +388,16 @@ def compare_table(runs: dict, cfg: GenAIConfig) -> str:
              f"{'peak RSS above load':>22}{'same tokens':>13}"]
     for v, rows in runs.items():
         decode = [float(x["decode_tok_s"]) for x in rows]
+        decode_med = statistics.median(decode)
+        prefill_med = statistics.median(float(x["prefill_tok_s"]) for x in rows)
         same = all(x["new_ids"] == base[0]["new_ids"] for x in rows)
         peaks = [x["peak_rss_above_load"] for x in rows if x["peak_rss_above_load"] is not None]
-        lines.append(f"{v:<13}{med(rows, 'decode_tok_s'):>14.1f}{f'{min(decode):.1f}-{max(decode):.1f}':>15}"
-                     f"{med(rows, 'decode_tok_s') / base_decode:>7.2f}x{med(rows, 'prefill_tok_s'):>15.1f}"
+        lines.append(f"{v:<13}{decode_med:>14.1f}{f'{min(decode):.1f}-{max(decode):.1f}':>15}"
+                     f"{decode_med / base_decode:>7.2f}x{prefill_med:>15.1f}"
                      f"{_mib(rows[0]['kv_bytes']):>14}{_mib(max(peaks) if peaks else None):>22}"
                      f"{'yes' if same else 'NO':>13}")
     return "\n".join(lines)
+
 
 if __name__ == "__main__":
     sys.exit(main())
